@@ -1,0 +1,250 @@
+"""Generate completions for one dataset: the logic behind the `completions` asset.
+
+Every result is appended to the partition's journal the moment it arrives; the Parquet output
+is derived from the journal, one row per prompt. Re-running resumes: a prompt with a final
+outcome in the journal is never sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from eagle3_resources.completions.types import (
+    FINAL_STATUSES,
+    CompletionBackend,
+    CompletionRequest,
+    CompletionResult,
+    SamplingSettings,
+)
+from eagle3_resources.journal import Journal, read_journal
+from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages
+from eagle3_resources.tokenizer.kimi import KimiTokenizer
+
+PROGRESS_EVERY_S = 10.0
+
+
+def build_requests(
+    prompts: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool
+) -> list[CompletionRequest]:
+    """Requests in prompt-file order, each with the prompt ids the target will see."""
+    rows = prompts.select("prompt_id", "messages_json", "tools_json").rows()
+    messages = [json.loads(m) for _, m, _ in rows]
+    tools = [json.loads(t) if t else None for _, _, t in rows]
+    texts = [render_messages(m, t, version=version, thinking=thinking) for m, t in zip(messages, tools)]
+    ids = tokenizer.encode_batch(texts, allow_special=True)
+    return [CompletionRequest(pid, m, t, i) for (pid, _, _), m, t, i in zip(rows, messages, tools, ids)]
+
+
+def final_results(journal_path: Path) -> tuple[dict[str, dict[str, Any]], bool]:
+    """The final outcome recorded for each prompt, and whether a torn last record was skipped."""
+    contents = read_journal(journal_path)
+    done = {}
+    for rec in contents.records:
+        if rec.get("type") == "result" and rec.get("status") in FINAL_STATUSES:
+            done.setdefault(rec["prompt_id"], rec)
+    return done, contents.torn_tail
+
+
+@dataclass
+class Feed:
+    """Admission control: hands out pending requests until a cap is reached or the run stops."""
+
+    pending: list[CompletionRequest]
+    token_budget: int | None
+    tokens_spent: int = 0
+    admitted: int = 0
+    stopped_by: str | None = None
+
+    def take(self) -> CompletionRequest | None:
+        if self.stopped_by:
+            return None
+        if self.admitted >= len(self.pending):
+            return None
+        if self.token_budget is not None and self.tokens_spent >= self.token_budget:
+            self.stopped_by = f"token budget {self.token_budget:,} reached ({self.tokens_spent:,} completion tokens)"
+            return None
+        req = self.pending[self.admitted]
+        self.admitted += 1
+        return req
+
+
+@dataclass
+class Progress:
+    dataset: str
+    total: int
+    already_done: int
+    log: Callable[[str], None]
+    started: float = field(default_factory=time.monotonic)
+    counts: Counter = field(default_factory=Counter)
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    errors: Counter = field(default_factory=Counter)
+    last_report: float = field(default_factory=time.monotonic)
+
+    def add(self, result: CompletionResult) -> None:
+        self.counts[result.status] += 1
+        self.completion_tokens += result.completion_tokens or 0
+        self.cost_usd += result.cost_usd or 0.0
+        if result.status in ("failed", "aborted"):
+            self.errors[f"{result.error_code or 'unknown'}@{result.provider or '-'}"] += 1
+        if time.monotonic() - self.last_report >= PROGRESS_EVERY_S:
+            self.report()
+
+    @property
+    def finished(self) -> int:
+        return sum(n for s, n in self.counts.items() if s in FINAL_STATUSES)
+
+    def line(self) -> str:
+        elapsed = max(1e-9, time.monotonic() - self.started)
+        rate = self.finished / elapsed
+        done = self.already_done + self.finished
+        remaining = max(0, self.total - done)
+        eta_h = remaining / rate / 3600 if rate > 0 else float("inf")
+        errs = self.counts["failed"] + self.counts["aborted"]
+        avg = self.completion_tokens / self.finished if self.finished else 0
+        return (
+            f"{self.dataset} {done}/{self.total} ({errs} err, {self.counts['ok']} ok, {self.counts['truncated']} cut) "
+            f"{rate:.1f} req/s avg_comp={avg:.0f}tok tot={self.completion_tokens / 1e6:.2f}M ${self.cost_usd:.2f} "
+            f"ETA {eta_h:.1f}h"
+        )
+
+    def report(self) -> None:
+        self.last_report = time.monotonic()
+        self.log(self.line())
+
+
+@dataclass
+class CompletionsRun:
+    """What one materialization did."""
+
+    sent: int
+    results: Counter
+    completion_tokens: int
+    cost_usd: float
+    duration_s: float
+    stopped_by: str | None
+    resumed_done: int
+    torn_tail_recovered: bool
+    errors: Counter
+
+
+def run_completions(
+    dataset: str,
+    requests: list[CompletionRequest],
+    backend: CompletionBackend,
+    settings: SamplingSettings,
+    journal_path: Path,
+    *,
+    token_budget: int | None,
+    log: Callable[[str], None],
+    run_id: str = "",
+) -> CompletionsRun:
+    done, torn = final_results(journal_path)
+    previous_tokens = sum(r.get("completion_tokens") or 0 for r in done.values())
+    pending = [r for r in requests if r.prompt_id not in done]
+    if torn:
+        log(f"{dataset}: the journal's last record was torn (a crash mid-write); it was skipped and will be truncated")
+    log(f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via {backend.name}")
+    feed = Feed(pending, token_budget, tokens_spent=previous_tokens)
+    progress = Progress(dataset, len(requests), len(requests) - len(pending), log)
+
+    with Journal(journal_path) as journal:
+        journal.append({"type": "start", "run_id": run_id, "t": time.time(), "settings": settings.model_dump(), "backend": backend.describe()})
+
+        def emit(result: CompletionResult) -> None:
+            journal.append({"type": "result", "run_id": run_id, "t": time.time(), **result.to_record()})
+            feed.tokens_spent += result.completion_tokens or 0
+            progress.add(result)
+
+        started = time.monotonic()
+        try:
+            asyncio.run(backend.run(feed, settings, emit))
+        except BaseException as e:  # a stop (Dagster terminate, SIGTERM, Ctrl-C) or a run-fatal error
+            feed.stopped_by = feed.stopped_by or f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            progress.report()
+            journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": feed.stopped_by, "finished": progress.finished})
+    return CompletionsRun(
+        sent=feed.admitted,
+        results=progress.counts,
+        completion_tokens=progress.completion_tokens,
+        cost_usd=progress.cost_usd,
+        duration_s=time.monotonic() - started,
+        stopped_by=feed.stopped_by,
+        resumed_done=len(done),
+        torn_tail_recovered=torn,
+        errors=progress.errors,
+    )
+
+
+COMPLETION_COLUMNS = {
+    "prompt_id": pl.String,
+    "dataset": pl.String,
+    "status": pl.String,
+    "generation_id": pl.String,
+    "provider": pl.String,
+    "model": pl.String,
+    "finish_reason": pl.String,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "reasoning_tokens": pl.Int64,
+    "cost_usd": pl.Float64,
+    "reasoning": pl.String,
+    "content": pl.String,
+    "tool_calls_json": pl.String,
+    "completion_ids": pl.List(pl.Int32),
+    "prompt_ids": pl.List(pl.Int32),
+    "attempts": pl.Int64,
+    "latency_s": pl.Float64,
+    "error": pl.String,
+    "error_code": pl.String,
+    "messages_json": pl.String,
+    "tools_json": pl.String,
+}
+
+
+def completions_frame(dataset: str, requests: list[CompletionRequest], journal_path: Path, prompts: pl.DataFrame) -> pl.DataFrame:
+    """One row per prompt, from the journal; prompts without a final outcome are `pending`."""
+    done, _ = final_results(journal_path)
+    by_id = {r.prompt_id: r for r in requests}
+    src = {pid: (m, t) for pid, m, t in prompts.select("prompt_id", "messages_json", "tools_json").rows()}
+    rows = []
+    for pid, req in by_id.items():
+        rec = done.get(pid, {})
+        rows.append(
+            {
+                "prompt_id": pid,
+                "dataset": dataset,
+                "status": rec.get("status", "pending"),
+                "generation_id": rec.get("generation_id"),
+                "provider": rec.get("provider"),
+                "model": rec.get("model"),
+                "finish_reason": rec.get("finish_reason"),
+                "prompt_tokens": rec.get("prompt_tokens"),
+                "completion_tokens": rec.get("completion_tokens"),
+                "reasoning_tokens": rec.get("reasoning_tokens"),
+                "cost_usd": rec.get("cost_usd") or 0.0,
+                "reasoning": rec.get("reasoning"),
+                "content": rec.get("content"),
+                "tool_calls_json": json.dumps(rec["tool_calls"], ensure_ascii=False) if rec.get("tool_calls") else None,
+                "completion_ids": rec.get("completion_ids"),
+                "prompt_ids": req.prompt_ids,
+                "attempts": rec.get("attempts", 0),
+                "latency_s": rec.get("latency_s"),
+                "error": rec.get("error"),
+                "error_code": rec.get("error_code"),
+                "messages_json": src[pid][0],
+                "tools_json": src[pid][1],
+            }
+        )
+    return pl.DataFrame(rows, schema=COMPLETION_COLUMNS)

@@ -1,0 +1,196 @@
+"""OpenRouter chat completions (or any OpenAI-compatible endpoint), async on httpx.
+
+Outcomes (../shared/reference/openrouter-api.md):
+- run-fatal: 401 (bad key), 402 without Retry-After (no credits / key limit), 404 (no endpoint
+  after provider filters): the run stops admitting and ends with the message;
+- retryable: 408, 429, 5xx, 402 with Retry-After (in-flight budget), connection errors, truncated
+  bodies, an error inside HTTP 200: capped exponential backoff with jitter, Retry-After honoured
+  per request, a bounded number of attempts;
+- per-sample: 400/403, finish_reason length / content_filter / error, empty completions:
+  recorded as such and never re-sent.
+The API key is sent in a header only; it is never logged or recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from eagle3_resources.completions.http import RETRYABLE_STATUS, backoff_seconds, make_client, retry_after_seconds, run_workers
+from eagle3_resources.completions.types import (
+    CompletionRequest,
+    CompletionResult,
+    Emit,
+    RequestFeed,
+    RunFatalError,
+    SamplingSettings,
+)
+
+FATAL_STATUS = {401, 404}
+
+
+class _Retry(Exception):
+    def __init__(self, message: str, code: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.code, self.retry_after = code, retry_after
+
+
+def request_body(req: CompletionRequest, settings: SamplingSettings, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": settings.model,
+        "messages": req.messages,
+        "max_tokens": settings.max_tokens,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "stream": stream,
+    }
+    if req.tools:
+        body["tools"] = req.tools
+    if settings.top_k is not None:
+        body["top_k"] = settings.top_k
+    if settings.seed is not None:
+        body["seed"] = settings.seed
+    # Never `exclude: true`: the reasoning would be generated and billed but not returned.
+    body["reasoning"] = {"enabled": True, **({"effort": settings.reasoning_effort} if settings.reasoning_effort else {})}
+    provider = settings.provider.to_request()
+    if provider:
+        body["provider"] = provider
+    return body
+
+
+def _error_message(data: Any, fallback: str) -> tuple[str, str]:
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or fallback), str(err.get("code") or "")
+    return fallback, ""
+
+
+def parse_response(req: CompletionRequest, data: dict[str, Any], latency: float, attempts: int) -> CompletionResult:
+    """A 200 body to a result; raises `_Retry` for an error reported inside HTTP 200."""
+    choices = data.get("choices") or []
+    if not choices:
+        message, code = _error_message(data, "HTTP 200 without choices")
+        raise _Retry(f"error inside HTTP 200: {message}", f"200:{code or 'no_choices'}")
+    choice = choices[0]
+    msg = choice.get("message") or {}
+    usage = data.get("usage") or {}
+    finish = choice.get("finish_reason")
+    content = msg.get("content") or ""
+    reasoning = msg.get("reasoning") or ""
+    tool_calls = msg.get("tool_calls") or None
+    result = CompletionResult(
+        prompt_id=req.prompt_id,
+        status="ok",
+        finish_reason=finish,
+        reasoning=reasoning,
+        content=content,
+        tool_calls=tool_calls,
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens"),
+        cost_usd=float(usage.get("cost") or 0.0),
+        generation_id=data.get("id"),
+        provider=data.get("provider"),
+        model=data.get("model"),
+        latency_s=latency,
+        attempts=attempts,
+        extra={"native_finish_reason": choice.get("native_finish_reason")},
+    )
+    if finish == "length":
+        result.status = "truncated"
+    elif finish == "content_filter":
+        result.status = "filtered"
+    elif finish == "error" or choice.get("error"):
+        result.status = "failed"
+        result.error, result.error_code = _error_message({"error": choice.get("error") or {}}, "finish_reason error")
+    elif not (content or reasoning or tool_calls):
+        result.status, result.error, result.error_code = "failed", "empty completion", "empty"
+    return result
+
+
+class OpenRouterBackend:
+    name = "openrouter"
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        concurrency: int = 64,
+        max_attempts: int = 6,
+        backoff_base_s: float = 1.0,
+        backoff_cap_s: float = 60.0,
+        timeout_s: float = 900.0,
+        app_title: str = "eagle3-pipeline",
+    ):
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self.concurrency = concurrency
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_cap_s = backoff_cap_s
+        self.timeout_s = timeout_s
+        self.app_title = app_title
+        self.fatal: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency, "max_attempts": self.max_attempts}
+
+    async def _complete(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings) -> CompletionResult:
+        body = request_body(req, settings)
+        started = time.monotonic()
+        last_error, last_code = "", ""
+        for attempt in range(1, self.max_attempts + 1):
+            if self.fatal:
+                return CompletionResult(req.prompt_id, "aborted", error=f"not sent: {self.fatal}", error_code="run_stopped", attempts=attempt - 1)
+            retry_after = None
+            try:
+                resp = await client.post("/chat/completions", json=body)
+                status = resp.status_code
+                if status == 200:
+                    try:
+                        data = resp.json()
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise _Retry(f"truncated or invalid body: {e}", "bad_body") from None
+                    return parse_response(req, data, time.monotonic() - started, attempt)
+                try:
+                    data = resp.json()
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    data = {}
+                message, code = _error_message(data, resp.reason_phrase or f"HTTP {status}")
+                retry_after = retry_after_seconds(resp.headers)
+                if status == 402 and retry_after is None or status in FATAL_STATUS:
+                    self.fatal = f"HTTP {status}: {message}"
+                    return CompletionResult(
+                        req.prompt_id, "aborted", error=self.fatal, error_code=str(status),
+                        latency_s=time.monotonic() - started, attempts=attempt,
+                    )
+                if status == 402 or status in RETRYABLE_STATUS:
+                    raise _Retry(f"HTTP {status}: {message}", str(status), retry_after)
+                return CompletionResult(
+                    req.prompt_id, "failed", error=f"HTTP {status}: {message}", error_code=str(status),
+                    latency_s=time.monotonic() - started, attempts=attempt,
+                )
+            except _Retry as e:
+                last_error, last_code, retry_after = str(e), e.code, e.retry_after
+            except (httpx.TransportError, httpx.DecodingError) as e:
+                last_error, last_code = f"{type(e).__name__}: {e}", type(e).__name__
+            if attempt < self.max_attempts:
+                await asyncio.sleep(backoff_seconds(attempt, self.backoff_base_s, self.backoff_cap_s, retry_after))
+        return CompletionResult(
+            req.prompt_id, "failed", error=f"gave up after {self.max_attempts} attempts: {last_error}",
+            error_code=last_code, latency_s=time.monotonic() - started, attempts=self.max_attempts,
+        )
+
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
+        headers = {"Authorization": f"Bearer {self._api_key}", "X-Title": self.app_title}
+        async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
+            await run_workers(
+                feed, self.concurrency, lambda req: self._complete(client, req, settings), emit, stop=lambda: self.fatal is not None
+            )
+        if self.fatal:
+            raise RunFatalError(f"OpenRouter refused the run: {self.fatal}")

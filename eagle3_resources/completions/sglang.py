@@ -1,0 +1,113 @@
+"""Completions from an SGLang server's native `/generate` endpoint, which returns token ids.
+
+The prompt is sent as `input_ids` rendered by our own chat format, so the prompt the target
+saw is exactly the one the training sample records; the returned `output_ids` are kept as the
+completion ids and the text reconstruction is checked against them downstream.
+Start a server with e.g. `python -m sglang.launch_server --model-path moonshotai/Kimi-K2.5
+--tp 8 --trust-remote-code --port 30000` (needs the `[sglang]` extra and CUDA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from eagle3_resources.completions.http import RETRYABLE_STATUS, backoff_seconds, make_client, retry_after_seconds, run_workers
+from eagle3_resources.completions.local import split_completion
+from eagle3_resources.completions.types import CompletionRequest, CompletionResult, Emit, RequestFeed, SamplingSettings
+from eagle3_resources.tokenizer.kimi import KimiTokenizer
+from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, THINK_END
+
+
+def generate_body(req: CompletionRequest, settings: SamplingSettings, stop_ids: list[int]) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_new_tokens": settings.max_tokens,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "stop_token_ids": stop_ids,
+        "skip_special_tokens": False,  # keep </think> and tool-call markers in the text
+        "no_stop_trim": True,
+    }
+    if settings.top_k is not None:
+        params["top_k"] = settings.top_k
+    return {"input_ids": req.prompt_ids, "sampling_params": params, "rid": f"{req.prompt_id}-{time.time_ns()}"}
+
+
+def parse_generate(req: CompletionRequest, data: dict[str, Any], tokenizer: KimiTokenizer, latency: float, attempts: int) -> CompletionResult:
+    meta = data.get("meta_info") or {}
+    out = list(data.get("output_ids") or [])
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    # The matched stop token was generated: keep it as the completion's last id.
+    if kind == "stop" and isinstance(matched, int) and (not out or out[-1] != matched):
+        out.append(matched)
+    reasoning, content, split_finish = split_completion(tokenizer, out)
+    if kind == "abort":
+        return CompletionResult(req.prompt_id, "failed", "error", error=str(finish.get("message") or "aborted by the server"),
+                                error_code="abort", latency_s=latency, attempts=attempts)
+    status = "ok" if split_finish == "stop" else "truncated"
+    sep = tokenizer.token_id(THINK_END)
+    return CompletionResult(
+        prompt_id=req.prompt_id,
+        status=status,
+        finish_reason=split_finish,
+        reasoning=reasoning,
+        content=content,
+        completion_ids=out,
+        prompt_tokens=meta.get("prompt_tokens"),
+        completion_tokens=meta.get("completion_tokens"),
+        reasoning_tokens=out.index(sep) if sep in out else len(out),
+        generation_id=meta.get("id"),
+        provider="sglang",
+        latency_s=latency,
+        attempts=attempts,
+    )
+
+
+class SGLangBackend:
+    name = "sglang"
+
+    def __init__(self, base_url: str, tokenizer: KimiTokenizer, *, concurrency: int = 256, max_attempts: int = 4,
+                 timeout_s: float = 1800.0, api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+        self.max_attempts = max_attempts
+        self.timeout_s = timeout_s
+        self._api_key = api_key
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency}
+
+    async def _complete(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings) -> CompletionResult:
+        stop_ids = [self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)]
+        body = generate_body(req, settings, stop_ids)
+        started = time.monotonic()
+        last = ""
+        for attempt in range(1, self.max_attempts + 1):
+            retry_after = None
+            try:
+                resp = await client.post("/generate", json=body)
+                if resp.status_code == 200:
+                    return parse_generate(req, resp.json(), self.tokenizer, time.monotonic() - started, attempt)
+                last = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                if resp.status_code not in RETRYABLE_STATUS:
+                    return CompletionResult(req.prompt_id, "failed", error=last, error_code=str(resp.status_code),
+                                            latency_s=time.monotonic() - started, attempts=attempt)
+                retry_after = retry_after_seconds(resp.headers)
+            except (httpx.TransportError, httpx.DecodingError, json.JSONDecodeError) as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt < self.max_attempts:
+                await asyncio.sleep(backoff_seconds(attempt, 1.0, 30.0, retry_after))
+        return CompletionResult(req.prompt_id, "failed", error=f"gave up after {self.max_attempts} attempts: {last}",
+                                latency_s=time.monotonic() - started, attempts=self.max_attempts)
+
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
+            await run_workers(feed, self.concurrency, lambda req: self._complete(client, req, settings), emit)

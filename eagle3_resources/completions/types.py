@@ -1,0 +1,104 @@
+"""What goes into a completion backend and what comes out, whatever the backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Protocol
+
+from pydantic import BaseModel, Field
+
+
+# FP4-class endpoints re-quantize Kimi's INT4 experts and produce different tokens.
+KIMI_QUANTIZATIONS = ["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
+
+
+class ProviderRouting(BaseModel):
+    """OpenRouter's `provider` routing object (only the fields that are set are sent)."""
+
+    order: Optional[list[str]] = Field(default=None, description="providers to try, in order")
+    only: Optional[list[str]] = Field(default=None, description="allow-list of providers")
+    ignore: Optional[list[str]] = Field(default=None, description="providers never to use")
+    quantizations: Optional[list[str]] = Field(
+        default_factory=lambda: list(KIMI_QUANTIZATIONS),
+        description="allow-list of endpoint quantizations; the default excludes the fp4 family",
+    )
+    allow_fallbacks: Optional[bool] = Field(default=None, description="OpenRouter's default is true")
+    require_parameters: Optional[bool] = Field(default=True, description="only endpoints that honour every parameter sent")
+    data_collection: Optional[str] = Field(default=None, description='"allow" or "deny"')
+
+    def to_request(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class SamplingSettings(BaseModel):
+    """Request settings of one run; recorded with every materialization."""
+
+    model: str = Field(default="moonshotai/kimi-k2.5", description="model slug (OpenRouter) or served model name")
+    max_tokens: int = Field(default=160, description="completion token cap per request (reasoning included)")
+    temperature: float = Field(default=1.0, description="Moonshot recommends 1.0 in thinking mode")
+    top_p: float = Field(default=0.95, description="Moonshot recommends 0.95 in thinking mode")
+    top_k: Optional[int] = Field(default=None, description="top-k cut, where the backend supports it")
+    seed: Optional[int] = Field(default=0, description="sampling seed, forwarded where supported")
+    reasoning_effort: Optional[str] = Field(default=None, description="OpenRouter reasoning.effort (low/medium/high); unset = provider default")
+    provider: ProviderRouting = Field(default_factory=ProviderRouting, description="OpenRouter provider routing")
+
+
+@dataclass
+class CompletionRequest:
+    prompt_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]  # the prompt as the target sees it, rendered by our chat format
+
+
+@dataclass
+class CompletionResult:
+    prompt_id: str
+    # Final outcomes: ok | truncated (finish length) | filtered (content_filter) | failed (see error).
+    # "aborted": never completed because the run stopped; such a prompt is sent again on resume.
+    status: str
+    finish_reason: str | None = None  # stop | length | tool_calls | content_filter | error
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    completion_ids: list[int] | None = None  # ids the backend itself reported (local, SGLang)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    cost_usd: float = 0.0
+    generation_id: str | None = None
+    provider: str | None = None
+    model: str | None = None
+    latency_s: float = 0.0
+    attempts: int = 1
+    error: str | None = None
+    error_code: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FINAL_STATUSES = ("ok", "truncated", "filtered", "failed")
+
+
+class RunFatalError(RuntimeError):
+    """The whole run must stop: bad key, no credits, no endpoint after provider filters."""
+
+
+class RequestFeed(Protocol):
+    def take(self) -> CompletionRequest | None: ...
+
+
+Emit = Callable[[CompletionResult], None]
+
+
+class CompletionBackend(Protocol):
+    """Pulls requests from `feed` until it is empty or closed, and emits one result per request."""
+
+    name: str
+
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
