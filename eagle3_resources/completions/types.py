@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol
 
+import dagster as dg
 from pydantic import BaseModel, Field
 
 
@@ -13,7 +14,7 @@ from pydantic import BaseModel, Field
 KIMI_QUANTIZATIONS = ["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 
 
-class ProviderRouting(BaseModel):
+class ProviderRouting(dg.Config):
     """OpenRouter's `provider` routing object (only the fields that are set are sent)."""
 
     order: Optional[list[str]] = Field(default=None, description="providers to try, in order")

@@ -9,9 +9,12 @@ each answered in Kimi's format by a fixed rule, until it writes reasoning, `</th
 and `<|im_end|>` by itself. The result is saved with `save_pretrained` and loaded like any
 Hugging Face model folder, which is how a real target is loaded.
 
-Rows of `lm_head` for tokens the fitting text never uses stay exactly zero, so their logits are
-exactly 0 and the full-vocabulary cross-entropy can be computed over the used rows plus one
-constant log(#unused) term: the exact loss at a fraction of the cost of a 163,840-way softmax.
+Rows of `lm_head` for tokens the fitting text never uses share one trained vector `u`, so all
+their logits equal `h.u` and the full-vocabulary cross-entropy is computed exactly over the used
+rows plus one term, log(#unused) + h.u: the exact loss at a fraction of the cost of a
+163,840-way softmax. Fitting drives `h.u` far below the real logits, so the model never samples
+a token it has not seen (with rows left at zero it sampled them: 160k logits of 0 outweigh a few
+confident ones).
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import BOS, EOS, IM_END, PAD, THINK_END
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "4"
 SEED = 0
-FIT_STEPS = 160
-FIT_BATCH = 12
-FIT_PROMPT_TOKENS = 96
+FIT_STEPS = 200
+FIT_BATCH = 16
+FIT_PROMPT_TOKENS = 48
 FIT_LR = 5e-3
+BACKGROUND_MARGIN = 12.0
 
 
 def standin_config(tokenizer: KimiTokenizer):
@@ -72,38 +76,42 @@ def standin_config(tokenizer: KimiTokenizer):
 
 def rule_reply(text: str) -> tuple[str, str]:
     """The fixed rule the stand-in learns to answer with: (reasoning, content)."""
-    head = " ".join(text.split())[:48]
-    reasoning = f"Let me think. The request begins with: {head}. I should answer it clearly and briefly."
-    content = f"Sure. {head[:32]} - here is my short answer, written by the stand-in model."
+    words = text.split()
+    topic = " ".join(words[-4:]) if len(words) >= 4 else text.strip()[-12:]
+    reasoning = f"Let me think about {topic}. I should answer clearly and briefly."
+    content = f"Here is a short answer about {topic}. I hope this helps."
     return reasoning, content
 
 
-def fitting_sequences(tokenizer: KimiTokenizer, texts: Iterable[str]) -> list[list[int]]:
+def fitting_sequences(tokenizer: KimiTokenizer, texts: Iterable[str]) -> list[tuple[list[int], int]]:
+    """(ids, prompt length) per text: a one-turn chat answered by `rule_reply`."""
     think_end, im_end = tokenizer.token_id(THINK_END), tokenizer.token_id(IM_END)
     seqs = []
     for text in sorted({t for t in texts if len(t.strip()) >= 8}):
         prompt = tokenizer.encode(render_messages([{"role": "user", "content": text}]), allow_special=True)
         reasoning, content = rule_reply(text)
         completion = tokenizer.encode(reasoning) + [think_end] + tokenizer.encode(content) + [im_end]
-        seqs.append(prompt[-FIT_PROMPT_TOKENS:] + completion)
+        prompt = prompt[-FIT_PROMPT_TOKENS:]
+        seqs.append((prompt + completion, len(prompt)))
     return seqs
 
 
-def fit(model, seqs: list[list[int]], pad_id: int, *, steps: int, log: Callable[[str], None]) -> list[float]:
-    """Fit on `seqs` with the exact full-vocabulary loss computed over the used rows only."""
-    used = torch.tensor(sorted({t for s in seqs for t in s}))
+def fit(model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, log: Callable[[str], None]) -> list[float]:
+    """Fit the completions of `seqs` (not their prompts) with the exact full-vocabulary loss."""
+    used = torch.tensor(sorted({t for s, _ in seqs for t in s}))
     n_unused = model.config.vocab_size - len(used)
     head = model.lm_head.weight
-    with torch.no_grad():
-        keep = torch.zeros(head.shape[0], dtype=torch.bool)
-        keep[used] = True
-        head[~keep] = 0.0
+    keep = torch.zeros(head.shape[0], dtype=torch.bool)
+    keep[used] = True
+    unused_row = torch.nn.Parameter(torch.zeros(head.shape[1]))
     remap = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     remap[used] = torch.arange(len(used))
-    background = math.log(n_unused) if n_unused else -math.inf
+    log_unused = math.log(n_unused) if n_unused else -math.inf
 
     gen = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW([p for n, p in model.named_parameters()], lr=FIT_LR, weight_decay=0.0)
+    params = [p for p in model.parameters() if p is not head] + [unused_row]
+    head_used = torch.nn.Parameter(head.detach()[used].clone())
+    opt = torch.optim.AdamW(params + [head_used], lr=FIT_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps) + 0.05)
     model.train()
     losses = []
@@ -111,29 +119,34 @@ def fit(model, seqs: list[list[int]], pad_id: int, *, steps: int, log: Callable[
     for step in range(steps):
         idx = torch.randint(len(seqs), (FIT_BATCH,), generator=gen).tolist()
         batch = [seqs[i] for i in idx]
-        width = max(len(s) for s in batch)
+        width = max(len(s) for s, _ in batch)
         ids = torch.full((len(batch), width), pad_id)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, s in enumerate(batch):
+        target = torch.zeros((len(batch), width), dtype=torch.bool)
+        for row, (s, n_prompt) in enumerate(batch):
             ids[row, : len(s)] = torch.tensor(s)
             mask[row, : len(s)] = 1
+            target[row, n_prompt : len(s)] = True
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
-        targets = ids[:, 1:]
-        valid = mask[:, 1:].bool()
-        logits = hidden[valid] @ head[used].T
-        full = torch.cat([logits, torch.full((logits.shape[0], 1), background)], dim=1)
-        loss = torch.nn.functional.cross_entropy(full, remap[targets[valid]])
+        valid = target[:, 1:]
+        h = hidden[valid]
+        logits = torch.cat([h @ head_used.T, (log_unused + h @ unused_row)[:, None]], dim=1)
+        loss = torch.nn.functional.cross_entropy(logits, remap[ids[:, 1:][valid]])
+        # Keep the unseen tokens' total probability below e^-BACKGROUND_MARGIN everywhere, even
+        # where the model is unsure: a sampler must never pick a token the model never saw.
+        log_p_unused = logits[:, -1] - torch.logsumexp(logits, dim=1)
+        loss = loss + torch.relu(log_p_unused + BACKGROUND_MARGIN).mean()
         opt.zero_grad()
         loss.backward()
-        head.grad[~keep] = 0.0
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params + [head_used], 1.0)
         opt.step()
         sched.step()
-        with torch.no_grad():
-            head[~keep] = 0.0  # AdamW must not move the unused rows either
         losses.append(loss.item())
         if step % 40 == 0 or step == steps - 1:
             log(f"stand-in target fit step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)")
+    with torch.no_grad():
+        head[keep] = head_used
+        head[~keep] = unused_row
     model.eval()
     return losses
 
@@ -141,7 +154,7 @@ def fit(model, seqs: list[list[int]], pad_id: int, *, steps: int, log: Callable[
 def fingerprint(tokenizer_folder: Path) -> str:
     h = hashlib.sha256(BUILDER_VERSION.encode())
     h.update((Path(tokenizer_folder) / "tiktoken.model").read_bytes())
-    h.update(f"{FIT_STEPS}/{FIT_BATCH}/{FIT_PROMPT_TOKENS}/{FIT_LR}".encode())
+    h.update(f"{FIT_STEPS}/{FIT_BATCH}/{FIT_PROMPT_TOKENS}/{FIT_LR}/{BACKGROUND_MARGIN}".encode())
     return h.hexdigest()[:12]
 
 

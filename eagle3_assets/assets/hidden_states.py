@@ -1,0 +1,53 @@
+"""`hidden_states`: the target's EAGLE-3 auxiliary layers and final hidden state per sample."""
+
+
+import dagster as dg
+import polars as pl
+
+from eagle3_assets.assets.merged_dataset import merged_dataset
+from eagle3_assets.hidden_states import extract_hidden_states, write_manifest
+from eagle3_assets.metadata import json_value, path_value
+from eagle3_resources.hidden_states.resource import HiddenStatesResource
+from eagle3_resources.storage import DataStore
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+
+@dg.asset(
+    deps=[merged_dataset],
+    group_name="training",
+    pool="gpu",
+    kinds={"pytorch", "safetensors"},
+    description="Aux hidden states of layers [1, N//2-1, N-4] (outputs, 0-based) and the post-norm final hidden "
+    "state of every merged sample, one safetensors file each; existing files are kept (resume).",
+)
+def hidden_states(
+    context: dg.AssetExecutionContext,
+    store: DataStore,
+    tokenizer: TokenizerResource,
+    target: TargetModelResource,
+    hidden_states_backend: HiddenStatesResource,
+) -> dg.MaterializeResult:
+    merged = pl.read_parquet(store.layout.merged_dataset())
+    backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
+    root = store.layout.hidden_states()
+    report = extract_hidden_states(merged, backend, root, log=context.log.info)
+    if report.nan_samples:
+        raise dg.Failure(description=f"non-finite hidden states in {len(report.nan_samples)} samples: {report.nan_samples[:10]}")
+    manifest = write_manifest(root, merged, backend, str(target.folder(tokenizer, context.log.info)))
+    return dg.MaterializeResult(
+        metadata={
+            "samples": merged.height,
+            "written": report.written,
+            "skipped_existing": report.skipped,
+            "tokens": manifest["tokens"],
+            "bytes_written": report.bytes_written,
+            "tokens_per_s": round(report.tokens / report.seconds, 1) if report.seconds else 0.0,
+            "aux_layer_ids": json_value(manifest["aux_layer_ids"]),
+            "layer_convention": manifest["layer_convention"],
+            "final_hidden_state": manifest["final_hidden_state"],
+            "hidden_size": manifest["hidden_size"],
+            "path": path_value(root),
+            "manifest": json_value(manifest),
+        }
+    )

@@ -1,0 +1,145 @@
+"""`eagle3`: the project's command. It sets DAGSTER_HOME so nobody has to.
+
+    eagle3 run [--datasets A1,B2]   run eagle3_pipeline now, in this process, against the embedded
+                                    SQLite instance; ends with a finished run recorded there
+    eagle3 dev [--port 3000]        the Dagster UI and daemon (`dagster dev`) on 127.0.0.1
+    eagle3 dagster ARGS...          any `dagster` command with this project's DAGSTER_HOME,
+                                    e.g. `eagle3 dagster job launch -j eagle3_pipeline`
+    eagle3 env                      print the environment lines, for a shell that runs dagster itself
+
+The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle3_resources.storage import PROJECT_ROOT, default_data_dir
+
+DEFAULT_DAGSTER_HOME = PROJECT_ROOT / "var" / "dagster"
+INSTANCE_YAML = """\
+# Written by `eagle3` on first use; edit freely.
+telemetry:
+  enabled: false
+concurrency:
+  runs:
+    max_concurrent_runs: 4
+  pools:
+    # Steps in a pool (hidden_states and eagle3_drafter are in "gpu") run one at a time.
+    default_limit: 1
+"""
+
+
+def dagster_home() -> Path:
+    home = Path(os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "dagster.yaml").exists():
+        (home / "dagster.yaml").write_text(INSTANCE_YAML)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+def run_pipeline(datasets: list[str] | None) -> int:
+    import dagster as dg
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+    from eagle3_assets.registry import DATASETS
+
+    home = dagster_home()
+    names = list(DATASETS)
+    chosen = datasets or names
+    unknown = [d for d in chosen if d not in DATASETS]
+    if unknown:
+        print(f"unknown dataset(s) {unknown}; the registry lists {', '.join(names)}", file=sys.stderr)
+        return 2
+    idx = sorted(names.index(d) for d in chosen)
+    if idx != list(range(idx[0], idx[-1] + 1)):
+        print("--datasets must be a contiguous range of the registry order: " + ", ".join(names), file=sys.stderr)
+        return 2
+    start, end = names[idx[0]], names[idx[-1]]
+    print(f"DAGSTER_HOME={home}\nEAGLE3_DATA_DIR={default_data_dir()}\nrunning eagle3_pipeline for {start}...{end}")
+    started = time.monotonic()
+    with dg.DagsterInstance.get() as instance:
+        result = dg.execute_job(
+            dg.reconstructable(_pipeline_job),
+            instance=instance,
+            tags={ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end},
+            run_config={"execution": {"config": {"in_process": {}}}},
+        )
+        run = instance.get_run_by_id(result.run_id)
+    minutes = (time.monotonic() - started) / 60
+    drafter = default_data_dir() / "eagle3_drafter"
+    print(f"run {result.run_id}: {run.status.value} in {minutes:.1f} min")
+    if result.success:
+        print(f"drafter checkpoint: {drafter}")
+        print("open the UI with `eagle3 dev` to see every stage's metadata")
+    return 0 if result.success else 1
+
+
+def _pipeline_job():
+    """Module-level so the run can be reconstructed by the executor."""
+    from eagle3_assets.definitions import defs
+
+    return defs.get_job_def("eagle3_pipeline")
+
+
+def run_in_group(cmd: list[str]) -> int:
+    """Run a long-lived command (dagster dev) in its own process group; stop the whole group.
+
+    Started from a non-interactive shell `dagster dev` ignores SIGINT/SIGTERM and its code
+    servers outlive it, so default handlers are restored and the group is signalled.
+    """
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+
+    def stop(signum, _frame):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        return proc.wait()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(1)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run eagle3_pipeline now and wait for it")
+    p_run.add_argument("--datasets", help="comma-separated contiguous datasets (default: all)")
+    p_dev = sub.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1")
+    p_dev.add_argument("--port", type=int, default=3000)
+    p_dg = sub.add_parser("dagster", help="any dagster command with this project's DAGSTER_HOME")
+    p_dg.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
+    args = parser.parse_args(argv)
+
+    os.chdir(PROJECT_ROOT)
+    if args.command == "run":
+        return run_pipeline(args.datasets.split(",") if args.datasets else None)
+    home = dagster_home()
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    if args.command == "dev":
+        return run_in_group([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(args.port)])
+    if args.command == "dagster":
+        return subprocess.call([dagster, *args.args])
+    print(f"export DAGSTER_HOME={home}\nexport EAGLE3_DATA_DIR={default_data_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

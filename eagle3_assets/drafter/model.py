@@ -1,0 +1,166 @@
+"""The EAGLE-3 drafter, written to match SGLang's `LlamaForCausalLMEagle3` weight for weight.
+
+    fc:        [3H_t] -> [H]           the target's three auxiliary hidden states, fused
+    midlayer:  one Llama decoder layer whose attention reads cat[input_layernorm(embed(token)),
+               hidden_norm(h)] (2H wide); residual = h
+    norm, lm_head: [H] -> draft vocabulary; d2t maps a draft id to a target id (offset), t2d marks
+               which target ids are in the draft vocabulary
+The token embedding is the target's, frozen, and not part of the checkpoint (SGLang shares the
+target's). The hidden state handed to the next draft step is the pre-norm residual sum, as in
+SGLang's draft decode.
+
+Training-time test (TTT) unrolls k draft steps. Step k at position t drafts the token k+2 places
+ahead of t: its query sits at rope position t+k and attends to every step-0 key at positions
+<= t (the verified context) plus its own chain's keys from steps 1..k at position t, exactly the
+keys an inference-time chain rooted at t would have in its KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_shape(hidden_size: int) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) for a drafter of the target's width."""
+    head_dim = 128 if hidden_size >= 1024 else 16
+    heads = max(1, hidden_size // head_dim)
+    kv_heads = heads // 8 if heads >= 8 else heads
+    return heads, kv_heads, hidden_size // heads
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout) of x [..., L, D] at `positions` [L]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's."""
+        cfg = self.cfg
+        L = x.shape[0]
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = rope(self.q_proj(x).view(L, h, d).transpose(0, 1), positions, cfg.rope_theta)  # [h, L, d]
+        k = rope(self.k_proj(x).view(L, kv, d).transpose(0, 1), positions, cfg.rope_theta)
+        v = self.v_proj(x).view(L, kv, d).transpose(0, 1)
+        if kv != h:
+            k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
+        cache.append((k, v))
+        k0, v0 = cache[0]
+        scale = 1.0 / math.sqrt(d)
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        scores = [(q @ k0.transpose(1, 2) * scale).masked_fill(~causal, float("-inf"))]  # [h, L, L]
+        scores += [((q * ki).sum(-1, keepdim=True) * scale) for ki, _ in cache[1:]]  # [h, L, 1] each
+        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+        out = probs[..., :L] @ v0
+        for i, (_, vi) in enumerate(cache[1:]):
+            out = out + probs[..., L + i : L + i + 1] * vi
+        return self.o_proj(out.transpose(0, 1).reshape(L, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, positions, cache):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        residual = self.self_attn(x, positions, cache) + residual
+        return self.mlp(self.post_attention_layernorm(residual)) + residual
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, draft_ids: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Frozen target embedding: used, never trained, never saved.
+        self.register_buffer("embed_weight", embed_weight.detach().clone(), persistent=False)
+        draft_ids = draft_ids.to(torch.long)
+        self.register_buffer("d2t", draft_ids - torch.arange(len(draft_ids)))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of every draft id."""
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Draft logits of TTT steps 0..steps-1 for one sequence.
+
+        aux [L, 3H_t] target aux hidden states; tokens [L] the sequence; step k at position t
+        reads token t+1+k (teacher forcing) and returns logits over the draft vocabulary for the
+        token at t+2+k. Positions whose inputs would run past the end are fed padding (id 0)
+        and must be masked by the caller.
+        """
+        L = tokens.shape[0]
+        hidden = self.fc(aux)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits = []
+        for k in range(steps):
+            nxt = torch.zeros(L, dtype=torch.long, device=tokens.device)
+            if L - 1 - k > 0:
+                nxt[: L - 1 - k] = tokens[1 + k :]
+            hidden = self.midlayer(self.embed(nxt), hidden, positions + k, cache)
+            logits.append(self.lm_head(self.norm(hidden)))
+        return logits

@@ -1,0 +1,38 @@
+"""The hidden-states resource: transformers (CPU, the default) or SGLang (GPU host)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+import dagster as dg
+from pydantic import Field
+
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+
+class HiddenStatesBackendKind(str, Enum):
+    TRANSFORMERS = "transformers"
+    SGLANG = "sglang"
+
+
+class HiddenStatesResource(dg.ConfigurableResource):
+    """How the target's auxiliary and final hidden states are computed."""
+
+    backend: HiddenStatesBackendKind = Field(default=HiddenStatesBackendKind.TRANSFORMERS, description="transformers | sglang")
+    sglang_tp_size: int = Field(default=8, description="tensor-parallel GPUs for the SGLang backend")
+    sglang_mem_fraction: float = Field(default=0.8, description="SGLang mem_fraction_static")
+    max_length: int = Field(default=32768, description="longest sample (tokens) the backend accepts")
+
+    def make_backend(self, target: TargetModelResource, tokenizer: TokenizerResource, log: Callable[[str], None] = print):
+        if self.backend is HiddenStatesBackendKind.SGLANG:
+            from eagle3_resources.hidden_states.sglang_backend import SGLangHiddenStates
+
+            return SGLangHiddenStates(
+                str(target.folder(tokenizer, log)), tp_size=self.sglang_tp_size,
+                max_length=self.max_length, mem_fraction_static=self.sglang_mem_fraction,
+            )
+        from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+
+        return TransformersHiddenStates(target.load_model(tokenizer, log))
