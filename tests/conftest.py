@@ -1,0 +1,50 @@
+"""Shared fixtures: the stand-in tokenizer and target, built once per test session.
+
+Nothing here reaches a hub or a paid API: the stand-ins are built from the shipped prompt
+files, and every server a test talks to runs on 127.0.0.1 inside the test process.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def standin_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("standin")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_resource(standin_dir) -> TokenizerResource:
+    return TokenizerResource(standin_dir=str(standin_dir))
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer_resource):
+    return tokenizer_resource.load()
+
+
+@pytest.fixture(scope="session")
+def target_resource(standin_dir) -> TargetModelResource:
+    return TargetModelResource(standin_dir=str(standin_dir))
+
+
+@pytest.fixture(scope="session")
+def target_model(target_resource, tokenizer_resource):
+    return target_resource.load_model(tokenizer_resource, log=lambda m: None)
+
+
+@pytest.fixture
+def data_dir_with_standin(tmp_path, standin_dir, target_model) -> Path:
+    """A fresh data root that already holds the session's stand-in tokenizer and target."""
+    root = tmp_path / "data"
+    shutil.copytree(standin_dir, root / "standin")
+    return root
