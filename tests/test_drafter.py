@@ -1,0 +1,80 @@
+import json
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3_assets.drafter.export import SGLANG_EAGLE3_KEYS, check_checkpoint, export_checkpoint
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.vocab import build_draft_vocab, effective_draft_vocab_size
+
+# ../shared/reference/eagle3.md, written out here on purpose
+REFERENCE_KEYS = {
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+def tiny_drafter(vocab=1000, draft=64, H=32):
+    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=2,
+                        num_key_value_heads=2, head_dim=16, vocab_size=vocab, draft_vocab_size=draft)
+    torch.manual_seed(0)
+    return Eagle3Drafter(cfg, torch.randn(vocab, H), torch.arange(0, 2 * draft, 2))
+
+
+def test_export_has_exactly_the_sglang_keys(tmp_path):
+    model = tiny_drafter()
+    out = export_checkpoint(model, tmp_path / "ckpt", [1, 29, 57])
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        tensors = {k: f.get_tensor(k) for k in keys}
+    assert keys == REFERENCE_KEYS == SGLANG_EAGLE3_KEYS
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["fc.weight"].shape == (32, 96)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert (tensors["d2t"] + torch.arange(64)).tolist() == list(range(0, 128, 2))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == 1000 and cfg["draft_vocab_size"] == 64
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}
+    assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
+    assert check_checkpoint(out) == []
+
+
+def test_key_check_catches_what_sglang_would_skip(tmp_path):
+    out = export_checkpoint(tiny_drafter(), tmp_path / "ckpt", [1, 3, 4])
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["layers.0.self_attn.q_proj.weight"] = tensors.pop("midlayer.self_attn.q_proj.weight")
+    save_file(tensors, str(out / "model.safetensors"))
+    problems = check_checkpoint(out)
+    assert any("unexpected key 'layers.0.self_attn.q_proj.weight'" in p for p in problems)
+    assert any("missing key 'midlayer.self_attn.q_proj.weight'" in p for p in problems)
+
+
+def test_draft_vocab_is_most_frequent_and_padded():
+    counts = Counter({7: 50, 3: 50, 9: 10, 2: 1})
+    assert build_draft_vocab(counts, 2, 100).tolist() == [3, 7]
+    assert build_draft_vocab(counts, 6, 100).tolist() == [0, 1, 2, 3, 7, 9]  # padded with the lowest unused ids
+    assert effective_draft_vocab_size(32000, 490) == 512 and effective_draft_vocab_size(32000, 10**6) == 32000
+
+
+def test_ttt_step_k_at_t_sees_nothing_after_its_own_input():
+    """Step k at position t reads token t+1+k; nothing later may change its logits."""
+    model = tiny_drafter()
+    L, steps = 12, 3
+    aux = torch.randn(L, 96)
+    tokens = torch.randint(0, 1000, (L,))
+    pos = torch.arange(L)
+    with torch.no_grad():
+        base = model.unroll(aux, tokens, pos, steps)
+        t = 4
+        aux2, tokens2 = aux.clone(), tokens.clone()
+        aux2[t + 1:] = torch.randn(L - t - 1, 96)
+        for k in range(steps):
+            tokens3 = tokens2.clone()
+            tokens3[t + 2 + k:] = torch.randint(0, 1000, (L - t - 2 - k,))
+            changed = model.unroll(aux2, tokens3, pos, steps)
+            for j in range(k + 1):  # steps 0..k at position t only read tokens up to t+1+j <= t+1+k
+                torch.testing.assert_close(changed[j][t], base[j][t])
