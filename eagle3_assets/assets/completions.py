@@ -12,7 +12,7 @@ from eagle3_assets.completions import build_requests, completions_frame, run_com
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.registry import dataset_partitions, dataset_spec
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
-from eagle3_resources.completions.types import ProviderRouting, RunFatalError, SamplingSettings
+from eagle3_resources.completions.types import RunFatalError, SamplingSettings
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -21,24 +21,14 @@ LOCAL_MAX_TOKENS = 160  # the stand-in answers in ~40-60 tokens
 REMOTE_MAX_TOKENS = 16384
 
 
-class CompletionsConfig(dg.Config):
+class CompletionsConfig(SamplingSettings):
     """Request settings of this run (recorded with the materialization)."""
 
-    model: str = Field(default="moonshotai/kimi-k2.5", description="model slug (OpenRouter)")
     max_tokens: Optional[int] = Field(default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise")
-    temperature: float = Field(default=1.0, description="Moonshot recommends 1.0 with thinking on")
-    top_p: float = Field(default=0.95, description="Moonshot recommends 0.95 with thinking on")
-    top_k: Optional[int] = Field(default=None, description="top-k, where the backend supports it")
-    seed: Optional[int] = Field(default=0, description="sampling seed, forwarded where supported")
-    reasoning_effort: Optional[str] = Field(default=None, description="OpenRouter reasoning.effort")
-    provider: ProviderRouting = Field(default_factory=ProviderRouting, description="OpenRouter provider routing")
 
     def settings(self, backend: BackendKind) -> SamplingSettings:
         max_tokens = self.max_tokens or (LOCAL_MAX_TOKENS if backend is BackendKind.LOCAL else REMOTE_MAX_TOKENS)
-        return SamplingSettings(
-            model=self.model, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, reasoning_effort=self.reasoning_effort, provider=self.provider,
-        )
+        return SamplingSettings(**{**self.model_dump(), "max_tokens": max_tokens})
 
 
 @dg.asset(

@@ -97,7 +97,7 @@ def sample_loss(model: Eagle3Drafter, s: Sample, settings: TrainSettings) -> tup
         w, j, _ = step_weights(model, s, k)
         ce = -(s.teacher_p[j] * F.log_softmax(lg.float(), -1)).sum(-1)
         loss_k = (w * ce).sum() / denom
-        per_step.append(float(loss_k))
+        per_step.append(loss_k.item())
         total = total + settings.step_decay**k * loss_k
     return total, per_step
 

@@ -61,17 +61,28 @@ class InverseCdfSampler:
         return out.scatter_(-1, token.to(scores.device), 0.0)
 
 
-def split_completion(tokenizer: KimiTokenizer, ids: list[int]) -> tuple[str, str, str]:
-    """(reasoning, content, finish_reason) of generated ids, cut at the first end-of-turn."""
+def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[int], **fields) -> CompletionResult:
+    """A result from the ids a model generated, cut after its first end-of-turn token.
+
+    Text is split as an API returns it: reasoning before `</think>`, content after, the end
+    token not shown; with no `</think>` everything is reasoning. No end token: `length`.
+    """
     stops = {tokenizer.token_id(IM_END), tokenizer.token_id(EOS)}
-    end = next((i for i, t in enumerate(ids) if t in stops), None)
-    finish = "stop" if end is not None else "length"
-    body = ids if end is None else ids[:end]
+    end = next((i for i, t in enumerate(generated) if t in stops), None)
+    ids = list(generated) if end is None else list(generated[: end + 1])
+    body = ids if end is None else ids[:-1]
     sep = tokenizer.token_id(THINK_END)
     if sep in body:
         cut = body.index(sep)
-        return tokenizer.decode(body[:cut]), tokenizer.decode(body[cut + 1 :]), finish
-    return tokenizer.decode(body), "", finish
+        reasoning, content = tokenizer.decode(body[:cut]), tokenizer.decode(body[cut + 1 :])
+    else:
+        cut, reasoning, content = len(body), tokenizer.decode(body), ""
+    finish = "stop" if end is not None else "length"
+    fields.setdefault("completion_tokens", len(ids))
+    return CompletionResult(
+        prompt_id=prompt_id, status="ok" if finish == "stop" else "truncated", finish_reason=finish,
+        reasoning=reasoning, content=content, completion_ids=ids, reasoning_tokens=cut, **fields,
+    )
 
 
 class TransformersBackend:
@@ -119,7 +130,8 @@ class TransformersBackend:
             batch = []
             while len(batch) < self.batch_size and (req := feed.take()) is not None:
                 if max_len and len(req.prompt_ids) + settings.max_tokens > max_len:
-                    emit(CompletionResult(req.prompt_id, "failed", "error", error=f"prompt of {len(req.prompt_ids)} tokens + max_tokens exceeds the model's {max_len}", error_code="context_length"))
+                    emit(CompletionResult(req.prompt_id, "failed", "error", error_code="context_length",
+                                          error=f"prompt of {len(req.prompt_ids)} tokens + max_tokens exceeds the model's {max_len}"))
                     continue
                 batch.append(req)
             if not batch:
@@ -130,26 +142,5 @@ class TransformersBackend:
             latency = time.monotonic() - started
             batch_no += 1
             for req, out in zip(batch, outputs):
-                pad = self.tokenizer.token_id(PAD)
-                while out and out[-1] == pad:  # rows that finished early are padded
-                    out.pop()
-                reasoning, content, finish = split_completion(self.tokenizer, out)
-                sep = self.tokenizer.token_id(THINK_END)
-                body_end = next((i for i, t in enumerate(out) if t in (self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS))), None)
-                kept = out if body_end is None else out[: body_end + 1]
-                emit(
-                    CompletionResult(
-                        prompt_id=req.prompt_id,
-                        status="ok" if finish == "stop" else "truncated",
-                        finish_reason=finish,
-                        reasoning=reasoning,
-                        content=content,
-                        completion_ids=kept,
-                        prompt_tokens=len(req.prompt_ids),
-                        completion_tokens=len(kept),
-                        reasoning_tokens=kept.index(sep) if sep in kept else len(kept),
-                        provider="transformers",
-                        model=settings.model,
-                        latency_s=latency,
-                    )
-                )
+                emit(result_from_ids(self.tokenizer, req.prompt_id, out, prompt_tokens=len(req.prompt_ids),
+                                     provider="transformers", model=settings.model, latency_s=latency))

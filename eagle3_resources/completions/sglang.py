@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 
 from eagle3_resources.completions.http import RETRYABLE_STATUS, backoff_seconds, make_client, retry_after_seconds, run_workers
-from eagle3_resources.completions.local import split_completion
+from eagle3_resources.completions.local import result_from_ids
 from eagle3_resources.completions.types import CompletionRequest, CompletionResult, Emit, RequestFeed, SamplingSettings
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
-from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, THINK_END
+from eagle3_resources.tokenizer.special_tokens import EOS, IM_END
 
 
 def generate_body(req: CompletionRequest, settings: SamplingSettings, stop_ids: list[int]) -> dict[str, Any]:
@@ -42,30 +42,16 @@ def parse_generate(req: CompletionRequest, data: dict[str, Any], tokenizer: Kimi
     out = list(data.get("output_ids") or [])
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind == "abort":
+        return CompletionResult(req.prompt_id, "failed", "error", error=str(finish.get("message") or "aborted by the server"),
+                                error_code="abort", latency_s=latency, attempts=attempts)
     matched = finish.get("matched") if isinstance(finish, dict) else None
     # The matched stop token was generated: keep it as the completion's last id.
     if kind == "stop" and isinstance(matched, int) and (not out or out[-1] != matched):
         out.append(matched)
-    reasoning, content, split_finish = split_completion(tokenizer, out)
-    if kind == "abort":
-        return CompletionResult(req.prompt_id, "failed", "error", error=str(finish.get("message") or "aborted by the server"),
-                                error_code="abort", latency_s=latency, attempts=attempts)
-    status = "ok" if split_finish == "stop" else "truncated"
-    sep = tokenizer.token_id(THINK_END)
-    return CompletionResult(
-        prompt_id=req.prompt_id,
-        status=status,
-        finish_reason=split_finish,
-        reasoning=reasoning,
-        content=content,
-        completion_ids=out,
-        prompt_tokens=meta.get("prompt_tokens"),
-        completion_tokens=meta.get("completion_tokens"),
-        reasoning_tokens=out.index(sep) if sep in out else len(out),
-        generation_id=meta.get("id"),
-        provider="sglang",
-        latency_s=latency,
-        attempts=attempts,
+    return result_from_ids(
+        tokenizer, req.prompt_id, out, prompt_tokens=meta.get("prompt_tokens"), completion_tokens=meta.get("completion_tokens"),
+        generation_id=meta.get("id"), provider="sglang", latency_s=latency, attempts=attempts,
     )
 
 

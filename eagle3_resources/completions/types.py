@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol
 
 import dagster as dg
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 
 # FP4-class endpoints re-quantize Kimi's INT4 experts and produce different tokens.
@@ -32,7 +32,7 @@ class ProviderRouting(dg.Config):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class SamplingSettings(BaseModel):
+class SamplingSettings(dg.Config):
     """Request settings of one run; recorded with every materialization."""
 
     model: str = Field(default="moonshotai/kimi-k2.5", description="model slug (OpenRouter) or served model name")
