@@ -26,7 +26,8 @@ from eagle3_resources.completions.types import (
     SamplingSettings,
 )
 from eagle3_resources.journal import Journal, read_journal
-from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages
+from eagle3_assets.prompts import rendered_prompt_ids
+from eagle3_resources.tokenizer.chat_format import TemplateVersion
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
 PROGRESS_EVERY_S = 10.0
@@ -36,12 +37,11 @@ def build_requests(
     prompts: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool
 ) -> list[CompletionRequest]:
     """Requests in prompt-file order, each with the prompt ids the target will see."""
-    rows = prompts.select("prompt_id", "messages_json", "tools_json").rows()
-    messages = [json.loads(m) for _, m, _ in rows]
-    tools = [json.loads(t) if t else None for _, _, t in rows]
-    texts = [render_messages(m, t, version=version, thinking=thinking) for m, t in zip(messages, tools)]
-    ids = tokenizer.encode_batch(texts, allow_special=True)
-    return [CompletionRequest(pid, m, t, i) for (pid, _, _), m, t, i in zip(rows, messages, tools, ids)]
+    ids = rendered_prompt_ids(prompts, tokenizer, version, thinking)
+    return [
+        CompletionRequest(pid, json.loads(m), json.loads(t) if t else None, prompt)
+        for (pid, m, t), prompt in zip(prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids)
+    ]
 
 
 def final_results(journal_path: Path) -> tuple[dict[str, dict[str, Any]], bool]:

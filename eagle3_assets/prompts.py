@@ -17,6 +17,8 @@ from typing import Any
 import polars as pl
 
 from eagle3_assets.registry import DatasetSpec
+from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages
+from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.tool_declaration import ToolSchemaError, tools_to_typescript
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -341,3 +343,18 @@ def prompts_frame(prompts: list[Prompt], dataset: str) -> pl.DataFrame:
         },
         schema_overrides={"tools_json": pl.String},
     )
+
+
+def rendered_prompt_ids(df: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool) -> list[list[int]]:
+    """Each prompt as the target sees it: the chat template's rendering, special tokens encoded."""
+    texts = [
+        render_messages(json.loads(m), json.loads(t) if t else None, version=version, thinking=thinking)
+        for m, t in df.select("messages_json", "tools_json").rows()
+    ]
+    return tokenizer.encode_batch(texts, allow_special=True)
+
+
+def with_prompt_tokens(df: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool) -> pl.DataFrame:
+    """Add each prompt's length in target tokens."""
+    lengths = [len(ids) for ids in rendered_prompt_ids(df, tokenizer, version, thinking)]
+    return df.with_columns(prompt_tokens=pl.Series(lengths, dtype=pl.Int64))

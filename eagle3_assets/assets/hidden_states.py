@@ -5,12 +5,23 @@ import dagster as dg
 import polars as pl
 
 from eagle3_assets.assets.merged_dataset import merged_dataset
-from eagle3_assets.hidden_states import extract_hidden_states, write_manifest
-from eagle3_assets.metadata import json_value, path_value
+from eagle3_assets.hidden_states import extract_hidden_states, read_sample, sample_path, write_manifest
+from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
+
+
+def sample_preview(root, merged: pl.DataFrame, n: int = 5) -> pl.DataFrame:
+    rows = []
+    for sample_id, split in merged.select("sample_id", "split").head(n).rows():
+        t = read_sample(sample_path(root, split, sample_id))
+        rows.append({"sample_id": sample_id, "split": split, "tokens": t["input_ids"].shape[0],
+                     "loss_tokens": int(t["loss_mask"].sum()), "aux_shape": str(tuple(t["aux_hidden_states"].shape)),
+                     "aux_rms": round(float(t["aux_hidden_states"].float().pow(2).mean().sqrt()), 4),
+                     "final_rms": round(float(t["final_hidden_state"].float().pow(2).mean().sqrt()), 4)})
+    return pl.DataFrame(rows)
 
 
 @dg.asset(
@@ -49,5 +60,6 @@ def hidden_states(
             "hidden_size": manifest["hidden_size"],
             "path": path_value(root),
             "manifest": json_value(manifest),
+            "preview": markdown_table(sample_preview(root, merged), rows=5),
         }
     )

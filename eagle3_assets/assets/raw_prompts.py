@@ -5,9 +5,10 @@ import dagster as dg
 import polars as pl
 
 from eagle3_assets.metadata import markdown_table, path_value
-from eagle3_assets.prompts import PromptFileError, prompts_frame, read_prompts
+from eagle3_assets.prompts import PromptFileError, prompts_frame, read_prompts, with_prompt_tokens
 from eagle3_assets.registry import RegistryError, dataset_partitions, dataset_spec
 from eagle3_resources.storage import DataStore
+from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
 @dg.asset(
@@ -18,7 +19,7 @@ from eagle3_resources.storage import DataStore
     description="Prompts of one dataset read from its file in data/ (see data/datasets.yaml), validated: "
     "any malformed line fails the partition with the file, the line and what is wrong.",
 )
-def raw_prompts(context: dg.AssetExecutionContext, store: DataStore) -> dg.MaterializeResult:
+def raw_prompts(context: dg.AssetExecutionContext, store: DataStore, tokenizer: TokenizerResource) -> dg.MaterializeResult:
     problems, frames = [], {}
     for key in context.partition_keys:
         try:
@@ -28,7 +29,10 @@ def raw_prompts(context: dg.AssetExecutionContext, store: DataStore) -> dg.Mater
             problems.append(str(e))
     if problems:
         raise dg.Failure(description="Bad prompt input; nothing downstream ran.\n\n" + "\n\n".join(problems))
+    tok = tokenizer.load()
     for key, df in frames.items():
+        df = with_prompt_tokens(df, tok, tokenizer.template_version, tokenizer.thinking)
+        frames[key] = df
         path = store.layout.ensure(store.layout.raw_prompts(key))
         df.write_parquet(path)
         context.log.info(f"{key}: {df.height} prompts -> {path}")
@@ -36,12 +40,14 @@ def raw_prompts(context: dg.AssetExecutionContext, store: DataStore) -> dg.Mater
     return dg.MaterializeResult(
         metadata={
             "rows": total.height,
+            "tokens": int(total["prompt_tokens"].sum()),
+            "max_prompt_tokens": int(total["prompt_tokens"].max()),
             "datasets": ", ".join(frames),
             "with_tools": int(total["has_tools"].sum()),
             "multi_turn": int((total["n_user_turns"] > 1).sum()),
             "with_system": int(total["has_system"].sum()),
             "chars": int(total["chars"].sum()),
             "path": path_value(store.layout.raw_prompts(next(iter(frames)))),
-            "preview": markdown_table(total, ["prompt_id", "n_messages", "has_tools", "last_role", "chars", "messages_json"]),
+            "preview": markdown_table(total, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "messages_json"]),
         }
     )
