@@ -54,27 +54,121 @@ def final_results(journal_path: Path) -> tuple[dict[str, dict[str, Any]], bool]:
     return done, contents.torn_tail
 
 
-@dataclass
+@dataclass(frozen=True)
+class Pricing:
+    """USD per token, for worst-case admission only; the ledger records what was billed."""
+
+    prompt: float = 0.0
+    completion: float = 0.0
+
+    def worst_case(self, req: CompletionRequest, max_tokens: int) -> float:
+        return len(req.prompt_ids) * self.prompt + max_tokens * self.completion
+
+
+@dataclass(frozen=True)
+class Caps:
+    token_budget: int | None = None  # completion tokens for this partition, all runs together
+    run_usd: float | None = None  # dollars this run may spend
+    total_usd: float | None = None  # dollars the whole ledger (every partition, every run) may reach
+    on_cap: str = "finish"  # in-flight requests when a cap is reached: "finish" or "cancel"
+
+
 class Feed:
-    """Admission control: hands out pending requests until a cap is reached or the run stops."""
+    """Admission control: hands out pending requests while every cap still holds.
 
-    pending: list[CompletionRequest]
-    token_budget: int | None
-    tokens_spent: int = 0
-    admitted: int = 0
-    stopped_by: str | None = None
+    A request is admitted only if what is spent plus the worst-case cost of everything in flight
+    (prompt + max_tokens at the model's price) plus its own worst case stays within each dollar
+    cap, so a cap is never overshot. A request that does not fit waits for in-flight requests to
+    settle; when it does not fit even with nothing in flight, the cap is reached: admission
+    stops for good and, with on_cap="cancel", in-flight requests are cancelled.
+    """
 
-    def take(self) -> CompletionRequest | None:
-        if self.stopped_by:
-            return None
-        if self.admitted >= len(self.pending):
-            return None
-        if self.token_budget is not None and self.tokens_spent >= self.token_budget:
-            self.stopped_by = f"token budget {self.token_budget:,} reached ({self.tokens_spent:,} completion tokens)"
-            return None
-        req = self.pending[self.admitted]
-        self.admitted += 1
-        return req
+    def __init__(self, pending: list[CompletionRequest], caps: Caps, pricing: Pricing, max_tokens: int, *,
+                 tokens_spent: int = 0, total_spent_usd: float = 0.0):
+        self.pending = pending
+        self.caps = caps
+        self.pricing = pricing
+        self.max_tokens = max_tokens
+        self.tokens_spent = tokens_spent
+        self.run_spent_usd = 0.0
+        self.total_spent_usd = total_spent_usd
+        self.inflight: dict[str, float] = {}
+        self.admitted = 0
+        self.stopped_by: str | None = None
+        self._cond: asyncio.Condition | None = None
+        self.cancel_inflight: asyncio.Event | None = None
+
+    def _bind_loop(self) -> None:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+            self.cancel_inflight = asyncio.Event()
+
+    def _check(self, worst: float) -> tuple[str | None, bool]:
+        """(the cap this request would break, whether that cap is reached for good).
+
+        Reached: even with nothing more spent in flight the request would not fit. Otherwise it
+        only has to wait for in-flight requests to settle at their (lower) actual cost.
+        """
+        c = self.caps
+        if c.token_budget is not None and self.tokens_spent >= c.token_budget:
+            return f"token budget {c.token_budget:,} reached ({self.tokens_spent:,} completion tokens)", True
+        inflight = sum(self.inflight.values())
+        for cap, spent, what in ((c.run_usd, self.run_spent_usd, "run"), (c.total_usd, self.total_spent_usd, "total")):
+            if cap is None:
+                continue
+            reason = f"{what} dollar cap ${cap:.2f} reached (${spent:.4f} spent, next request up to ${worst:.4f})"
+            if spent + worst > cap:
+                return reason, True
+            if spent + inflight + worst > cap:
+                return reason, False
+        return None, False
+
+    def stop(self, reason: str, cancel_inflight: bool = False) -> None:
+        self.stopped_by = self.stopped_by or reason
+        self._bind_loop()
+        if cancel_inflight:
+            self.cancel_inflight.set()
+        self._cond_notify()
+
+    def _cond_notify(self) -> None:
+        async def notify():
+            async with self._cond:
+                self._cond.notify_all()
+
+        try:
+            asyncio.get_running_loop().create_task(notify())
+        except RuntimeError:
+            pass
+
+    async def take(self) -> CompletionRequest | None:
+        self._bind_loop()
+        async with self._cond:
+            while True:
+                if self.stopped_by or self.admitted >= len(self.pending):
+                    return None
+                req = self.pending[self.admitted]
+                worst = self.pricing.worst_case(req, self.max_tokens)
+                blocked, reached = self._check(worst)
+                if blocked is None:
+                    self.admitted += 1
+                    self.inflight[req.prompt_id] = worst
+                    return req
+                if reached or not self.inflight:
+                    self.stopped_by = blocked
+                    if self.caps.on_cap == "cancel" and self.inflight:
+                        self.cancel_inflight.set()
+                    self._cond.notify_all()
+                    return None
+                await self._cond.wait()
+
+    def settle(self, result: CompletionResult) -> None:
+        """Account for a result (called from the event loop, synchronously, on every emit)."""
+        self.inflight.pop(result.prompt_id, None)
+        self.tokens_spent += result.completion_tokens or 0
+        self.run_spent_usd += result.cost_usd or 0.0
+        self.total_spent_usd += result.cost_usd or 0.0
+        if self._cond is not None:
+            self._cond_notify()
 
 
 @dataclass

@@ -183,7 +183,7 @@ def train(
             for s in batch:
                 loss, per_step = sample_loss(model, s, settings)
                 (loss / len(batch)).backward()
-                loss_sum += float(loss) / len(batch)
+                loss_sum += loss.item() / len(batch)
                 step_losses += torch.tensor(per_step) / len(batch)
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()

@@ -12,6 +12,7 @@ import email.utils
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -54,26 +55,65 @@ def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | 
     return max(delay, retry_after) if retry_after is not None else delay
 
 
+@dataclass
+class RequestState:
+    """What is known about one request while it is in flight (for the journal if it is cut short)."""
+
+    prompt_id: str
+    started: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    generation_id: str | None = None
+    provider: str | None = None
+
+    def aborted(self, why: str) -> CompletionResult:
+        return CompletionResult(
+            self.prompt_id, "aborted", error=why, error_code="cancelled", generation_id=self.generation_id,
+            provider=self.provider, attempts=self.attempts, latency_s=time.monotonic() - self.started,
+        )
+
+
 async def run_workers(
     feed: RequestFeed,
     concurrency: int,
-    complete: Callable[[CompletionRequest], Awaitable[CompletionResult]],
+    complete: Callable[[CompletionRequest, RequestState], Awaitable[CompletionResult]],
     emit: Emit,
     stop: Callable[[], bool] = lambda: False,
 ) -> None:
     """`concurrency` workers, each taking a request, completing it and emitting the result.
 
-    Once `stop()` is true no worker takes another request; requests in flight still finish.
+    Once `stop()` is true no worker takes another request; requests in flight still finish. When
+    the feed asks for in-flight requests to be cancelled (a cap with on_cap="cancel"), or this
+    coroutine is cancelled (a stop), every worker emits its request as `aborted` (with the
+    generation id, if one was seen) and ends: every request taken gets exactly one result.
     """
 
     async def worker() -> None:
         while not stop() and (req := feed.take()) is not None:
-            emit(await complete(req))
+            state = RequestState(req.prompt_id)
+            try:
+                result = await complete(req, state)
+            except asyncio.CancelledError:
+                emit(state.aborted("cancelled in flight (stop or cap)"))
+                raise
+            emit(result)
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+    cancel_event = getattr(feed, "cancel_inflight", None)
+
+    async def cancel_on_request() -> None:
+        await cancel_event.wait()
+        for t in tasks:
+            t.cancel()
+
+    watcher = asyncio.create_task(cancel_on_request()) if cancel_event is not None else None
     try:
-        await asyncio.gather(*tasks)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+        if errors:
+            raise errors[0]
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if watcher is not None:
+            watcher.cancel()

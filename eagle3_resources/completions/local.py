@@ -123,7 +123,7 @@ class TransformersBackend:
             )
         return [row[width:].tolist() for row in out.cpu()]
 
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note=lambda rec: None) -> None:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
         batch_no = 0
         while True:

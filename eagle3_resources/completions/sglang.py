@@ -16,7 +16,14 @@ from typing import Any
 
 import httpx
 
-from eagle3_resources.completions.http import RETRYABLE_STATUS, backoff_seconds, make_client, retry_after_seconds, run_workers
+from eagle3_resources.completions.http import (
+    RETRYABLE_STATUS,
+    RequestState,
+    backoff_seconds,
+    make_client,
+    retry_after_seconds,
+    run_workers,
+)
 from eagle3_resources.completions.local import result_from_ids
 from eagle3_resources.completions.types import CompletionRequest, CompletionResult, Emit, RequestFeed, SamplingSettings
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
@@ -70,12 +77,14 @@ class SGLangBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency}
 
-    async def _complete(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings) -> CompletionResult:
+    async def _complete(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings,
+                        state: RequestState) -> CompletionResult:
         stop_ids = [self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)]
         body = generate_body(req, settings, stop_ids)
-        started = time.monotonic()
+        started = state.started
         last = ""
         for attempt in range(1, self.max_attempts + 1):
+            state.attempts = attempt
             retry_after = None
             try:
                 resp = await client.post("/generate", json=body)
@@ -93,7 +102,7 @@ class SGLangBackend:
         return CompletionResult(req.prompt_id, "failed", error=f"gave up after {self.max_attempts} attempts: {last}",
                                 latency_s=time.monotonic() - started, attempts=self.max_attempts)
 
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note=lambda rec: None) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
-            await run_workers(feed, self.concurrency, lambda req: self._complete(client, req, settings), emit)
+            await run_workers(feed, self.concurrency, lambda req, state: self._complete(client, req, settings, state), emit)

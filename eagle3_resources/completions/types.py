@@ -93,13 +93,17 @@ class RequestFeed(Protocol):
 
 
 Emit = Callable[[CompletionResult], None]
+Note = Callable[[dict[str, Any]], None]
 
 
 class CompletionBackend(Protocol):
-    """Pulls requests from `feed` until it is empty or closed, and emits one result per request."""
+    """Pulls requests from `feed` until it is empty or closed, and emits one result per request.
+
+    `note` journals what is learnt before a result exists (a generation id with the headers).
+    """
 
     name: str
 
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None: ...
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note: Note = ...) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
