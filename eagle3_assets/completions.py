@@ -183,9 +183,12 @@ class Progress:
     cost_usd: float = 0.0
     errors: Counter = field(default_factory=Counter)
     last_report: float = field(default_factory=time.monotonic)
+    final_ids: set = field(default_factory=set)
 
     def add(self, result: CompletionResult) -> None:
         self.counts[result.status] += 1
+        if result.status in FINAL_STATUSES:
+            self.final_ids.add(result.prompt_id)
         self.completion_tokens += result.completion_tokens or 0
         self.cost_usd += result.cost_usd or 0.0
         if result.status in ("failed", "aborted"):
@@ -229,6 +232,36 @@ class CompletionsRun:
     resumed_done: int
     torn_tail_recovered: bool
     errors: Counter
+    inflight_found: int = 0
+    inflight_cost_usd: float = 0.0
+    possible_double_spend: int = 0
+
+
+def unreconciled_generations(records: list[dict[str, Any]]) -> dict[str, str]:
+    """generation id -> prompt id, for generations that were started but produced no final result.
+
+    An attempt cut short (a truncated stream, a reset, a stop, kill -9) may still have been billed
+    while its text was lost. Each such generation is looked up once (`orphan` records mark it
+    reconciled), so the ledger can match what the provider billed.
+    """
+    settled = {r.get("generation_id") for r in records if r.get("type") == "orphan"}
+    settled |= {r.get("generation_id") for r in records if r.get("type") == "result" and r.get("status") in FINAL_STATUSES}
+    out = {}
+    for r in records:
+        gen, pid = r.get("generation_id"), r.get("prompt_id")
+        if gen and pid and gen not in settled and r.get("type") in ("inflight", "result"):
+            out[gen] = pid
+    return out
+
+
+def ledger_usd(journal_paths: list[Path]) -> float:
+    """Dollars recorded in journals: every billed result plus reconciled orphans."""
+    total = 0.0
+    for path in journal_paths:
+        for r in read_journal(path).records:
+            if r.get("type") in ("result", "orphan"):
+                total += r.get("cost_usd") or 0.0
+    return total
 
 
 def run_completions(
@@ -238,47 +271,81 @@ def run_completions(
     settings: SamplingSettings,
     journal_path: Path,
     *,
-    token_budget: int | None,
+    caps: Caps = Caps(),
+    pricing: Pricing = Pricing(),
+    total_spent_usd: float = 0.0,
     log: Callable[[str], None],
     run_id: str = "",
 ) -> CompletionsRun:
     done, torn = final_results(journal_path)
-    previous_tokens = sum(r.get("completion_tokens") or 0 for r in done.values())
     pending = [r for r in requests if r.prompt_id not in done]
     if torn:
-        log(f"{dataset}: the journal's last record was torn (a crash mid-write); it was skipped and will be truncated")
+        log(f"{dataset}: the journal's last record was torn (a crash mid-write); it was skipped and truncated")
     log(f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via {backend.name}")
-    feed = Feed(pending, token_budget, tokens_spent=previous_tokens)
+    feed = Feed(pending, caps, pricing, settings.max_tokens,
+                tokens_spent=sum(r.get("completion_tokens") or 0 for r in done.values()), total_spent_usd=total_spent_usd)
     progress = Progress(dataset, len(requests), len(requests) - len(pending), log)
+    run = CompletionsRun(0, progress.counts, 0, 0.0, 0.0, None, len(done), torn, progress.errors)
 
     with Journal(journal_path) as journal:
-        journal.append({"type": "start", "run_id": run_id, "t": time.time(), "settings": settings.model_dump(), "backend": backend.describe()})
+        journal.append({"type": "start", "run_id": run_id, "t": time.time(), "settings": settings.model_dump(),
+                        "backend": backend.describe(), "caps": caps.__dict__})
 
         def emit(result: CompletionResult) -> None:
             journal.append({"type": "result", "run_id": run_id, "t": time.time(), **result.to_record()})
-            feed.tokens_spent += result.completion_tokens or 0
+            feed.settle(result)
             progress.add(result)
+
+        def note(record: dict[str, Any]) -> None:
+            journal.append({"run_id": run_id, "t": time.time(), **record})
+
+        async def reconcile(when: str) -> None:
+            journal.sync()
+            orphans = unreconciled_generations(read_journal(journal_path).records)
+            lookup = getattr(backend, "lookup_generations", None)
+            if not orphans or lookup is None:
+                return
+            found = await lookup(list(orphans))
+            cost = 0.0
+            unknown = [pid for gen, pid in orphans.items() if gen not in found]
+            for gen, pid in orphans.items():
+                info = found.get(gen)
+                note({"type": "orphan", "prompt_id": pid, "generation_id": gen, "found": info is not None,
+                      "cost_usd": (info or {}).get("cost_usd"), "lookup": info})
+                cost += (info or {}).get("cost_usd") or 0.0
+            run.inflight_found += len(orphans) - len(unknown)
+            run.inflight_cost_usd += cost
+            feed.total_spent_usd += cost
+            # Prompts whose lost attempt could not be looked up may be paid twice when re-sent.
+            run.possible_double_spend += len({p for p in unknown if p not in done and p not in progress.final_ids})
+            log(f"{dataset}: {len(orphans)} generation(s) {when} produced no result: {len(orphans) - len(unknown)} looked up "
+                f"(${cost:.4f} billed for them), {len(unknown)} not found" + (f"; possible double spend on {run.possible_double_spend} "
+                "re-sent prompt(s)" if run.possible_double_spend else ""))
+
+        async def main() -> None:
+            await reconcile("left by an earlier run")
+            await backend.run(feed, settings, emit, note)
+            # Only after a normal end: a stop must not wait on look-ups (the next run does them).
+            await reconcile("cut short in this run")
 
         started = time.monotonic()
         try:
-            asyncio.run(backend.run(feed, settings, emit))
+            asyncio.run(main())
         except BaseException as e:  # a stop (Dagster terminate, SIGTERM, Ctrl-C) or a run-fatal error
             feed.stopped_by = feed.stopped_by or f"{type(e).__name__}: {e}"
             raise
         finally:
             progress.report()
-            journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": feed.stopped_by, "finished": progress.finished})
-    return CompletionsRun(
-        sent=feed.admitted,
-        results=progress.counts,
-        completion_tokens=progress.completion_tokens,
-        cost_usd=progress.cost_usd,
-        duration_s=time.monotonic() - started,
-        stopped_by=feed.stopped_by,
-        resumed_done=len(done),
-        torn_tail_recovered=torn,
-        errors=progress.errors,
-    )
+            if feed.stopped_by:
+                log(f"{dataset}: stopped after {progress.finished} done, ${progress.cost_usd:.2f} spent ({feed.stopped_by})")
+            journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": feed.stopped_by,
+                            "finished": progress.finished, "cost_usd": progress.cost_usd})
+    run.sent = feed.admitted
+    run.completion_tokens = progress.completion_tokens
+    run.cost_usd = progress.cost_usd
+    run.duration_s = time.monotonic() - started
+    run.stopped_by = feed.stopped_by
+    return run
 
 
 COMPLETION_COLUMNS = {

@@ -44,6 +44,9 @@ class DataLayout:
     def completions_journal(self, dataset: str) -> Path:
         return self.root / "completions" / dataset / "journal.jsonl"
 
+    def all_completion_journals(self) -> list[Path]:
+        return sorted((self.root / "completions").glob("*/journal.jsonl"))
+
     def completions(self, dataset: str) -> Path:
         return self.root / "completions" / f"{dataset}.parquet"
 

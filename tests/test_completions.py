@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 from aiohttp import web
 
-from eagle3_assets.completions import build_requests, completions_frame, final_results, run_completions
+from eagle3_assets.completions import Caps, build_requests, completions_frame, final_results, run_completions
 from eagle3_assets.prompts import prompts_frame, read_prompts
 from eagle3_assets.registry import DATASETS
 from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend
@@ -27,7 +27,7 @@ def test_local_backend_generates_and_resume_sends_nothing(tok, target_model, tmp
     journal = tmp_path / "journal.jsonl"
     backend = TransformersBackend(target_model, tok, batch_size=4)
     settings = SamplingSettings(max_tokens=48)
-    run = run_completions("B7", reqs, backend, settings, journal, token_budget=None, log=print)
+    run = run_completions("B7", reqs, backend, settings, journal, log=print)
     assert run.sent == 6 and sum(run.results.values()) == 6
     frame = completions_frame("B7", reqs, journal, df)
     assert frame.height == 6 and set(frame["status"]) <= {"ok", "truncated"}
@@ -35,14 +35,14 @@ def test_local_backend_generates_and_resume_sends_nothing(tok, target_model, tmp
         ids = row["completion_ids"]
         assert 0 < len(ids) <= 48 and row["completion_tokens"] == len(ids)
         assert (ids[-1] == 163586) == (row["status"] == "ok")
-    again = run_completions("B7", reqs, backend, settings, journal, token_budget=None, log=print)
+    again = run_completions("B7", reqs, backend, settings, journal, log=print)
     assert again.sent == 0 and again.resumed_done == 6
 
 
 def test_token_budget_stops_admission(tok, target_model, tmp_path):
     _, reqs = requests_for(tok, "A1", 8)
     run = run_completions("A1", reqs, TransformersBackend(target_model, tok, batch_size=2), SamplingSettings(max_tokens=32),
-                          tmp_path / "j.jsonl", token_budget=20, log=print)
+                          tmp_path / "j.jsonl", caps=Caps(token_budget=20), log=print)
     assert run.stopped_by and "token budget" in run.stopped_by
     assert run.sent < 8
 
@@ -77,7 +77,7 @@ def test_openrouter_request_shape_and_ledger(tok, fake_openrouter, tmp_path):
     fake, url = fake_openrouter
     df, reqs = requests_for(tok, "A2", 5)
     settings = SamplingSettings(max_tokens=4096)
-    run = run_completions("A2", reqs, OpenRouterBackend(url, "k-test", concurrency=3), settings, tmp_path / "j.jsonl", token_budget=None, log=print)
+    run = run_completions("A2", reqs, OpenRouterBackend(url, "k-test", concurrency=3), settings, tmp_path / "j.jsonl", log=print)
     assert run.results["ok"] == 5
     body = fake.billing.requests[0]
     assert body["model"] == "moonshotai/kimi-k2.5" and body["max_tokens"] == 4096
@@ -96,10 +96,10 @@ def test_openrouter_retries_429_without_duplicates(tok, tmp_path):
     _, reqs = requests_for(tok, "B6", 20)
     with ServerThread(fake.app) as server:
         backend = OpenRouterBackend(f"{server.base_url}/api/v1", "k", concurrency=8, max_attempts=12, backoff_base_s=0.01)
-        run = run_completions("B6", reqs, backend, SamplingSettings(), tmp_path / "j.jsonl", token_budget=None, log=print)
+        run = run_completions("B6", reqs, backend, SamplingSettings(), tmp_path / "j.jsonl", log=print)
     assert 429 in fake.billing.statuses and run.results["ok"] == 20
     done, _ = final_results(tmp_path / "j.jsonl")
-    assert len(done) == 20 and len(fake.billing.billed) == 20  # each prompt billed exactly once
+    assert len(done) == 20 and len(fake.billing.bills) == 20  # each prompt billed exactly once
 
 
 def test_openrouter_bad_key_stops_the_run(tok, fake_openrouter, tmp_path):
@@ -107,7 +107,7 @@ def test_openrouter_bad_key_stops_the_run(tok, fake_openrouter, tmp_path):
     _, reqs = requests_for(tok, "B4", 6)
     with pytest.raises(RunFatalError, match="401"):
         run_completions("B4", reqs, OpenRouterBackend(url, "wrong", concurrency=2), SamplingSettings(), tmp_path / "j.jsonl",
-                        token_budget=None, log=print)
+                        log=print)
     done, _ = final_results(tmp_path / "j.jsonl")
     assert done == {}  # nothing was served, so everything is sent again on resume
 
@@ -116,7 +116,7 @@ def test_openrouter_length_is_recorded_as_truncated(tok, fake_openrouter, tmp_pa
     _, url = fake_openrouter
     _, reqs = requests_for(tok, "B5", 2)
     run = run_completions("B5", reqs, OpenRouterBackend(url, "k-test"), SamplingSettings(max_tokens=5), tmp_path / "j.jsonl",
-                          token_budget=None, log=print)
+                          log=print)
     assert run.results["truncated"] == 2
 
 
@@ -142,7 +142,7 @@ def test_sglang_backend_keeps_server_ids(tok, tmp_path):
     df, reqs = requests_for(tok, "A1", 3)
     with ServerThread(app) as server:
         run = run_completions("A1", reqs, SGLangBackend(server.base_url, tok, concurrency=2), SamplingSettings(max_tokens=64),
-                              tmp_path / "j.jsonl", token_budget=None, log=print)
+                              tmp_path / "j.jsonl", log=print)
     assert run.results["ok"] == 3
     assert received[0]["input_ids"] == reqs[0].prompt_ids and received[0]["sampling_params"]["stop_token_ids"] == [163586, 163585]
     frame = completions_frame("A1", reqs, tmp_path / "j.jsonl", df)

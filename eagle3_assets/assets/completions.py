@@ -8,7 +8,7 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.completions import build_requests, completions_frame, run_completions
+from eagle3_assets.completions import Caps, Pricing, build_requests, completions_frame, ledger_usd, run_completions
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.registry import dataset_partitions, dataset_spec
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
@@ -25,10 +25,24 @@ class CompletionsConfig(SamplingSettings):
     """Request settings of this run (recorded with the materialization)."""
 
     max_tokens: Optional[int] = Field(default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise")
+    max_run_usd: Optional[float] = Field(default=None, description="dollar cap for this run (worst-case admission: never overshot)")
+    max_total_usd: Optional[float] = Field(default=None, description="dollar cap for the whole ledger: every partition, every run")
+    on_cap: str = Field(default="finish", description='in-flight requests when a cap is reached: "finish" or "cancel"')
+    usd_per_m_prompt_tokens: float = Field(default=0.60, description="model price for worst-case admission (check /api/v1/models)")
+    usd_per_m_completion_tokens: float = Field(default=2.50, description="model price for worst-case admission (check /api/v1/models)")
 
     def settings(self, backend: BackendKind) -> SamplingSettings:
         max_tokens = self.max_tokens or (LOCAL_MAX_TOKENS if backend is BackendKind.LOCAL else REMOTE_MAX_TOKENS)
-        return SamplingSettings(**{**self.model_dump(), "max_tokens": max_tokens})
+        fields = {k: v for k, v in self.model_dump().items() if k in SamplingSettings.model_fields}
+        return SamplingSettings(**{**fields, "max_tokens": max_tokens})
+
+    def caps(self, token_budget: Optional[int]) -> Caps:
+        if self.on_cap not in ("finish", "cancel"):
+            raise ValueError(f'on_cap must be "finish" or "cancel", not {self.on_cap!r}')
+        return Caps(token_budget=token_budget, run_usd=self.max_run_usd, total_usd=self.max_total_usd, on_cap=self.on_cap)
+
+    def pricing(self) -> Pricing:
+        return Pricing(prompt=self.usd_per_m_prompt_tokens / 1e6, completion=self.usd_per_m_completion_tokens / 1e6)
 
 
 @dg.asset(
@@ -61,7 +75,8 @@ def completions(
         requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking)
         journal = store.layout.completions_journal(key)
         try:
-            run = run_completions(key, requests, backend, settings, journal, token_budget=spec.token_budget,
+            run = run_completions(key, requests, backend, settings, journal, caps=config.caps(spec.token_budget),
+                                  pricing=config.pricing(), total_spent_usd=ledger_usd(store.layout.all_completion_journals()),
                                   log=context.log.info, run_id=context.run_id)
         except RunFatalError as e:
             raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
@@ -71,7 +86,9 @@ def completions(
         df.write_parquet(path)
         frames.append(df)
         summaries.append({"dataset": key, "sent": run.sent, "stopped_by": run.stopped_by, "resumed_done": run.resumed_done,
-                          "duration_s": round(run.duration_s, 1), "results": dict(run.results), "errors": dict(run.errors)})
+                          "duration_s": round(run.duration_s, 1), "results": dict(run.results), "errors": dict(run.errors),
+                          "cost_usd": round(run.cost_usd, 6), "inflight_found": run.inflight_found,
+                          "inflight_cost_usd": round(run.inflight_cost_usd, 6), "possible_double_spend": run.possible_double_spend})
     df = pl.concat(frames)
     counts = df["status"].value_counts()
     duration = sum(s["duration_s"] for s in summaries)
@@ -84,6 +101,8 @@ def completions(
             "cost_usd": round(float(df["cost_usd"].sum()), 6),
             "duration_s": duration,
             "requests_per_s": round(sum(s["sent"] for s in summaries) / duration, 3) if duration else 0.0,
+            "run_cost_usd": round(sum(s["cost_usd"] for s in summaries), 6),
+            "possible_double_spend": sum(s["possible_double_spend"] for s in summaries),
             "stopped_by": "; ".join(f"{s['dataset']}: {s['stopped_by']}" for s in summaries if s["stopped_by"]) or "not stopped",
             "backend": json_value(backend.describe()),
             "request_settings": json_value(settings.model_dump()),

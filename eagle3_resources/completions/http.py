@@ -88,7 +88,7 @@ async def run_workers(
     """
 
     async def worker() -> None:
-        while not stop() and (req := feed.take()) is not None:
+        while not stop() and (req := await feed.take()) is not None:
             state = RequestState(req.prompt_id)
             try:
                 result = await complete(req, state)

@@ -128,7 +128,7 @@ class TransformersBackend:
         batch_no = 0
         while True:
             batch = []
-            while len(batch) < self.batch_size and (req := feed.take()) is not None:
+            while len(batch) < self.batch_size and (req := await feed.take()) is not None:
                 if max_len and len(req.prompt_ids) + settings.max_tokens > max_len:
                     emit(CompletionResult(req.prompt_id, "failed", "error", error_code="context_length",
                                           error=f"prompt of {len(req.prompt_ids)} tokens + max_tokens exceeds the model's {max_len}"))

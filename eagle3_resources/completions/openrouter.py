@@ -252,6 +252,45 @@ class OpenRouterBackend:
             attempts=state.attempts,
         )
 
+    async def lookup_generations(self, generation_ids: list[str], *, window_s: float = 20.0) -> dict[str, dict[str, Any]]:
+        """What OpenRouter billed for generations whose responses were lost (GET /api/v1/generation).
+
+        A finished generation answers 404 for a short while; each id is retried within `window_s`.
+        Ids still unknown after that are left out (the caller reports them as possible double spend).
+        """
+        headers = {"Authorization": f"Bearer {self._api_key}"}
+        found: dict[str, dict[str, Any]] = {}
+
+        async def one(client: httpx.AsyncClient, gen: str) -> None:
+            deadline = time.monotonic() + window_s
+            delay = 0.25
+            while True:
+                try:
+                    resp = await client.get("/generation", params={"id": gen})
+                    if resp.status_code == 200:
+                        d = resp.json().get("data") or {}
+                        found[gen] = {
+                            "cost_usd": float(d.get("total_cost") or 0.0),
+                            "native_tokens_prompt": d.get("native_tokens_prompt"),
+                            "native_tokens_completion": d.get("native_tokens_completion"),
+                            "finish_reason": d.get("finish_reason"),
+                            "cancelled": d.get("cancelled"),
+                            "provider": d.get("provider_name"),
+                        }
+                        return
+                    if resp.status_code not in (404, 429) and resp.status_code < 500:
+                        return
+                except (httpx.TransportError, json.JSONDecodeError):
+                    pass
+                if time.monotonic() + delay > deadline:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 4.0)
+
+        async with make_client(self.base_url, headers, min(32, max(1, len(generation_ids))), 60.0) as client:
+            await asyncio.gather(*(one(client, g) for g in generation_ids))
+        return found
+
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note: Note = lambda rec: None) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}", "X-Title": self.app_title}
         self.limiter = AdaptiveLimiter(self.concurrency)

@@ -32,7 +32,8 @@ class CompletionsResource(dg.ConfigurableResource):
     openrouter_api_key: Optional[str] = Field(default=None, description="OPENROUTER_API_KEY (bound with EnvVar, never shown)")
     sglang_url: str = Field(default="http://127.0.0.1:30000", description="SGLang server base URL (EAGLE3_SGLANG_URL)")
     sglang_api_key: Optional[str] = Field(default=None, description="SGLang --api-key, if the server has one")
-    concurrency: int = Field(default=64, description="requests in flight (API backends)")
+    concurrency: int = Field(default=256, description="requests in flight, at most (API backends; up to 2,000 tested)")
+    openrouter_stream: bool = Field(default=True, description="SSE streaming (a stop cancels generation where supported)")
     max_attempts: int = Field(default=6, description="attempts per request for retryable errors")
     local_batch_size: int = Field(default=8, description="prompts per generate() call (local backend)")
 
@@ -43,7 +44,8 @@ class CompletionsResource(dg.ConfigurableResource):
             if not self.openrouter_api_key:
                 raise ValueError("the openrouter backend needs OPENROUTER_API_KEY to be set")
             return OpenRouterBackend(
-                self.openrouter_base_url, self.openrouter_api_key, concurrency=self.concurrency, max_attempts=self.max_attempts
+                self.openrouter_base_url, self.openrouter_api_key, concurrency=self.concurrency, max_attempts=self.max_attempts,
+                stream=self.openrouter_stream,
             )
         return SGLangBackend(
             self.sglang_url, tokenizer, concurrency=self.concurrency, max_attempts=self.max_attempts, api_key=self.sglang_api_key

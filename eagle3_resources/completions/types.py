@@ -89,7 +89,7 @@ class RunFatalError(RuntimeError):
 
 
 class RequestFeed(Protocol):
-    def take(self) -> CompletionRequest | None: ...
+    async def take(self) -> CompletionRequest | None: ...
 
 
 Emit = Callable[[CompletionResult], None]
