@@ -133,9 +133,34 @@ def test_per_sample_outcomes_are_recorded_and_never_resent(tok, fake, tmp_path, 
 
 
 def test_length_and_bad_request_are_per_sample(tok, fake, tmp_path):
-    _, thread = fake()
+    server, thread = fake(context_limit=5000)
     result = run(thread, tok, tmp_path, synthetic_requests(tok, 3), settings=SamplingSettings(max_tokens=4))
     assert result.results["truncated"] == 3
+    result = run_completions("T", synthetic_requests(tok, 3, "big"), backend_for(thread), SamplingSettings(max_tokens=9000),
+                             tmp_path / "big.jsonl", log=print)
+    assert result.results["failed"] == 3 and dict(result.errors) == {"400@-": 3}
+    assert server.billing.statuses.count(400) == 3  # never re-sent
+
+
+def test_one_throttle_shrinks_concurrency_a_little_and_successes_restore_it():
+    import asyncio
+
+    from eagle3_resources.completions.throttle import AdaptiveLimiter
+
+    async def scenario():
+        lim = AdaptiveLimiter(100, recover_after=2, cooldown_s=0.0)
+        lim.throttled()
+        assert lim.limit == 80  # one 429 does not stall the other workers
+        for _ in range(10):
+            await lim.succeeded()
+        assert lim.limit == 85
+        for _ in range(100):
+            lim.throttled()
+        assert lim.limit == lim.floor == 4
+        async with lim.slot():
+            assert lim.active == 1
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(
@@ -244,3 +269,41 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     assert {b.id for b in server.billing.bills} <= accounted
     assert math.isclose(ledger_usd([journal]), server.billing.total_usd, rel_tol=1e-9)
 
+
+
+# -- the fake server's account endpoints and billing -----------------------------------------
+
+
+def test_fake_account_endpoints_lag_and_move_the_wrong_way_once(tok, fake, tmp_path):
+    import httpx
+
+    server, thread = fake(key_lag_s=0.3, nonmonotonic_on_key_call=3, refund_usd=0.0001, generation_404_s=0.0)
+    run(thread, tok, tmp_path, synthetic_requests(tok, 10))
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=f"{thread.base_url}/api/v1", headers=headers) as client:
+        first = client.get("/key").json()["data"]["usage"]
+        time.sleep(0.4)
+        second = client.get("/key").json()["data"]["usage"]
+        third = client.get("/key").json()["data"]["usage"]
+        assert first < second == pytest.approx(server.billing.total_usd)  # the balance lags
+        assert third < second  # and once moves the wrong way
+        assert client.get("/credits").status_code == 403  # needs a management key
+        gen = server.billing.bills[0].id
+        assert client.get("/generation", params={"id": gen}).json()["data"]["total_cost"] == server.billing.bills[0].cost
+
+
+def test_fake_bills_a_non_streaming_request_after_its_client_left(tok, fake):
+    import asyncio
+
+    import httpx
+
+    server, thread = fake(latency_s=0.5)
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=f"{thread.base_url}/api/v1", headers={"Authorization": f"Bearer {KEY}"}) as c:
+            with pytest.raises(httpx.TimeoutException):
+                await c.post("/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=0.1)
+
+    asyncio.run(leave_early())
+    time.sleep(0.8)
+    assert [b.kind for b in server.billing.bills] == ["after_disconnect"]  # what kill -9 cost in the history

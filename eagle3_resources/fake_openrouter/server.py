@@ -67,6 +67,7 @@ class FakeSettings:
     rate_finish_error: float = 0.0
     rate_empty: float = 0.0
     credit_usd: float = float("inf")
+    context_limit: int = 262144  # prompt + max_tokens beyond it: 400, as for a too-long context
     key_lag_s: float = 0.0
     nonmonotonic_on_key_call: int = 3  # that /key call reports usage lower than the previous one
     refund_usd: float = 3.68
@@ -180,6 +181,8 @@ class FakeOpenRouter:
         messages = body.get("messages") or []
         prompt_tokens = len(self.tokenizer.encode(render_messages(messages, body.get("tools")), allow_special=True))
         max_tokens = int(body.get("max_tokens") or 1 << 30)
+        if prompt_tokens + min(max_tokens, 1 << 30) > s.context_limit and body.get("max_tokens"):
+            return self._error(400, f"This endpoint's maximum context length is {s.context_limit} tokens")
         worst = prompt_tokens * s.price_prompt + max_tokens * s.price_completion
         remaining = s.credit_usd - self.billing.total_usd
         if remaining <= 0:
