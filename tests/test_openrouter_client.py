@@ -96,7 +96,7 @@ def test_sse_tool_call_deltas_are_joined():
 # -- outcome classes -----------------------------------------------------------------------
 
 
-RETRYABLE = [(f, stream) for f in ("rate_429", "rate_503", "rate_500", "rate_reset", "rate_truncate") for stream in (True, False)]
+RETRYABLE = [(f, stream) for f in ("rate_429", "rate_503", "rate_408", "rate_500", "rate_reset", "rate_truncate") for stream in (True, False)]
 RETRYABLE += [("rate_error_200", False), ("rate_error_midstream", True)]  # an error inside HTTP 200 / inside the stream
 
 

@@ -7,7 +7,7 @@ What it does, each a setting (`FakeSettings`):
   real Kimi), so `completion_tokens` = len(enc(reasoning)) + 1 + len(enc(content)) + 1 exactly,
   and `prompt_tokens` = the chat-template rendering of the messages; `cost` at a fixed price;
 - `gen-...` ids in the body and the `X-Generation-Id` header; `finish_reason` `length` at `max_tokens`;
-- faults at configurable rates: 429 with `Retry-After` (and periodic 429 storms), 503, 500,
+- faults at configurable rates: 429 with `Retry-After` (and periodic 429 storms), 503, 408, 500,
   errors inside HTTP 200 and mid-stream, connection resets, truncated bodies and streams,
   `content_filter`, `finish_reason: error`, empty completions; 401 for a wrong key; 402 when the
   credit runs out; the in-flight 402 (with Retry-After) when the worst-case cost of running
@@ -58,6 +58,7 @@ class FakeSettings:
     storm_every_s: float = 0.0  # every N seconds ...
     storm_len_s: float = 0.0  # ... every request 429s for this long
     rate_503: float = 0.0
+    rate_408: float = 0.0
     rate_500: float = 0.0
     rate_reset: float = 0.0
     rate_truncate: float = 0.0
@@ -193,6 +194,8 @@ class FakeOpenRouter:
             return self._error(429, "Provider returned error: rate limited upstream", {"Retry-After": f"{s.retry_after_s}"})
         if self._roll(s.rate_503):
             return self._error(503, "No available provider", {"Retry-After": f"{s.retry_after_s}"})
+        if self._roll(s.rate_408):
+            return self._error(408, "Request timed out upstream")
         if self._roll(s.rate_500):
             return self._error(500, "Internal Server Error")
         if self._roll(s.rate_reset):
