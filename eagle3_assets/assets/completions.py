@@ -72,7 +72,7 @@ def completions(
         if spec.sample_cap is not None and prompts.height > spec.sample_cap:
             context.log.info(f"{key}: sample cap {spec.sample_cap} of {prompts.height} prompts")
             prompts = prompts.head(spec.sample_cap)
-        requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking)
+        requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools)
         journal = store.layout.completions_journal(key)
         try:
             run = run_completions(key, requests, backend, settings, journal, caps=config.caps(spec.token_budget),

@@ -8,6 +8,7 @@ from pydantic import Field
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.registry import dataset_partitions
+from eagle3_assets.token_checks import TOKEN_CHECKS
 from eagle3_assets.token_ids import build_token_ids, token_ids_summary
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -15,9 +16,12 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 class TokenIdsConfig(dg.Config):
     mask_im_end: bool = Field(default=True, description="train the drafter to predict the final <|im_end|>")
+    billed_includes_im_end: bool = Field(default=True, description="the provider's completion_tokens counts the final "
+                                         "<|im_end|> (measure on a pilot: the billed-count check is 0 with the right value)")
 
 
 @dg.asset(
+    check_specs=[dg.AssetCheckSpec(name, asset="token_ids", description=fn.__doc__ or name) for name, (fn, _) in TOKEN_CHECKS.items()],
     partitions_def=dataset_partitions,
     deps=[completions],
     backfill_policy=dg.BackfillPolicy.single_run(),
@@ -30,14 +34,23 @@ def token_ids(context: dg.AssetExecutionContext, config: TokenIdsConfig, store: 
     tok = tokenizer.load()
     frames, per_dataset = [], {}
     for key in context.partition_keys:
-        df = build_token_ids(pl.read_parquet(store.layout.completions(key)), tok, mask_im_end=config.mask_im_end)
+        df = build_token_ids(pl.read_parquet(store.layout.completions(key)), tok, mask_im_end=config.mask_im_end,
+                             billed_includes_im_end=config.billed_includes_im_end)
         df.write_parquet(store.layout.ensure(store.layout.token_ids(key)))
         per_dataset[key] = token_ids_summary(df)
         context.log.info(f"{key}: {per_dataset[key]}")
         frames.append(df)
     df = pl.concat(frames)
     summary = token_ids_summary(df)
+    checks = []
+    for name, (fn, severity) in TOKEN_CHECKS.items():
+        outcome = fn(df)
+        checks.append(dg.AssetCheckResult(
+            check_name=name, passed=outcome.passed, severity=getattr(dg.AssetCheckSeverity, severity),
+            description=outcome.description, metadata={k: json_value(v) if isinstance(v, (list, dict)) else v for k, v in outcome.metadata.items()},
+        ))
     return dg.MaterializeResult(
+        check_results=checks,
         metadata={
             **{k: v for k, v in summary.items() if v is not None},
             "per_dataset": json_value(per_dataset),

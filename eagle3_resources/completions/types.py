@@ -43,6 +43,8 @@ class SamplingSettings(dg.Config):
     seed: Optional[int] = Field(default=0, description="sampling seed, forwarded where supported")
     reasoning_effort: Optional[str] = Field(default=None, description="OpenRouter reasoning.effort (low/medium/high); unset = provider default")
     provider: ProviderRouting = Field(default_factory=ProviderRouting, description="OpenRouter provider routing")
+    send_tools: bool = Field(default=True, description="send tools in the request's tools field (the prompt then declares "
+                             "them); false: no tools field, no declaration, tool calls come back as raw markers")
 
 
 @dataclass
@@ -51,6 +53,7 @@ class CompletionRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     prompt_ids: list[int]  # the prompt as the target sees it, rendered by our chat format
+    tools_in_request: str = "none"  # tools_field | omitted (the prompt had tools, none were sent) | none
 
 
 @dataclass
