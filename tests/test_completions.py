@@ -9,6 +9,7 @@ from aiohttp import web
 from eagle3_assets.completions import Caps, build_requests, completions_frame, final_results, run_completions
 from eagle3_assets.prompts import prompts_frame, read_prompts
 from eagle3_assets.registry import DATASETS
+from eagle3_assets.token_ids import build_token_ids
 from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend
 from eagle3_resources.completions.openrouter import OpenRouterBackend, request_body
 from eagle3_resources.completions.sglang import SGLangBackend
@@ -35,6 +36,8 @@ def test_local_backend_generates_and_resume_sends_nothing(tok, target_model, tmp
         ids = row["completion_ids"]
         assert 0 < len(ids) <= 48 and row["completion_tokens"] == len(ids)
         assert (ids[-1] == 163586) == (row["status"] == "ok")
+    ids = build_token_ids(frame, tok)
+    assert ids["text_roundtrip_ok"].all()  # the model's own ids decode to the text the split returned
     again = run_completions("B7", reqs, backend, settings, journal, log=print)
     assert again.sent == 0 and again.resumed_done == 6
 
