@@ -5,6 +5,7 @@
     eagle3 dev [--port 3000]        the Dagster UI and daemon (`dagster dev`) on 127.0.0.1
     eagle3 dagster ARGS...          any `dagster` command with this project's DAGSTER_HOME,
                                     e.g. `eagle3 dagster job launch -j eagle3_pipeline`
+    eagle3 hold [show|lift]         the credit sensor's spending hold: see why it stands, or lift it
     eagle3 env                      print the environment lines, for a shell that runs dagster itself
 
 The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already set.
@@ -13,6 +14,7 @@ The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -82,6 +84,23 @@ def run_pipeline(datasets: list[str] | None) -> int:
     return 0 if result.success else 1
 
 
+def hold_command(action: str) -> int:
+    import dagster as dg
+
+    from eagle3_assets.spend import get_hold, lift_hold
+
+    with dg.DagsterInstance.get() as instance:
+        hold = get_hold(instance)
+        if hold is None:
+            print("no spending hold")
+            return 0
+        print(json.dumps(hold, indent=2))
+        if action == "lift":
+            lift_hold(instance)
+            print("hold lifted (the credit sensor sets it again if a threshold is still crossed)")
+    return 0
+
+
 def _pipeline_job():
     """Module-level so the run can be reconstructed by the executor."""
     from eagle3_assets.definitions import defs
@@ -125,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p_dev.add_argument("--port", type=int, default=3000)
     p_dg = sub.add_parser("dagster", help="any dagster command with this project's DAGSTER_HOME")
     p_dg.add_argument("args", nargs=argparse.REMAINDER)
+    p_hold = sub.add_parser("hold", help="show or lift the spending hold")
+    p_hold.add_argument("action", choices=["show", "lift"], nargs="?", default="show")
     sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
     args = parser.parse_args(argv)
 
@@ -132,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return run_pipeline(args.datasets.split(",") if args.datasets else None)
     home = dagster_home()
+    if args.command == "hold":
+        return hold_command(args.action)
     dagster = str(Path(sys.executable).with_name("dagster"))
     if args.command == "dev":
         return run_in_group([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(args.port)])

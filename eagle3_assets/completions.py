@@ -13,11 +13,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import polars as pl
 
+from eagle3_assets.prompts import rendered_prompt_ids
 from eagle3_resources.completions.types import (
     FINAL_STATUSES,
     CompletionBackend,
@@ -26,7 +28,6 @@ from eagle3_resources.completions.types import (
     SamplingSettings,
 )
 from eagle3_resources.journal import Journal, read_journal
-from eagle3_assets.prompts import rendered_prompt_ids
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
@@ -82,6 +83,7 @@ class Caps:
     token_budget: int | None = None  # completion tokens for this partition, all runs together
     run_usd: float | None = None  # dollars this run may spend
     total_usd: float | None = None  # dollars the whole ledger (every partition, every run) may reach
+    day_usd: float | None = None  # dollars the ledger may reach today (UTC)
     on_cap: str = "finish"  # in-flight requests when a cap is reached: "finish" or "cancel"
 
 
@@ -96,7 +98,7 @@ class Feed:
     """
 
     def __init__(self, pending: list[CompletionRequest], caps: Caps, pricing: Pricing, max_tokens: int, *,
-                 tokens_spent: int = 0, total_spent_usd: float = 0.0):
+                 tokens_spent: int = 0, total_spent_usd: float = 0.0, day_spent_usd: float = 0.0):
         self.pending = pending
         self.caps = caps
         self.pricing = pricing
@@ -104,6 +106,7 @@ class Feed:
         self.tokens_spent = tokens_spent
         self.run_spent_usd = 0.0
         self.total_spent_usd = total_spent_usd
+        self.day_spent_usd = day_spent_usd
         self.inflight: dict[str, float] = {}
         self.admitted = 0
         self.stopped_by: str | None = None
@@ -125,7 +128,8 @@ class Feed:
         if c.token_budget is not None and self.tokens_spent >= c.token_budget:
             return f"token budget {c.token_budget:,} reached ({self.tokens_spent:,} completion tokens)", True
         inflight = sum(self.inflight.values())
-        for cap, spent, what in ((c.run_usd, self.run_spent_usd, "run"), (c.total_usd, self.total_spent_usd, "total")):
+        for cap, spent, what in ((c.run_usd, self.run_spent_usd, "run"), (c.total_usd, self.total_spent_usd, "total"),
+                                 (c.day_usd, self.day_spent_usd, "daily")):
             if cap is None:
                 continue
             reason = f"{what} dollar cap ${cap:.2f} reached (${spent:.4f} spent, next request up to ${worst:.4f})"
@@ -179,6 +183,7 @@ class Feed:
         self.tokens_spent += result.completion_tokens or 0
         self.run_spent_usd += result.cost_usd or 0.0
         self.total_spent_usd += result.cost_usd or 0.0
+        self.day_spent_usd += result.cost_usd or 0.0
         if self._cond is not None:
             self._cond_notify()
 
@@ -266,14 +271,29 @@ def unreconciled_generations(records: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
-def ledger_usd(journal_paths: list[Path]) -> float:
-    """Dollars recorded in journals: every billed result plus reconciled orphans."""
-    total = 0.0
-    for path in journal_paths:
+@dataclass
+class Ledger:
+    total_usd: float = 0.0
+    day_usd: float = 0.0
+    by_run_usd: dict[str, float] = field(default_factory=dict)
+
+
+def read_ledger(journals: list[Path], now: Optional[float] = None) -> Ledger:
+    """What the journals say was billed: in all, today (UTC), and per Dagster run."""
+    now = time.time() if now is None else now
+    day_start = datetime.fromtimestamp(now, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+    ledger = Ledger()
+    for path in journals:
         for r in read_journal(path).records:
-            if r.get("type") in ("result", "orphan"):
-                total += r.get("cost_usd") or 0.0
-    return total
+            if r.get("type") not in ("result", "orphan"):
+                continue
+            cost = r.get("cost_usd") or 0.0
+            ledger.total_usd += cost
+            if (r.get("t") or 0) >= day_start:
+                ledger.day_usd += cost
+            if r.get("run_id"):
+                ledger.by_run_usd[r["run_id"]] = ledger.by_run_usd.get(r["run_id"], 0.0) + cost
+    return ledger
 
 
 def run_completions(
@@ -286,6 +306,7 @@ def run_completions(
     caps: Caps = Caps(),
     pricing: Pricing = Pricing(),
     total_spent_usd: float = 0.0,
+    day_spent_usd: float = 0.0,
     log: Callable[[str], None],
     run_id: str = "",
 ) -> CompletionsRun:
@@ -295,7 +316,8 @@ def run_completions(
         log(f"{dataset}: the journal's last record was torn (a crash mid-write); it was skipped and truncated")
     log(f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via {backend.name}")
     feed = Feed(pending, caps, pricing, settings.max_tokens,
-                tokens_spent=sum(r.get("completion_tokens") or 0 for r in done.values()), total_spent_usd=total_spent_usd)
+                tokens_spent=sum(r.get("completion_tokens") or 0 for r in done.values()), total_spent_usd=total_spent_usd,
+                day_spent_usd=day_spent_usd)
     progress = Progress(dataset, len(requests), len(requests) - len(pending), log)
     run = CompletionsRun(0, progress.counts, 0, 0.0, 0.0, None, len(done), torn, progress.errors)
 

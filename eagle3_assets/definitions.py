@@ -12,6 +12,9 @@ systems (README: "Pointing it at real systems"):
     OPENROUTER_BASE_URL          default https://openrouter.ai/api/v1 (the fake server: http://127.0.0.1:PORT/api/v1)
     EAGLE3_SGLANG_URL            SGLang server for completions (default http://127.0.0.1:30000)
     EAGLE3_HIDDEN_STATES_BACKEND transformers | sglang (default: transformers)
+    EAGLE3_MIN_BALANCE_USD, EAGLE3_MAX_RUN_USD, EAGLE3_MAX_DAY_USD, EAGLE3_MAX_TOTAL_USD
+                                 spend thresholds (credit sensor and client); unset = not enforced
+    EAGLE3_ALERT_WEBHOOK_URL     a Slack-compatible webhook for alerts (default: the run log only)
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ import os
 import dagster as dg
 
 from eagle3_assets.assets import PIPELINE_ASSETS
-from eagle3_assets.jobs import eagle3_pipeline
-from eagle3_resources.completions.resource import CompletionsResource
+from eagle3_assets.jobs import eagle3_pipeline, lift_spend_hold
+from eagle3_assets.schedules import missing_partitions_nightly
+from eagle3_assets.sensors import check_failure_alert, credit_sensor, openrouter_account, run_failure_alert
+from eagle3_assets.spend import SpendPolicy
+from eagle3_resources.alerts import AlertSink
+from eagle3_resources.completions.resource import OPENROUTER_DEFAULT_URL, CompletionsResource
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
 from eagle3_resources.storage import DataStore, default_data_dir
 from eagle3_resources.target.resource import TargetModelResource
@@ -43,6 +50,23 @@ def completions_resource() -> CompletionsResource:
     return CompletionsResource(**kwargs)
 
 
+def _float_env(name: str):
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else None
+
+
+def spend_policy() -> SpendPolicy:
+    kwargs = {field: _float_env(var) for field, var in (
+        ("min_balance_usd", "EAGLE3_MIN_BALANCE_USD"), ("max_run_usd", "EAGLE3_MAX_RUN_USD"),
+        ("max_day_usd", "EAGLE3_MAX_DAY_USD"), ("max_total_usd", "EAGLE3_MAX_TOTAL_USD"))}
+    if (tolerance := _float_env("EAGLE3_LEDGER_TOLERANCE_USD")) is not None:
+        kwargs["ledger_tolerance_usd"] = tolerance
+    if os.environ.get("OPENROUTER_API_KEY"):  # the account is read only where there is one
+        kwargs["account_api_key"] = dg.EnvVar("OPENROUTER_API_KEY")
+        kwargs["account_base_url"] = dg.EnvVar("OPENROUTER_BASE_URL") if os.environ.get("OPENROUTER_BASE_URL") else OPENROUTER_DEFAULT_URL
+    return SpendPolicy(**kwargs)
+
+
 def resources() -> dict:
     data_dir = default_data_dir()
     standin = str(data_dir / "standin")
@@ -52,7 +76,15 @@ def resources() -> dict:
         "target": TargetModelResource(path=os.environ.get("EAGLE3_TARGET_DIR") or None, standin_dir=standin),
         "completions_backend": completions_resource(),
         "hidden_states_backend": HiddenStatesResource(backend=os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")),
+        "spend_policy": spend_policy(),
+        "alerts": AlertSink(webhook_url=_env_or_none("EAGLE3_ALERT_WEBHOOK_URL")),
     }
 
 
-defs = dg.Definitions(assets=PIPELINE_ASSETS, jobs=[eagle3_pipeline], resources=resources())
+defs = dg.Definitions(
+    assets=[*PIPELINE_ASSETS, openrouter_account],
+    jobs=[eagle3_pipeline, lift_spend_hold],
+    sensors=[credit_sensor, run_failure_alert, check_failure_alert],
+    schedules=[missing_partitions_nightly],
+    resources=resources(),
+)

@@ -15,3 +15,16 @@ eagle3_pipeline = dg.define_asset_job(
     "hidden_states -> eagle3_drafter. Launch it for one dataset, or for all of them in one run with the "
     "partition range A1...B8 (what `eagle3 run` does).",
 )
+
+
+@dg.op(description="Lift the spending hold set by the credit sensor (it is set again if a threshold is still crossed).")
+def lift_spend_hold_op(context) -> None:
+    from eagle3_assets.spend import lift_hold
+
+    hold = lift_hold(context.instance)
+    context.log.info(f"hold lifted: {hold['reasons'] if hold else 'there was none'}")
+
+
+@dg.job(name="lift_spend_hold", description="The operator lifts the spending hold (or run `eagle3 hold lift`).")
+def lift_spend_hold():
+    lift_spend_hold_op()

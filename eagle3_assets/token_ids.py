@@ -136,6 +136,8 @@ def build_token_ids(
         tool_calls = json.loads(tool_json) if tool_json else None
         rebuilt = reconstruct_completion(tokenizer, r_ids, c_ids, finish, tool_calls)
         think_end_kind = None
+        if finish == "length" and not c_ids and not tool_calls and billed is not None and len(rebuilt) + 1 == billed:
+            rebuilt = rebuilt + [think_end]  # cut right after </think>: the bill counts the separator
         if tool_calls and not c_ids and billed is not None:
             # A tool-call turn may end the reasoning implicitly (no </think>): the bill tells which.
             implicit = rebuilt[: len(r_ids)] + rebuilt[len(r_ids) + 1 :]

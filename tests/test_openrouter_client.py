@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from eagle3_assets.completions import Caps, Pricing, final_results, ledger_usd, run_completions
+from eagle3_assets.completions import Caps, Pricing, final_results, read_ledger, run_completions
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.sse import SSEDecoder, StreamedResponse, StreamError, fold_events
 from eagle3_resources.completions.types import CompletionRequest, ProviderRouting, RunFatalError, SamplingSettings
@@ -111,7 +111,7 @@ def test_retryable_faults_end_ok_with_one_result_each_and_ledger_equal_to_billin
     assert len(done) == 24
     assert {r["generation_id"] for r in done.values()} <= {b.id for b in server.billing.bills if b.kind == "complete"}
     # every dollar billed is in the ledger, lost bodies and partial streams included (looked up by generation id)
-    assert math.isclose(ledger_usd([tmp_path / "journal.jsonl"]), server.billing.total_usd, rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(read_ledger([tmp_path / "journal.jsonl"]).total_usd, server.billing.total_usd, rel_tol=1e-9, abs_tol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -197,7 +197,7 @@ def test_2000_prompts_with_15pct_429s_no_duplicate_none_lost_ledger_equals_billi
     records = [r for r in read_journal(tmp_path / "journal.jsonl").records if r.get("type") == "result"]
     assert sorted(r["prompt_id"] for r in records) == sorted(r.prompt_id for r in reqs)  # none lost, none twice
     assert len(server.billing.bills) == 2000 and server.billing.statuses.count(429) > 200
-    assert math.isclose(ledger_usd([tmp_path / "journal.jsonl"]), server.billing.total_usd, rel_tol=1e-9)
+    assert math.isclose(read_ledger([tmp_path / "journal.jsonl"]).total_usd, server.billing.total_usd, rel_tol=1e-9)
 
 
 # -- caps ----------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     # bill its prompt, nothing it generated was delivered or lost. Everything else is accounted for.
     unseen = [b for b in server.billing.bills if b.id not in accounted]
     assert all(b.kind == "aborted_stream" and b.completion_tokens == 0 for b in unseen), unseen
-    assert math.isclose(ledger_usd([journal]), server.billing.total_usd - sum(b.cost for b in unseen), rel_tol=1e-9)
+    assert math.isclose(read_ledger([journal]).total_usd, server.billing.total_usd - sum(b.cost for b in unseen), rel_tol=1e-9)
 
 
 

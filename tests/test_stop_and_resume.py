@@ -20,6 +20,7 @@ import pytest
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.completions import final_results
+from eagle3_assets.spend import SpendPolicy
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
@@ -54,6 +55,7 @@ def resources_for(data_dir, fake):
         "target": TargetModelResource(standin_dir=standin),
         "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake.url,
                                                    openrouter_api_key=dg.EnvVar("OPENROUTER_API_KEY")),
+        "spend_policy": SpendPolicy(),
     }
 
 

@@ -75,3 +75,13 @@ def test_failed_rows_are_not_samples(tok):
     df = build_token_ids(completion_rows([{"prompt_id": "a", "status": "failed", "error": "x"},
                                           {"prompt_id": "b", "reasoning": "r", "content": "c", "finish_reason": "stop"}]), tok)
     assert df["prompt_id"].to_list() == ["b"]
+
+
+def test_cut_right_after_the_separator_is_told_apart_by_the_bill(tok):
+    r = tok.encode("a full thought")
+    cut_inside = build_token_ids(completion_rows([{"prompt_id": "a", "reasoning": "a full thought", "content": "",
+                                                   "finish_reason": "length", "completion_tokens": len(r)}]), tok)
+    cut_after = build_token_ids(completion_rows([{"prompt_id": "a", "reasoning": "a full thought", "content": "",
+                                                  "finish_reason": "length", "completion_tokens": len(r) + 1}]), tok)
+    assert cut_inside["input_ids"][0].to_list()[3:] == r
+    assert cut_after["input_ids"][0].to_list()[3:] == r + [SEP] and cut_after["completion_len_diff"][0] == 0

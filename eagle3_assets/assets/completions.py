@@ -8,7 +8,18 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.completions import Caps, Pricing, build_requests, completions_frame, ledger_usd, run_completions
+import fcntl
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from eagle3_assets.checks.completions import COMPLETION_CHECKS
+from eagle3_assets.checks.outcome import CheckOutcome, check_specs, to_results
+from eagle3_assets.completions import Caps, Pricing, build_requests, completions_frame, final_results, run_completions
+from eagle3_assets.pilot import pilot_outcome, pilot_passed
+from eagle3_assets.spend import Ledger, SpendPolicy, get_hold, read_ledger
+from eagle3_assets.token_ids import build_token_ids
+from eagle3_resources.journal import Journal
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.registry import dataset_partitions, dataset_spec
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
@@ -28,6 +39,8 @@ class CompletionsConfig(SamplingSettings):
     max_run_usd: Optional[float] = Field(default=None, description="dollar cap for this run (worst-case admission: never overshot)")
     max_total_usd: Optional[float] = Field(default=None, description="dollar cap for the whole ledger: every partition, every run")
     on_cap: str = Field(default="finish", description='in-flight requests when a cap is reached: "finish" or "cancel"')
+    pilot_size: int = Field(default=8, description="prompts of a partition sent first; the rest waits for the pilot's "
+                            "blocking checks (0: no pilot)")
     usd_per_m_prompt_tokens: float = Field(default=0.60, description="model price for worst-case admission (check /api/v1/models)")
     usd_per_m_completion_tokens: float = Field(default=2.50, description="model price for worst-case admission (check /api/v1/models)")
 
@@ -36,23 +49,58 @@ class CompletionsConfig(SamplingSettings):
         fields = {k: v for k, v in self.model_dump().items() if k in SamplingSettings.model_fields}
         return SamplingSettings(**{**fields, "max_tokens": max_tokens})
 
-    def caps(self, token_budget: Optional[int]) -> Caps:
+    def caps(self, token_budget: Optional[int], policy: SpendPolicy, ledger: Ledger) -> Caps:
+        """This run's caps and the spend policy's, whichever is tighter: the client enforces the
+        policy before every request, so spending stops even when no sensor daemon runs."""
         if self.on_cap not in ("finish", "cancel"):
             raise ValueError(f'on_cap must be "finish" or "cancel", not {self.on_cap!r}')
-        return Caps(token_budget=token_budget, run_usd=self.max_run_usd, total_usd=self.max_total_usd, on_cap=self.on_cap)
+
+        def tighter(a, b):
+            return b if a is None else a if b is None else min(a, b)
+
+        return Caps(token_budget=token_budget, run_usd=tighter(self.max_run_usd, policy.max_run_usd),
+                    total_usd=tighter(self.max_total_usd, policy.max_total_usd), day_usd=policy.max_day_usd, on_cap=self.on_cap)
 
     def pricing(self) -> Pricing:
         return Pricing(prompt=self.usd_per_m_prompt_tokens / 1e6, completion=self.usd_per_m_completion_tokens / 1e6)
 
 
+PILOT_CHECK = "pilot"
+CHECKS = {**COMPLETION_CHECKS, PILOT_CHECK: (pilot_outcome, "ERROR")}
+
+
+@contextmanager
+def partition_lock(journal: Path, run_id: str):
+    """One spending run per dataset at a time: an exclusive lock next to the journal."""
+    path = journal.with_name("lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise dg.Failure(description=f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
+                             "one spending run per dataset at a time") from None
+        f.seek(0)
+        f.truncate()
+        f.write(run_id)
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @dg.asset(
+    check_specs=check_specs("completions", CHECKS, blocking={PILOT_CHECK}),
     partitions_def=dataset_partitions,
     deps=[raw_prompts],
     backfill_policy=dg.BackfillPolicy.single_run(),
     group_name="completions",
     kinds={"parquet"},
-    description="Completions from the configured backend (local transformers, OpenRouter or SGLang). Every result "
-    "is journaled on arrival; re-materializing resumes and never re-sends a prompt with a final outcome.",
+    description="Completions from the configured backend (local transformers, OpenRouter or SGLang). A pilot batch "
+    "is checked before the rest is sent; every result is journaled on arrival; re-materializing resumes and never "
+    "re-sends a prompt with a final outcome. Refuses to start while the credit sensor holds spending.",
 )
 def completions(
     context: dg.AssetExecutionContext,
@@ -61,11 +109,16 @@ def completions(
     tokenizer: TokenizerResource,
     target: TargetModelResource,
     completions_backend: CompletionsResource,
+    spend_policy: SpendPolicy,
 ) -> dg.MaterializeResult:
+    hold = get_hold(context.instance)
+    if hold:
+        raise dg.Failure(description="spending is on hold: " + "; ".join(hold["reasons"]) + ". Lift it with `eagle3 hold lift` "
+                         "(or the lift_spend_hold job), or raise the threshold.", metadata={"hold": json_value(hold)})
     tok = tokenizer.load()
     settings = config.settings(completions_backend.backend)
     backend = completions_backend.make_backend(tok, lambda: target.load_model(tokenizer, context.log.info))
-    summaries, frames = [], []
+    summaries, frames, pilots = [], [], {}
     for key in context.partition_keys:
         spec = dataset_spec(key)
         prompts = pl.read_parquet(store.layout.raw_prompts(key))
@@ -74,25 +127,59 @@ def completions(
             prompts = prompts.head(spec.sample_cap)
         requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools)
         journal = store.layout.completions_journal(key)
-        try:
-            run = run_completions(key, requests, backend, settings, journal, caps=config.caps(spec.token_budget),
-                                  pricing=config.pricing(), total_spent_usd=ledger_usd(store.layout.all_completion_journals()),
-                                  log=context.log.info, run_id=context.run_id)
-        except RunFatalError as e:
-            raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
-                             "re-materialize to resume.") from None
+
+        def complete(batch):
+            ledger = read_ledger(store.layout.all_completion_journals())
+            return run_completions(key, batch, backend, settings, journal, caps=config.caps(spec.token_budget, spend_policy, ledger),
+                                   pricing=config.pricing(), total_spent_usd=ledger.total_usd, day_spent_usd=ledger.day_usd,
+                                   log=context.log.info, run_id=context.run_id)
+
+        with partition_lock(journal, context.run_id):
+            try:
+                pilot = None
+                if config.pilot_size and not pilot_passed(journal):
+                    done, _ = final_results(journal)
+                    batch = [r for r in requests if r.prompt_id not in done][: config.pilot_size]
+                    context.log.info(f"{key}: pilot of {len(batch)} prompts before the rest")
+                    complete(batch)
+                    pilot_frame = completions_frame(key, batch, journal, prompts)
+                    pilot = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok))
+                    with Journal(journal) as j:
+                        j.append({"type": "pilot", "run_id": context.run_id, "t": time.time(), "passed": pilot.passed,
+                                  "description": pilot.description, "n": len(batch)})
+                    pilots[key] = pilot
+                    context.log.info(f"{key}: {pilot.description}")
+                run = None if pilot is not None and not pilot.passed else complete(requests)
+            except RunFatalError as e:
+                raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
+                                 "re-materialize to resume.") from None
         df = completions_frame(key, requests, journal, prompts)
-        path = store.layout.ensure(store.layout.completions(key))
-        df.write_parquet(path)
+        df.write_parquet(store.layout.ensure(store.layout.completions(key)))
         frames.append(df)
-        summaries.append({"dataset": key, "sent": run.sent, "stopped_by": run.stopped_by, "resumed_done": run.resumed_done,
-                          "duration_s": round(run.duration_s, 1), "results": dict(run.results), "errors": dict(run.errors),
-                          "cost_usd": round(run.cost_usd, 6), "inflight_found": run.inflight_found,
-                          "inflight_cost_usd": round(run.inflight_cost_usd, 6), "possible_double_spend": run.possible_double_spend})
+        if run is not None:
+            summaries.append({"dataset": key, "sent": run.sent, "stopped_by": run.stopped_by, "resumed_done": run.resumed_done,
+                              "duration_s": round(run.duration_s, 1), "results": dict(run.results), "errors": dict(run.errors),
+                              "cost_usd": round(run.cost_usd, 6), "inflight_found": run.inflight_found,
+                              "inflight_cost_usd": round(run.inflight_cost_usd, 6), "possible_double_spend": run.possible_double_spend})
+        else:
+            summaries.append({"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0,
+                              "cost_usd": 0.0, "possible_double_spend": 0})
     df = pl.concat(frames)
+    failed_pilots = {k: o for k, o in pilots.items() if not o.passed}
+    if failed_pilots:
+        pilot_result = CheckOutcome(False, "; ".join(f"{k}: {o.description}" for k, o in failed_pilots.items()),
+                                    {k: o.metadata for k, o in failed_pilots.items()})
+    elif pilots:
+        pilot_result = CheckOutcome(True, "; ".join(f"{k}: {o.description}" for k, o in pilots.items()),
+                                    {k: o.metadata for k, o in pilots.items()})
+    else:
+        pilot_result = CheckOutcome(True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))
+    outcomes = {name: fn(df) for name, (fn, _) in COMPLETION_CHECKS.items()}
+    outcomes[PILOT_CHECK] = pilot_result
     counts = df["status"].value_counts()
     duration = sum(s["duration_s"] for s in summaries)
     return dg.MaterializeResult(
+        check_results=to_results(CHECKS, outcomes),
         metadata={
             "rows": df.height,
             **{f"status_{s}": int(n) for s, n in counts.rows()},

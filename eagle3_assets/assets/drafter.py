@@ -6,6 +6,8 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.hidden_states import hidden_states
+from eagle3_assets.checks.outcome import check_specs, to_results
+from eagle3_assets.checks.training import DRAFTER_CHECKS, drafter_accept_length, drafter_keys
 from eagle3_assets.drafter.export import check_checkpoint
 from eagle3_assets.drafter.pipeline import DrafterReport, train_drafter
 from eagle3_assets.drafter.train import TrainSettings
@@ -24,6 +26,7 @@ class DrafterTrainConfig(dg.Config):
     sequences_per_step: int = Field(default=4, description="sequences per optimizer step")
     max_len: int = Field(default=512, description="train on each sample's last max_len tokens")
     seed: int = Field(default=0, description="initialisation and shuffling seed")
+    min_accept_length: float = Field(default=1.5, description="the accept_length check warns below this")
 
     def settings(self) -> TrainSettings:
         return TrainSettings(ttt_steps=self.ttt_steps, step_decay=self.step_decay, epochs=self.epochs, lr=self.lr,
@@ -52,6 +55,7 @@ def training_plot(report: DrafterReport):
 
 
 @dg.asset(
+    check_specs=check_specs("eagle3_drafter", DRAFTER_CHECKS, blocking={"sglang_keys"}),
     deps=[hidden_states],
     group_name="training",
     pool="gpu",
@@ -69,12 +73,17 @@ def eagle3_drafter(
         config.settings(), config.draft_vocab_size, context.log.info,
     )
     problems = check_checkpoint(report.checkpoint)
+    outcomes = {
+        "sglang_keys": drafter_keys(report.checkpoint),
+        "accept_length": drafter_accept_length(report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length),
+    }
     per_step = pl.DataFrame({
         "draft_step": list(range(1, len(report.trained["acc"]) + 1)),
         "acc_trained": report.trained["acc"],
         "acc_untrained": report.untrained["acc"],
     })
     return dg.MaterializeResult(
+        check_results=to_results(DRAFTER_CHECKS, outcomes),
         metadata={
             "accept_length": report.trained["accept_length"],
             "accept_length_untrained": report.untrained["accept_length"],

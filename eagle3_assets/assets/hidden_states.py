@@ -5,6 +5,8 @@ import dagster as dg
 import polars as pl
 
 from eagle3_assets.assets.merged_dataset import merged_dataset
+from eagle3_assets.checks.outcome import check_specs, to_results
+from eagle3_assets.checks.training import HIDDEN_STATE_CHECKS, hidden_state_finite
 from eagle3_assets.hidden_states import extract_hidden_states, read_sample, sample_path, write_manifest
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
@@ -25,6 +27,7 @@ def sample_preview(root, merged: pl.DataFrame, n: int = 5) -> pl.DataFrame:
 
 
 @dg.asset(
+    check_specs=check_specs("hidden_states", HIDDEN_STATE_CHECKS, blocking=set(HIDDEN_STATE_CHECKS)),
     deps=[merged_dataset],
     group_name="training",
     pool="gpu",
@@ -43,10 +46,11 @@ def hidden_states(
     backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
     root = store.layout.hidden_states()
     report = extract_hidden_states(merged, backend, root, log=context.log.info)
-    if report.nan_samples:
-        raise dg.Failure(description=f"non-finite hidden states in {len(report.nan_samples)} samples: {report.nan_samples[:10]}")
     manifest = write_manifest(root, merged, backend, str(target.folder(tokenizer, context.log.info)))
+    outcomes = {name: fn(root, merged) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
+    outcomes["finite"] = hidden_state_finite(report.nan_samples)
     return dg.MaterializeResult(
+        check_results=to_results(HIDDEN_STATE_CHECKS, outcomes),
         metadata={
             "samples": merged.height,
             "written": report.written,

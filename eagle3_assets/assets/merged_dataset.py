@@ -6,6 +6,8 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.token_ids import token_ids
+from eagle3_assets.checks.outcome import check_specs, run_checks
+from eagle3_assets.checks.training import MERGED_CHECKS
 from eagle3_assets.merge import merge_token_ids
 from eagle3_assets.metadata import markdown_table, path_value, png_markdown
 from eagle3_assets.registry import DATASETS
@@ -34,6 +36,7 @@ def mix_plot(accounting: pl.DataFrame):
 
 
 @dg.asset(
+    check_specs=check_specs("merged_dataset", MERGED_CHECKS),
     deps=[dg.AssetDep(token_ids, partition_mapping=dg.AllPartitionMapping())],
     group_name="training",
     kinds={"polars", "parquet"},
@@ -56,6 +59,7 @@ def merged_dataset(context: dg.AssetExecutionContext, config: MergeConfig, store
     path = store.layout.ensure(store.layout.merged_dataset())
     merged.write_parquet(path)
     return dg.MaterializeResult(
+        check_results=run_checks(MERGED_CHECKS, merged, list(DATASETS)),
         metadata={
             "rows": merged.height,
             "train_rows": int((merged["split"] == "train").sum()),

@@ -8,7 +8,8 @@ from pydantic import Field
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.registry import dataset_partitions
-from eagle3_assets.token_checks import TOKEN_CHECKS
+from eagle3_assets.checks.outcome import check_specs, run_checks
+from eagle3_assets.checks.tokens import TOKEN_CHECKS
 from eagle3_assets.token_ids import build_token_ids, token_ids_summary
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -21,7 +22,7 @@ class TokenIdsConfig(dg.Config):
 
 
 @dg.asset(
-    check_specs=[dg.AssetCheckSpec(name, asset="token_ids", description=fn.__doc__ or name) for name, (fn, _) in TOKEN_CHECKS.items()],
+    check_specs=check_specs("token_ids", TOKEN_CHECKS),
     partitions_def=dataset_partitions,
     deps=[completions],
     backfill_policy=dg.BackfillPolicy.single_run(),
@@ -42,15 +43,8 @@ def token_ids(context: dg.AssetExecutionContext, config: TokenIdsConfig, store: 
         frames.append(df)
     df = pl.concat(frames)
     summary = token_ids_summary(df)
-    checks = []
-    for name, (fn, severity) in TOKEN_CHECKS.items():
-        outcome = fn(df)
-        checks.append(dg.AssetCheckResult(
-            check_name=name, passed=outcome.passed, severity=getattr(dg.AssetCheckSeverity, severity),
-            description=outcome.description, metadata={k: json_value(v) if isinstance(v, (list, dict)) else v for k, v in outcome.metadata.items()},
-        ))
     return dg.MaterializeResult(
-        check_results=checks,
+        check_results=run_checks(TOKEN_CHECKS, df),
         metadata={
             **{k: v for k, v in summary.items() if v is not None},
             "per_dataset": json_value(per_dataset),

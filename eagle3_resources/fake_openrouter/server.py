@@ -68,6 +68,7 @@ class FakeSettings:
     rate_finish_error: float = 0.0
     rate_empty: float = 0.0
     credit_usd: float = float("inf")
+    prompt_token_offset: int = 0  # a provider whose template differs from ours (e.g. tools declared another way)
     context_limit: int = 262144  # prompt + max_tokens beyond it: 400, as for a too-long context
     key_lag_s: float = 0.0
     nonmonotonic_on_key_call: int = 3  # that /key call reports usage lower than the previous one
@@ -181,6 +182,8 @@ class FakeOpenRouter:
             return self._error(404, "No endpoints found matching your data policy and provider filters")
         messages = body.get("messages") or []
         prompt_tokens = len(self.tokenizer.encode(render_messages(messages, body.get("tools")), allow_special=True))
+        if body.get("tools"):
+            prompt_tokens += s.prompt_token_offset
         max_tokens = int(body.get("max_tokens") or 1 << 30)
         if prompt_tokens + min(max_tokens, 1 << 30) > s.context_limit and body.get("max_tokens"):
             return self._error(400, f"This endpoint's maximum context length is {s.context_limit} tokens")

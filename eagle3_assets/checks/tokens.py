@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import polars as pl
+
+from eagle3_assets.checks.outcome import CheckOutcome, Checks
+from eagle3_assets.checks.outcome import sample_ids as _ids
 
 BILLED_DIFF_LIMIT = 0.0004  # 0.04% of billed completion tokens, in aggregate (the history's figure)
 INVARIANT_SHARE = 0.99
-OUTLIERS_SHOWN = 20
-
-
-@dataclass
-class CheckOutcome:
-    passed: bool
-    description: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def _ids(df: pl.DataFrame) -> list[str]:
-    return (df["dataset"] + "/" + df["prompt_id"]).head(OUTLIERS_SHOWN).to_list()
 
 
 def billed_completion_match(df: pl.DataFrame, limit: float = BILLED_DIFF_LIMIT) -> CheckOutcome:
@@ -94,7 +82,7 @@ def backend_ids_agree(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> Check
     )
 
 
-TOKEN_CHECKS = {
+TOKEN_CHECKS: Checks = {
     "billed_completion_tokens_match": (billed_completion_match, "ERROR"),
     "prompt_tokens_match": (prompt_tokens_match, "WARN"),
     "separator_and_end_token": (separator_and_end, "WARN"),

@@ -1,0 +1,1 @@
+"""Asset checks: plain functions over a stage's output, each returning a `CheckOutcome`."""

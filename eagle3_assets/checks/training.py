@@ -1,0 +1,115 @@
+"""Checks on the training side: the merged set, the stored hidden states, the drafter."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from safetensors import safe_open
+
+from eagle3_assets.checks.outcome import CheckOutcome, Checks
+from eagle3_assets.drafter.export import check_checkpoint
+from eagle3_assets.hidden_states import read_manifest, sample_path
+from eagle3_resources.hidden_states.layers import eagle3_aux_layers
+
+MIN_ACCEPT_LENGTH = 1.5
+
+
+def dataset_mix(merged: pl.DataFrame, datasets: list[str]) -> CheckOutcome:
+    """Every registered dataset contributes samples to the merged set."""
+    counts = dict(merged.group_by("dataset").len().rows())
+    missing = [d for d in datasets if counts.get(d, 0) == 0]
+    total = max(1, merged.height)
+    return CheckOutcome(
+        not missing,
+        f"{len(datasets) - len(missing)} of {len(datasets)} datasets present" + (f"; missing: {', '.join(missing)}" if missing else ""),
+        {"share_pct": {d: round(100 * counts.get(d, 0) / total, 2) for d in datasets}, "missing": missing},
+    )
+
+
+def token_totals(merged: pl.DataFrame, *_) -> CheckOutcome:
+    """Token counts add up: ids and masks have equal lengths, every sample trains on some tokens."""
+    lengths_ok = merged.select((pl.col("input_ids").list.len() == pl.col("n_tokens")).all()).item() if merged.height else True
+    masks_ok = merged.select((pl.col("loss_mask").list.len() == pl.col("input_ids").list.len()).all()).item() if merged.height else True
+    no_loss = merged.filter(pl.col("loss_mask").list.sum() == 0).height
+    tokens, loss = int(merged["n_tokens"].sum() or 0), int(merged["completion_len"].sum() or 0)
+    return CheckOutcome(
+        merged.height > 0 and lengths_ok and masks_ok and no_loss == 0,
+        f"{merged.height} samples, {tokens:,} tokens, {loss:,} under the loss mask",
+        {"samples": merged.height, "tokens": tokens, "loss_tokens": loss, "lengths_consistent": lengths_ok,
+         "masks_consistent": masks_ok, "samples_without_loss_tokens": no_loss},
+    )
+
+
+def _stored_shapes(root: Path, merged: pl.DataFrame) -> dict[str, Any]:
+    missing, bad, checked = [], [], 0
+    manifest = read_manifest(root)
+    H = manifest["hidden_size"]
+    for sample_id, split, n in merged.select("sample_id", "split", "n_tokens").rows():
+        path = sample_path(root, split, sample_id)
+        if not path.exists():
+            missing.append(sample_id)
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        checked += 1
+        want = {"input_ids": (n,), "loss_mask": (n,), "aux_hidden_states": (n, 3 * H), "final_hidden_state": (n, H)}
+        if shapes != want:
+            bad.append({"sample": sample_id, "shapes": {k: list(v) for k, v in shapes.items()}})
+    return {"missing": missing, "bad": bad, "checked": checked, "hidden_size": H}
+
+
+def hidden_state_shapes(root: Path, merged: pl.DataFrame) -> CheckOutcome:
+    """Every stored sample has ids [L], mask [L], aux [L, 3H] and final [L, H]."""
+    s = _stored_shapes(root, merged)
+    return CheckOutcome(not s["bad"], f"{s['checked'] - len(s['bad'])} of {s['checked']} stored samples have the expected shapes",
+                        {"hidden_size": s["hidden_size"], "bad": s["bad"][:20]})
+
+
+def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
+    """The recorded layers are the EAGLE-3 rule [1, N//2-1, N-4] of the target, in its stated convention."""
+    m = read_manifest(root)
+    want = eagle3_aux_layers(m["num_target_layers"])
+    return CheckOutcome(m["aux_layer_ids"] == want and bool(m.get("layer_convention")),
+                        f"layers {m['aux_layer_ids']} of a {m['num_target_layers']}-layer target (rule: {want})",
+                        {"aux_layer_ids": m["aux_layer_ids"], "expected": want, "convention": m.get("layer_convention")})
+
+
+def hidden_state_count(root: Path, merged: pl.DataFrame) -> CheckOutcome:
+    """One stored file per merged sample, no more, no fewer."""
+    s = _stored_shapes(root, merged)
+    files = sum(1 for _ in root.glob("*/*.safetensors"))
+    return CheckOutcome(not s["missing"] and files == merged.height,
+                        f"{files} files for {merged.height} merged samples ({len(s['missing'])} missing)",
+                        {"files": files, "samples": merged.height, "missing": s["missing"][:20]})
+
+
+def hidden_state_finite(nan_samples: list[str]) -> CheckOutcome:
+    """No NaN or infinite value in any hidden state written by this run."""
+    return CheckOutcome(not nan_samples, f"{len(nan_samples)} samples with non-finite values", {"samples": nan_samples[:20]})
+
+
+def drafter_keys(checkpoint: Path) -> CheckOutcome:
+    """The checkpoint's keys, shapes and dtypes are exactly what SGLang's LlamaForCausalLMEagle3 loads."""
+    problems = check_checkpoint(checkpoint)
+    return CheckOutcome(not problems, "loadable by SGLang" if not problems else f"{len(problems)} problem(s): {problems[0]}",
+                        {"problems": problems})
+
+
+def drafter_accept_length(trained: float, untrained: float, threshold: float = MIN_ACCEPT_LENGTH) -> CheckOutcome:
+    """The trained drafter's simulated accept length is above the threshold and above an untrained drafter's."""
+    ok = not math.isnan(trained) and trained >= threshold and trained > untrained
+    return CheckOutcome(ok, f"accept length {trained:.3f} (untrained {untrained:.3f}, threshold {threshold})",
+                        {"accept_length": trained, "untrained": untrained, "threshold": threshold})
+
+
+MERGED_CHECKS: Checks = {"dataset_mix": (dataset_mix, "WARN"), "token_totals": (token_totals, "ERROR")}
+HIDDEN_STATE_CHECKS: Checks = {
+    "shapes": (hidden_state_shapes, "ERROR"),
+    "layer_ids": (hidden_state_layers, "ERROR"),
+    "record_count": (hidden_state_count, "ERROR"),
+    "finite": (hidden_state_finite, "ERROR"),
+}
+DRAFTER_CHECKS: Checks = {"sglang_keys": (drafter_keys, "ERROR"), "accept_length": (drafter_accept_length, "WARN")}

@@ -1,0 +1,121 @@
+"""Sensors: the credit sensor that halts spending, and the alerts for failed runs and checks."""
+
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import dagster as dg
+
+from eagle3_assets.spend import (
+    SpendPolicy,
+    anomalies,
+    cancel_spending,
+    crossed,
+    figures,
+    get_hold,
+    lift_hold,
+    read_ledger,
+    set_hold,
+)
+from eagle3_resources.alerts import AlertSink
+from eagle3_resources.storage import DataStore
+
+ACCOUNT_ASSET = dg.AssetKey("openrouter_account")
+openrouter_account = dg.AssetSpec(
+    ACCOUNT_ASSET, group_name="completions", kinds={"openrouter"},
+    description="The OpenRouter account and the project's ledger, observed by the credit sensor on every tick.",
+)
+
+
+@dg.sensor(name="credit_sensor", minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Holds spending when the account balance or the ledger crosses a SpendPolicy threshold: cancels "
+           "every queued or running run that buys completions and keeps cancelling them until the hold is lifted.")
+def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy, store: DataStore, alerts: AlertSink):
+    instance = context.instance
+    previous = json.loads(context.cursor) if context.cursor else None
+    try:
+        account = spend_policy.read_account()
+    except Exception as e:  # the ledger still protects us; say so loudly
+        context.log.warning(f"could not read the account ({type(e).__name__}: {e}); deciding on the ledger alone")
+        account = None
+    ledger = read_ledger(store.layout.all_completion_journals())
+    figs = figures(account, ledger)
+    reasons = crossed(spend_policy, account, ledger)
+    hold = get_hold(instance)
+    if hold and not reasons and hold["thresholds"] != spend_policy.thresholds():
+        lift_hold(instance)
+        alerts.send("Spending hold lifted: the thresholds were raised and the figures are within them", figs, context.log.info)
+        hold = None
+    if reasons and not hold:
+        hold = set_hold(instance, reasons, figs, spend_policy.thresholds())
+        alerts.send("Spending halted: " + "; ".join(reasons), figs, context.log.warning)
+    if hold:
+        cancelled, stopped = cancel_spending(instance)
+        if cancelled or stopped:
+            alerts.send("Spending runs cancelled while the hold stands",
+                        {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]}, context.log.warning)
+    found = anomalies(previous, account, ledger, spend_policy.ledger_tolerance_usd)
+    for a in found:
+        alerts.send(f"Spend anomaly: {a}", figs, context.log.warning)
+    metadata: dict[str, Any] = {
+        "ledger_total_usd": round(ledger.total_usd, 6),
+        "ledger_today_usd": round(ledger.day_usd, 6),
+        "hold": "; ".join(hold["reasons"]) if hold else "none",
+        "anomalies": "; ".join(found) or "none",
+    }
+    if account is not None:
+        metadata["account_usage_usd"] = round(account.usage_usd, 6)
+        if account.limit_remaining_usd is not None:
+            metadata["account_remaining_usd"] = round(account.limit_remaining_usd, 6)
+    cursor = json.dumps(asdict(account)) if account is not None else context.cursor
+    return dg.SensorResult(asset_events=[dg.AssetObservation(asset_key=ACCOUNT_ASSET, metadata=metadata)], cursor=cursor)
+
+
+def _failed_checks(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, Any]]:
+    out = []
+    for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
+        ev = entry.dagster_event.asset_check_evaluation_data
+        if not ev.passed and ev.blocking:  # the others are alerted by check_failure_alert
+            out.append({"check": f"{ev.asset_key.to_user_string()}.{ev.check_name}", "severity": ev.severity.value,
+                        "description": ev.description})
+    return out
+
+
+@dg.run_failure_sensor(name="run_failure_alert", default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=10,
+                       description="Alerts on every failed run, with its error and the blocking checks that failed it.")
+def run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertSink):
+    run = context.dagster_run
+    partition = run.tags.get("dagster/partition") or (
+        f"{run.tags.get('dagster/asset_partition_range_start')}...{run.tags.get('dagster/asset_partition_range_end')}"
+        if run.tags.get("dagster/asset_partition_range_start") else None)
+    alerts.send(f"Run failed: {run.job_name}" + (f" [{partition}]" if partition else ""), {
+        "run_id": run.run_id,
+        "error": context.failure_event.message,
+        "failed_checks": _failed_checks(context.instance, run.run_id),
+    }, context.log.error)
+
+
+@dg.sensor(name="check_failure_alert", minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Alerts once per failed non-blocking asset check (blocking ones fail their run: run_failure_alert).")
+def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
+    """A cursor over each check's latest execution (works on every event storage, SQLite included).
+
+    If one check runs twice between two ticks only its latest failure is alerted.
+    """
+    seen: dict[str, int] = json.loads(context.cursor) if context.cursor else {}
+    keys = list(context.repository_def.asset_graph.asset_check_keys)
+    latest = context.instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
+    for key, record in sorted(latest.items(), key=lambda kv: kv[1].id):
+        name = key.to_user_string()
+        event = record.event.dagster_event if record.event is not None else None
+        if seen.get(name) == record.id or event is None or event.event_type != dg.DagsterEventType.ASSET_CHECK_EVALUATION:
+            continue  # already alerted, or only planned so far
+        seen[name] = record.id
+        ev = record.event.dagster_event.asset_check_evaluation_data
+        if ev.passed or ev.blocking:
+            continue
+        figs = {"severity": ev.severity.value, "description": ev.description, "run_id": record.run_id}
+        figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
+        alerts.send(f"Check failed: {ev.asset_key.to_user_string()}.{ev.check_name}", figs, context.log.warning)
+    return dg.SensorResult(cursor=json.dumps(seen, sort_keys=True))

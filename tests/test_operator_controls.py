@@ -1,0 +1,271 @@
+"""The operator's controls on real Dagster instances: checks, pilot, alerts, schedule, credit sensor."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import dagster as dg
+import polars as pl
+import pytest
+from aiohttp import web
+
+from eagle3_assets.assets.completions import completions
+from eagle3_assets.assets.raw_prompts import raw_prompts
+from eagle3_assets.checks.completions import COMPLETION_CHECKS
+from eagle3_assets.checks.training import dataset_mix, drafter_accept_length, drafter_keys, hidden_state_finite, token_totals
+from eagle3_assets.completions import COMPLETION_COLUMNS, final_results
+from eagle3_assets.registry import DATASETS
+from eagle3_assets.schedules import missing_partitions_nightly
+from eagle3_assets.sensors import check_failure_alert, credit_sensor, run_failure_alert
+from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold
+from eagle3_resources.alerts import AlertSink
+from eagle3_resources.completions.resource import CompletionsResource
+from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
+from eagle3_resources.journal import read_journal
+from eagle3_resources.storage import DataStore
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "k-ops"
+
+
+class Webhook:
+    """A loopback webhook receiver that keeps every alert it is sent."""
+
+    def __init__(self):
+        self.alerts = []
+        self.app = web.Application()
+        self.app.router.add_post("/hook", self.receive)
+
+    async def receive(self, request):
+        self.alerts.append(await request.json())
+        return web.Response(text="ok")
+
+
+@pytest.fixture
+def webhook():
+    hook = Webhook()
+    with ServerThread(hook.app) as server:
+        hook.url = f"{server.base_url}/hook"
+        yield hook
+
+
+def resources_for(data_dir, fake_url, **backend):
+    standin = str(data_dir / "standin")
+    return {
+        "store": DataStore(root=str(data_dir)),
+        "tokenizer": TokenizerResource(standin_dir=standin),
+        "target": TargetModelResource(standin_dir=standin),
+        "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY, **backend),
+        "spend_policy": SpendPolicy(),
+    }
+
+
+def completion_frame(rows):
+    base = {c: None for c in COMPLETION_COLUMNS}
+    return pl.DataFrame([{**base, "dataset": "T", "prompt_id": f"p{i}", "status": "ok", "cost_usd": 0.0, "attempts": 1,
+                          "messages_json": json.dumps([{"role": "user", "content": f"q{i}"}]), "content": f"a{i}", **r}
+                         for i, r in enumerate(rows)], schema=COMPLETION_COLUMNS)
+
+
+# -- checks: pass on good data, fail on crafted bad data -----------------------------------
+
+
+def test_completion_checks_pass_on_good_and_fail_on_bad_data():
+    good = completion_frame([{}] * 40)
+    for name, (fn, _) in COMPLETION_CHECKS.items():
+        assert fn(good).passed, name
+    assert not COMPLETION_CHECKS["complete"][0](completion_frame([{}] * 40 + [{"status": "pending", "content": None}])).passed
+    assert not COMPLETION_CHECKS["error_rate"][0](completion_frame([{}] * 30 + [{"status": "failed", "error_code": "502"}] * 5)).passed
+    assert not COMPLETION_CHECKS["truncated_share"][0](completion_frame([{}] * 30 + [{"status": "truncated"}] * 6)).passed
+    dup = completion_frame([{}] * 10 + [{"messages_json": json.dumps([{"role": "user", "content": "q0"}])}])
+    assert not COMPLETION_CHECKS["no_duplicates"][0](dup).passed
+
+
+def test_training_checks_pass_on_good_and_fail_on_bad_data(tmp_path):
+    merged = pl.DataFrame({"dataset": ["A1", "A2"], "input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]],
+                           "n_tokens": [3, 2], "completion_len": [2, 1]})
+    assert dataset_mix(merged, ["A1", "A2"]).passed and not dataset_mix(merged, ["A1", "A2", "B1"]).passed
+    assert token_totals(merged).passed
+    assert not token_totals(merged.with_columns(loss_mask=pl.Series([[0, 0, 0], [0, 1]]))).passed
+    assert hidden_state_finite([]).passed and not hidden_state_finite(["A1/x"]).passed
+    assert drafter_accept_length(2.3, 1.0).passed and not drafter_accept_length(1.2, 1.0).passed
+    assert not drafter_accept_length(1.6, 1.7).passed
+    assert not drafter_keys(tmp_path).passed  # no checkpoint there
+
+
+# -- pilot ---------------------------------------------------------------------------------
+
+
+def test_a_pilot_of_malformed_data_stops_the_partition(tmp_path, data_dir_with_standin, tok):
+    # The provider renders tools differently than we do: its prompt counts are off for every prompt with tools.
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, prompt_token_offset=9))
+    pilot, concurrency = 5, 3
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        result = dg.materialize(
+            [raw_prompts, completions], partition_key="A2", instance=instance, raise_on_error=False,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1", concurrency=concurrency),
+            run_config={"ops": {"completions": {"config": {"pilot_size": pilot}}}},
+        )
+        assert not result.success  # the blocking pilot check failed the run
+        evaluations = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    assert len(fake.billing.requests) <= pilot + concurrency
+    pilot_check = next(e for e in evaluations if e.check_name == "pilot")
+    assert not pilot_check.passed and "with tools" in pilot_check.description
+    journal = data_dir_with_standin / "completions" / "A2" / "journal.jsonl"
+    assert [r for r in read_journal(journal).records if r.get("type") == "pilot"][0]["passed"] is False
+
+
+# -- alerts --------------------------------------------------------------------------------
+
+
+def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data_dir_with_standin, tok, webhook):
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, rate_finish_error=0.3, seed=5))
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        result = dg.materialize(
+            [raw_prompts, completions], partition_key="B6", instance=instance,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+            run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}},
+        )
+        assert result.success
+        failed = [e.asset_check_evaluation_data for e in result.all_events
+                  if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.asset_check_evaluation_data.passed]
+        assert {e.check_name for e in failed} == {"error_rate", "truncated_share"}
+        sink = AlertSink(webhook_url=webhook.url)
+        from eagle3_assets.definitions import defs
+
+        repo = defs.get_repository_def()
+        context = dg.build_sensor_context(instance=instance, resources={"alerts": sink}, repository_def=repo)
+        first = check_failure_alert(context)
+        assert len(webhook.alerts) == len(failed)
+        titles = sorted(a["title"] for a in webhook.alerts)
+        assert titles == ["Check failed: completions.error_rate", "Check failed: completions.truncated_share"]
+        error_alert = next(a for a in webhook.alerts if a["title"].endswith("error_rate"))
+        assert error_alert["figures"]["failed"] > 0 and "share_pct" in error_alert["figures"] and "text" in error_alert
+        again = check_failure_alert(dg.build_sensor_context(instance=instance, cursor=first.cursor, resources={"alerts": sink},
+                                                            repository_def=repo))
+        assert len(webhook.alerts) == len(failed) and again.cursor == first.cursor  # one alert per failure, not per tick
+
+
+def test_failed_run_alert(tmp_path, data_dir_with_standin, tok, webhook):
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, prompt_token_offset=9))
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        result = dg.materialize([raw_prompts, completions], partition_key="A2", instance=instance, raise_on_error=False,
+                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+                                run_config={"ops": {"completions": {"config": {"pilot_size": 4}}}})
+        run = instance.get_run_by_id(result.run_id)
+        failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE) \
+            if any(e.event_type == dg.DagsterEventType.RUN_FAILURE for e in result.all_events) else \
+            instance.all_logs(result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
+        context = dg.build_run_status_sensor_context(sensor_name="run_failure_alert", dagster_event=failure,
+                                                     dagster_instance=instance, dagster_run=run,
+                                                     resources={"alerts": AlertSink(webhook_url=webhook.url)}).for_run_failure()
+        run_failure_alert(context)
+    assert len(webhook.alerts) == 1
+    alert = webhook.alerts[0]
+    assert alert["title"] == "Run failed: __ephemeral_asset_job__ [A2]"
+    assert [c["check"] for c in alert["figures"]["failed_checks"]] == ["completions.pilot"]
+
+
+# -- schedule ------------------------------------------------------------------------------
+
+
+def test_schedule_requests_exactly_the_missing_partitions():
+    with dg.instance_for_test() as instance:
+        for done in ("A1", "B2", "B7"):
+            instance.report_runless_asset_event(dg.AssetMaterialization("token_ids", partition=done))
+        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=timezone.utc))
+        requests = missing_partitions_nightly(context)
+    assert sorted(r.partition_key for r in requests) == sorted(set(DATASETS) - {"A1", "B2", "B7"})
+    assert len({r.run_key for r in requests}) == len(requests)
+
+
+# -- the credit sensor, live ---------------------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(900)
+def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_standin, tok, monkeypatch):
+    from dagster_graphql import DagsterGraphQLClient
+
+    # Credit for about 10 answers; the sensor must hold spending once less than $0.0040 remains.
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, credit_usd=0.006, latency_s=0.4, chunk_latency_s=0.1,
+                                            price_completion=2.5e-5))
+    home = tmp_path / "home"
+    home.mkdir()
+    with ServerThread(fake.app) as server:
+        url = f"{server.base_url}/api/v1"
+        env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir_with_standin), PYTHONUNBUFFERED="1",
+                   EAGLE3_COMPLETIONS_BACKEND="openrouter", OPENROUTER_BASE_URL=url, OPENROUTER_API_KEY=KEY,
+                   EAGLE3_MIN_BALANCE_USD="0.004")
+        port = free_port()
+        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
+                               stdout=open(tmp_path / "dev.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        try:
+            client = DagsterGraphQLClient("127.0.0.1", port_number=port, timeout=60)
+            deadline = time.monotonic() + 180
+            run_id = None
+            while run_id is None:
+                try:
+                    run_id = client.submit_job_execution("eagle3_pipeline", tags={"dagster/partition": "B6"},
+                                                         run_config={"ops": {"completions": {"config": {"pilot_size": 0, "max_tokens": 48}}}})
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(2)
+            with dg.DagsterInstance.get() as instance:
+                wait_for(lambda: get_hold(instance) is not None, 300, "the credit sensor's hold")
+                held_at = time.monotonic()
+                wait_for(lambda: instance.get_run_by_id(run_id).is_finished, 60, "the run to be cancelled")
+                assert instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.CANCELED
+                cancelled_in = time.monotonic() - held_at
+                hold = get_hold(instance)
+                assert "account balance" in hold["reasons"][0] and hold["figures"]["account"]["limit_remaining_usd"] < 0.004
+                journal = data_dir_with_standin / "completions" / "B6" / "journal.jsonl"
+                records = read_journal(journal).records
+                assert records[-1]["type"] == "end"  # the journal is intact and closed
+                spent_requests = len(fake.billing.requests)
+
+                # While the hold stands, a new spending run does not spend.
+                second = client.submit_job_execution("eagle3_pipeline", tags={"dagster/partition": "B6"},
+                                                     run_config={"ops": {"completions": {"config": {"max_tokens": 48}}}})
+                wait_for(lambda: instance.get_run_by_id(second).is_finished, 120, "the second run to be stopped")
+                assert instance.get_run_by_id(second).status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)
+                assert len(fake.billing.requests) == spent_requests
+
+                # Top up, lift the hold, and the partition resumes to completion.
+                fake.settings.credit_usd = 10.0
+                lift_hold(instance)
+        finally:
+            os.killpg(dev.pid, 15)
+            dev.wait(30)
+        print(f"run cancelled {cancelled_in:.1f}s after the hold was set")
+        assert cancelled_in < 15
+        with dg.instance_for_test() as instance:
+            result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance,
+                                    resources=resources_for(data_dir_with_standin, url),
+                                    run_config={"ops": {"completions": {"config": {"max_tokens": 400}}}})
+        assert result.success
+        done, _ = final_results(journal)
+        assert len(done) == 28
