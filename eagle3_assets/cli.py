@@ -49,7 +49,10 @@ def dagster_home() -> Path:
 
 def run_pipeline(datasets: list[str] | None) -> int:
     import dagster as dg
-    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+    from dagster._core.storage.tags import (
+        ASSET_PARTITION_RANGE_END_TAG,
+        ASSET_PARTITION_RANGE_START_TAG,
+    )
 
     from eagle3_assets.registry import DATASETS
 

@@ -26,10 +26,18 @@ import dagster as dg
 from eagle3_assets.assets import PIPELINE_ASSETS
 from eagle3_assets.jobs import eagle3_pipeline, lift_spend_hold
 from eagle3_assets.schedules import missing_partitions_nightly
-from eagle3_assets.sensors import check_failure_alert, credit_sensor, openrouter_account, run_failure_alert
+from eagle3_assets.sensors import (
+    check_failure_alert,
+    credit_sensor,
+    openrouter_account,
+    run_failure_alert,
+)
 from eagle3_assets.spend import SpendPolicy
 from eagle3_resources.alerts import AlertSink
-from eagle3_resources.completions.resource import OPENROUTER_DEFAULT_URL, CompletionsResource
+from eagle3_resources.completions.resource import (
+    OPENROUTER_DEFAULT_URL,
+    CompletionsResource,
+)
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
 from eagle3_resources.storage import DataStore, default_data_dir
 from eagle3_resources.target.resource import TargetModelResource

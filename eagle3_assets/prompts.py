@@ -19,7 +19,10 @@ import polars as pl
 from eagle3_assets.registry import DatasetSpec
 from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
-from eagle3_resources.tokenizer.tool_declaration import ToolSchemaError, tools_to_typescript
+from eagle3_resources.tokenizer.tool_declaration import (
+    ToolSchemaError,
+    tools_to_typescript,
+)
 
 ROLES = ("system", "user", "assistant", "tool")
 JSON_SCHEMA_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}

@@ -7,6 +7,7 @@ from typing import Any
 
 import dagster as dg
 
+from eagle3_assets.completions import read_ledger
 from eagle3_assets.spend import (
     SpendPolicy,
     anomalies,
@@ -15,7 +16,6 @@ from eagle3_assets.spend import (
     figures,
     get_hold,
     lift_hold,
-    read_ledger,
     set_hold,
 )
 from eagle3_resources.alerts import AlertSink

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import dagster as dg
 import httpx
 from pydantic import Field
 
-from eagle3_assets.completions import Ledger, read_ledger
+from eagle3_assets.completions import Ledger
 
 HOLD_KEY = "eagle3/spend_hold"
 SPENDING_ASSET = dg.AssetKey("completions")

@@ -1,12 +1,16 @@
 """Completion backends against real parts: the stand-in model in-process, loopback HTTP servers."""
 
-import json
 
-import polars as pl
 import pytest
 from aiohttp import web
 
-from eagle3_assets.completions import Caps, build_requests, completions_frame, final_results, run_completions
+from eagle3_assets.completions import (
+    Caps,
+    build_requests,
+    completions_frame,
+    final_results,
+    run_completions,
+)
 from eagle3_assets.prompts import prompts_frame, read_prompts
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.token_ids import build_token_ids

@@ -1,12 +1,15 @@
 import json
 from collections import Counter
 
-import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.drafter.export import SGLANG_EAGLE3_KEYS, check_checkpoint, export_checkpoint
+from eagle3_assets.drafter.export import (
+    SGLANG_EAGLE3_KEYS,
+    check_checkpoint,
+    export_checkpoint,
+)
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.vocab import build_draft_vocab, effective_draft_vocab_size
 

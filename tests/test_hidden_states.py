@@ -1,10 +1,15 @@
-import json
 
 import polars as pl
 import pytest
 import torch
 
-from eagle3_assets.hidden_states import extract_hidden_states, read_manifest, read_sample, sample_path, write_manifest
+from eagle3_assets.hidden_states import (
+    extract_hidden_states,
+    read_manifest,
+    read_sample,
+    sample_path,
+    write_manifest,
+)
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 

@@ -9,10 +9,26 @@ import time
 
 import pytest
 
-from eagle3_assets.completions import Caps, Pricing, final_results, read_ledger, run_completions
+from eagle3_assets.completions import (
+    Caps,
+    Pricing,
+    final_results,
+    read_ledger,
+    run_completions,
+)
 from eagle3_resources.completions.openrouter import OpenRouterBackend
-from eagle3_resources.completions.sse import SSEDecoder, StreamedResponse, StreamError, fold_events
-from eagle3_resources.completions.types import CompletionRequest, ProviderRouting, RunFatalError, SamplingSettings
+from eagle3_resources.completions.sse import (
+    SSEDecoder,
+    StreamedResponse,
+    StreamError,
+    fold_events,
+)
+from eagle3_resources.completions.types import (
+    CompletionRequest,
+    ProviderRouting,
+    RunFatalError,
+    SamplingSettings,
+)
 from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
 

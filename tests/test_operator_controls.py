@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,22 @@ import dagster as dg
 import polars as pl
 import pytest
 from aiohttp import web
+from support import free_port, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.checks.completions import COMPLETION_CHECKS
-from eagle3_assets.checks.training import dataset_mix, drafter_accept_length, drafter_keys, hidden_state_finite, token_totals
+from eagle3_assets.checks.training import (
+    dataset_mix,
+    drafter_accept_length,
+    drafter_keys,
+    hidden_state_finite,
+    token_totals,
+)
 from eagle3_assets.completions import COMPLETION_COLUMNS, final_results
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.schedules import missing_partitions_nightly
-from eagle3_assets.sensors import check_failure_alert, credit_sensor, run_failure_alert
+from eagle3_assets.sensors import check_failure_alert, run_failure_alert
 from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import CompletionsResource
@@ -189,21 +195,6 @@ def test_schedule_requests_exactly_the_missing_partitions():
 # -- the credit sensor, live ---------------------------------------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.timeout(900)
 def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_standin, tok, monkeypatch):
     from dagster_graphql import DagsterGraphQLClient
@@ -258,8 +249,7 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
                 fake.settings.credit_usd = 10.0
                 lift_hold(instance)
         finally:
-            os.killpg(dev.pid, 15)
-            dev.wait(30)
+            stop_group(dev)
         print(f"run cancelled {cancelled_in:.1f}s after the hold was set")
         assert cancelled_in < 15
         with dg.instance_for_test() as instance:

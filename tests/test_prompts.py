@@ -3,7 +3,13 @@ import json
 import pytest
 
 from eagle3_assets.prompts import PromptFileError, read_prompts
-from eagle3_assets.registry import DATASETS, DatasetSpec, RegistryError, dataset_spec, load_registry
+from eagle3_assets.registry import (
+    DATASETS,
+    DatasetSpec,
+    RegistryError,
+    dataset_spec,
+    load_registry,
+)
 
 
 def spec_for(path, fmt="messages"):

@@ -8,7 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3_assets.completions import COMPLETION_COLUMNS, build_requests, completions_frame, run_completions
+from eagle3_assets.completions import (
+    COMPLETION_COLUMNS,
+    build_requests,
+    completions_frame,
+    run_completions,
+)
 from eagle3_assets.prompts import prompts_frame, read_prompts
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.token_ids import build_token_ids

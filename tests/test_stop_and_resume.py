@@ -16,6 +16,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from support import free_port, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
@@ -63,13 +64,6 @@ def materialize_b6(data_dir, fake, instance):
     return dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, resources=resources_for(data_dir, fake))
 
 
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ok_count(journal: Path) -> int:
@@ -80,21 +74,8 @@ def requests_per_prompt(fake) -> collections.Counter:
     return collections.Counter(json.dumps(b["messages"], sort_keys=True) for b in fake.billing.requests)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(900)

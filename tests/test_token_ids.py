@@ -1,9 +1,12 @@
-import json
 
 import polars as pl
 
 from eagle3_assets.completions import COMPLETION_COLUMNS
-from eagle3_assets.token_ids import build_token_ids, reconstruct_completion, token_ids_summary
+from eagle3_assets.token_ids import (
+    build_token_ids,
+    reconstruct_completion,
+    token_ids_summary,
+)
 
 SEP, END = 163607, 163586
 

@@ -3,8 +3,17 @@ import shutil
 
 import pytest
 
-from eagle3_resources.tokenizer.chat_format import DEFAULT_SYSTEM_PROMPT, TemplateVersion, render_messages
-from eagle3_resources.tokenizer.kimi import MAX_RUN_CHARS, KimiTokenizer, TokenizerFolderError, kimi_pieces
+from eagle3_resources.tokenizer.chat_format import (
+    DEFAULT_SYSTEM_PROMPT,
+    TemplateVersion,
+    render_messages,
+)
+from eagle3_resources.tokenizer.kimi import (
+    MAX_RUN_CHARS,
+    KimiTokenizer,
+    TokenizerFolderError,
+    kimi_pieces,
+)
 from eagle3_resources.tokenizer.special_tokens import KIMI_SPECIAL_TOKENS, VOCAB_SIZE
 
 REFERENCE_TABLE = {  # ../shared/reference/kimi-k25.md, written out here on purpose

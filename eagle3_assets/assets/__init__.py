@@ -1,6 +1,13 @@
 """The six pipeline assets, one module each; the logic they wire lives one package up."""
 
-from eagle3_assets.assets import completions, drafter, hidden_states, merged_dataset, raw_prompts, token_ids
+from eagle3_assets.assets import (
+    completions,
+    drafter,
+    hidden_states,
+    merged_dataset,
+    raw_prompts,
+    token_ids,
+)
 
 PIPELINE_ASSETS = [
     raw_prompts.raw_prompts,

@@ -1,6 +1,10 @@
 """`completions`: the target's answer to every prompt, journaled as it arrives."""
 
 
+import fcntl
+import time
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import dagster as dg
@@ -8,22 +12,26 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.raw_prompts import raw_prompts
-import fcntl
-import time
-from contextlib import contextmanager
-from pathlib import Path
-
 from eagle3_assets.checks.completions import COMPLETION_CHECKS
 from eagle3_assets.checks.outcome import CheckOutcome, check_specs, to_results
-from eagle3_assets.completions import Caps, Pricing, build_requests, completions_frame, final_results, run_completions
-from eagle3_assets.pilot import pilot_outcome, pilot_passed
-from eagle3_assets.spend import Ledger, SpendPolicy, get_hold, read_ledger
-from eagle3_assets.token_ids import build_token_ids
-from eagle3_resources.journal import Journal
+from eagle3_assets.completions import (
+    Caps,
+    Ledger,
+    Pricing,
+    build_requests,
+    completions_frame,
+    final_results,
+    read_ledger,
+    run_completions,
+)
 from eagle3_assets.metadata import json_value, markdown_table, path_value
+from eagle3_assets.pilot import pilot_outcome, pilot_passed
 from eagle3_assets.registry import dataset_partitions, dataset_spec
+from eagle3_assets.spend import SpendPolicy, get_hold
+from eagle3_assets.token_ids import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.completions.types import RunFatalError, SamplingSettings
+from eagle3_resources.journal import Journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -128,7 +136,7 @@ def completions(
         requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools)
         journal = store.layout.completions_journal(key)
 
-        def complete(batch):
+        def complete(batch, key=key, spec=spec, journal=journal):
             ledger = read_ledger(store.layout.all_completion_journals())
             return run_completions(key, batch, backend, settings, journal, caps=config.caps(spec.token_budget, spend_policy, ledger),
                                    pricing=config.pricing(), total_spent_usd=ledger.total_usd, day_spent_usd=ledger.day_usd,

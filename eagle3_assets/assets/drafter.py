@@ -7,7 +7,11 @@ from pydantic import Field
 
 from eagle3_assets.assets.hidden_states import hidden_states
 from eagle3_assets.checks.outcome import check_specs, to_results
-from eagle3_assets.checks.training import DRAFTER_CHECKS, drafter_accept_length, drafter_keys
+from eagle3_assets.checks.training import (
+    DRAFTER_CHECKS,
+    drafter_accept_length,
+    drafter_keys,
+)
 from eagle3_assets.drafter.export import check_checkpoint
 from eagle3_assets.drafter.pipeline import DrafterReport, train_drafter
 from eagle3_assets.drafter.train import TrainSettings

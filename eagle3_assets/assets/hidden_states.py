@@ -7,7 +7,12 @@ import polars as pl
 from eagle3_assets.assets.merged_dataset import merged_dataset
 from eagle3_assets.checks.outcome import check_specs, to_results
 from eagle3_assets.checks.training import HIDDEN_STATE_CHECKS, hidden_state_finite
-from eagle3_assets.hidden_states import extract_hidden_states, read_sample, sample_path, write_manifest
+from eagle3_assets.hidden_states import (
+    extract_hidden_states,
+    read_sample,
+    sample_path,
+    write_manifest,
+)
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
 from eagle3_resources.storage import DataStore

@@ -5,7 +5,12 @@ import dagster as dg
 import polars as pl
 
 from eagle3_assets.metadata import markdown_table, path_value
-from eagle3_assets.prompts import PromptFileError, prompts_frame, read_prompts, with_prompt_tokens
+from eagle3_assets.prompts import (
+    PromptFileError,
+    prompts_frame,
+    read_prompts,
+    with_prompt_tokens,
+)
 from eagle3_assets.registry import RegistryError, dataset_partitions, dataset_spec
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.resource import TokenizerResource

@@ -6,10 +6,10 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.completions import completions
-from eagle3_assets.metadata import json_value, markdown_table, path_value
-from eagle3_assets.registry import dataset_partitions
 from eagle3_assets.checks.outcome import check_specs, run_checks
 from eagle3_assets.checks.tokens import TOKEN_CHECKS
+from eagle3_assets.metadata import json_value, markdown_table, path_value
+from eagle3_assets.registry import dataset_partitions
 from eagle3_assets.token_ids import build_token_ids, token_ids_summary
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.resource import TokenizerResource

@@ -14,8 +14,18 @@ import torch
 from eagle3_assets.drafter.export import export_checkpoint
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, default_shape
 from eagle3_assets.drafter.target_weights import load_embed_and_head
-from eagle3_assets.drafter.train import TrainHistory, TrainSettings, evaluate, prepare_sample, train
-from eagle3_assets.drafter.vocab import build_draft_vocab, count_loss_tokens, effective_draft_vocab_size
+from eagle3_assets.drafter.train import (
+    TrainHistory,
+    TrainSettings,
+    evaluate,
+    prepare_sample,
+    train,
+)
+from eagle3_assets.drafter.vocab import (
+    build_draft_vocab,
+    count_loss_tokens,
+    effective_draft_vocab_size,
+)
 from eagle3_assets.hidden_states import read_manifest, read_sample, stored_samples
 
 

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from eagle3_resources.completions.types import CompletionRequest, CompletionResult, Emit, RequestFeed
+from eagle3_resources.completions.types import (
+    CompletionRequest,
+    CompletionResult,
+    Emit,
+    RequestFeed,
+)
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 

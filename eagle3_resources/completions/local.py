@@ -17,7 +17,13 @@ import asyncio
 import time
 from typing import Any
 
-from eagle3_resources.completions.types import CompletionRequest, CompletionResult, Emit, RequestFeed, SamplingSettings
+from eagle3_resources.completions.types import (
+    CompletionRequest,
+    CompletionResult,
+    Emit,
+    RequestFeed,
+    SamplingSettings,
+)
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, PAD, THINK_END
 

@@ -33,7 +33,12 @@ from eagle3_resources.completions.http import (
     retry_after_seconds,
     run_workers,
 )
-from eagle3_resources.completions.sse import SSEDecoder, StreamedResponse, StreamError, fold_events
+from eagle3_resources.completions.sse import (
+    SSEDecoder,
+    StreamedResponse,
+    StreamError,
+    fold_events,
+)
 from eagle3_resources.completions.throttle import AdaptiveLimiter
 from eagle3_resources.completions.types import (
     CompletionRequest,

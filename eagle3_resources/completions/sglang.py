@@ -25,7 +25,13 @@ from eagle3_resources.completions.http import (
     run_workers,
 )
 from eagle3_resources.completions.local import result_from_ids
-from eagle3_resources.completions.types import CompletionRequest, CompletionResult, Emit, RequestFeed, SamplingSettings
+from eagle3_resources.completions.types import (
+    CompletionRequest,
+    CompletionResult,
+    Emit,
+    RequestFeed,
+    SamplingSettings,
+)
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import EOS, IM_END
 

@@ -9,7 +9,6 @@ from typing import Any, Optional, Protocol
 import dagster as dg
 from pydantic import Field
 
-
 # FP4-class endpoints re-quantize Kimi's INT4 experts and produce different tokens.
 KIMI_QUANTIZATIONS = ["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 

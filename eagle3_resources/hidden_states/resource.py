@@ -33,6 +33,8 @@ class HiddenStatesResource(dg.ConfigurableResource):
                 str(target.folder(tokenizer, log)), tp_size=self.sglang_tp_size,
                 max_length=self.max_length, mem_fraction_static=self.sglang_mem_fraction,
             )
-        from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+        from eagle3_resources.hidden_states.transformers_backend import (
+            TransformersHiddenStates,
+        )
 
         return TransformersHiddenStates(target.load_model(tokenizer, log))

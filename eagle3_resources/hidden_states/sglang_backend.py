@@ -75,7 +75,10 @@ class SGLangHiddenStates:
     @torch.no_grad()
     def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from sglang.srt.model_executor.forward_batch_info import (
+            CaptureHiddenMode,
+            ForwardBatch,
+        )
         from sglang.srt.sampling.sampling_params import SamplingParams
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 

@@ -30,7 +30,10 @@ from eagle3_resources.tokenizer.special_tokens import (
     TOOL_CALLS_SECTION_BEGIN,
     TOOL_CALLS_SECTION_END,
 )
-from eagle3_resources.tokenizer.tool_declaration import tools_to_json, tools_to_typescript
+from eagle3_resources.tokenizer.tool_declaration import (
+    tools_to_json,
+    tools_to_typescript,
+)
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 

@@ -14,7 +14,8 @@ import base64
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence, Set as AbstractSet
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -64,7 +65,7 @@ def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> Iterator[str]:
     """Cut `text` so no piece has more than `max_run` consecutive (non-)whitespace characters.
 
     Same cut points as Kimi's `_split_whitespaces_or_nonwhitespaces` (whose `str.isspace` is what
-    `re`'s `\s` matches). Text without such a run, nearly all of it, is found so by one regex scan
+    `re`'s `\\s` matches). Text without such a run, nearly all of it, is found so by one regex scan
     and returned whole; only the rest walks character by character.
     """
     if max_run == MAX_RUN_CHARS and not _LONG_RUN.search(text):

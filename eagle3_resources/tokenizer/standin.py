@@ -23,7 +23,11 @@ from pathlib import Path
 import regex
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from eagle3_resources.tokenizer.kimi import KIMI_PAT_STR, KimiTokenizer, write_tiktoken_ranks
+from eagle3_resources.tokenizer.kimi import (
+    KIMI_PAT_STR,
+    KimiTokenizer,
+    write_tiktoken_ranks,
+)
 from eagle3_resources.tokenizer.special_tokens import (
     BOS,
     EOS,
