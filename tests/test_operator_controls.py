@@ -17,6 +17,7 @@ from support import free_port, stop_group, wait_for
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.checks.completions import COMPLETION_CHECKS
+from eagle3_assets.checks.outcome import per_dataset
 from eagle3_assets.checks.training import (
     dataset_mix,
     drafter_accept_length,
@@ -92,6 +93,20 @@ def test_completion_checks_pass_on_good_and_fail_on_bad_data():
     assert not COMPLETION_CHECKS["truncated_share"][0](completion_frame([{}] * 30 + [{"status": "truncated"}] * 6)).passed
     dup = completion_frame([{}] * 10 + [{"messages_json": json.dumps([{"role": "user", "content": "q0"}])}])
     assert not COMPLETION_CHECKS["no_duplicates"][0](dup).passed
+
+
+def test_checks_judge_each_dataset_of_a_multi_partition_run_on_its_own():
+    # B1: 6 of 30 failed (20%); B2..B5: none of 120. Together 6 of 150 = 4%, under the 5% limit.
+    bad = completion_frame([{}] * 24 + [{"status": "failed", "error_code": "502"}] * 6).with_columns(dataset=pl.lit("B1"))
+    good = [completion_frame([{}] * 30).with_columns(dataset=pl.lit(f"B{i}"), prompt_id=pl.format("g{}", "prompt_id"))
+            for i in range(2, 6)]
+    df = pl.concat([bad, *good])
+    assert COMPLETION_CHECKS["error_rate"][0](df).passed  # the aggregate would hide B1
+    outcome = per_dataset(COMPLETION_CHECKS, df)["error_rate"]
+    assert not outcome.passed
+    assert outcome.metadata["failed_datasets"] == ["B1"]
+    assert outcome.description.startswith("B1: 6 of 30 completions failed (20.0%") and "4 of 5 datasets pass" in outcome.description
+    assert per_dataset(COMPLETION_CHECKS, pl.concat(good))["error_rate"].passed
 
 
 def test_training_checks_pass_on_good_and_fail_on_bad_data(tmp_path):

@@ -13,7 +13,13 @@ from pydantic import Field
 
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.checks.completions import COMPLETION_CHECKS
-from eagle3_assets.checks.outcome import CheckOutcome, check_specs, to_results
+from eagle3_assets.checks.outcome import (
+    CheckOutcome,
+    check_specs,
+    combine,
+    per_dataset,
+    to_results,
+)
 from eagle3_assets.completions import (
     Caps,
     Ledger,
@@ -173,17 +179,9 @@ def completions(
             summaries.append({"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0,
                               "cost_usd": 0.0, "possible_double_spend": 0})
     df = pl.concat(frames)
-    failed_pilots = {k: o for k, o in pilots.items() if not o.passed}
-    if failed_pilots:
-        pilot_result = CheckOutcome(False, "; ".join(f"{k}: {o.description}" for k, o in failed_pilots.items()),
-                                    {k: o.metadata for k, o in failed_pilots.items()})
-    elif pilots:
-        pilot_result = CheckOutcome(True, "; ".join(f"{k}: {o.description}" for k, o in pilots.items()),
-                                    {k: o.metadata for k, o in pilots.items()})
-    else:
-        pilot_result = CheckOutcome(True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))
-    outcomes = {name: fn(df) for name, (fn, _) in COMPLETION_CHECKS.items()}
-    outcomes[PILOT_CHECK] = pilot_result
+    outcomes = per_dataset(COMPLETION_CHECKS, df)
+    outcomes[PILOT_CHECK] = combine(pilots) if pilots else CheckOutcome(
+        True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))
     counts = df["status"].value_counts()
     duration = sum(s["duration_s"] for s in summaries)
     return dg.MaterializeResult(

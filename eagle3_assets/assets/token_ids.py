@@ -6,7 +6,7 @@ import polars as pl
 from pydantic import Field
 
 from eagle3_assets.assets.completions import completions
-from eagle3_assets.checks.outcome import check_specs, run_checks
+from eagle3_assets.checks.outcome import check_specs, per_dataset, to_results
 from eagle3_assets.checks.tokens import TOKEN_CHECKS
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.registry import dataset_partitions
@@ -33,21 +33,21 @@ class TokenIdsConfig(dg.Config):
 )
 def token_ids(context: dg.AssetExecutionContext, config: TokenIdsConfig, store: DataStore, tokenizer: TokenizerResource) -> dg.MaterializeResult:
     tok = tokenizer.load()
-    frames, per_dataset = [], {}
+    frames, summaries = [], {}
     for key in context.partition_keys:
         df = build_token_ids(pl.read_parquet(store.layout.completions(key)), tok, mask_im_end=config.mask_im_end,
                              billed_includes_im_end=config.billed_includes_im_end)
         df.write_parquet(store.layout.ensure(store.layout.token_ids(key)))
-        per_dataset[key] = token_ids_summary(df)
-        context.log.info(f"{key}: {per_dataset[key]}")
+        summaries[key] = token_ids_summary(df)
+        context.log.info(f"{key}: {summaries[key]}")
         frames.append(df)
     df = pl.concat(frames)
     summary = token_ids_summary(df)
     return dg.MaterializeResult(
-        check_results=run_checks(TOKEN_CHECKS, df),
+        check_results=to_results(TOKEN_CHECKS, per_dataset(TOKEN_CHECKS, df)),
         metadata={
             **{k: v for k, v in summary.items() if v is not None},
-            "per_dataset": json_value(per_dataset),
+            "per_dataset": json_value(summaries),
             "path": path_value(store.layout.token_ids(context.partition_keys[0])),
             "preview": markdown_table(df, ["prompt_id", "prompt_len", "completion_len", "ids_source", "ids_match", "n_separators", "has_end"]),
         }

@@ -54,3 +54,26 @@ def to_results(checks: Checks, outcomes: dict[str, CheckOutcome]) -> list[dg.Ass
 def run_checks(checks: Checks, *args, **kwargs) -> list[dg.AssetCheckResult]:
     """Run checks that all take the same arguments."""
     return to_results(checks, {name: fn(*args, **kwargs) for name, (fn, _) in checks.items()})
+
+
+def combine(by_dataset: dict[str, CheckOutcome]) -> CheckOutcome:
+    """One outcome from one per dataset: it fails when any dataset fails, and says which and why."""
+    failed = [d for d, o in by_dataset.items() if not o.passed]
+    if len(by_dataset) == 1:
+        return next(iter(by_dataset.values()))
+    shown = failed or list(by_dataset)
+    description = "; ".join(f"{d}: {by_dataset[d].description}" for d in shown)
+    if failed:
+        description += f" ({len(by_dataset) - len(failed)} of {len(by_dataset)} datasets pass)"
+    return CheckOutcome(not failed, description,
+                        {"failed_datasets": failed, **{d: o.metadata for d, o in by_dataset.items()}})
+
+
+def per_dataset(checks: Checks, df: pl.DataFrame) -> dict[str, CheckOutcome]:
+    """Each check on each dataset (partition) of a run's frame.
+
+    A run may cover several partitions (a single-run backfill); an aggregate would let one bad
+    dataset hide behind nine good ones, so each is judged on its own.
+    """
+    parts = {key[0]: part for key, part in df.partition_by("dataset", as_dict=True, maintain_order=True).items()}
+    return {name: combine({d: fn(part) for d, part in parts.items()}) for name, (fn, _) in checks.items()}
