@@ -1,14 +1,18 @@
+import json
 
 import polars as pl
 import pytest
 import torch
 
+from eagle3_assets.checks.training import HIDDEN_STATE_CHECKS
 from eagle3_assets.hidden_states import (
+    MANIFEST,
     extract_hidden_states,
     read_manifest,
     read_sample,
     sample_path,
     write_manifest,
+    write_sample,
 )
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
@@ -51,3 +55,34 @@ def test_files_manifest_and_resume(target_model, tmp_path):
     assert "hidden_states[i+1]" in manifest["layer_convention"] and manifest["samples"] == {"train": 1, "eval": 1}
     again = extract_hidden_states(merged, backend, tmp_path, log=print)
     assert again.written == 0 and again.skipped == 2
+
+
+def test_hidden_state_checks_pass_on_good_and_fail_on_bad_files(target_model, tmp_path):
+    merged = pl.DataFrame({
+        "sample_id": ["A1/x", "A1/y"], "split": ["train", "eval"], "input_ids": [[5, 6, 7], [8, 9]],
+        "loss_mask": [[0, 1, 1], [0, 1]], "n_tokens": [3, 2],
+    }, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
+    backend = TransformersHiddenStates(target_model)
+    extract_hidden_states(merged, backend, tmp_path, log=print)
+    write_manifest(tmp_path, merged, backend, "standin")
+    file_checks = {name: fn for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
+    for name, fn in file_checks.items():
+        assert fn(tmp_path, merged).passed, name
+
+    # A sample whose aux states lost a layer: the shape check names it.
+    path = sample_path(tmp_path, "train", "A1/x")
+    s = read_sample(path)
+    write_sample(path, s["input_ids"].tolist(), s["loss_mask"].tolist(), s["aux_hidden_states"][:, :128], s["final_hidden_state"])
+    shapes = file_checks["shapes"](tmp_path, merged)
+    assert not shapes.passed and shapes.metadata["bad"][0]["sample"] == "A1/x"
+
+    # A manifest claiming layers off the EAGLE-3 rule.
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    (tmp_path / MANIFEST).write_text(json.dumps({**manifest, "aux_layer_ids": [2, 3, 4]}))
+    assert not file_checks["layer_ids"](tmp_path, merged).passed
+
+    # One sample missing, and (separately) one file too many.
+    assert not file_checks["record_count"](tmp_path, merged.head(1)).passed
+    path.unlink()
+    count = file_checks["record_count"](tmp_path, merged)
+    assert not count.passed and count.metadata["missing"] == ["A1/x"]

@@ -65,6 +65,8 @@ def combine(by_dataset: dict[str, CheckOutcome]) -> CheckOutcome:
     description = "; ".join(f"{d}: {by_dataset[d].description}" for d in shown)
     if failed:
         description += f" ({len(by_dataset) - len(failed)} of {len(by_dataset)} datasets pass)"
+    else:
+        description = f"all {len(by_dataset)} datasets pass. {description}"
     return CheckOutcome(not failed, description,
                         {"failed_datasets": failed, **{d: o.metadata for d, o in by_dataset.items()}})
 

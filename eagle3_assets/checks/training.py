@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 from safetensors import safe_open
@@ -43,29 +42,22 @@ def token_totals(merged: pl.DataFrame, *_) -> CheckOutcome:
     )
 
 
-def _stored_shapes(root: Path, merged: pl.DataFrame) -> dict[str, Any]:
-    missing, bad, checked = [], [], 0
-    manifest = read_manifest(root)
-    H = manifest["hidden_size"]
+def hidden_state_shapes(root: Path, merged: pl.DataFrame) -> CheckOutcome:
+    """Every stored sample has ids [L], mask [L], aux [L, 3H] and final [L, H]."""
+    H = read_manifest(root)["hidden_size"]
+    bad, checked = [], 0
     for sample_id, split, n in merged.select("sample_id", "split", "n_tokens").rows():
         path = sample_path(root, split, sample_id)
         if not path.exists():
-            missing.append(sample_id)
-            continue
-        with safe_open(str(path), framework="pt") as f:
+            continue  # hidden_state_count reports missing files
+        with safe_open(str(path), framework="pt") as f:  # reads the header only
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         checked += 1
         want = {"input_ids": (n,), "loss_mask": (n,), "aux_hidden_states": (n, 3 * H), "final_hidden_state": (n, H)}
         if shapes != want:
             bad.append({"sample": sample_id, "shapes": {k: list(v) for k, v in shapes.items()}})
-    return {"missing": missing, "bad": bad, "checked": checked, "hidden_size": H}
-
-
-def hidden_state_shapes(root: Path, merged: pl.DataFrame) -> CheckOutcome:
-    """Every stored sample has ids [L], mask [L], aux [L, 3H] and final [L, H]."""
-    s = _stored_shapes(root, merged)
-    return CheckOutcome(not s["bad"], f"{s['checked'] - len(s['bad'])} of {s['checked']} stored samples have the expected shapes",
-                        {"hidden_size": s["hidden_size"], "bad": s["bad"][:20]})
+    return CheckOutcome(not bad, f"{checked - len(bad)} of {checked} stored samples have the expected shapes",
+                        {"hidden_size": H, "bad": bad[:20]})
 
 
 def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
@@ -79,11 +71,11 @@ def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
 
 def hidden_state_count(root: Path, merged: pl.DataFrame) -> CheckOutcome:
     """One stored file per merged sample, no more, no fewer."""
-    s = _stored_shapes(root, merged)
+    missing = [sid for sid, split in merged.select("sample_id", "split").rows() if not sample_path(root, split, sid).exists()]
     files = sum(1 for _ in root.glob("*/*.safetensors"))
-    return CheckOutcome(not s["missing"] and files == merged.height,
-                        f"{files} files for {merged.height} merged samples ({len(s['missing'])} missing)",
-                        {"files": files, "samples": merged.height, "missing": s["missing"][:20]})
+    return CheckOutcome(not missing and files == merged.height,
+                        f"{files} files for {merged.height} merged samples ({len(missing)} missing)",
+                        {"files": files, "samples": merged.height, "missing": missing[:20]})
 
 
 def hidden_state_finite(nan_samples: list[str]) -> CheckOutcome:
