@@ -1,0 +1,97 @@
+"""The credit sensor's decisions as plain functions: thresholds, anomalies, which runs spend, cancelling."""
+
+import time
+import uuid
+
+import dagster as dg
+from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
+from dagster._core.remote_origin import (
+    RegisteredCodeLocationOrigin,
+    RemoteJobOrigin,
+    RemoteRepositoryOrigin,
+)
+
+from eagle3_assets.completions import Ledger
+from eagle3_assets.definitions import defs
+from eagle3_assets.spend import (
+    Account,
+    SpendPolicy,
+    anomalies,
+    cancel_spending,
+    crossed,
+    spends,
+)
+
+LEDGER = Ledger(total_usd=12.0, day_usd=3.0, by_run_usd={"run-a": 2.0, "run-b": 7.5})
+
+
+def test_each_threshold_is_crossed_with_its_figures():
+    account = Account(usage_usd=12.0, limit_remaining_usd=4.0, t=0.0)
+    assert crossed(SpendPolicy(), account, LEDGER) == []  # nothing set, nothing enforced
+    assert crossed(SpendPolicy(min_balance_usd=3.0, max_run_usd=8, max_day_usd=3.0, max_total_usd=12.0), account, LEDGER) == []
+    (balance,) = crossed(SpendPolicy(min_balance_usd=5.0), account, LEDGER)
+    assert "$4.00 < minimum $5.00" in balance
+    (run,) = crossed(SpendPolicy(max_run_usd=5.0), account, LEDGER)
+    assert run.startswith("run run-b spent $7.50")
+    assert "today $3.00 > $2.00" in crossed(SpendPolicy(max_day_usd=2.0), account, LEDGER)[0]
+    assert "in all $12.00 > $10.00" in crossed(SpendPolicy(max_total_usd=10.0), account, LEDGER)[0]
+    # Without the account, the ledger's thresholds still hold and the balance one cannot fire.
+    assert len(crossed(SpendPolicy(min_balance_usd=5.0, max_total_usd=10.0), None, LEDGER)) == 1
+
+
+def test_anomalies_name_the_figures_that_moved_the_wrong_way():
+    before = {"usage_usd": 12.0, "limit_remaining_usd": 4.0}
+    assert anomalies(before, Account(12.5, 3.5, 0.0), LEDGER, tolerance=1.0) == []
+    (down,) = anomalies(before, Account(11.0, 3.5, 0.0), LEDGER, tolerance=5.0)
+    assert "usage went DOWN from $12.0000 to $11.0000" in down
+    (up,) = anomalies(before, Account(12.5, 9.0, 0.0), LEDGER, tolerance=1.0)
+    assert "balance went UP from $4.0000 to $9.0000" in up
+    (apart,) = anomalies(None, Account(20.0, 1.0, 0.0), LEDGER, tolerance=1.0)
+    assert "ledger $12.0000 and account usage $20.0000 differ" in apart
+    assert anomalies(before, None, LEDGER, tolerance=1.0) == []
+
+
+def _run(instance, job_name, asset_selection=None, status=dg.DagsterRunStatus.QUEUED, tags=None):
+    """A run as the UI or the CLI would queue it (a queued run must name the code location it comes from)."""
+    origin = RemoteJobOrigin(repository_origin=RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("eagle3"), "__repository__"),
+                             job_name=job_name)
+    run = dg.DagsterRun(job_name=job_name, run_id=str(uuid.uuid4()), status=status, tags=tags or {}, remote_job_origin=origin,
+                        asset_selection=frozenset(asset_selection) if asset_selection is not None else None)
+    return instance.add_run(run)
+
+
+def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled():
+    overrides = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
+    with dg.instance_for_test(overrides=overrides) as instance:
+        # An asset job selecting completions (how the UI's Materialize and `dagster asset materialize` launch),
+        # the pipeline job with no selection (`dagster job launch`), and runs that do not buy completions.
+        materialize = _run(instance, "__ASSET_JOB", {dg.AssetKey("raw_prompts"), dg.AssetKey("completions")})
+        pipeline = _run(instance, "eagle3_pipeline")
+        downstream = _run(instance, "eagle3_pipeline", {dg.AssetKey("token_ids"), dg.AssetKey("merged_dataset")})
+        other = _run(instance, "lift_spend_hold")
+        marked = _run(instance, "some_script_job", tags={"eagle3/spends": "true"})
+        finished = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.SUCCESS)
+        assert [spends(r) for r in (materialize, pipeline, downstream, other, marked)] == [True, True, False, False, True]
+
+        graph = defs.resolve_asset_graph()
+        backfill = PartitionBackfill.from_asset_partitions(
+            backfill_id="bf-spend", asset_graph=graph, partition_names=["A1", "B8"],
+            asset_selection=[dg.AssetKey("raw_prompts"), dg.AssetKey("completions")], backfill_timestamp=time.time(), tags={},
+            dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None)
+        harmless = PartitionBackfill.from_asset_partitions(
+            backfill_id="bf-ids", asset_graph=graph, partition_names=["A1"],
+            asset_selection=[dg.AssetKey("token_ids")], backfill_timestamp=time.time(), tags={},
+            dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None)
+        instance.add_backfill(backfill)
+        instance.add_backfill(harmless)
+
+        cancelled, stopped = cancel_spending(instance)
+
+        assert sorted(cancelled) == sorted([materialize.run_id, pipeline.run_id, marked.run_id])
+        assert stopped == ["bf-spend"]
+        status = {r.run_id: instance.get_run_by_id(r.run_id).status for r in (materialize, pipeline, downstream, other, marked, finished)}
+        assert status[materialize.run_id] == status[pipeline.run_id] == status[marked.run_id] == dg.DagsterRunStatus.CANCELED
+        assert status[downstream.run_id] == status[other.run_id] == dg.DagsterRunStatus.QUEUED
+        assert status[finished.run_id] == dg.DagsterRunStatus.SUCCESS
+        assert instance.get_backfill("bf-spend").status == BulkActionStatus.CANCELING
+        assert instance.get_backfill("bf-ids").status == BulkActionStatus.REQUESTED
