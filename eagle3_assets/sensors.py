@@ -7,10 +7,12 @@ from typing import Any
 
 import dagster as dg
 
-from eagle3_assets.completions import read_ledger
+from eagle3_assets.completions import Ledger, read_ledger
 from eagle3_assets.spend import (
+    Account,
+    LedgerGap,
     SpendPolicy,
-    anomalies,
+    account_moves,
     cancel_spending,
     crossed,
     figures,
@@ -33,7 +35,7 @@ openrouter_account = dg.AssetSpec(
            "every queued or running run that buys completions and keeps cancelling them until the hold is lifted.")
 def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy, store: DataStore, alerts: AlertSink):
     instance = context.instance
-    previous = json.loads(context.cursor) if context.cursor else None
+    cursor = json.loads(context.cursor) if context.cursor else {}
     try:
         account = spend_policy.read_account()
     except Exception as e:  # the ledger still protects us; say so loudly
@@ -55,9 +57,7 @@ def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy
         if cancelled or stopped:
             alerts.send("Spending runs cancelled while the hold stands",
                         {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]}, context.log.warning)
-    found = anomalies(previous, account, ledger, spend_policy.ledger_tolerance_usd)
-    for a in found:
-        alerts.send(f"Spend anomaly: {a}", figs, context.log.warning)
+    found, gap = _watch_account(cursor, account, ledger, spend_policy.ledger_tolerance_usd, figs, alerts, context.log)
     metadata: dict[str, Any] = {
         "ledger_total_usd": round(ledger.total_usd, 6),
         "ledger_today_usd": round(ledger.day_usd, 6),
@@ -68,8 +68,33 @@ def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy
         metadata["account_usage_usd"] = round(account.usage_usd, 6)
         if account.limit_remaining_usd is not None:
             metadata["account_remaining_usd"] = round(account.limit_remaining_usd, 6)
-    cursor = json.dumps(asdict(account)) if account is not None else context.cursor
-    return dg.SensorResult(asset_events=[dg.AssetObservation(asset_key=ACCOUNT_ASSET, metadata=metadata)], cursor=cursor)
+        metadata["account_minus_ledger_offset_usd"] = round(gap.offset_usd, 6)
+        metadata["drift_usd"] = round(gap.drift_usd, 6)
+        cursor = {"account": asdict(account), "offset_usd": gap.offset_usd, "gap_open": gap.open}
+    return dg.SensorResult(asset_events=[dg.AssetObservation(asset_key=ACCOUNT_ASSET, metadata=metadata)],
+                           cursor=json.dumps(cursor))
+
+
+def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Ledger, tolerance: float,
+                   figs: dict[str, Any], alerts: AlertSink, log) -> tuple[list[str], LedgerGap | None]:
+    """Alert on anomalies: account moves (events, each alerted) and ledger drift (a level: alerted when it opens or closes)."""
+    found = account_moves(cursor.get("account"), account)
+    for move in found:
+        alerts.send(f"Spend anomaly: {move}", figs, log.warning)
+    if account is None:
+        return found, None
+    gap = LedgerGap.measure(cursor, account, ledger, tolerance)
+    if cursor.get("offset_usd") is None and abs(gap.offset_usd) > tolerance:
+        alerts.send(f"Account usage and the ledger start ${gap.offset_usd:+.4f} apart (the key has spent elsewhere); "
+                    "from now on drift from this offset is watched", figs, log.info)
+    if gap.open:
+        found.append(gap.describe(account, ledger, tolerance))
+    if gap.open != bool(cursor.get("gap_open")):
+        if gap.open:
+            alerts.send(f"Spend anomaly: {found[-1]}", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.warning)
+        else:
+            alerts.send("Ledger and account agree again", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.info)
+    return found, gap
 
 
 def _failed_checks(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, Any]]:

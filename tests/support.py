@@ -8,6 +8,8 @@ import socket
 import subprocess
 import time
 
+from aiohttp import web
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,3 +36,16 @@ def stop_group(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class Webhook:
+    """A loopback webhook receiver that keeps every alert it is sent."""
+
+    def __init__(self):
+        self.alerts = []
+        self.app = web.Application()
+        self.app.router.add_post("/hook", self.receive)
+
+    async def receive(self, request):
+        self.alerts.append(await request.json())
+        return web.Response(text="ok")

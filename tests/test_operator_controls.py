@@ -11,8 +11,7 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 import pytest
-from aiohttp import web
-from support import free_port, stop_group, wait_for
+from support import Webhook, free_port, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
@@ -40,19 +39,6 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "k-ops"
-
-
-class Webhook:
-    """A loopback webhook receiver that keeps every alert it is sent."""
-
-    def __init__(self):
-        self.alerts = []
-        self.app = web.Application()
-        self.app.router.add_post("/hook", self.receive)
-
-    async def receive(self, request):
-        self.alerts.append(await request.json())
-        return web.Response(text="ok")
 
 
 @pytest.fixture

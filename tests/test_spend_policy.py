@@ -1,26 +1,35 @@
-"""The credit sensor's decisions as plain functions: thresholds, anomalies, which runs spend, cancelling."""
+"""The credit sensor's decisions: thresholds, anomalies and their alerts, which runs spend, cancelling."""
 
 import time
 import uuid
 
 import dagster as dg
+from aiohttp import web
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.remote_origin import (
     RegisteredCodeLocationOrigin,
     RemoteJobOrigin,
     RemoteRepositoryOrigin,
 )
+from support import Webhook
 
 from eagle3_assets.completions import Ledger
 from eagle3_assets.definitions import defs
+from eagle3_assets.sensors import credit_sensor
 from eagle3_assets.spend import (
     Account,
+    LedgerGap,
     SpendPolicy,
-    anomalies,
+    account_moves,
     cancel_spending,
     crossed,
+    get_hold,
     spends,
 )
+from eagle3_resources.alerts import AlertSink
+from eagle3_resources.fake_openrouter import ServerThread
+from eagle3_resources.journal import Journal
+from eagle3_resources.storage import DataStore
 
 LEDGER = Ledger(total_usd=12.0, day_usd=3.0, by_run_usd={"run-a": 2.0, "run-b": 7.5})
 
@@ -39,16 +48,69 @@ def test_each_threshold_is_crossed_with_its_figures():
     assert len(crossed(SpendPolicy(min_balance_usd=5.0, max_total_usd=10.0), None, LEDGER)) == 1
 
 
-def test_anomalies_name_the_figures_that_moved_the_wrong_way():
+def test_account_moves_name_the_figures_that_moved_the_wrong_way():
     before = {"usage_usd": 12.0, "limit_remaining_usd": 4.0}
-    assert anomalies(before, Account(12.5, 3.5, 0.0), LEDGER, tolerance=1.0) == []
-    (down,) = anomalies(before, Account(11.0, 3.5, 0.0), LEDGER, tolerance=5.0)
+    assert account_moves(before, Account(12.5, 3.5, 0.0)) == []
+    (down,) = account_moves(before, Account(11.0, 3.5, 0.0))
     assert "usage went DOWN from $12.0000 to $11.0000" in down
-    (up,) = anomalies(before, Account(12.5, 9.0, 0.0), LEDGER, tolerance=1.0)
+    (up,) = account_moves(before, Account(12.5, 9.0, 0.0))
     assert "balance went UP from $4.0000 to $9.0000" in up
-    (apart,) = anomalies(None, Account(20.0, 1.0, 0.0), LEDGER, tolerance=1.0)
-    assert "ledger $12.0000 and account usage $20.0000 differ" in apart
-    assert anomalies(before, None, LEDGER, tolerance=1.0) == []
+    assert account_moves(None, Account(1.0, 1.0, 0.0)) == [] and account_moves(before, None) == []
+
+
+def test_ledger_gap_is_drift_from_the_first_reading():
+    # The key had spent $8 before this project: not an anomaly, an offset.
+    first = LedgerGap.measure({}, Account(20.0, 1.0, 0.0), LEDGER, tolerance=1.0)
+    assert first.offset_usd == 8.0 and first.drift_usd == 0.0 and not first.open
+    later = LedgerGap.measure({"offset_usd": 8.0}, Account(21.5, 1.0, 0.0), LEDGER, tolerance=1.0)
+    assert later.open and later.drift_usd == 1.5
+    assert "drifted $+1.5000" in later.describe(Account(21.5, 1.0, 0.0), LEDGER, 1.0)
+
+
+class FakeAccount:
+    """A loopback OpenRouter /key endpoint whose figures the test sets."""
+
+    def __init__(self, usage, remaining):
+        self.usage, self.remaining = usage, remaining
+        self.app = web.Application()
+        self.app.router.add_get("/api/v1/key", self.key)
+
+    async def key(self, request):
+        return web.json_response({"data": {"usage": self.usage, "limit_remaining": self.remaining}})
+
+
+def test_credit_sensor_alerts_an_anomaly_once_when_it_opens_and_once_when_it_closes(tmp_path):
+    hook = Webhook()
+    account = FakeAccount(usage=5.0, remaining=95.0)
+    journal = DataStore(root=str(tmp_path)).layout.completions_journal("A1")
+    with ServerThread(hook.app) as hook_server, ServerThread(account.app) as account_server, dg.instance_for_test() as instance:
+        resources = {"spend_policy": SpendPolicy(account_base_url=f"{account_server.base_url}/api/v1", account_api_key="k"),
+                     "store": DataStore(root=str(tmp_path)), "alerts": AlertSink(webhook_url=f"{hook_server.base_url}/hook")}
+        cursor = None
+
+        def tick():
+            nonlocal cursor
+            context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources)
+            result = credit_sensor(context)
+            cursor = result.cursor
+            titles = [a["title"] for a in hook.alerts]
+            hook.alerts.clear()
+            return titles, result.asset_events[0].metadata
+
+        titles, _ = tick()  # the key spent $5 before the project: said once, as an offset
+        assert len(titles) == 1 and titles[0].startswith("Account usage and the ledger start $+5.0000 apart")
+        assert tick()[0] == []
+        account.usage, account.remaining = 7.5, 92.5  # $2.50 billed that no journal knows of
+        titles, metadata = tick()
+        assert len(titles) == 1 and "drifted $+2.5000" in titles[0] and metadata["drift_usd"].value == 2.5
+        assert tick()[0] == []  # still open: not alerted again
+        with Journal(journal) as j:  # the journal catches up (e.g. an orphan's look-up)
+            j.append({"type": "result", "cost_usd": 2.5, "t": time.time()})
+        assert tick()[0] == ["Ledger and account agree again"]
+        account.usage, account.remaining = 7.0, 93.0  # an account never un-spends
+        titles, _ = tick()
+        assert any("usage went DOWN" in t for t in titles) and any("balance went UP" in t for t in titles)
+        assert get_hold(instance) is None
 
 
 def _run(instance, job_name, asset_selection=None, status=dg.DagsterRunStatus.QUEUED, tags=None):
