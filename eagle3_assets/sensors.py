@@ -36,12 +36,18 @@ openrouter_account = dg.AssetSpec(
 def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy, store: DataStore, alerts: AlertSink):
     instance = context.instance
     cursor = json.loads(context.cursor) if context.cursor else {}
+    ledger = read_ledger(store.layout.all_completion_journals())
     try:
         account = spend_policy.read_account()
-    except Exception as e:  # the ledger still protects us; say so loudly
-        context.log.warning(f"could not read the account ({type(e).__name__}: {e}); deciding on the ledger alone")
+        if account is not None and cursor.pop("account_unreadable", None):
+            alerts.send("The account can be read again", figures(account, ledger), context.log.info)
+    except Exception as e:  # the ledger still protects us; say so loudly, once
+        message = f"could not read the account ({type(e).__name__}: {e}); the balance threshold is not enforced, the ledger's are"
+        context.log.warning(message)
+        if not cursor.get("account_unreadable"):
+            alerts.send("Spend watch degraded: " + message, figures(None, ledger), context.log.warning)
+        cursor["account_unreadable"] = True
         account = None
-    ledger = read_ledger(store.layout.all_completion_journals())
     figs = figures(account, ledger)
     reasons = crossed(spend_policy, account, ledger)
     hold = get_hold(instance)

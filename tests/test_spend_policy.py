@@ -71,15 +71,17 @@ class FakeAccount:
     """A loopback OpenRouter /key endpoint whose figures the test sets."""
 
     def __init__(self, usage, remaining):
-        self.usage, self.remaining = usage, remaining
+        self.usage, self.remaining, self.down = usage, remaining, False
         self.app = web.Application()
         self.app.router.add_get("/api/v1/key", self.key)
 
     async def key(self, request):
+        if self.down:
+            return web.json_response({"error": {"code": 503, "message": "unavailable"}}, status=503)
         return web.json_response({"data": {"usage": self.usage, "limit_remaining": self.remaining}})
 
 
-def test_credit_sensor_alerts_an_anomaly_once_when_it_opens_and_once_when_it_closes(tmp_path):
+def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_closes(tmp_path):
     hook = Webhook()
     account = FakeAccount(usage=5.0, remaining=95.0)
     journal = DataStore(root=str(tmp_path)).layout.completions_journal("A1")
@@ -110,6 +112,12 @@ def test_credit_sensor_alerts_an_anomaly_once_when_it_opens_and_once_when_it_clo
         account.usage, account.remaining = 7.0, 93.0  # an account never un-spends
         titles, _ = tick()
         assert any("usage went DOWN" in t for t in titles) and any("balance went UP" in t for t in titles)
+        account.down = True  # the balance threshold cannot be enforced: said once, and once when it is back
+        titles, _ = tick()
+        assert len(titles) == 1 and titles[0].startswith("Spend watch degraded: could not read the account (HTTPStatusError")
+        assert tick()[0] == []
+        account.down = False
+        assert tick()[0] == ["The account can be read again"]
         assert get_hold(instance) is None
 
 
