@@ -32,6 +32,14 @@ telemetry:
 concurrency:
   runs:
     max_concurrent_runs: 4
+    # One queued run per dataset at a time: a second waits in the queue. (Runs executed in-process,
+    # such as `dagster asset materialize`, bypass the queue; the completions asset's lock still
+    # fails a second spending run on the same dataset at once.)
+    tag_concurrency_limits:
+      - key: dagster/partition
+        value:
+          applyLimitPerUniqueValue: true
+        limit: 1
   pools:
     # Steps in a pool (hidden_states and eagle3_drafter are in "gpu") run one at a time.
     default_limit: 1

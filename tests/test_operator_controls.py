@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 from support import Webhook, free_port, stop_group, wait_for
 
-from eagle3_assets.assets.completions import completions
+from eagle3_assets.assets.completions import completions, partition_lock
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.checks.completions import COMPLETION_CHECKS
 from eagle3_assets.checks.outcome import per_dataset
@@ -127,6 +127,18 @@ def test_a_pilot_of_malformed_data_stops_the_partition(tmp_path, data_dir_with_s
     assert not pilot_check.passed and "with tools" in pilot_check.description
     journal = data_dir_with_standin / "completions" / "A2" / "journal.jsonl"
     assert [r for r in read_journal(journal).records if r.get("type") == "pilot"][0]["passed"] is False
+
+
+def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp_path, data_dir_with_standin, tok):
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY))
+    journal = data_dir_with_standin / "completions" / "B7" / "journal.jsonl"
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance, partition_lock(journal, "run-holding-b7"):
+        result = dg.materialize([raw_prompts, completions], partition_key="B7", instance=instance, raise_on_error=False,
+                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"))
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "B7 is being completed by run run-holding-b7" in failure.event_specific_data.error.message
+    assert fake.billing.requests == []
 
 
 # -- alerts --------------------------------------------------------------------------------
