@@ -18,6 +18,13 @@ from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 
+def two_samples() -> pl.DataFrame:
+    return pl.DataFrame({
+        "sample_id": ["A1/x", "A1/y"], "split": ["train", "eval"], "input_ids": [[5, 6, 7], [8, 9]],
+        "loss_mask": [[0, 1, 1], [0, 1]], "n_tokens": [3, 2],
+    }, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
+
+
 def test_layer_rule():
     assert eagle3_aux_layers(61) == [1, 29, 57]  # Kimi-K2.x
     assert eagle3_aux_layers(8) == [1, 3, 4]  # the stand-in
@@ -39,10 +46,7 @@ def test_captured_layers_are_layer_outputs(target_model):
 
 
 def test_files_manifest_and_resume(target_model, tmp_path):
-    merged = pl.DataFrame({
-        "sample_id": ["A1/x", "A1/y"], "split": ["train", "eval"], "input_ids": [[5, 6, 7], [8, 9]],
-        "loss_mask": [[0, 1, 1], [0, 1]], "n_tokens": [3, 2],
-    }, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
+    merged = two_samples()
     backend = TransformersHiddenStates(target_model)
     report = extract_hidden_states(merged, backend, tmp_path, log=print)
     assert report.written == 2 and not report.nan_samples
@@ -58,10 +62,7 @@ def test_files_manifest_and_resume(target_model, tmp_path):
 
 
 def test_hidden_state_checks_pass_on_good_and_fail_on_bad_files(target_model, tmp_path):
-    merged = pl.DataFrame({
-        "sample_id": ["A1/x", "A1/y"], "split": ["train", "eval"], "input_ids": [[5, 6, 7], [8, 9]],
-        "loss_mask": [[0, 1, 1], [0, 1]], "n_tokens": [3, 2],
-    }, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
+    merged = two_samples()
     backend = TransformersHiddenStates(target_model)
     extract_hidden_states(merged, backend, tmp_path, log=print)
     write_manifest(tmp_path, merged, backend, "standin")
