@@ -6,6 +6,9 @@ from dataclasses import asdict
 from typing import Any
 
 import dagster as dg
+from dagster._core.storage.asset_check_execution_record import (
+    AssetCheckExecutionRecordStatus,
+)
 
 from eagle3_assets.completions import Ledger, read_ledger
 from eagle3_assets.spend import (
@@ -113,40 +116,75 @@ def _failed_checks(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, 
     return out
 
 
+def _partition_label(run: dg.DagsterRun | None) -> str:
+    if run is None:
+        return ""
+    tags = run.tags
+    if tags.get("dagster/partition"):
+        return f" [{tags['dagster/partition']}]"
+    if tags.get("dagster/asset_partition_range_start"):
+        return f" [{tags['dagster/asset_partition_range_start']}...{tags.get('dagster/asset_partition_range_end')}]"
+    return ""
+
+
 @dg.run_failure_sensor(name="run_failure_alert", default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=10,
                        description="Alerts on every failed run, with its error and the blocking checks that failed it.")
 def run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertSink):
     run = context.dagster_run
-    partition = run.tags.get("dagster/partition") or (
-        f"{run.tags.get('dagster/asset_partition_range_start')}...{run.tags.get('dagster/asset_partition_range_end')}"
-        if run.tags.get("dagster/asset_partition_range_start") else None)
-    alerts.send(f"Run failed: {run.job_name}" + (f" [{partition}]" if partition else ""), {
+    alerts.send(f"Run failed: {run.job_name}{_partition_label(run)}", {
         "run_id": run.run_id,
         "error": context.failure_event.message,
         "failed_checks": _failed_checks(context.instance, run.run_id),
     }, context.log.error)
 
 
+CHECK_HISTORY_WINDOW = 200  # executions of one check read per tick; far more than run between two ticks
+
+
+def _resolved(instance: dg.DagsterInstance, record) -> bool:
+    if record.status != AssetCheckExecutionRecordStatus.PLANNED:
+        return True
+    run = instance.get_run_by_id(record.run_id)  # a check planned by a run that ended never evaluates
+    return run is None or run.is_finished
+
+
 @dg.sensor(name="check_failure_alert", minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Alerts once per failed non-blocking asset check (blocking ones fail their run: run_failure_alert).")
 def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
-    """A cursor over each check's latest execution (works on every event storage, SQLite included).
+    """Every failed evaluation of every non-blocking check, once, with its figures.
 
-    If one check runs twice between two ticks only its latest failure is alerted.
+    Per check the cursor keeps a watermark (the oldest execution still in flight at the last tick:
+    runs of several partitions evaluate the same check concurrently and finish in any order) and
+    the ids above it already handled. On first sight of a check only its latest execution counts.
+    (A per-check history rather than a global event cursor: SQLite event storage is run-sharded.)
     """
-    seen: dict[str, int] = json.loads(context.cursor) if context.cursor else {}
-    keys = list(context.repository_def.asset_graph.asset_check_keys)
-    latest = context.instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
-    for key, record in sorted(latest.items(), key=lambda kv: kv[1].id):
-        name = key.to_user_string()
-        event = record.event.dagster_event if record.event is not None else None
-        if seen.get(name) == record.id or event is None or event.event_type != dg.DagsterEventType.ASSET_CHECK_EVALUATION:
-            continue  # already alerted, or only planned so far
-        seen[name] = record.id
-        ev = record.event.dagster_event.asset_check_evaluation_data
-        if ev.passed or ev.blocking:
+    state: dict[str, dict[str, Any]] = json.loads(context.cursor) if context.cursor else {}
+    instance = context.instance
+    storage = instance.event_log_storage
+    for key in sorted(context.repository_def.asset_graph.asset_check_keys, key=lambda k: k.to_user_string()):
+        name = f"{key.asset_key.to_user_string()}.{key.name}"
+        records = sorted(storage.get_asset_check_execution_history(key, limit=CHECK_HISTORY_WINDOW), key=lambda r: r.id)
+        if not records:
             continue
-        figs = {"severity": ev.severity.value, "description": ev.description, "run_id": record.run_id}
-        figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
-        alerts.send(f"Check failed: {ev.asset_key.to_user_string()}.{ev.check_name}", figs, context.log.warning)
-    return dg.SensorResult(cursor=json.dumps(seen, sort_keys=True))
+        mine = state.get(name, {"from": records[-1].id, "handled": []})
+        handled = set(mine["handled"])
+        pending = []
+        for record in records:
+            if record.id < mine["from"] or record.id in handled:
+                continue
+            if not _resolved(instance, record):
+                pending.append(record.id)
+                continue
+            handled.add(record.id)
+            if record.status != AssetCheckExecutionRecordStatus.FAILED or record.event is None:
+                continue
+            ev = record.event.dagster_event.asset_check_evaluation_data
+            if ev.blocking:
+                continue  # it failed its run: run_failure_alert says so
+            figs = {"severity": ev.severity.value, "description": ev.description, "run_id": record.run_id}
+            figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
+            label = _partition_label(instance.get_run_by_id(record.run_id))
+            alerts.send(f"Check failed: {name}{label}", figs, context.log.warning)
+        start = min(pending) if pending else records[-1].id + 1
+        state[name] = {"from": start, "handled": sorted(i for i in handled if i >= start)}
+    return dg.SensorResult(cursor=json.dumps(state, sort_keys=True))

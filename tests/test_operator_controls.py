@@ -164,12 +164,24 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
         first = check_failure_alert(context)
         assert len(webhook.alerts) == len(failed)
         titles = sorted(a["title"] for a in webhook.alerts)
-        assert titles == ["Check failed: completions.error_rate", "Check failed: completions.truncated_share"]
-        error_alert = next(a for a in webhook.alerts if a["title"].endswith("error_rate"))
+        assert titles == ["Check failed: completions.error_rate [B6]", "Check failed: completions.truncated_share [B6]"]
+        error_alert = next(a for a in webhook.alerts if "error_rate" in a["title"])
         assert error_alert["figures"]["failed"] > 0 and "share_pct" in error_alert["figures"] and "text" in error_alert
         again = check_failure_alert(dg.build_sensor_context(instance=instance, cursor=first.cursor, resources={"alerts": sink},
                                                             repository_def=repo))
         assert len(webhook.alerts) == len(failed) and again.cursor == first.cursor  # one alert per failure, not per tick
+
+        # Two more runs fail the same checks between two ticks (re-materializing resumes: nothing is re-sent):
+        # each failure is alerted, none collapsed into the latest.
+        for _ in range(2):
+            dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance,
+                           resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+                           run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}})
+        webhook.alerts.clear()
+        check_failure_alert(dg.build_sensor_context(instance=instance, cursor=again.cursor, resources={"alerts": sink},
+                                                    repository_def=repo))
+        assert sorted(a["title"] for a in webhook.alerts) == sorted(titles * 2)
+        assert len({a["figures"]["run_id"] for a in webhook.alerts}) == 2
 
 
 def test_failed_run_alert(tmp_path, data_dir_with_standin, tok, webhook):
