@@ -148,15 +148,35 @@ def _resolved(instance: dg.DagsterInstance, record) -> bool:
     return run is None or run.is_finished
 
 
+def newly_resolved(records: list, state: dict[str, Any] | None, is_resolved) -> tuple[list, dict[str, Any]]:
+    """The executions of one check (ascending ids) resolved since `state`, and the state to keep.
+
+    State: `from`, the oldest execution still in flight at the last look (runs of several partitions
+    evaluate a check concurrently and finish in any order), and `handled`, the ids above it already
+    returned. Without a state only the latest execution counts (no flood of old history).
+    """
+    state = state or {"from": records[-1].id, "handled": []}
+    handled = set(state["handled"])
+    out, pending = [], []
+    for record in records:
+        if record.id < state["from"] or record.id in handled:
+            continue
+        if is_resolved(record):
+            out.append(record)
+            handled.add(record.id)
+        else:
+            pending.append(record.id)
+    start = min(pending) if pending else records[-1].id + 1
+    return out, {"from": start, "handled": sorted(i for i in handled if i >= start)}
+
+
 @dg.sensor(name="check_failure_alert", minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Alerts once per failed non-blocking asset check (blocking ones fail their run: run_failure_alert).")
 def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
     """Every failed evaluation of every non-blocking check, once, with its figures.
 
-    Per check the cursor keeps a watermark (the oldest execution still in flight at the last tick:
-    runs of several partitions evaluate the same check concurrently and finish in any order) and
-    the ids above it already handled. On first sight of a check only its latest execution counts.
-    (A per-check history rather than a global event cursor: SQLite event storage is run-sharded.)
+    The cursor is `newly_resolved`'s state per check, over each check's execution history (not a
+    global event cursor: SQLite event storage is run-sharded and has none).
     """
     state: dict[str, dict[str, Any]] = json.loads(context.cursor) if context.cursor else {}
     instance = context.instance
@@ -166,16 +186,8 @@ def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
         records = sorted(storage.get_asset_check_execution_history(key, limit=CHECK_HISTORY_WINDOW), key=lambda r: r.id)
         if not records:
             continue
-        mine = state.get(name, {"from": records[-1].id, "handled": []})
-        handled = set(mine["handled"])
-        pending = []
-        for record in records:
-            if record.id < mine["from"] or record.id in handled:
-                continue
-            if not _resolved(instance, record):
-                pending.append(record.id)
-                continue
-            handled.add(record.id)
+        resolved, state[name] = newly_resolved(records, state.get(name), lambda r: _resolved(instance, r))
+        for record in resolved:
             if record.status != AssetCheckExecutionRecordStatus.FAILED or record.event is None:
                 continue
             ev = record.event.dagster_event.asset_check_evaluation_data
@@ -185,6 +197,4 @@ def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
             figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
             label = _partition_label(instance.get_run_by_id(record.run_id))
             alerts.send(f"Check failed: {name}{label}", figs, context.log.warning)
-        start = min(pending) if pending else records[-1].id + 1
-        state[name] = {"from": start, "handled": sorted(i for i in handled if i >= start)}
     return dg.SensorResult(cursor=json.dumps(state, sort_keys=True))

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from eagle3_assets.checks.training import (
 from eagle3_assets.completions import COMPLETION_COLUMNS, final_results
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.schedules import missing_partitions_nightly
-from eagle3_assets.sensors import check_failure_alert, run_failure_alert
+from eagle3_assets.sensors import check_failure_alert, newly_resolved, run_failure_alert
 from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import CompletionsResource
@@ -284,3 +285,18 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
         assert result.success
         done, _ = final_results(journal)
         assert len(done) == 28
+
+
+def test_check_alert_cursor_waits_for_an_older_execution_still_in_flight():
+    Rec = namedtuple("Rec", "id done")
+    done = lambda r: r.done  # noqa: E731
+    # First look: only the latest execution counts, however long the history.
+    out, state = newly_resolved([Rec(1, True), Rec(2, True), Rec(3, True)], None, done)
+    assert [r.id for r in out] == [3] and state == {"from": 4, "handled": []}
+    # Run A's execution (4) is still running when run B's (5) finishes: 5 now, 4 when it resolves, nothing twice.
+    out, state = newly_resolved([Rec(3, True), Rec(4, False), Rec(5, True)], state, done)
+    assert [r.id for r in out] == [5] and state == {"from": 4, "handled": [5]}
+    out, state = newly_resolved([Rec(3, True), Rec(4, True), Rec(5, True), Rec(6, True)], state, done)
+    assert [r.id for r in out] == [4, 6] and state == {"from": 7, "handled": []}
+    out, state = newly_resolved([Rec(4, True), Rec(5, True), Rec(6, True)], state, done)
+    assert out == [] and state == {"from": 7, "handled": []}
