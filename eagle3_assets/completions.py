@@ -309,7 +309,15 @@ def run_completions(
     day_spent_usd: float = 0.0,
     log: Callable[[str], None],
     run_id: str = "",
+    halt: Optional[Callable[[], Optional[str]]] = None,
+    halt_poll_s: float = 1.0,
 ) -> CompletionsRun:
+    """Send every prompt without a final outcome in the journal; stop at a cap, a stop, or a halt.
+
+    `halt` is polled every `halt_poll_s` (in a thread: it may read a database) and returns a
+    reason to stop admitting requests (the credit sensor's hold, the run being cancelled) or None.
+    It makes the hold bite on runs that no launcher can terminate, such as in-process ones.
+    """
     done, torn = final_results(journal_path)
     pending = [r for r in requests if r.prompt_id not in done]
     if torn:
@@ -356,9 +364,23 @@ def run_completions(
                 f"(${cost:.4f} billed for them), {len(unknown)} not found" + (f"; possible double spend on {run.possible_double_spend} "
                 "re-sent prompt(s)" if run.possible_double_spend else ""))
 
+        async def watch_halt() -> None:
+            while True:
+                await asyncio.sleep(halt_poll_s)
+                reason = await asyncio.to_thread(halt)
+                if reason:
+                    log(f"{dataset}: halting: {reason}")
+                    feed.stop(f"halted: {reason}", cancel_inflight=caps.on_cap == "cancel")
+                    return
+
         async def main() -> None:
             await reconcile("left by an earlier run")
-            await backend.run(feed, settings, emit, note)
+            watcher = asyncio.create_task(watch_halt()) if halt is not None else None
+            try:
+                await backend.run(feed, settings, emit, note)
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
             # Only after a normal end: a stop must not wait on look-ups (the next run does them).
             await reconcile("cut short in this run")
 

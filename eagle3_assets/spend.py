@@ -140,6 +140,17 @@ def set_hold(instance: dg.DagsterInstance, reasons: list[str], figures: dict[str
     return hold
 
 
+def halt_reason(instance: dg.DagsterInstance, run_id: str) -> Optional[str]:
+    """Why a running completions run must stop admitting requests now, if it must."""
+    hold = get_hold(instance)
+    if hold:
+        return "spending hold: " + "; ".join(hold["reasons"])
+    run = instance.get_run_by_id(run_id)
+    if run is not None and run.status == dg.DagsterRunStatus.CANCELING:
+        return "the run is being cancelled"
+    return None
+
+
 def lift_hold(instance: dg.DagsterInstance) -> Optional[dict[str, Any]]:
     hold = get_hold(instance)
     instance.run_storage.set_cursor_values({HOLD_KEY: ""})

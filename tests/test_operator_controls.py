@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import namedtuple
 from datetime import datetime, timezone
@@ -29,7 +30,7 @@ from eagle3_assets.completions import COMPLETION_COLUMNS, final_results
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.sensors import check_failure_alert, newly_resolved, run_failure_alert
-from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold
+from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold, set_hold
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
@@ -140,6 +141,41 @@ def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "B7 is being completed by run run-holding-b7" in failure.event_specific_data.error.message
     assert fake.billing.requests == []
+
+
+@pytest.mark.parametrize("how", ["hold", "terminate"])
+def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(tmp_path, data_dir_with_standin, tok, how):
+    # `dagster asset materialize` and `eagle3 run` execute in-process: the launcher cannot signal them, so the
+    # completions run polls for the hold and for its own CANCELING status (what terminate from the UI sets).
+    reason = {"hold": "spending hold: account balance $0.40 < minimum $0.50", "terminate": "the run is being cancelled"}[how]
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.3, chunk_latency_s=0.1))
+    held = {}
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        def hold_after_a_few():
+            wait_for(lambda: len(fake.billing.requests) >= 4, 300, "the first answers")
+            if how == "hold":
+                set_hold(instance, ["account balance $0.40 < minimum $0.50"], {}, {})
+            else:
+                (run,) = instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+                instance.report_run_canceling(run)
+            held.update(t=time.monotonic(), received=len(fake.billing.requests))
+
+        holder = threading.Thread(target=hold_after_a_few)
+        holder.start()
+        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, raise_on_error=False,
+                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1", concurrency=2),
+                                run_config={"ops": {"completions": {"config": {"pilot_size": 0, "max_tokens": 48}}}})
+        stopped_in = time.monotonic() - held["t"]
+        holder.join()
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert not result.success
+    assert f"halted: {reason}" in failure.event_specific_data.error.message
+    records = read_journal(data_dir_with_standin / "completions" / "B6" / "journal.jsonl").records
+    assert records[-1]["type"] == "end" and records[-1]["stopped_by"] == f"halted: {reason}"
+    received = len(fake.billing.requests)  # requests the server received, finished or not
+    assert held["received"] <= received < 28 and received - held["received"] <= 4  # at most one poll (1 s) of new ones
+    print(f"halted {stopped_in:.1f}s after the {how}; {received - held['received']} requests sent after it")
+    assert stopped_in < 10
 
 
 # -- alerts --------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from eagle3_assets.completions import (
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.pilot import pilot_outcome, pilot_passed
 from eagle3_assets.registry import dataset_partitions, dataset_spec
-from eagle3_assets.spend import SpendPolicy, get_hold
+from eagle3_assets.spend import SpendPolicy, get_hold, halt_reason
 from eagle3_assets.token_ids import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.completions.types import RunFatalError, SamplingSettings
@@ -146,7 +146,8 @@ def completions(
             ledger = read_ledger(store.layout.all_completion_journals())
             return run_completions(key, batch, backend, settings, journal, caps=config.caps(spec.token_budget, spend_policy, ledger),
                                    pricing=config.pricing(), total_spent_usd=ledger.total_usd, day_spent_usd=ledger.day_usd,
-                                   log=context.log.info, run_id=context.run_id)
+                                   log=context.log.info, run_id=context.run_id,
+                                   halt=lambda: halt_reason(context.instance, context.run_id))
 
         with partition_lock(journal, context.run_id):
             try:
@@ -169,6 +170,9 @@ def completions(
                                  "re-materialize to resume.") from None
         df = completions_frame(key, requests, journal, prompts)
         df.write_parquet(store.layout.ensure(store.layout.completions(key)))
+        if run is not None and (run.stopped_by or "").startswith("halted:"):
+            raise dg.Failure(description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
+                             f"is in {journal}; re-materialize to resume once the hold is lifted.")
         frames.append(df)
         if run is not None:
             summaries.append({"dataset": key, "sent": run.sent, "stopped_by": run.stopped_by, "resumed_done": run.resumed_done,
