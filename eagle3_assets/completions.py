@@ -296,6 +296,9 @@ def read_ledger(journals: list[Path], now: Optional[float] = None) -> Ledger:
     return ledger
 
 
+HALTED = "halted: "  # prefix of `stopped_by` when `halt` stopped the run
+
+
 def run_completions(
     dataset: str,
     requests: list[CompletionRequest],
@@ -370,7 +373,7 @@ def run_completions(
                 reason = await asyncio.to_thread(halt)
                 if reason:
                     log(f"{dataset}: halting: {reason}")
-                    feed.stop(f"halted: {reason}", cancel_inflight=caps.on_cap == "cancel")
+                    feed.stop(HALTED + reason, cancel_inflight=caps.on_cap == "cancel")
                     return
 
         async def main() -> None:

@@ -9,6 +9,11 @@ import dagster as dg
 from dagster._core.storage.asset_check_execution_record import (
     AssetCheckExecutionRecordStatus,
 )
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
 
 from eagle3_assets.completions import Ledger, read_ledger
 from eagle3_assets.spend import (
@@ -120,10 +125,10 @@ def _partition_label(run: dg.DagsterRun | None) -> str:
     if run is None:
         return ""
     tags = run.tags
-    if tags.get("dagster/partition"):
-        return f" [{tags['dagster/partition']}]"
-    if tags.get("dagster/asset_partition_range_start"):
-        return f" [{tags['dagster/asset_partition_range_start']}...{tags.get('dagster/asset_partition_range_end')}]"
+    if tags.get(PARTITION_NAME_TAG):
+        return f" [{tags[PARTITION_NAME_TAG]}]"
+    if tags.get(ASSET_PARTITION_RANGE_START_TAG):
+        return f" [{tags[ASSET_PARTITION_RANGE_START_TAG]}...{tags.get(ASSET_PARTITION_RANGE_END_TAG)}]"
     return ""
 
 

@@ -21,6 +21,7 @@ from eagle3_assets.checks.outcome import (
     to_results,
 )
 from eagle3_assets.completions import (
+    HALTED,
     Caps,
     Ledger,
     Pricing,
@@ -170,7 +171,7 @@ def completions(
                                  "re-materialize to resume.") from None
         df = completions_frame(key, requests, journal, prompts)
         df.write_parquet(store.layout.ensure(store.layout.completions(key)))
-        if run is not None and (run.stopped_by or "").startswith("halted:"):
+        if run is not None and (run.stopped_by or "").startswith(HALTED):
             raise dg.Failure(description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
                              f"is in {journal}; re-materialize to resume once the hold is lifted.")
         frames.append(df)
