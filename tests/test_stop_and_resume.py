@@ -67,7 +67,7 @@ def materialize_b6(data_dir, fake, instance):
 
 
 def ok_count(journal: Path) -> int:
-    return journal.read_text().count('"status":"ok"') if journal.exists() else 0
+    return journal.read_bytes().count(b'"status":"ok"') if journal.exists() else 0
 
 
 def requests_per_prompt(fake) -> collections.Counter:
