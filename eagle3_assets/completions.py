@@ -20,6 +20,7 @@ from typing import Any, Optional
 import polars as pl
 
 from eagle3_assets.prompts import rendered_prompt_ids
+from eagle3_assets.stop_signals import StopSignals
 from eagle3_resources.completions.types import (
     FINAL_STATUSES,
     CompletionBackend,
@@ -332,7 +333,7 @@ def run_completions(
     progress = Progress(dataset, len(requests), len(requests) - len(pending), log)
     run = CompletionsRun(0, progress.counts, 0, 0.0, 0.0, None, len(done), torn, progress.errors)
 
-    with Journal(journal_path) as journal:
+    with StopSignals() as signals, Journal(journal_path) as journal:
         journal.append({"type": "start", "run_id": run_id, "t": time.time(), "settings": settings.model_dump(),
                         "backend": backend.describe(), "caps": caps.__dict__})
 
@@ -368,15 +369,24 @@ def run_completions(
                 "re-sent prompt(s)" if run.possible_double_spend else ""))
 
         async def watch_halt() -> None:
+            failing = False
             while True:
                 await asyncio.sleep(halt_poll_s)
-                reason = await asyncio.to_thread(halt)
+                try:
+                    reason = await asyncio.to_thread(halt)
+                except Exception as e:  # a busy database must not end the watch: the hold would stop biting
+                    if not failing:
+                        log(f"{dataset}: could not read the spend hold or the run's status ({type(e).__name__}: {e}); retrying")
+                    failing = True
+                    continue
+                failing = False
                 if reason:
                     log(f"{dataset}: halting: {reason}")
                     feed.stop(HALTED + reason, cancel_inflight=caps.on_cap == "cancel")
                     return
 
         async def main() -> None:
+            signals.attach()
             await reconcile("left by an earlier run")
             watcher = asyncio.create_task(watch_halt()) if halt is not None else None
             try:
@@ -391,7 +401,7 @@ def run_completions(
         try:
             asyncio.run(main())
         except BaseException as e:  # a stop (Dagster terminate, SIGTERM, Ctrl-C) or a run-fatal error
-            feed.stopped_by = feed.stopped_by or f"{type(e).__name__}: {e}"
+            feed.stopped_by = feed.stopped_by or signals.description or f"{type(e).__name__}: {e}"
             raise
         finally:
             progress.report()

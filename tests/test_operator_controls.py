@@ -144,9 +144,12 @@ def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp
 
 
 @pytest.mark.parametrize("how", ["hold", "terminate"])
-def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(tmp_path, data_dir_with_standin, tok, how):
+@pytest.mark.parametrize("pilot_size", [0, 8])
+def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(tmp_path, data_dir_with_standin, tok, how,
+                                                                              pilot_size):
     # `dagster asset materialize` and `eagle3 run` execute in-process: the launcher cannot signal them, so the
     # completions run polls for the hold and for its own CANCELING status (what terminate from the UI sets).
+    # With a pilot the halt comes during the pilot: it gets no verdict and the rest is not started.
     reason = {"hold": "spending hold: account balance $0.40 < minimum $0.50", "terminate": "the run is being cancelled"}[how]
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.3, chunk_latency_s=0.1))
     held = {}
@@ -164,7 +167,7 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(t
         holder.start()
         result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, raise_on_error=False,
                                 resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1", concurrency=2),
-                                run_config={"ops": {"completions": {"config": {"pilot_size": 0, "max_tokens": 48}}}})
+                                run_config={"ops": {"completions": {"config": {"pilot_size": pilot_size, "max_tokens": 48}}}})
         stopped_in = time.monotonic() - held["t"]
         holder.join()
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
@@ -172,6 +175,7 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(t
     assert f"halted: {reason}" in failure.event_specific_data.error.message
     records = read_journal(data_dir_with_standin / "completions" / "B6" / "journal.jsonl").records
     assert records[-1]["type"] == "end" and records[-1]["stopped_by"] == f"halted: {reason}"
+    assert [r["type"] for r in records if r.get("type") in ("start", "pilot")] == ["start"]  # one batch, no pilot verdict
     received = len(fake.billing.requests)  # requests the server received, finished or not
     assert held["received"] <= received < 28 and received - held["received"] <= 4  # at most one poll (1 s) of new ones
     print(f"halted {stopped_in:.1f}s after the {how}; {received - held['received']} requests sent after it")

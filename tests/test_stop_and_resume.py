@@ -111,7 +111,8 @@ def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(tmp_pat
         wait_for(lambda: ok_count(journal) >= 3, 300, "the first paid responses")
         asked = time.monotonic()
         client.terminate_run(run_id)
-        wait_for(lambda: read_journal(journal).records[-1].get("type") == "end", 30, "the journal's end record")
+        # The end of this run's stop, not the pilot's normal end (which once passed for it).
+        wait_for(lambda: read_journal(journal).records[-1].get("stopped_by"), 30, "the journal's end record")
         stopped_in = time.monotonic() - asked
         monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
         with dg.DagsterInstance.get() as instance:
@@ -124,7 +125,8 @@ def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(tmp_pat
     assert stopped_in < 2.0
     records = read_journal(journal).records
     end = records[-1]
-    assert "Interrupted" in (end["stopped_by"] or "")
+    # Dagster signals the step with SIGINT; the run's CANCELING status, polled each second, may be seen first.
+    assert end["type"] == "end" and end["stopped_by"] in ("SIGINT received", "halted: the run is being cancelled"), end
     done_before = {r["prompt_id"] for r in records if r.get("type") == "result" and r["status"] == "ok"}
     assert 3 <= len(done_before) < 28
     sent_before = len(slow_fake.billing.requests)

@@ -152,20 +152,26 @@ def completions(
 
         with partition_lock(journal, context.run_id):
             try:
-                pilot = None
+                run = None
                 if config.pilot_size and not pilot_passed(journal):
                     done, _ = final_results(journal)
                     batch = [r for r in requests if r.prompt_id not in done][: config.pilot_size]
                     context.log.info(f"{key}: pilot of {len(batch)} prompts before the rest")
-                    complete(batch)
-                    pilot_frame = completions_frame(key, batch, journal, prompts)
-                    pilot = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok))
-                    with Journal(journal) as j:
-                        j.append({"type": "pilot", "run_id": context.run_id, "t": time.time(), "passed": pilot.passed,
-                                  "description": pilot.description, "n": len(batch)})
-                    pilots[key] = pilot
-                    context.log.info(f"{key}: {pilot.description}")
-                run = None if pilot is not None and not pilot.passed else complete(requests)
+                    run = complete(batch)
+                    if run.stopped_by:  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
+                        pilots[key] = CheckOutcome(False, f"pilot cut short ({run.stopped_by}); it runs again on the next "
+                                                   "materialization", {"sent": run.sent})
+                    else:
+                        pilot_frame = completions_frame(key, batch, journal, prompts)
+                        pilots[key] = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok))
+                        with Journal(journal) as j:
+                            j.append({"type": "pilot", "run_id": context.run_id, "t": time.time(), "passed": pilots[key].passed,
+                                      "description": pilots[key].description, "n": len(batch)})
+                    context.log.info(f"{key}: {pilots[key].description}")
+                if run is None or pilots[key].passed:
+                    run = complete(requests)
+                elif not run.stopped_by:
+                    run = None  # the pilot failed its checks
             except RunFatalError as e:
                 raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
                                  "re-materialize to resume.") from None
