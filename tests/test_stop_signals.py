@@ -135,6 +135,7 @@ def test_sigterm_with_its_default_action_still_ends_the_process_but_after_the_cl
         import asyncio, os, signal
         from eagle3_assets.stop_signals import StopSignals
 
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not inherited from the test run (Dagster remaps it)
         with StopSignals() as signals:
             async def main():
                 signals.attach()
