@@ -32,11 +32,17 @@ telemetry:
 concurrency:
   runs:
     max_concurrent_runs: 4
-    # One queued run per dataset at a time: a second waits in the queue. (Runs executed in-process,
-    # such as `dagster asset materialize`, bypass the queue; the completions asset's lock still
-    # fails a second spending run on the same dataset at once.)
+    # One queued run per dataset at a time: a second waits in the queue. A backfill from the UI
+    # tags its runs with a partition range instead (start = end for one dataset), hence the second
+    # limit. What these cannot see (a range run beside a `dagster/partition` run of the same
+    # dataset, runs executed in-process such as `dagster asset materialize`) meets the completions
+    # asset's lock, which fails a second spending run on the same dataset at once.
     tag_concurrency_limits:
       - key: dagster/partition
+        value:
+          applyLimitPerUniqueValue: true
+        limit: 1
+      - key: dagster/asset_partition_range_start
         value:
           applyLimitPerUniqueValue: true
         limit: 1

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 import yaml
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
 
 from eagle3_resources.storage import PROJECT_ROOT
 
@@ -98,3 +104,19 @@ def dataset_spec(name: str, registry: dict[str, DatasetSpec] | None = None) -> D
         raise RegistryError(
             f"unknown dataset {name!r}: {REGISTRY_PATH} lists {', '.join(registry)}"
         ) from None
+
+
+def run_datasets(tags: Mapping[str, str]) -> list[str]:
+    """The datasets a run covers: its `dagster/partition` tag, or the range its tags give.
+
+    A backfill launched from the UI tags its runs with a range (start and end), even for one
+    partition, and no `dagster/partition` at all.
+    """
+    if tags.get(PARTITION_NAME_TAG):
+        return [tags[PARTITION_NAME_TAG]]
+    start, end = tags.get(ASSET_PARTITION_RANGE_START_TAG), tags.get(ASSET_PARTITION_RANGE_END_TAG)
+    keys = list(DATASETS)
+    if start not in keys or end not in keys:
+        return []
+    return keys[keys.index(start): keys.index(end) + 1]
+

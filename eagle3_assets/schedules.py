@@ -6,10 +6,9 @@ which with a paid API is wrong.) Off by default; turn it on in the UI.
 
 
 import dagster as dg
-from dagster._core.storage.tags import PARTITION_NAME_TAG
 
 from eagle3_assets.jobs import eagle3_pipeline
-from eagle3_assets.registry import DATASETS
+from eagle3_assets.registry import DATASETS, run_datasets
 from eagle3_assets.spend import ACTIVE_STATUSES
 
 DONE_ASSET = dg.AssetKey("token_ids")  # the last per-dataset stage: a dataset is done when it has token ids
@@ -18,7 +17,7 @@ DONE_ASSET = dg.AssetKey("token_ids")  # the last per-dataset stage: a dataset i
 def missing_partitions(instance: dg.DagsterInstance) -> list[str]:
     """Datasets without token ids and without a run for them already queued or running."""
     done = instance.get_materialized_partitions(DONE_ASSET)
-    busy = {r.tags.get(PARTITION_NAME_TAG) for r in instance.get_runs(filters=dg.RunsFilter(statuses=ACTIVE_STATUSES))}
+    busy = {d for r in instance.get_runs(filters=dg.RunsFilter(statuses=ACTIVE_STATUSES)) for d in run_datasets(r.tags)}
     return [d for d in DATASETS if d not in done and d not in busy]
 
 

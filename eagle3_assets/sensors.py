@@ -9,13 +9,9 @@ import dagster as dg
 from dagster._core.storage.asset_check_execution_record import (
     AssetCheckExecutionRecordStatus,
 )
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-    PARTITION_NAME_TAG,
-)
 
 from eagle3_assets.completions import Ledger, read_ledger
+from eagle3_assets.registry import run_datasets
 from eagle3_assets.spend import (
     Account,
     LedgerGap,
@@ -124,12 +120,8 @@ def _failed_checks(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, 
 def _partition_label(run: dg.DagsterRun | None) -> str:
     if run is None:
         return ""
-    tags = run.tags
-    if tags.get(PARTITION_NAME_TAG):
-        return f" [{tags[PARTITION_NAME_TAG]}]"
-    if tags.get(ASSET_PARTITION_RANGE_START_TAG):
-        return f" [{tags[ASSET_PARTITION_RANGE_START_TAG]}...{tags.get(ASSET_PARTITION_RANGE_END_TAG)}]"
-    return ""
+    datasets = run_datasets(run.tags)
+    return f" [{','.join(datasets)}]" if datasets else ""
 
 
 @dg.run_failure_sensor(name="run_failure_alert", default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=10,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import namedtuple
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,6 +14,12 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 import pytest
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+)
+from dagster._utils.tags import TagConcurrencyLimitsCounter
 from support import Webhook, free_port, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions, partition_lock
@@ -26,6 +33,7 @@ from eagle3_assets.checks.training import (
     hidden_state_finite,
     token_totals,
 )
+from eagle3_assets.cli import dagster_home
 from eagle3_assets.completions import COMPLETION_COLUMNS, final_results
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.schedules import missing_partitions_nightly
@@ -129,6 +137,28 @@ def test_a_pilot_of_malformed_data_stops_the_partition(tmp_path, data_dir_with_s
     assert not pilot_check.passed and "with tools" in pilot_check.description
     journal = data_dir_with_standin / "completions" / "A2" / "journal.jsonl"
     assert [r for r in read_journal(journal).records if r.get("type") == "pilot"][0]["passed"] is False
+
+
+def test_the_run_queue_holds_a_second_run_of_a_dataset_however_it_was_launched(tmp_path, monkeypatch):
+    # The instance `eagle3` writes, judged by Dagster's own queue counter: the CLI and the schedule tag a
+    # run with its partition, a backfill from the UI with a range (start = end for one dataset).
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    dagster_home()
+    with dg.DagsterInstance.get() as instance:
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+
+    def run(**tags):
+        return dg.DagsterRun(job_name="eagle3_pipeline", run_id=str(uuid.uuid4()), tags=tags)
+
+    def ranged(start, end):
+        return run(**{ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end})
+
+    in_progress = [run(**{PARTITION_NAME_TAG: "A1"}), ranged("B8", "B8")]
+    counter = TagConcurrencyLimitsCounter(limits, in_progress)
+    assert counter.is_blocked(run(**{PARTITION_NAME_TAG: "A1"}))
+    assert counter.is_blocked(ranged("B8", "B8"))
+    assert not counter.is_blocked(run(**{PARTITION_NAME_TAG: "B8"}))  # left to the completions lock (tested below)
+    assert not counter.is_blocked(ranged("A2", "A2")) and not counter.is_blocked(run(**{PARTITION_NAME_TAG: "B1"}))
 
 
 def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp_path, data_dir_with_standin, tok):
@@ -252,9 +282,14 @@ def test_schedule_requests_exactly_the_missing_partitions():
     with dg.instance_for_test() as instance:
         for done in ("A1", "B2", "B7"):
             instance.report_runless_asset_event(dg.AssetMaterialization("token_ids", partition=done))
+        # In flight: a run for B5, and a UI backfill's run over B3..B4 (tagged with a range, no partition tag).
+        busy = [{PARTITION_NAME_TAG: "B5"}, {ASSET_PARTITION_RANGE_START_TAG: "B3", ASSET_PARTITION_RANGE_END_TAG: "B4"}]
+        for tags in busy:
+            instance.add_run(dg.DagsterRun(job_name="eagle3_pipeline", run_id=str(uuid.uuid4()), tags=tags,
+                                           status=dg.DagsterRunStatus.STARTED))
         context = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=timezone.utc))
         requests = missing_partitions_nightly(context)
-    assert sorted(r.partition_key for r in requests) == sorted(set(DATASETS) - {"A1", "B2", "B7"})
+    assert sorted(r.partition_key for r in requests) == sorted(set(DATASETS) - {"A1", "B2", "B7", "B3", "B4", "B5"})
     assert len({r.run_key for r in requests}) == len(requests)
 
 
