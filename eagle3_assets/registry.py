@@ -119,4 +119,3 @@ def run_datasets(tags: Mapping[str, str]) -> list[str]:
     if start not in keys or end not in keys:
         return []
     return keys[keys.index(start): keys.index(end) + 1]
-

@@ -31,6 +31,7 @@ class StopSignals:
         self._previous: dict[signal.Signals, Any] = {}
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handed_back = False
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -55,6 +56,7 @@ class StopSignals:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is not None:  # asked twice: no more waiting for a clean stop
             self._restore()
+            self._handed_back = True
             signal.raise_signal(signum)
             return
         self.received = signal.Signals(signum)
@@ -69,7 +71,7 @@ class StopSignals:
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self._restore()
-        if self.received is not None:
+        if self.received is not None and not self._handed_back:
             signal.raise_signal(self.received)  # the previous handler raises (or acts) here
             if exc_type is not None:  # it only took note (or was gone): the work was still cut short
                 raise KeyboardInterrupt(self.description)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -17,14 +18,22 @@ class Interrupted(BaseException):
     """Like Dagster's DagsterExecutionInterruptedError: a BaseException that is not KeyboardInterrupt."""
 
 
+@contextlib.contextmanager
+def sigint(handler):
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def raising_sigint():
     def handler(_signum, _frame):
         raise Interrupted()
 
-    previous = signal.signal(signal.SIGINT, handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+    with sigint(handler):
+        yield
 
 
 async def work(log: list[str], signal_from_a_task: bool) -> None:
@@ -76,9 +85,8 @@ def test_an_interrupt_raised_in_a_task_cancels_the_work_then_reaches_the_previou
 
 
 def test_ctrl_c_becomes_keyboard_interrupt_after_a_clean_cancel():
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        log: list[str] = []
+    log: list[str] = []
+    with sigint(signal.default_int_handler):
         with pytest.raises(KeyboardInterrupt):
             with StopSignals() as signals:
                 async def main() -> None:
@@ -87,35 +95,48 @@ def test_ctrl_c_becomes_keyboard_interrupt_after_a_clean_cancel():
                     await work(log, signal_from_a_task=False)
 
                 asyncio.run(main())
-        assert log == ["worker aborted"]
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    assert log == ["worker aborted"]
+
+
+def test_a_second_signal_is_handed_back_at_once_and_only_once():
+    calls = []
+
+    def handler(_signum, _frame):
+        calls.append("previous handler")
+        raise KeyboardInterrupt()
+
+    with sigint(handler), pytest.raises(KeyboardInterrupt):
+        with StopSignals() as signals:
+            async def main() -> None:
+                signals.attach()
+                signal.raise_signal(signal.SIGINT)  # the first: a clean cancel is under way
+                assert calls == []
+                signal.raise_signal(signal.SIGINT)  # the second: the previous handler, right here
+                calls.append("not reached")
+
+            asyncio.run(main())
+    assert calls == ["previous handler"]
 
 
 def test_a_signal_before_the_loop_starts_cancels_it_at_once():
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        log: list[str] = []
-        with pytest.raises(KeyboardInterrupt):
-            with StopSignals() as signals:
-                signal.raise_signal(signal.SIGINT)
+    log: list[str] = []
+    with sigint(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
+        with StopSignals() as signals:
+            signal.raise_signal(signal.SIGINT)
 
-                async def main() -> None:
-                    signals.attach()
-                    log.append("started")
-                    await asyncio.sleep(30)
-                    log.append("slept")
+            async def main() -> None:
+                signals.attach()
+                log.append("started")
+                await asyncio.sleep(30)
+                log.append("slept")
 
-                asyncio.run(main())
-        assert log == ["started"]
-    finally:
-        signal.signal(signal.SIGINT, previous)
+            asyncio.run(main())
+    assert log == ["started"]
 
 
 def test_an_ignored_signal_stays_ignored():
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    with sigint(signal.SIG_IGN):
         with StopSignals() as signals:
             async def main() -> str:
                 signals.attach()
@@ -125,8 +146,6 @@ def test_an_ignored_signal_stays_ignored():
 
             assert asyncio.run(main()) == "done"
         assert signals.received is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def test_sigterm_with_its_default_action_still_ends_the_process_but_after_the_cleanup(tmp_path):

@@ -152,13 +152,14 @@ def completions(
 
         with partition_lock(journal, context.run_id):
             try:
-                run = None
+                run = None  # what was sent and why it stopped; None when a failed pilot sent the rest nowhere
                 if config.pilot_size and not pilot_passed(journal):
                     done, _ = final_results(journal)
                     batch = [r for r in requests if r.prompt_id not in done][: config.pilot_size]
                     context.log.info(f"{key}: pilot of {len(batch)} prompts before the rest")
-                    run = complete(batch)
-                    if run.stopped_by:  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
+                    pilot_run = complete(batch)
+                    if pilot_run.stopped_by:  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
+                        run = pilot_run
                         pilots[key] = CheckOutcome(False, f"pilot cut short ({run.stopped_by}); it runs again on the next "
                                                    "materialization", {"sent": run.sent})
                     else:
@@ -168,10 +169,8 @@ def completions(
                             j.append({"type": "pilot", "run_id": context.run_id, "t": time.time(), "passed": pilots[key].passed,
                                       "description": pilots[key].description, "n": len(batch)})
                     context.log.info(f"{key}: {pilots[key].description}")
-                if run is None or pilots[key].passed:
+                if key not in pilots or pilots[key].passed:
                     run = complete(requests)
-                elif not run.stopped_by:
-                    run = None  # the pilot failed its checks
             except RunFatalError as e:
                 raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
                                  "re-materialize to resume.") from None
