@@ -137,7 +137,7 @@ def test_tools_declared_first_then_system_and_results_rendered():
         "<|im_assistant|>assistant<|im_middle|><think>"
     )
     k2 = render_messages(messages[1:2], TOOLS, version=TemplateVersion.K2)
-    assert k2.startswith('<|im_system|>tool_declare<|im_middle|>[{"function": {"description": "Get the weather", "name": "get_weather", ')
+    assert k2.startswith('<|im_system|>tool_declare<|im_middle|>[{"function":{"description":"Get the weather","name":"get_weather",')
 
 
 def test_special_token_table_matches_reference():
