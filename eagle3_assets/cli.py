@@ -5,7 +5,8 @@
     eagle3 dev [--port 3000]        the Dagster UI and daemon (`dagster dev`) on 127.0.0.1
     eagle3 dagster ARGS...          any `dagster` command with this project's DAGSTER_HOME,
                                     e.g. `eagle3 dagster job launch -j eagle3_pipeline`
-    eagle3 hold [show|lift]         the credit sensor's spending hold: see why it stands, or lift it
+    eagle3 hold [show|lift]         the credit sensor's spending hold: why it stands, what is unsettled; lift it
+    eagle3 ledger [show|settle]     the spend ledger: billed, in flight, unsettled; look up unsettled bills now
     eagle3 env                      print the environment lines, for a shell that runs dagster itself
 
 The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already set.
@@ -101,20 +102,83 @@ def run_pipeline(datasets: list[str] | None) -> int:
     return 0 if result.success else 1
 
 
+def _ledger():
+    from eagle3_assets.spend import open_ledger
+    from eagle3_resources.storage import DataLayout
+
+    return open_ledger(DataLayout(default_data_dir()))
+
+
+def _print_ledger(ledger) -> None:
+    from eagle3_assets.spend import ledger as L
+
+    figs = ledger.figures()
+    print(f"ledger {ledger.path}: billed ${figs.total.settled_usd:.4f} in all, ${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
+          f"in flight {figs.live} (worst ${figs.total.live_usd:.4f})")
+    stuck = figs.unsettled + figs.unidentified
+    print(f"unsettled: {stuck} attempt(s) started without a bill, worst case ${figs.total.stuck_usd:.4f} "
+          f"({figs.unsettled} with a generation id, looked up; {figs.unidentified} cut before their id arrived)")
+    for row in ledger.read(L.stuck_attempts, 10):
+        age = time.time() - (row["ended_at"] or time.time())
+        print(f"  {row['dataset']}/{row['prompt_id']}: {row['state']} {row['generation_id'] or '(no id)'} up to "
+              f"${row['reserved_usd']:.4f}, {age / 60:.1f} min ago, {row['lookups']} look-up(s)")
+    if stuck:
+        print("their prompts are not sent again until they settle or the horizon passes (EAGLE3_UNSETTLED_HORIZON_S); "
+              "`eagle3 ledger settle` looks them up now")
+
+
 def hold_command(action: str) -> int:
-    import dagster as dg
+    from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold
+    from eagle3_assets.spend.policy import crossed
 
-    from eagle3_assets.spend import get_hold, lift_hold
+    ledger = _ledger()
+    hold = get_hold(ledger)
+    if hold is None:
+        print("no spending hold")
+    else:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(hold["since"]))
+        print(f"spending held since {since}:\n  " + "\n  ".join(hold["reasons"]))
+        print("thresholds: " + json.dumps(hold["thresholds"]))
+    _print_ledger(ledger)
+    if action == "lift" and hold is not None:
+        lift_hold(ledger, "lifted with `eagle3 hold lift`")
+        print("hold lifted")
+        still = crossed(SpendPolicy().thresholds(), None, ledger.figures()).reasons
+        if still:
+            print("still crossed now, so the credit sensor sets it again (raise the threshold to go on): " + "; ".join(still))
+    return 0
 
-    with dg.DagsterInstance.get() as instance:
-        hold = get_hold(instance)
-        if hold is None:
-            print("no spending hold")
-            return 0
-        print(json.dumps(hold, indent=2))
-        if action == "lift":
-            lift_hold(instance)
-            print("hold lifted (the credit sensor sets it again if a threshold is still crossed)")
+
+def ledger_command(action: str, wait_s: float) -> int:
+    import asyncio
+
+    from eagle3_assets.spend import SpendPolicy
+    from eagle3_assets.spend.settle import settle_due
+    from eagle3_assets.spend.writer import LedgerWriter
+    from eagle3_resources.completions.openrouter_account import OpenRouterAccount
+
+    ledger = _ledger()
+    if action == "settle":
+        policy = SpendPolicy()
+        endpoint = policy.account_endpoint()
+        if endpoint is None:
+            print("OPENROUTER_API_KEY is not set: nothing can be looked up", file=sys.stderr)
+            return 2
+
+        async def settle():
+            with LedgerWriter(ledger) as writer:
+                async with OpenRouterAccount(*endpoint) as account:
+                    deadline = time.monotonic() + wait_s
+                    while True:
+                        report = await settle_due(writer, account.generation, deadline_s=max(1.0, deadline - time.monotonic()),
+                                                  horizon_s=policy.horizon_s)
+                        print(report.line())
+                        if not ledger.figures().unsettled or time.monotonic() >= deadline:
+                            return
+                        await asyncio.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+
+        asyncio.run(settle())
+    _print_ledger(ledger)
     return 0
 
 
@@ -163,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     p_dg.add_argument("args", nargs=argparse.REMAINDER)
     p_hold = sub.add_parser("hold", help="show or lift the spending hold")
     p_hold.add_argument("action", choices=["show", "lift"], nargs="?", default="show")
+    p_ledger = sub.add_parser("ledger", help="the spend ledger; `settle` looks up unsettled bills now")
+    p_ledger.add_argument("action", choices=["show", "settle"], nargs="?", default="show")
+    p_ledger.add_argument("--wait", type=float, default=0.0, help="with settle: keep looking up for this many seconds")
     sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
     args = parser.parse_args(argv)
 
@@ -172,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     home = dagster_home()
     if args.command == "hold":
         return hold_command(args.action)
+    if args.command == "ledger":
+        return ledger_command(args.action, args.wait)
     dagster = str(Path(sys.executable).with_name("dagster"))
     if args.command == "dev":
         return run_in_group([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(args.port)])

@@ -2,24 +2,33 @@
 
 Every result is appended to the partition's journal the moment it arrives; the Parquet output
 is derived from the journal, one row per prompt. Re-running resumes: a prompt with a final
-outcome in the journal is never sent again.
+outcome in the journal is never sent again. Money is the spend package's: every attempt is
+admitted and settled in the ledger shared by every process (eagle3_assets/spend/).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
 import polars as pl
 
 from eagle3_assets.prompts import rendered_prompt_ids
+from eagle3_assets.spend import ledger as L
+from eagle3_assets.spend.admission import HALTED, Admission
+from eagle3_assets.spend.caps import Caps, Pricing
+from eagle3_assets.spend.ledger import DEFAULT_HORIZON_S, SpendLedger
+from eagle3_assets.spend.settle import recover_dataset, settle_due
+from eagle3_assets.spend.writer import LedgerWriter
 from eagle3_assets.stop_signals import StopSignals
 from eagle3_resources.completions.types import (
     FINAL_STATUSES,
@@ -28,11 +37,52 @@ from eagle3_resources.completions.types import (
     CompletionResult,
     SamplingSettings,
 )
-from eagle3_resources.journal import Journal, read_journal
+from eagle3_resources.journal import Journal, JournalContents, read_journal
+from eagle3_resources.storage import DataLayout
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
 PROGRESS_EVERY_S = 10.0
+
+
+class DatasetBusy(RuntimeError):
+    """Another run holds the dataset's lock."""
+
+
+@contextlib.contextmanager
+def partition_lock(journal: Path, run_id: str, *, wait: bool = False):
+    """One spending run per dataset at a time: an exclusive lock next to the journal (fcntl, released by the OS on death)."""
+    path = journal.with_name("lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            f.seek(0)
+            raise DatasetBusy(f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
+                              "one spending run per dataset at a time") from None
+        f.seek(0)
+        f.truncate()
+        f.write(run_id)
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def recover_idle_datasets(layout: DataLayout, ledger: SpendLedger, *, free: bool = False) -> dict[str, dict[str, int]]:
+    """Live attempts of datasets no process is completing (their lock is free): put right from their journals."""
+    out = {}
+    for dataset in ledger.read(L.datasets_with_live_attempts):
+        journal = layout.completions_journal(dataset)
+        try:
+            with partition_lock(journal, "credit_sensor: recovering"):
+                records = read_journal(journal).records
+                out[dataset] = ledger.write(recover_dataset, dataset, records, free=free, now=time.time())
+        except DatasetBusy:
+            continue
+    return out
 
 
 def build_requests(
@@ -58,135 +108,14 @@ def build_requests(
     return out
 
 
-def final_results(journal_path: Path) -> tuple[dict[str, dict[str, Any]], bool]:
+def final_results(journal_path: Path, contents: JournalContents | None = None) -> tuple[dict[str, dict[str, Any]], bool]:
     """The final outcome recorded for each prompt, and whether a torn last record was skipped."""
-    contents = read_journal(journal_path)
+    contents = contents if contents is not None else read_journal(journal_path)
     done = {}
     for rec in contents.records:
         if rec.get("type") == "result" and rec.get("status") in FINAL_STATUSES:
             done.setdefault(rec["prompt_id"], rec)
     return done, contents.torn_tail
-
-
-@dataclass(frozen=True)
-class Pricing:
-    """USD per token, for worst-case admission only; the ledger records what was billed."""
-
-    prompt: float = 0.0
-    completion: float = 0.0
-
-    def worst_case(self, req: CompletionRequest, max_tokens: int) -> float:
-        return len(req.prompt_ids) * self.prompt + max_tokens * self.completion
-
-
-@dataclass(frozen=True)
-class Caps:
-    token_budget: int | None = None  # completion tokens for this partition, all runs together
-    run_usd: float | None = None  # dollars this run may spend
-    total_usd: float | None = None  # dollars the whole ledger (every partition, every run) may reach
-    day_usd: float | None = None  # dollars the ledger may reach today (UTC)
-    on_cap: str = "finish"  # in-flight requests when a cap is reached: "finish" or "cancel"
-
-
-class Feed:
-    """Admission control: hands out pending requests while every cap still holds.
-
-    A request is admitted only if what is spent plus the worst-case cost of everything in flight
-    (prompt + max_tokens at the model's price) plus its own worst case stays within each dollar
-    cap, so a cap is never overshot. A request that does not fit waits for in-flight requests to
-    settle; when it does not fit even with nothing in flight, the cap is reached: admission
-    stops for good and, with on_cap="cancel", in-flight requests are cancelled.
-    """
-
-    def __init__(self, pending: list[CompletionRequest], caps: Caps, pricing: Pricing, max_tokens: int, *,
-                 tokens_spent: int = 0, total_spent_usd: float = 0.0, day_spent_usd: float = 0.0):
-        self.pending = pending
-        self.caps = caps
-        self.pricing = pricing
-        self.max_tokens = max_tokens
-        self.tokens_spent = tokens_spent
-        self.run_spent_usd = 0.0
-        self.total_spent_usd = total_spent_usd
-        self.day_spent_usd = day_spent_usd
-        self.inflight: dict[str, float] = {}
-        self.admitted = 0
-        self.stopped_by: str | None = None
-        self._cond: asyncio.Condition | None = None
-        self.cancel_inflight: asyncio.Event | None = None
-
-    def _bind_loop(self) -> None:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-            self.cancel_inflight = asyncio.Event()
-
-    def _check(self, worst: float) -> tuple[str | None, bool]:
-        """(the cap this request would break, whether that cap is reached for good).
-
-        Reached: even with nothing more spent in flight the request would not fit. Otherwise it
-        only has to wait for in-flight requests to settle at their (lower) actual cost.
-        """
-        c = self.caps
-        if c.token_budget is not None and self.tokens_spent >= c.token_budget:
-            return f"token budget {c.token_budget:,} reached ({self.tokens_spent:,} completion tokens)", True
-        inflight = sum(self.inflight.values())
-        for cap, spent, what in ((c.run_usd, self.run_spent_usd, "run"), (c.total_usd, self.total_spent_usd, "total"),
-                                 (c.day_usd, self.day_spent_usd, "daily")):
-            if cap is None:
-                continue
-            reason = f"{what} dollar cap ${cap:.2f} reached (${spent:.4f} spent, next request up to ${worst:.4f})"
-            if spent + worst > cap:
-                return reason, True
-            if spent + inflight + worst > cap:
-                return reason, False
-        return None, False
-
-    def stop(self, reason: str, cancel_inflight: bool = False) -> None:
-        self.stopped_by = self.stopped_by or reason
-        self._bind_loop()
-        if cancel_inflight:
-            self.cancel_inflight.set()
-        self._cond_notify()
-
-    def _cond_notify(self) -> None:
-        async def notify():
-            async with self._cond:
-                self._cond.notify_all()
-
-        try:
-            asyncio.get_running_loop().create_task(notify())
-        except RuntimeError:
-            pass
-
-    async def take(self) -> CompletionRequest | None:
-        self._bind_loop()
-        async with self._cond:
-            while True:
-                if self.stopped_by or self.admitted >= len(self.pending):
-                    return None
-                req = self.pending[self.admitted]
-                worst = self.pricing.worst_case(req, self.max_tokens)
-                blocked, reached = self._check(worst)
-                if blocked is None:
-                    self.admitted += 1
-                    self.inflight[req.prompt_id] = worst
-                    return req
-                if reached or not self.inflight:
-                    self.stopped_by = blocked
-                    if self.caps.on_cap == "cancel" and self.inflight:
-                        self.cancel_inflight.set()
-                    self._cond.notify_all()
-                    return None
-                await self._cond.wait()
-
-    def settle(self, result: CompletionResult) -> None:
-        """Account for a result (called from the event loop, synchronously, on every emit)."""
-        self.inflight.pop(result.prompt_id, None)
-        self.tokens_spent += result.completion_tokens or 0
-        self.run_spent_usd += result.cost_usd or 0.0
-        self.total_spent_usd += result.cost_usd or 0.0
-        self.day_spent_usd += result.cost_usd or 0.0
-        if self._cond is not None:
-            self._cond_notify()
 
 
 @dataclass
@@ -195,21 +124,17 @@ class Progress:
     total: int
     already_done: int
     log: Callable[[str], None]
+    spent: Callable[[], float] = lambda: 0.0  # dollars billed so far, every attempt (the ledger's view)
     started: float = field(default_factory=time.monotonic)
     counts: Counter = field(default_factory=Counter)
     completion_tokens: int = 0
-    cost_usd: float = 0.0
     errors: Counter = field(default_factory=Counter)
     last_report: float = field(default_factory=time.monotonic)
-    final_ids: set = field(default_factory=set)
 
     def add(self, result: CompletionResult) -> None:
         self.counts[result.status] += 1
-        if result.status in FINAL_STATUSES:
-            self.final_ids.add(result.prompt_id)
         self.completion_tokens += result.completion_tokens or 0
-        self.cost_usd += result.cost_usd or 0.0
-        if result.status in ("failed", "aborted"):
+        if result.status in ("failed", "aborted", "deferred"):
             self.errors[f"{result.error_code or 'unknown'}@{result.provider or '-'}"] += 1
         if time.monotonic() - self.last_report >= PROGRESS_EVERY_S:
             self.report()
@@ -224,11 +149,11 @@ class Progress:
         done = self.already_done + self.finished
         remaining = max(0, self.total - done)
         eta_h = remaining / rate / 3600 if rate > 0 else float("inf")
-        errs = self.counts["failed"] + self.counts["aborted"]
+        errs = self.counts["failed"] + self.counts["aborted"] + self.counts["deferred"]
         avg = self.completion_tokens / self.finished if self.finished else 0
         return (
             f"{self.dataset} {done}/{self.total} ({errs} err, {self.counts['ok']} ok, {self.counts['truncated']} cut) "
-            f"{rate:.1f} req/s avg_comp={avg:.0f}tok tot={self.completion_tokens / 1e6:.2f}M ${self.cost_usd:.2f} "
+            f"{rate:.1f} req/s avg_comp={avg:.0f}tok tot={self.completion_tokens / 1e6:.2f}M ${self.spent():.2f} "
             f"ETA {eta_h:.1f}h"
         )
 
@@ -250,54 +175,21 @@ class CompletionsRun:
     resumed_done: int
     torn_tail_recovered: bool
     errors: Counter
-    inflight_found: int = 0
-    inflight_cost_usd: float = 0.0
-    possible_double_spend: int = 0
+    retries: int = 0
+    blocked: int = 0  # prompts not sent: an earlier attempt's bill is outstanding
+    attempt_outcomes: dict[str, int] = field(default_factory=dict)  # settled / released / unsettled / unidentified
+    in_flight_at_stop: int | None = None
+    settled_late_usd: float = 0.0  # bills of earlier attempts found by look-ups during this run
+    unsettled: int = 0  # in the whole ledger, when the run ended
+    unsettled_usd: float = 0.0  # their worst case
+    run_committed_usd: float = 0.0  # this run id, all its datasets: billed + still reserved
 
-
-def unreconciled_generations(records: list[dict[str, Any]]) -> dict[str, str]:
-    """generation id -> prompt id, for generations that were started but produced no final result.
-
-    An attempt cut short (a truncated stream, a reset, a stop, kill -9) may still have been billed
-    while its text was lost. Each such generation is looked up once (`orphan` records mark it
-    reconciled), so the ledger can match what the provider billed.
-    """
-    settled = {r.get("generation_id") for r in records if r.get("type") == "orphan"}
-    settled |= {r.get("generation_id") for r in records if r.get("type") == "result" and r.get("status") in FINAL_STATUSES}
-    out = {}
-    for r in records:
-        gen, pid = r.get("generation_id"), r.get("prompt_id")
-        if gen and pid and gen not in settled and r.get("type") in ("inflight", "result"):
-            out[gen] = pid
-    return out
-
-
-@dataclass
-class Ledger:
-    total_usd: float = 0.0
-    day_usd: float = 0.0
-    by_run_usd: dict[str, float] = field(default_factory=dict)
-
-
-def read_ledger(journals: list[Path], now: Optional[float] = None) -> Ledger:
-    """What the journals say was billed: in all, today (UTC), and per Dagster run."""
-    now = time.time() if now is None else now
-    day_start = datetime.fromtimestamp(now, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
-    ledger = Ledger()
-    for path in journals:
-        for r in read_journal(path).records:
-            if r.get("type") not in ("result", "orphan"):
-                continue
-            cost = r.get("cost_usd") or 0.0
-            ledger.total_usd += cost
-            if (r.get("t") or 0) >= day_start:
-                ledger.day_usd += cost
-            if r.get("run_id"):
-                ledger.by_run_usd[r["run_id"]] = ledger.by_run_usd.get(r["run_id"], 0.0) + cost
-    return ledger
-
-
-HALTED = "halted: "  # prefix of `stopped_by` when `halt` stopped the run
+    def summary(self, dataset: str) -> dict[str, Any]:
+        return {"dataset": dataset, "sent": self.sent, "retries": self.retries, "stopped_by": self.stopped_by,
+                "resumed_done": self.resumed_done, "blocked_unsettled": self.blocked, "duration_s": round(self.duration_s, 1),
+                "results": dict(self.results), "errors": dict(self.errors), "billed_usd": round(self.cost_usd, 6),
+                "attempts": self.attempt_outcomes, "in_flight_at_stop": self.in_flight_at_stop,
+                "settled_late_usd": round(self.settled_late_usd, 6)}
 
 
 def run_completions(
@@ -307,114 +199,153 @@ def run_completions(
     settings: SamplingSettings,
     journal_path: Path,
     *,
+    ledger: SpendLedger,
     caps: Caps = Caps(),
     pricing: Pricing = Pricing(),
-    total_spent_usd: float = 0.0,
-    day_spent_usd: float = 0.0,
     log: Callable[[str], None],
     run_id: str = "",
     halt: Optional[Callable[[], Optional[str]]] = None,
     halt_poll_s: float = 1.0,
+    hold_mode: str = "drain",
+    on_terminate: str = "cancel",
+    resend_unsettled: bool = False,
+    unsettled_wait_s: float = 60.0,
+    horizon_s: float = DEFAULT_HORIZON_S,
+    settle_window_s: float = 20.0,
 ) -> CompletionsRun:
-    """Send every prompt without a final outcome in the journal; stop at a cap, a stop, or a halt.
+    """Send every prompt without a final outcome in the journal; stop at a cap, the hold, a stop, or a halt.
 
-    `halt` is polled every `halt_poll_s` (in a thread: it may read a database) and returns a
-    reason to stop admitting requests (the credit sensor's hold, the run being cancelled) or None.
-    It makes the hold bite on runs that no launcher can terminate, such as in-process ones.
+    Every attempt is admitted by the shared spend ledger (caps across every process, the hold) and
+    settled there. A prompt whose earlier attempt is still unsettled (started, no bill yet) is not
+    sent unless `resend_unsettled`. `halt` is polled every `halt_poll_s` (in a thread: it may read a
+    database) and returns a reason to stop admitting (the run being cancelled from the UI) or None;
+    it makes a terminate bite on runs no launcher can signal, such as in-process ones.
+    `hold_mode` / `on_terminate`: "drain" lets requests in flight finish (kept), "cancel" cancels them.
     """
-    done, torn = final_results(journal_path)
-    pending = [r for r in requests if r.prompt_id not in done]
+    run_id = run_id or f"local-{uuid.uuid4().hex[:12]}"
+    contents = read_journal(journal_path)
+    done, torn = final_results(journal_path, contents)
     if torn:
         log(f"{dataset}: the journal's last record was torn (a crash mid-write); it was skipped and truncated")
-    log(f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via {backend.name}")
-    feed = Feed(pending, caps, pricing, settings.max_tokens,
-                tokens_spent=sum(r.get("completion_tokens") or 0 for r in done.values()), total_spent_usd=total_spent_usd,
-                day_spent_usd=day_spent_usd)
-    progress = Progress(dataset, len(requests), len(requests) - len(pending), log)
-    run = CompletionsRun(0, progress.counts, 0, 0.0, 0.0, None, len(done), torn, progress.errors)
+    lookup_source = getattr(backend, "account", None)
+    run = CompletionsRun(0, Counter(), 0, 0.0, 0.0, None, len(done), torn, Counter())
+    writer = LedgerWriter(ledger, on_error=log)
 
-    with StopSignals() as signals, Journal(journal_path) as journal:
+    with StopSignals() as signals, Journal(journal_path) as journal, writer:
         journal.append({"type": "start", "run_id": run_id, "t": time.time(), "settings": settings.model_dump(),
-                        "backend": backend.describe(), "caps": caps.__dict__})
-
-        def emit(result: CompletionResult) -> None:
-            journal.append({"type": "result", "run_id": run_id, "t": time.time(), **result.to_record()})
-            feed.settle(result)
-            progress.add(result)
+                        "backend": backend.describe(), "caps": caps.__dict__, "pricing": pricing.__dict__})
 
         def note(record: dict[str, Any]) -> None:
             journal.append({"run_id": run_id, "t": time.time(), **record})
 
-        async def reconcile(when: str) -> None:
-            journal.sync()
-            orphans = unreconciled_generations(read_journal(journal_path).records)
-            lookup = getattr(backend, "lookup_generations", None)
-            if not orphans or lookup is None:
-                return
-            found = await lookup(list(orphans))
-            cost = 0.0
-            unknown = [pid for gen, pid in orphans.items() if gen not in found]
-            for gen, pid in orphans.items():
-                info = found.get(gen)
-                note({"type": "orphan", "prompt_id": pid, "generation_id": gen, "found": info is not None,
-                      "cost_usd": (info or {}).get("cost_usd"), "lookup": info})
-                cost += (info or {}).get("cost_usd") or 0.0
-            run.inflight_found += len(orphans) - len(unknown)
-            run.inflight_cost_usd += cost
-            feed.total_spent_usd += cost
-            # Prompts whose lost attempt could not be looked up may be paid twice when re-sent.
-            run.possible_double_spend += len({p for p in unknown if p not in done and p not in progress.final_ids})
-            log(f"{dataset}: {len(orphans)} generation(s) {when} produced no result: {len(orphans) - len(unknown)} looked up "
-                f"(${cost:.4f} billed for them), {len(unknown)} not found" + (f"; possible double spend on {run.possible_double_spend} "
-                "re-sent prompt(s)" if run.possible_double_spend else ""))
-
-        async def watch_halt() -> None:
-            failing = False
-            while True:
-                await asyncio.sleep(halt_poll_s)
-                try:
-                    reason = await asyncio.to_thread(halt)
-                except Exception as e:  # a busy database must not end the watch: the hold would stop biting
-                    if not failing:
-                        log(f"{dataset}: could not read the spend hold or the run's status ({type(e).__name__}: {e}); retrying")
-                    failing = True
-                    continue
-                failing = False
-                if reason:
-                    log(f"{dataset}: halting: {reason}")
-                    feed.stop(HALTED + reason, cancel_inflight=caps.on_cap == "cancel")
-                    return
-
         async def main() -> None:
             signals.attach()
-            await reconcile("left by an earlier run")
-            watcher = asyncio.create_task(watch_halt()) if halt is not None else None
-            try:
-                await backend.run(feed, settings, emit, note)
-            finally:
-                if watcher is not None:
-                    watcher.cancel()
-            # Only after a normal end: a stop must not wait on look-ups (the next run does them).
-            await reconcile("cut short in this run")
+            recovered = await writer.call(recover_dataset, dataset, contents.records, free=pricing.free, now=time.time())
+            if any(recovered.values()):
+                log(f"{dataset}: attempts an earlier process left unfinished: {recovered}")
+            account = lookup_source() if lookup_source is not None else None
+            async with (account or contextlib.nullcontext()):
+                lookup = account.generation if account is not None else None
+                if lookup is not None:  # this dataset's unsettled bills first (they block prompts), then any due
+                    mine = await writer.call(L.unsettled_ids, dataset)
+                    report = await settle_due(writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s, attempt_ids=mine) \
+                        if mine else None
+                    sweep = await settle_due(writer, lookup, deadline_s=settle_window_s / 4, horizon_s=horizon_s)
+                    for r in (report, sweep):
+                        if r is not None and (r.looked_up or r.expired):
+                            log(f"{dataset}: before sending: {r.line()}")
+                            run.settled_late_usd += r.found_usd
+                blocked = await writer.call(L.blocked_prompts, dataset)
+                pending = [r for r in requests if r.prompt_id not in done and (resend_unsettled or r.prompt_id not in blocked)]
+                run.blocked = sum(1 for r in requests if r.prompt_id not in done and r.prompt_id in blocked)
+                log(f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via "
+                    f"{backend.name}" + (f"; {run.blocked} wait for an earlier attempt's bill (unsettled: not sent twice)"
+                                         if run.blocked and not resend_unsettled else ""))
+                feed = Admission(pending, writer=writer, caps=caps, pricing=pricing, max_tokens=settings.max_tokens, run_id=run_id,
+                                 dataset=dataset, note=note, hold_mode=hold_mode, resend_unsettled=resend_unsettled,
+                                 unsettled_wait_s=unsettled_wait_s, horizon_s=horizon_s, lookup=lookup)
+                state["feed"] = feed
+                progress = Progress(dataset, len(requests), len(done), log, spent=lambda: feed.billed_usd)
+                state["progress"] = progress
+                signals.on_first = (lambda: feed.stop(HALTED + f"{signals.description}: draining", cancel_inflight=False)) \
+                    if on_terminate == "drain" else None
 
+                def emit(result: CompletionResult) -> None:
+                    journal.append({"type": "result", "run_id": run_id, "t": time.time(), **result.to_record()})
+                    progress.add(result)
+
+                watcher = asyncio.create_task(watch(feed, writer, halt, halt_poll_s, hold_mode, on_terminate, log, dataset))
+                try:
+                    await backend.run(feed, settings, emit)
+                finally:
+                    watcher.cancel()
+                    await feed.close()
+                    await writer.flush()
+                # Only after a normal end: a stop must not wait on look-ups (the next run or the sensor does them).
+                if lookup is not None and feed.unsettled_ids:
+                    report = await settle_due(writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s,
+                                              attempt_ids=list(feed.unsettled_ids))
+                    run.settled_late_usd += report.found_usd
+                    feed.billed_usd += report.found_usd
+                    if report.looked_up:
+                        log(f"{dataset}: after the run: {report.line()}")
+
+        state: dict[str, Any] = {}
         started = time.monotonic()
         try:
             asyncio.run(main())
         except BaseException as e:  # a stop (Dagster terminate, SIGTERM, Ctrl-C) or a run-fatal error
-            feed.stopped_by = feed.stopped_by or signals.description or f"{type(e).__name__}: {e}"
+            feed = state.get("feed")
+            if feed is not None:
+                feed.stopped_by = feed.stopped_by or signals.description or f"{type(e).__name__}: {e}"
+            else:
+                run.stopped_by = signals.description or f"{type(e).__name__}: {e}"
             raise
         finally:
-            progress.report()
-            if feed.stopped_by:
-                log(f"{dataset}: stopped after {progress.finished} done, ${progress.cost_usd:.2f} spent ({feed.stopped_by})")
-            journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": feed.stopped_by,
-                            "finished": progress.finished, "cost_usd": progress.cost_usd})
-    run.sent = feed.admitted
-    run.completion_tokens = progress.completion_tokens
-    run.cost_usd = progress.cost_usd
-    run.duration_s = time.monotonic() - started
-    run.stopped_by = feed.stopped_by
+            feed, progress = state.get("feed"), state.get("progress")
+            if progress is not None:
+                progress.report()
+            figs = ledger.figures([run_id])
+            if feed is not None:
+                run.sent, run.stopped_by, run.retries = feed.admitted, feed.stopped_by, feed.retries
+                run.cost_usd, run.attempt_outcomes = feed.billed_usd, dict(feed.outcomes)
+                run.in_flight_at_stop = feed.in_flight_at_stop
+                run.results, run.errors, run.completion_tokens = progress.counts, progress.errors, progress.completion_tokens
+            run.unsettled, run.unsettled_usd = figs.unsettled + figs.unidentified, figs.total.stuck_usd
+            run.run_committed_usd = figs.runs[run_id].committed_usd
+            run.duration_s = time.monotonic() - started
+            if run.stopped_by:
+                log(f"{dataset}: stopped after {progress.finished if progress else 0} done, ${run.cost_usd:.4f} billed ({run.stopped_by})"
+                    + (f"; {run.in_flight_at_stop} request(s) were in flight at the stop" if run.in_flight_at_stop else ""))
+            journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": run.stopped_by,
+                            "finished": progress.finished if progress else 0, "cost_usd": run.cost_usd,
+                            "attempts": run.attempt_outcomes, "ledger": figs.as_dict()})
     return run
+
+
+async def watch(feed: Admission, writer: LedgerWriter, halt: Optional[Callable[[], Optional[str]]], poll_s: float,
+                hold_mode: str, on_terminate: str, log: Callable[[str], None], dataset: str) -> None:
+    """Every `poll_s`: the hold (so that cancel mode cancels in-flight requests at once) and the run's own status."""
+    failing = False
+    while True:
+        await asyncio.sleep(poll_s)
+        try:
+            hold = await writer.call(L.get_hold)
+            reason = await asyncio.to_thread(halt) if halt is not None else None
+        except Exception as e:  # a busy database must not end the watch: the stop would stop biting
+            if not failing:
+                log(f"{dataset}: could not read the spend hold or the run's status ({type(e).__name__}: {e}); retrying")
+            failing = True
+            continue
+        failing = False
+        if hold:
+            log(f"{dataset}: halting: spending hold: {'; '.join(hold['reasons'])} (in-flight requests: {hold_mode})")
+            feed.stop(HALTED + "spending hold: " + "; ".join(hold["reasons"]), cancel_inflight=hold_mode == "cancel")
+            return
+        if reason:
+            log(f"{dataset}: halting: {reason} (in-flight requests: {on_terminate})")
+            feed.stop(HALTED + reason, cancel_inflight=on_terminate == "cancel")
+            return
 
 
 COMPLETION_COLUMNS = {

@@ -12,9 +12,16 @@ systems (README: "Pointing it at real systems"):
     OPENROUTER_BASE_URL          default https://openrouter.ai/api/v1 (the fake server: http://127.0.0.1:PORT/api/v1)
     EAGLE3_SGLANG_URL            SGLang server for completions (default http://127.0.0.1:30000)
     EAGLE3_HIDDEN_STATES_BACKEND transformers | sglang (default: transformers)
+    EAGLE3_REGISTRY              another dataset registry file (default: data/datasets.yaml)
     EAGLE3_MIN_BALANCE_USD, EAGLE3_MAX_RUN_USD, EAGLE3_MAX_DAY_USD, EAGLE3_MAX_TOTAL_USD
                                  spend thresholds (credit sensor and client); unset = not enforced
+    EAGLE3_HOLD_MODE             drain (default) | cancel: requests in flight when the hold is set
+    EAGLE3_UNSETTLED_HORIZON_S   how long a started generation without a bill is looked up (default 900)
+    EAGLE3_LEDGER_TOLERANCE_USD  account-vs-ledger drift that is alerted (default 1.0)
     EAGLE3_ALERT_WEBHOOK_URL     a Slack-compatible webhook for alerts (default: the run log only)
+
+The completions backend and the spend policy read their variables when they are used, not only
+here: a launchpad that configures one field of them keeps the others from the environment.
 """
 
 from __future__ import annotations
@@ -58,23 +65,6 @@ def completions_resource() -> CompletionsResource:
     return CompletionsResource(**kwargs)
 
 
-def _float_env(name: str):
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else None
-
-
-def spend_policy() -> SpendPolicy:
-    kwargs = {field: _float_env(var) for field, var in (
-        ("min_balance_usd", "EAGLE3_MIN_BALANCE_USD"), ("max_run_usd", "EAGLE3_MAX_RUN_USD"),
-        ("max_day_usd", "EAGLE3_MAX_DAY_USD"), ("max_total_usd", "EAGLE3_MAX_TOTAL_USD"))}
-    if (tolerance := _float_env("EAGLE3_LEDGER_TOLERANCE_USD")) is not None:
-        kwargs["ledger_tolerance_usd"] = tolerance
-    if os.environ.get("OPENROUTER_API_KEY"):  # the account is read only where there is one
-        kwargs["account_api_key"] = dg.EnvVar("OPENROUTER_API_KEY")
-        kwargs["account_base_url"] = dg.EnvVar("OPENROUTER_BASE_URL") if os.environ.get("OPENROUTER_BASE_URL") else OPENROUTER_DEFAULT_URL
-    return SpendPolicy(**kwargs)
-
-
 def resources() -> dict:
     data_dir = default_data_dir()
     standin = str(data_dir / "standin")
@@ -84,7 +74,7 @@ def resources() -> dict:
         "target": TargetModelResource(path=os.environ.get("EAGLE3_TARGET_DIR") or None, standin_dir=standin),
         "completions_backend": completions_resource(),
         "hidden_states_backend": HiddenStatesResource(backend=os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")),
-        "spend_policy": spend_policy(),
+        "spend_policy": SpendPolicy(),  # every threshold from the environment, read at use time
         "alerts": AlertSink(webhook_url=_env_or_none("EAGLE3_ALERT_WEBHOOK_URL")),
     }
 

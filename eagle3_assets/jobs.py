@@ -6,6 +6,7 @@ import dagster as dg
 
 from eagle3_assets.assets import PIPELINE_ASSETS
 from eagle3_assets.registry import dataset_partitions
+from eagle3_resources.storage import DataStore
 
 eagle3_pipeline = dg.define_asset_job(
     "eagle3_pipeline",
@@ -18,10 +19,10 @@ eagle3_pipeline = dg.define_asset_job(
 
 
 @dg.op(description="Lift the spending hold set by the credit sensor (it is set again if a threshold is still crossed).")
-def lift_spend_hold_op(context) -> None:
-    from eagle3_assets.spend import lift_hold
+def lift_spend_hold_op(context, store: DataStore) -> None:
+    from eagle3_assets.spend import lift_hold, open_ledger
 
-    hold = lift_hold(context.instance)
+    hold = lift_hold(open_ledger(store.layout), f"lifted by run {context.run_id} (lift_spend_hold)")
     context.log.info(f"hold lifted: {hold['reasons'] if hold else 'there was none'}")
 
 

@@ -4,7 +4,8 @@ The history's costliest mistake was money spent on data of the wrong shape (tool
 wrong semantics), found only after the run. The pilot's blocking checks look at the first
 `pilot_size` completions: did they succeed, do they carry an answer, does the provider's prompt
 count equal our rendering (it does not when tools reach the model differently than we render
-them), and do the reconstructed ids match what was billed. Malformed data costs a pilot.
+them), do the reconstructed ids match what was billed, and were the answers billed at the listed
+prices (every cap is priced with them). Malformed data or a wrong price list costs a pilot.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import polars as pl
 
 from eagle3_assets.checks.outcome import CheckOutcome, sample_ids
 from eagle3_assets.checks.tokens import BILLED_DIFF_LIMIT
+from eagle3_assets.spend.prices import PriceCheck
 from eagle3_resources.journal import read_journal
 
 MIN_OK_SHARE = 0.5
@@ -23,9 +25,9 @@ def pilot_passed(journal) -> bool:
     return any(r.get("type") == "pilot" and r.get("passed") for r in read_journal(journal).records)
 
 
-def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame) -> CheckOutcome:
-    """The pilot's completions have the shape training needs and agree with what was billed."""
-    problems: list[str] = []
+def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame, prices: PriceCheck | None = None) -> CheckOutcome:
+    """The pilot's completions have the shape training needs and agree with what was billed (tokens and dollars)."""
+    problems: list[str] = list(prices.problems) if prices is not None else []
     final = completions.filter(pl.col("status") != "pending")
     ok = final.filter(pl.col("status") == "ok")
     n = max(1, final.height)
@@ -53,5 +55,6 @@ def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame) -> CheckOu
         "pilot passed: the data has the expected shape" if not problems else "pilot failed: " + "; ".join(problems),
         {"pilot_requests": final.height, "ok": ok.height, "answered": answered.height, "prompt_count_mismatches": off.height,
          "completion_token_diff": diff, "billed_completion_tokens": total, "problems": problems,
+         **({"prices": prices.figures()} if prices is not None else {}),
          "examples": sample_ids(off) if off.height else sample_ids(final.filter(pl.col("status") != "ok"))},
     )

@@ -1,6 +1,7 @@
 """Sensors: the credit sensor that halts spending, and the alerts for failed runs and checks."""
 
 
+import asyncio
 import json
 from dataclasses import asdict
 from typing import Any
@@ -10,82 +11,136 @@ from dagster._core.storage.asset_check_execution_record import (
     AssetCheckExecutionRecordStatus,
 )
 
-from eagle3_assets.completions import Ledger, read_ledger
+from eagle3_assets.completions import recover_idle_datasets
 from eagle3_assets.registry import run_datasets
-from eagle3_assets.spend import (
-    Account,
-    LedgerGap,
-    SpendPolicy,
-    account_moves,
-    cancel_spending,
-    crossed,
-    figures,
-    get_hold,
-    lift_hold,
-    set_hold,
-)
+from eagle3_assets.spend import get_hold, lift_hold, open_ledger, set_hold
+from eagle3_assets.spend.hold import active_spending_runs, cancel_run, cancel_spending
+from eagle3_assets.spend.ledger import Figures
+from eagle3_assets.spend.policy import Account, LedgerGap, SpendPolicy, account_moves, crossed, figures
+from eagle3_assets.spend.settle import settle_due
+from eagle3_assets.spend.writer import LedgerWriter
 from eagle3_resources.alerts import AlertSink
+from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.storage import DataStore
 
 ACCOUNT_ASSET = dg.AssetKey("openrouter_account")
+SETTLE_BUDGET_S = 8.0  # look-ups per tick, at most (a sensor that times out sets no hold: the hold is decided first)
 openrouter_account = dg.AssetSpec(
     ACCOUNT_ASSET, group_name="completions", kinds={"openrouter"},
-    description="The OpenRouter account and the project's ledger, observed by the credit sensor on every tick.",
+    description="The OpenRouter account and the project's spend ledger, observed by the credit sensor.",
 )
 
 
 @dg.sensor(name="credit_sensor", minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Holds spending when the account balance or the ledger crosses a SpendPolicy threshold: cancels "
-           "every queued or running run that buys completions and keeps cancelling them until the hold is lifted.")
+           description="Holds spending when the account balance or the ledger crosses a SpendPolicy threshold (queued "
+           "spending runs are cancelled; running ones drain, or are cancelled with EAGLE3_HOLD_MODE=cancel); stops a run "
+           "over its own threshold; looks up unsettled generations; alerts on account anomalies.")
 def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy, store: DataStore, alerts: AlertSink):
     instance = context.instance
     cursor = json.loads(context.cursor) if context.cursor else {}
-    ledger = read_ledger(store.layout.all_completion_journals())
-    try:
-        account = spend_policy.read_account()
-        if account is not None and cursor.pop("account_unreadable", None):
-            alerts.send("The account can be read again", figures(account, ledger), context.log.info)
-    except Exception as e:  # the ledger still protects us; say so loudly, once
-        message = f"could not read the account ({type(e).__name__}: {e}); the balance threshold is not enforced, the ledger's are"
-        context.log.warning(message)
-        if not cursor.get("account_unreadable"):
-            alerts.send("Spend watch degraded: " + message, figures(None, ledger), context.log.warning)
-        cursor["account_unreadable"] = True
-        account = None
-    figs = figures(account, ledger)
-    reasons = crossed(spend_policy, account, ledger)
-    hold = get_hold(instance)
-    if hold and not reasons and hold["thresholds"] != spend_policy.thresholds():
-        lift_hold(instance)
-        alerts.send("Spending hold lifted: the thresholds were raised and the figures are within them", figs, context.log.info)
+    ledger = open_ledger(store.layout)
+    active = [r.run_id for r in active_spending_runs(instance)]
+    figs_ledger = ledger.figures(active)
+    account = _read_account(spend_policy, cursor, figs_ledger, alerts, context.log)
+    figs = figures(account, figs_ledger)
+    thresholds = spend_policy.thresholds()
+    crossing = crossed(thresholds, account, figs_ledger)
+    hold = get_hold(ledger)
+    judged = account is not None or thresholds["min_balance_usd"] is None  # the balance could be read where it matters
+    if hold and not crossing.reasons and judged:
+        lift_hold(ledger, "no threshold is crossed any more")
+        alerts.send("Spending hold lifted: no threshold is crossed any more", figs, context.log.info)
         hold = None
-    if reasons and not hold:
-        hold = set_hold(instance, reasons, figs, spend_policy.thresholds())
-        alerts.send("Spending halted: " + "; ".join(reasons), figs, context.log.warning)
+    if crossing.reasons and not hold:
+        hold = set_hold(ledger, crossing.reasons, figs, thresholds)
+        alerts.send("Spending halted: " + "; ".join(crossing.reasons) + f" (in-flight requests: {spend_policy.hold_action})",
+                    figs, context.log.warning)
     if hold:
-        cancelled, stopped = cancel_spending(instance)
+        cancelled, stopped = cancel_spending(instance, spend_policy.hold_action)
         if cancelled or stopped:
             alerts.send("Spending runs cancelled while the hold stands",
                         {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]}, context.log.warning)
-    found, gap = _watch_account(cursor, account, ledger, spend_policy.ledger_tolerance_usd, figs, alerts, context.log)
+    over = _stop_runs_over_their_threshold(instance, crossing.runs, cursor, figs, alerts, context.log)
+    settled = _settle(spend_policy, store, ledger, context.log)
+    found, gap = _watch_account(cursor, account, figs_ledger, spend_policy.tolerance_usd, figs, alerts, context.log)
+    figs_ledger = ledger.figures()
     metadata: dict[str, Any] = {
-        "ledger_total_usd": round(ledger.total_usd, 6),
-        "ledger_today_usd": round(ledger.day_usd, 6),
+        "ledger_total_usd": round(figs_ledger.total.settled_usd, 6),
+        "ledger_today_usd": round(figs_ledger.today.settled_usd, 6),
+        "in_flight_worst_usd": round(figs_ledger.total.live_usd, 6),
+        "unsettled": figs_ledger.unsettled + figs_ledger.unidentified,
+        "unsettled_worst_usd": round(figs_ledger.total.stuck_usd, 6),
+        "settled_this_tick": settled,
         "hold": "; ".join(hold["reasons"]) if hold else "none",
         "anomalies": "; ".join(found) or "none",
     }
+    new_cursor: dict[str, Any] = {"runs_over": over}
     if account is not None:
         metadata["account_usage_usd"] = round(account.usage_usd, 6)
         if account.limit_remaining_usd is not None:
             metadata["account_remaining_usd"] = round(account.limit_remaining_usd, 6)
         metadata["account_minus_ledger_offset_usd"] = round(gap.offset_usd, 6)
         metadata["drift_usd"] = round(gap.drift_usd, 6)
-        cursor = {"account": asdict(account), "offset_usd": gap.offset_usd, "gap_open": gap.open}
+        new_cursor.update(account=asdict(account), offset_usd=gap.offset_usd, gap_open=gap.open)
+    else:
+        new_cursor.update({k: cursor[k] for k in ("account", "offset_usd", "gap_open", "account_unreadable") if k in cursor})
     return dg.SensorResult(asset_events=[dg.AssetObservation(asset_key=ACCOUNT_ASSET, metadata=metadata)],
-                           cursor=json.dumps(cursor))
+                           cursor=json.dumps(new_cursor))
 
 
-def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Ledger, tolerance: float,
+def _read_account(policy: SpendPolicy, cursor: dict[str, Any], ledger: Figures, alerts: AlertSink, log) -> Account | None:
+    try:
+        account = policy.read_account()
+        if account is not None and cursor.pop("account_unreadable", None):
+            alerts.send("The account can be read again", figures(account, ledger), log.info)
+        return account
+    except Exception as e:  # the ledger still protects us; say so loudly, once
+        message = f"could not read the account ({type(e).__name__}: {e}); the balance threshold is not enforced, the ledger's are"
+        log.warning(message)
+        if not cursor.get("account_unreadable"):
+            alerts.send("Spend watch degraded: " + message, figures(None, ledger), log.warning)
+        cursor["account_unreadable"] = True
+        return None
+
+
+def _stop_runs_over_their_threshold(instance: dg.DagsterInstance, runs: dict[str, str], cursor: dict[str, Any],
+                                    figs: dict[str, Any], alerts: AlertSink, log) -> list[str]:
+    """A run over max_run_usd is about that run: it is cancelled and alerted once; nothing else is held."""
+    alerted = set(cursor.get("runs_over") or [])
+    for run_id, why in runs.items():
+        run = instance.get_run_by_id(run_id)
+        if run is not None and not run.is_finished and run.status != dg.DagsterRunStatus.CANCELING:
+            cancel_run(instance, run)
+        if run_id not in alerted:
+            alerts.send(f"Run over its spend threshold, cancelled: {why}", figs, log.warning)
+    return sorted(set(runs))
+
+
+def _settle(policy: SpendPolicy, store: DataStore, ledger, log) -> dict[str, Any]:
+    """Datasets no run is completing get their unfinished attempts put right; due look-ups run within a budget."""
+    recovered = recover_idle_datasets(store.layout, ledger)
+    endpoint = policy.account_endpoint()
+    out: dict[str, Any] = {"recovered": recovered} if recovered else {}
+    if endpoint is None:
+        return out
+
+    async def look_up():
+        with LedgerWriter(ledger, on_error=log.warning) as writer:
+            async with OpenRouterAccount(*endpoint) as account:
+                return await settle_due(writer, account.generation, deadline_s=SETTLE_BUDGET_S, horizon_s=policy.horizon_s)
+
+    try:
+        report = asyncio.run(look_up())
+    except Exception as e:  # look-ups are retried next tick; the hold never depends on them
+        log.warning(f"looking up unsettled generations failed ({type(e).__name__}: {e})")
+        return out
+    if report.looked_up or report.expired:
+        log.info(report.line())
+        out.update(found=len(report.found_ids), found_usd=round(report.found_usd, 6), expired=len(report.expired))
+    return out
+
+
+def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Figures, tolerance: float,
                    figs: dict[str, Any], alerts: AlertSink, log) -> tuple[list[str], LedgerGap | None]:
     """Alert on anomalies: account moves (events, each alerted) and ledger drift (a level: alerted when it opens or closes)."""
     found = account_moves(cursor.get("account"), account)
@@ -93,12 +148,13 @@ def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Ledg
         alerts.send(f"Spend anomaly: {move}", figs, log.warning)
     if account is None:
         return found, None
-    gap = LedgerGap.measure(cursor, account, ledger, tolerance)
+    billed = ledger.total.settled_usd
+    gap = LedgerGap.measure(cursor, account, billed, tolerance)
     if cursor.get("offset_usd") is None and abs(gap.offset_usd) > tolerance:
         alerts.send(f"Account usage and the ledger start ${gap.offset_usd:+.4f} apart (the key has spent elsewhere); "
                     "from now on drift from this offset is watched", figs, log.info)
     if gap.open:
-        found.append(gap.describe(account, ledger, tolerance))
+        found.append(gap.describe(account, billed, tolerance))
     if gap.open != bool(cursor.get("gap_open")):
         if gap.open:
             alerts.send(f"Spend anomaly: {found[-1]}", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.warning)

@@ -10,6 +10,10 @@ the main task, as `asyncio.Runner` does for Ctrl-C; requests in flight are journ
 and on leaving, the previous handlers come back and receive the signal, so the caller sees the
 stop as it would have (Dagster's error, KeyboardInterrupt, or the default action of SIGTERM) once
 the journal is closed. A second signal is handed back at once.
+
+With `on_first` set (an operator's terminate in drain mode) the first signal only calls it (stop
+admitting; requests in flight finish and are kept), the second cancels the main task, and the
+third is handed back at once.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Optional
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -32,6 +37,8 @@ class StopSignals:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handed_back = False
+        self.on_first: Optional[Callable[[], None]] = None
+        self._draining = False
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -54,6 +61,16 @@ class StopSignals:
         return None if self.received is None else f"{self.received.name} received"
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is None and self.on_first is not None and self._loop is not None:
+            self.received, self._draining = signal.Signals(signum), True
+            self._loop.call_soon_threadsafe(self.on_first)
+            return
+        if self._draining:  # asked again while draining: cancel what is in flight now
+            self._draining = False
+            if self._task is not None and not self._task.done():
+                self._task.cancel()
+                self._loop.call_soon_threadsafe(lambda: None)
+            return
         if self.received is not None:  # asked twice: no more waiting for a clean stop
             self._restore()
             self._handed_back = True

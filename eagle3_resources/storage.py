@@ -8,6 +8,7 @@
     <root>/hidden_states/<split>/<sample_id>.safetensors  + manifest.json
     <root>/eagle3_drafter/                          config.json + model.safetensors (SGLang format)
     <root>/standin/                                 the stand-in tokenizer and target, built once
+    <root>/ledger/spend.sqlite                      the spend ledger every process shares (SQLite, WAL)
 
 The root is `EAGLE3_DATA_DIR`, by default `var/data` inside the checkout (git-ignored).
 """
@@ -46,6 +47,9 @@ class DataLayout:
 
     def all_completion_journals(self) -> list[Path]:
         return sorted((self.root / "completions").glob("*/journal.jsonl"))
+
+    def ledger(self) -> Path:
+        return self.root / "ledger" / "spend.sqlite"
 
     def completions(self, dataset: str) -> Path:
         return self.root / "completions" / f"{dataset}.parquet"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_assets.spend import SpendLedger
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
@@ -48,3 +49,9 @@ def data_dir_with_standin(tmp_path, standin_dir, target_model) -> Path:
     root = tmp_path / "data"
     shutil.copytree(standin_dir, root / "standin")
     return root
+
+
+@pytest.fixture
+def ledger(tmp_path) -> SpendLedger:
+    """A fresh spend ledger (the shared one a data root would hold) for tests that drive run_completions directly."""
+    return SpendLedger(tmp_path / "ledger" / "spend.sqlite")

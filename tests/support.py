@@ -8,6 +8,8 @@ import socket
 import subprocess
 import time
 
+import math
+
 from aiohttp import web
 
 
@@ -49,3 +51,36 @@ class Webhook:
     async def receive(self, request):
         self.alerts.append(await request.json())
         return web.Response(text="ok")
+
+
+def ledger_rows(ledger) -> list[dict]:
+    def rows(conn):
+        cur = conn.execute("select * from attempts")
+        cols = [c[0] for c in cur.description]
+        return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+    return ledger.read(rows)
+
+
+def bills_not_in_ledger(fake, ledger) -> list[str]:
+    """Every bill the fake wrote, checked against the ledger: settled at its exact cost (found by generation id), or
+    still held (unsettled, unidentified) at a worst case no smaller than it (found by the attempt id the client sent).
+    Returns what does not hold; [] when every dollar billed is in the ledger."""
+    rows = ledger_rows(ledger)
+    by_generation = {r["generation_id"]: r for r in rows if r["generation_id"]}
+    by_attempt = {r["attempt_id"]: r for r in rows}
+    problems = []
+    for bill in fake.billing.bills:
+        row = by_generation.get(bill.id) or by_attempt.get(getattr(bill, "attempt", None) or "")
+        if row is None:
+            if bill.cost:
+                problems.append(f"{bill.id} ({bill.kind}, ${bill.cost:.6f}): not in the ledger")
+        elif row["state"] == "settled":
+            if not math.isclose(row["cost_usd"], bill.cost, rel_tol=1e-9, abs_tol=1e-12):
+                problems.append(f"{bill.id}: billed ${bill.cost:.6f}, ledger says ${row['cost_usd']:.6f}")
+        elif row["state"] in ("unsettled", "unidentified", "reserved", "open"):
+            if row["reserved_usd"] + 1e-12 < bill.cost:
+                problems.append(f"{bill.id}: billed ${bill.cost:.6f}, only ${row['reserved_usd']:.6f} reserved")
+        elif bill.cost:
+            problems.append(f"{bill.id} (${bill.cost:.6f}): {row['state']} in the ledger")
+    return problems

@@ -88,7 +88,7 @@ def test_non_canonical_sequences_are_flagged_not_hidden(tok):
     assert row["completion_len_diff"] == 0
 
 
-def test_zero_billed_differences_against_the_fake_server(tok, tmp_path):
+def test_zero_billed_differences_against_the_fake_server(tok, tmp_path, ledger):
     fake = FakeOpenRouter(tok, FakeSettings(api_key="k"))
     frames = []
     with ServerThread(fake.app) as server:
@@ -96,7 +96,7 @@ def test_zero_billed_differences_against_the_fake_server(tok, tmp_path):
             prompts = prompts_frame(read_prompts(DATASETS[name]), name)
             reqs = build_requests(prompts, tok, TemplateVersion.K2_5, True)
             run_completions(name, reqs, OpenRouterBackend(f"{server.base_url}/api/v1", "k"), SamplingSettings(max_tokens=4096),
-                            tmp_path / f"{name}.jsonl", log=print)
+                            tmp_path / f"{name}.jsonl", ledger=ledger, log=print)
             frames.append(build_token_ids(completions_frame(name, reqs, tmp_path / f"{name}.jsonl", prompts), tok))
     df = pl.concat(frames)
     assert df.height == 31 + 28 + 32

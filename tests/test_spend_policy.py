@@ -4,6 +4,7 @@ import time
 import uuid
 
 import dagster as dg
+import pytest
 from aiohttp import web
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.remote_origin import (
@@ -13,39 +14,52 @@ from dagster._core.remote_origin import (
 )
 from support import Webhook
 
-from eagle3_assets.completions import Ledger
 from eagle3_assets.definitions import defs
 from eagle3_assets.sensors import credit_sensor
-from eagle3_assets.spend import (
-    Account,
-    LedgerGap,
-    SpendPolicy,
-    account_moves,
-    cancel_spending,
-    crossed,
-    get_hold,
-    spends,
-)
+from eagle3_assets.spend import Caps, SpendPolicy, cancel_spending, get_hold, open_ledger, spends
+from eagle3_assets.spend import ledger as L
+from eagle3_assets.spend.ledger import Figures, Scope
+from eagle3_assets.spend.policy import Account, LedgerGap, account_moves, crossed
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.fake_openrouter import ServerThread
-from eagle3_resources.journal import Journal
 from eagle3_resources.storage import DataStore
 
-LEDGER = Ledger(total_usd=12.0, day_usd=3.0, by_run_usd={"run-a": 2.0, "run-b": 7.5})
+# $12 billed in all, $3 today; two runs in flight.
+LEDGER = Figures(total=Scope(settled_usd=12.0), today=Scope(settled_usd=3.0), day="2026-12-03",
+                 runs={"run-a": Scope(settled_usd=2.0), "run-b": Scope(settled_usd=7.5)})
 
 
-def test_each_threshold_is_crossed_with_its_figures():
+def thresholds(**kw):
+    return SpendPolicy(**kw).thresholds()
+
+
+def test_each_threshold_is_crossed_with_its_figures(monkeypatch):
+    for var in ("EAGLE3_MIN_BALANCE_USD", "EAGLE3_MAX_RUN_USD", "EAGLE3_MAX_DAY_USD", "EAGLE3_MAX_TOTAL_USD"):
+        monkeypatch.delenv(var, raising=False)
     account = Account(usage_usd=12.0, limit_remaining_usd=4.0, t=0.0)
-    assert crossed(SpendPolicy(), account, LEDGER) == []  # nothing set, nothing enforced
-    assert crossed(SpendPolicy(min_balance_usd=3.0, max_run_usd=8, max_day_usd=3.0, max_total_usd=12.0), account, LEDGER) == []
-    (balance,) = crossed(SpendPolicy(min_balance_usd=5.0), account, LEDGER)
+    assert crossed(thresholds(), account, LEDGER).reasons == []  # nothing set, nothing enforced
+    within = crossed(thresholds(min_balance_usd=3.0, max_run_usd=8, max_day_usd=3.0, max_total_usd=12.0), account, LEDGER)
+    assert within.reasons == [] and within.runs == {}
+    (balance,) = crossed(thresholds(min_balance_usd=5.0), account, LEDGER).reasons
     assert "$4.00 < minimum $5.00" in balance
-    (run,) = crossed(SpendPolicy(max_run_usd=5.0), account, LEDGER)
-    assert run.startswith("run run-b spent $7.50")
-    assert "today $3.00 > $2.00" in crossed(SpendPolicy(max_day_usd=2.0), account, LEDGER)[0]
-    assert "in all $12.00 > $10.00" in crossed(SpendPolicy(max_total_usd=10.0), account, LEDGER)[0]
+    # A run over its own threshold is about that run: it is not a reason to hold everything.
+    over = crossed(thresholds(max_run_usd=5.0), account, LEDGER)
+    assert over.reasons == [] and list(over.runs) == ["run-b"] and over.runs["run-b"].startswith("run run-b spent $7.50")
+    assert "today $3.00 > $2.00" in crossed(thresholds(max_day_usd=2.0), account, LEDGER).reasons[0]
+    assert "in all $12.00 > $10.00" in crossed(thresholds(max_total_usd=10.0), account, LEDGER).reasons[0]
     # Without the account, the ledger's thresholds still hold and the balance one cannot fire.
-    assert len(crossed(SpendPolicy(min_balance_usd=5.0, max_total_usd=10.0), None, LEDGER)) == 1
+    assert len(crossed(thresholds(min_balance_usd=5.0, max_total_usd=10.0), None, LEDGER).reasons) == 1
+
+
+def test_thresholds_fall_back_to_the_environment_field_by_field(monkeypatch):
+    monkeypatch.setenv("EAGLE3_MAX_DAY_USD", "40")
+    monkeypatch.setenv("EAGLE3_MAX_TOTAL_USD", "500")
+    # A launchpad that sets one field does not drop the others (Dagster replaces the whole resource config).
+    assert SpendPolicy(max_total_usd=90.0).thresholds() == {"min_balance_usd": None, "max_run_usd": None,
+                                                           "max_day_usd": 40.0, "max_total_usd": 90.0}
+    monkeypatch.setenv("EAGLE3_HOLD_MODE", "sideways")
+    with pytest.raises(ValueError, match="hold_mode"):
+        SpendPolicy().hold_action
 
 
 def test_account_moves_name_the_figures_that_moved_the_wrong_way():
@@ -60,11 +74,18 @@ def test_account_moves_name_the_figures_that_moved_the_wrong_way():
 
 def test_ledger_gap_is_drift_from_the_first_reading():
     # The key had spent $8 before this project: not an anomaly, an offset.
-    first = LedgerGap.measure({}, Account(20.0, 1.0, 0.0), LEDGER, tolerance=1.0)
+    first = LedgerGap.measure({}, Account(20.0, 1.0, 0.0), 12.0, tolerance=1.0)
     assert first.offset_usd == 8.0 and first.drift_usd == 0.0 and not first.open
-    later = LedgerGap.measure({"offset_usd": 8.0}, Account(21.5, 1.0, 0.0), LEDGER, tolerance=1.0)
+    later = LedgerGap.measure({"offset_usd": 8.0}, Account(21.5, 1.0, 0.0), 12.0, tolerance=1.0)
     assert later.open and later.drift_usd == 1.5
-    assert "drifted $+1.5000" in later.describe(Account(21.5, 1.0, 0.0), LEDGER, 1.0)
+    assert "drifted $+1.5000" in later.describe(Account(21.5, 1.0, 0.0), 12.0, 1.0)
+
+
+def bill(ledger, usd, dataset="A1", run_id="r"):
+    """One attempt reserved and settled in the ledger, as a run would."""
+    (attempt,), _ = ledger.write(L.reserve, [L.Want("p", 1, usd, 10)], run_id=run_id, dataset=dataset, owner="test",
+                                 caps=Caps(), now=time.time())
+    ledger.write(L.settle, attempt, cost_usd=usd, prompt_tokens=1, completion_tokens=1, source="response", now=time.time())
 
 
 class FakeAccount:
@@ -84,7 +105,7 @@ class FakeAccount:
 def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_closes(tmp_path):
     hook = Webhook()
     account = FakeAccount(usage=5.0, remaining=95.0)
-    journal = DataStore(root=str(tmp_path)).layout.completions_journal("A1")
+    ledger = open_ledger(DataStore(root=str(tmp_path)).layout)
     with ServerThread(hook.app) as hook_server, ServerThread(account.app) as account_server, dg.instance_for_test() as instance:
         resources = {"spend_policy": SpendPolicy(account_base_url=f"{account_server.base_url}/api/v1", account_api_key="k"),
                      "store": DataStore(root=str(tmp_path)), "alerts": AlertSink(webhook_url=f"{hook_server.base_url}/hook")}
@@ -106,8 +127,7 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
         titles, metadata = tick()
         assert len(titles) == 1 and "drifted $+2.5000" in titles[0] and metadata["drift_usd"].value == 2.5
         assert tick()[0] == []  # still open: not alerted again
-        with Journal(journal) as j:  # the journal catches up (e.g. an orphan's look-up)
-            j.append({"type": "result", "cost_usd": 2.5, "t": time.time()})
+        bill(ledger, 2.5)  # the ledger catches up (e.g. an unsettled generation's look-up)
         assert tick()[0] == ["Ledger and account agree again"]
         account.usage, account.remaining = 7.0, 93.0  # an account never un-spends
         titles, _ = tick()
@@ -118,7 +138,7 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
         assert tick()[0] == []
         account.down = False
         assert tick()[0] == ["The account can be read again"]
-        assert get_hold(instance) is None
+        assert get_hold(ledger) is None
 
 
 def _run(instance, job_name, asset_selection=None, status=dg.DagsterRunStatus.QUEUED, tags=None):
@@ -130,7 +150,8 @@ def _run(instance, job_name, asset_selection=None, status=dg.DagsterRunStatus.QU
     return instance.add_run(run)
 
 
-def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled():
+@pytest.mark.parametrize("hold_mode", ["drain", "cancel"])
+def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled(hold_mode):
     overrides = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
     with dg.instance_for_test(overrides=overrides) as instance:
         # An asset job selecting completions (how the UI's Materialize and `dagster asset materialize` launch),
@@ -141,6 +162,10 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled():
         other = _run(instance, "lift_spend_hold")
         marked = _run(instance, "some_script_job", tags={"eagle3/spends": "true"})
         finished = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.SUCCESS)
+        # Just created by `job launch`, no process yet: there is nothing to terminate, and it must not stay CANCELING
+        # (holding its dataset's queue slot) for good.
+        created = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.NOT_STARTED)
+        started = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.STARTED)
         assert [spends(r) for r in (materialize, pipeline, downstream, other, marked)] == [True, True, False, False, True]
 
         graph = defs.resolve_asset_graph()
@@ -155,13 +180,20 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled():
         instance.add_backfill(backfill)
         instance.add_backfill(harmless)
 
-        cancelled, stopped = cancel_spending(instance)
+        cancelled, stopped = cancel_spending(instance, hold_mode)
 
-        assert sorted(cancelled) == sorted([materialize.run_id, pipeline.run_id, marked.run_id])
+        expected = [materialize.run_id, pipeline.run_id, marked.run_id, created.run_id]
+        if hold_mode == "cancel":  # a started run is terminated too; with drain it stops admitting by itself
+            expected.append(started.run_id)
+        assert sorted(cancelled) == sorted(expected)
         assert stopped == ["bf-spend"]
-        status = {r.run_id: instance.get_run_by_id(r.run_id).status for r in (materialize, pipeline, downstream, other, marked, finished)}
+        status = {r.run_id: instance.get_run_by_id(r.run_id).status
+                  for r in (materialize, pipeline, downstream, other, marked, finished, created, started)}
         assert status[materialize.run_id] == status[pipeline.run_id] == status[marked.run_id] == dg.DagsterRunStatus.CANCELED
+        assert status[created.run_id] == dg.DagsterRunStatus.CANCELED
         assert status[downstream.run_id] == status[other.run_id] == dg.DagsterRunStatus.QUEUED
         assert status[finished.run_id] == dg.DagsterRunStatus.SUCCESS
+        # No process owns this test's "started" run: cancelling it must end it, not leave it CANCELING.
+        assert status[started.run_id] == (dg.DagsterRunStatus.CANCELED if hold_mode == "cancel" else dg.DagsterRunStatus.STARTED)
         assert instance.get_backfill("bf-spend").status == BulkActionStatus.CANCELING
         assert instance.get_backfill("bf-ids").status == BulkActionStatus.REQUESTED

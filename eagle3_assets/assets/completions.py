@@ -1,7 +1,7 @@
 """`completions`: the target's answer to every prompt, journaled as it arrives."""
 
 
-import fcntl
+import asyncio
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,20 +21,23 @@ from eagle3_assets.checks.outcome import (
     to_results,
 )
 from eagle3_assets.completions import (
-    HALTED,
-    Caps,
-    Ledger,
-    Pricing,
+    CompletionsRun,
+    DatasetBusy,
+    partition_lock,
     build_requests,
     completions_frame,
     final_results,
-    read_ledger,
     run_completions,
 )
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.pilot import pilot_outcome, pilot_passed
 from eagle3_assets.registry import dataset_partitions, dataset_spec
-from eagle3_assets.spend import SpendPolicy, get_hold, halt_reason
+from eagle3_assets.spend import SpendPolicy, cancelling, get_hold, open_ledger, tighter
+from eagle3_assets.spend import ledger as L
+from eagle3_assets.spend.admission import HALTED
+from eagle3_assets.spend.caps import Caps, Pricing
+from eagle3_assets.spend.prices import PriceSheet, check_billed, configured, fetch_prices
+from eagle3_assets.spend.projection import project
 from eagle3_assets.token_ids import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.completions.types import RunFatalError, SamplingSettings
@@ -45,65 +48,71 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 LOCAL_MAX_TOKENS = 160  # the stand-in answers in ~40-60 tokens
 REMOTE_MAX_TOKENS = 16384
+STOP_MODES = ("drain", "cancel")
 
 
 class CompletionsConfig(SamplingSettings):
-    """Request settings of this run (recorded with the materialization)."""
+    """Request settings and spend limits of this run (recorded with the materialization)."""
 
     max_tokens: Optional[int] = Field(default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise")
-    max_run_usd: Optional[float] = Field(default=None, description="dollar cap for this run (worst-case admission: never overshot)")
+    max_run_usd: Optional[float] = Field(default=None, description="dollar cap for this run, all its datasets and pilots "
+                                         "together (with EAGLE3_MAX_RUN_USD, the tighter holds): never overshot")
     max_total_usd: Optional[float] = Field(default=None, description="dollar cap for the whole ledger: every partition, every run")
     on_cap: str = Field(default="finish", description='in-flight requests when a cap is reached: "finish" or "cancel"')
+    on_terminate: str = Field(default="cancel", description='in-flight requests when the run is terminated (UI, SIGTERM, '
+                              'Ctrl-C): "cancel" (their streams stop; the prompts are sent again later, partial bills '
+                              'included) or "drain" (they finish and are kept; a second stop cancels)')
     pilot_size: int = Field(default=8, description="prompts of a partition sent first; the rest waits for the pilot's "
-                            "blocking checks (0: no pilot)")
-    usd_per_m_prompt_tokens: float = Field(default=0.60, description="model price for worst-case admission (check /api/v1/models)")
-    usd_per_m_completion_tokens: float = Field(default=2.50, description="model price for worst-case admission (check /api/v1/models)")
+                            "blocking checks (shape, billed counts, prices) and its cost projection (0: no pilot)")
+    usd_per_m_prompt_tokens: Optional[float] = Field(default=None, description="price override; unset: read from the API "
+                                                     "(/models/{model}/endpoints, the highest price the routing allows)")
+    usd_per_m_completion_tokens: Optional[float] = Field(default=None, description="price override (see usd_per_m_prompt_tokens)")
+    price_tolerance: float = Field(default=0.05, description="the pilot's bills may differ from the listed prices by this "
+                                   "share; beyond it the run stops before the rest is sent")
+    max_projected_usd: Optional[float] = Field(default=None, description="stop after the pilot when the rest of a partition "
+                                               "is projected to cost more than this")
+    resend_unsettled: bool = Field(default=False, description="send a prompt again although an earlier attempt of it has no "
+                                   "bill yet (it may be paid twice)")
+    unsettled_wait_s: float = Field(default=60.0, description="how long a retry waits for the bill of the attempt before it "
+                                    "(a cut stream) before the prompt is deferred to a later run")
 
     def settings(self, backend: BackendKind) -> SamplingSettings:
         max_tokens = self.max_tokens or (LOCAL_MAX_TOKENS if backend is BackendKind.LOCAL else REMOTE_MAX_TOKENS)
         fields = {k: v for k, v in self.model_dump().items() if k in SamplingSettings.model_fields}
         return SamplingSettings(**{**fields, "max_tokens": max_tokens})
 
-    def caps(self, token_budget: Optional[int], policy: SpendPolicy, ledger: Ledger) -> Caps:
+    def caps(self, token_budget: Optional[int], thresholds: dict[str, Optional[float]]) -> Caps:
         """This run's caps and the spend policy's, whichever is tighter: the client enforces the
-        policy before every request, so spending stops even when no sensor daemon runs."""
-        if self.on_cap not in ("finish", "cancel"):
-            raise ValueError(f'on_cap must be "finish" or "cancel", not {self.on_cap!r}')
+        policy in every admission, so spending stops even when no sensor daemon runs."""
+        if self.on_terminate not in STOP_MODES:
+            raise ValueError(f'on_terminate must be "drain" or "cancel", not {self.on_terminate!r}')
+        return Caps(token_budget=token_budget, run_usd=tighter(self.max_run_usd, thresholds["max_run_usd"]),
+                    total_usd=tighter(self.max_total_usd, thresholds["max_total_usd"]), day_usd=thresholds["max_day_usd"],
+                    on_cap=self.on_cap)
 
-        def tighter(a, b):
-            return b if a is None else a if b is None else min(a, b)
+    def price_sheet(self, backend: BackendKind, make_account, settings: SamplingSettings) -> Optional[PriceSheet]:
+        """Where admission's prices come from: the run config, else the API; None for a backend that bills nothing."""
+        if self.usd_per_m_prompt_tokens is not None or self.usd_per_m_completion_tokens is not None:
+            return configured(settings.model, self.usd_per_m_prompt_tokens or 0.0, self.usd_per_m_completion_tokens or 0.0)
+        if backend is not BackendKind.OPENROUTER:
+            return None
 
-        return Caps(token_budget=token_budget, run_usd=tighter(self.max_run_usd, policy.max_run_usd),
-                    total_usd=tighter(self.max_total_usd, policy.max_total_usd), day_usd=policy.max_day_usd, on_cap=self.on_cap)
+        async def fetch():
+            async with make_account() as account:
+                return await fetch_prices(account, settings.model, settings.provider.to_request())
 
-    def pricing(self) -> Pricing:
-        return Pricing(prompt=self.usd_per_m_prompt_tokens / 1e6, completion=self.usd_per_m_completion_tokens / 1e6)
+        sheet = asyncio.run(fetch())
+        if sheet is None:
+            raise dg.Failure(description=f"no price list for {settings.model} at this API (/models and /models/{settings.model}"
+                             "/endpoints): set usd_per_m_prompt_tokens and usd_per_m_completion_tokens in the run config")
+        if not sheet.endpoints:
+            raise dg.Failure(description=f"the provider routing leaves no endpoint for {settings.model}: "
+                             + "; ".join(sheet.excluded), metadata={"prices": json_value(sheet.describe())})
+        return sheet
 
 
 PILOT_CHECK = "pilot"
 CHECKS = {**COMPLETION_CHECKS, PILOT_CHECK: (pilot_outcome, "ERROR")}
-
-
-@contextmanager
-def partition_lock(journal: Path, run_id: str):
-    """One spending run per dataset at a time: an exclusive lock next to the journal."""
-    path = journal.with_name("lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise dg.Failure(description=f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
-                             "one spending run per dataset at a time") from None
-        f.seek(0)
-        f.truncate()
-        f.write(run_id)
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dg.asset(
@@ -114,8 +123,10 @@ def partition_lock(journal: Path, run_id: str):
     group_name="completions",
     kinds={"parquet"},
     description="Completions from the configured backend (local transformers, OpenRouter or SGLang). A pilot batch "
-    "is checked before the rest is sent; every result is journaled on arrival; re-materializing resumes and never "
-    "re-sends a prompt with a final outcome. Refuses to start while the credit sensor holds spending.",
+    "is checked (shape, billed counts, prices) and the rest's cost projected before it is sent; every attempt is "
+    "reserved and settled in the spend ledger shared by every run; every result is journaled on arrival; "
+    "re-materializing resumes and never re-sends a prompt with a final outcome or an unsettled bill. Refuses to start "
+    "while spending is on hold.",
 )
 def completions(
     context: dg.AssetExecutionContext,
@@ -126,14 +137,22 @@ def completions(
     completions_backend: CompletionsResource,
     spend_policy: SpendPolicy,
 ) -> dg.MaterializeResult:
-    hold = get_hold(context.instance)
+    ledger = open_ledger(store.layout)
+    hold = get_hold(ledger)
     if hold:
         raise dg.Failure(description="spending is on hold: " + "; ".join(hold["reasons"]) + ". Lift it with `eagle3 hold lift` "
                          "(or the lift_spend_hold job), or raise the threshold.", metadata={"hold": json_value(hold)})
     tok = tokenizer.load()
-    settings = config.settings(completions_backend.backend)
+    kind = completions_backend.backend_kind()
+    settings = config.settings(kind)
     backend = completions_backend.make_backend(tok, lambda: target.load_model(tokenizer, context.log.info))
-    summaries, frames, pilots = [], [], {}
+    sheet = config.price_sheet(kind, getattr(backend, "account", None), settings)
+    pricing = sheet.pricing() if sheet else Pricing(source="free backend")
+    if sheet:
+        context.log.info(f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
+                         f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)")
+    thresholds = spend_policy.thresholds()
+    summaries, frames, pilots, projections = [], [], {}, {}
     for key in context.partition_keys:
         spec = dataset_spec(key)
         prompts = pl.read_parquet(store.layout.raw_prompts(key))
@@ -142,17 +161,19 @@ def completions(
             prompts = prompts.head(spec.sample_cap)
         requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools)
         journal = store.layout.completions_journal(key)
+        caps = config.caps(spec.token_budget, thresholds)
 
-        def complete(batch, key=key, spec=spec, journal=journal):
-            ledger = read_ledger(store.layout.all_completion_journals())
-            return run_completions(key, batch, backend, settings, journal, caps=config.caps(spec.token_budget, spend_policy, ledger),
-                                   pricing=config.pricing(), total_spent_usd=ledger.total_usd, day_spent_usd=ledger.day_usd,
+        def complete(batch, key=key, journal=journal, caps=caps) -> CompletionsRun:
+            return run_completions(key, batch, backend, settings, journal, ledger=ledger, caps=caps, pricing=pricing,
                                    log=context.log.info, run_id=context.run_id,
-                                   halt=lambda: halt_reason(context.instance, context.run_id))
+                                   halt=lambda: cancelling(context.instance, context.run_id),
+                                   hold_mode=spend_policy.hold_action, on_terminate=config.on_terminate,
+                                   resend_unsettled=config.resend_unsettled, unsettled_wait_s=config.unsettled_wait_s,
+                                   horizon_s=spend_policy.horizon_s)
 
-        with partition_lock(journal, context.run_id):
+        with dataset_lock(journal, context.run_id):
             try:
-                run = None  # what was sent and why it stopped; None when a failed pilot sent the rest nowhere
+                run = None  # what was sent and why it stopped; None when the pilot stopped the partition
                 if config.pilot_size and not pilot_passed(journal):
                     done, _ = final_results(journal)
                     batch = [r for r in requests if r.prompt_id not in done][: config.pilot_size]
@@ -164,12 +185,22 @@ def completions(
                                                    "materialization", {"sent": run.sent})
                     else:
                         pilot_frame = completions_frame(key, batch, journal, prompts)
-                        pilots[key] = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok))
+                        prices = check_billed(pilot_frame, sheet, config.price_tolerance) if sheet else None
+                        pilots[key] = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok), prices)
                         with Journal(journal) as j:
                             j.append({"type": "pilot", "run_id": context.run_id, "t": time.time(), "passed": pilots[key].passed,
                                       "description": pilots[key].description, "n": len(batch)})
+                        if pilots[key].passed:
+                            projections[key] = _projection(context, key, pilot_frame, requests, journal, pricing, settings, caps,
+                                                           ledger, completions_backend, backend)
                     context.log.info(f"{key}: {pilots[key].description}")
                 if key not in pilots or pilots[key].passed:
+                    over = projections.get(key) and config.max_projected_usd is not None \
+                        and projections[key].usd > config.max_projected_usd
+                    if over:
+                        raise dg.Failure(description=f"{projections[key].line(key)}: more than max_projected_usd "
+                                         f"${config.max_projected_usd:,.2f}. Nothing more was sent; raise the limit to go on.",
+                                         metadata={"projection": json_value(projections[key].as_dict())})
                     run = complete(requests)
             except RunFatalError as e:
                 raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
@@ -180,20 +211,15 @@ def completions(
             raise dg.Failure(description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
                              f"is in {journal}; re-materialize to resume once the hold is lifted.")
         frames.append(df)
-        if run is not None:
-            summaries.append({"dataset": key, "sent": run.sent, "stopped_by": run.stopped_by, "resumed_done": run.resumed_done,
-                              "duration_s": round(run.duration_s, 1), "results": dict(run.results), "errors": dict(run.errors),
-                              "cost_usd": round(run.cost_usd, 6), "inflight_found": run.inflight_found,
-                              "inflight_cost_usd": round(run.inflight_cost_usd, 6), "possible_double_spend": run.possible_double_spend})
-        else:
-            summaries.append({"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0,
-                              "cost_usd": 0.0, "possible_double_spend": 0})
+        summaries.append(run.summary(key) if run is not None else
+                         {"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0, "billed_usd": 0.0})
     df = pl.concat(frames)
     outcomes = per_dataset(COMPLETION_CHECKS, df)
     outcomes[PILOT_CHECK] = combine(pilots) if pilots else CheckOutcome(
         True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))
     counts = df["status"].value_counts()
     duration = sum(s["duration_s"] for s in summaries)
+    figs = ledger.figures([context.run_id])
     return dg.MaterializeResult(
         check_results=to_results(CHECKS, outcomes),
         metadata={
@@ -202,12 +228,16 @@ def completions(
             "completion_tokens": int(df["completion_tokens"].fill_null(0).sum()),
             "prompt_tokens": int(df["prompt_tokens"].fill_null(0).sum()),
             "cost_usd": round(float(df["cost_usd"].sum()), 6),
-            "duration_s": duration,
+            "duration_s": round(duration, 1),
             "requests_per_s": round(sum(s["sent"] for s in summaries) / duration, 3) if duration else 0.0,
-            "run_cost_usd": round(sum(s["cost_usd"] for s in summaries), 6),
-            "possible_double_spend": sum(s["possible_double_spend"] for s in summaries),
+            "run_billed_usd": round(figs.runs[context.run_id].settled_usd, 6),
+            "unsettled": figs.unsettled + figs.unidentified,
+            "unsettled_worst_usd": round(figs.total.stuck_usd, 6),
+            "ledger": json_value(figs.as_dict()),
+            "prices": json_value(sheet.describe() if sheet else {"source": "free backend"}),
+            "projections": json_value({k: p.as_dict() for k, p in projections.items()}),
             "stopped_by": "; ".join(f"{s['dataset']}: {s['stopped_by']}" for s in summaries if s["stopped_by"]) or "not stopped",
-            "backend": json_value(backend.describe()),
+            "backend": json_value({**backend.describe(), "settings_from": completions_backend.sources()}),
             "request_settings": json_value(settings.model_dump()),
             "runs": json_value(summaries),
             "path": path_value(store.layout.completions(context.partition_keys[0])),
@@ -215,3 +245,27 @@ def completions(
             "preview": markdown_table(df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]),
         }
     )
+
+
+@contextmanager
+def dataset_lock(journal: Path, run_id: str):
+    try:
+        with partition_lock(journal, run_id):
+            yield
+    except DatasetBusy as e:
+        raise dg.Failure(description=str(e)) from None
+
+
+def _projection(context, key, pilot_frame, requests, journal, pricing, settings, caps, ledger, resource, backend):
+    """The rest of the partition's cost and duration from its pilot: logged, recorded, checked against the limit."""
+    done, _ = final_results(journal)
+    remaining = [len(r.prompt_ids) for r in requests if r.prompt_id not in done]
+    budget_left = None
+    if caps.token_budget is not None:
+        budget_left = caps.token_budget - ledger.read(L.scope, f"dataset:{key}").committed_tokens
+    rate = getattr(backend, "rate", None)
+    max_rps = rate.limit / rate.window_s if rate is not None and rate.limit and rate.window_s else None
+    projection = project(pilot_frame, remaining, pricing=pricing, max_tokens=settings.max_tokens, token_budget_left=budget_left,
+                         concurrency=resource.concurrency, max_rps=max_rps)
+    context.log.info(projection.line(key))
+    return projection

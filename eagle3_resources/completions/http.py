@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from eagle3_resources.completions.types import (
-    CompletionRequest,
+    Attempt,
     CompletionResult,
     Emit,
     RequestFeed,
@@ -64,41 +64,52 @@ def backoff_seconds(attempt: int, base: float, cap: float, retry_after: float | 
 class RequestState:
     """What is known about one request while it is in flight (for the journal if it is cut short)."""
 
-    prompt_id: str
+    attempt: Attempt
     started: float = field(default_factory=time.monotonic)
-    attempts: int = 0
-    generation_id: str | None = None
+    attempts: int = 0  # attempts that count towards max_attempts
     provider: str | None = None
 
-    def aborted(self, why: str) -> CompletionResult:
+    @property
+    def prompt_id(self) -> str:
+        return self.attempt.request.prompt_id
+
+    def result(self, status: str, why: str, code: str) -> CompletionResult:
+        """A result with no answer (aborted, deferred, failed), naming the last attempt."""
         return CompletionResult(
-            self.prompt_id, "aborted", error=why, error_code="cancelled", generation_id=self.generation_id,
-            provider=self.provider, attempts=self.attempts, latency_s=time.monotonic() - self.started,
+            self.prompt_id, status, error=why, error_code=code, generation_id=self.attempt.generation_id,
+            provider=self.provider, attempts=self.attempt.number, latency_s=time.monotonic() - self.started,
+            attempt_id=self.attempt.attempt_id,
         )
+
+    def aborted(self, why: str) -> CompletionResult:
+        return self.result("aborted", why, "cancelled")
 
 
 async def run_workers(
     feed: RequestFeed,
     concurrency: int,
-    complete: Callable[[CompletionRequest, RequestState], Awaitable[CompletionResult]],
+    complete: Callable[[RequestState], Awaitable[CompletionResult]],
     emit: Emit,
     stop: Callable[[], bool] = lambda: False,
 ) -> None:
-    """`concurrency` workers, each taking a request, completing it and emitting the result.
+    """`concurrency` workers, each taking a request's first attempt, completing it and emitting the result.
 
     Once `stop()` is true no worker takes another request; requests in flight still finish. When
-    the feed asks for in-flight requests to be cancelled (a cap with on_cap="cancel"), or this
-    coroutine is cancelled (a stop), every worker emits its request as `aborted` (with the
-    generation id, if one was seen) and ends: every request taken gets exactly one result.
+    the feed asks for in-flight requests to be cancelled (a cap with on_cap="cancel", a hold in
+    cancel mode), or this coroutine is cancelled (a stop), every worker ends its attempt as
+    unbilled (the ledger keeps it unsettled if it may have been billed), emits its request as
+    `aborted` (with the generation id, if one was seen) and ends: every request taken gets exactly
+    one result.
     """
 
     async def worker() -> None:
-        while not stop() and (req := await feed.take()) is not None:
-            state = RequestState(req.prompt_id)
+        while not stop() and (attempt := await feed.take()) is not None:
+            state = RequestState(attempt)
             try:
-                result = await complete(req, state)
+                result = await complete(state)
             except asyncio.CancelledError:
-                emit(state.aborted("cancelled in flight (stop or cap)"))
+                feed.unbilled(state.attempt, generated=None, why="cancelled in flight (stop, cap or hold)")
+                emit(state.aborted("cancelled in flight (stop, cap or hold)"))
                 raise
             emit(result)
 

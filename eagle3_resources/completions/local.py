@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from eagle3_resources.completions.types import (
+    Attempt,
     CompletionRequest,
     CompletionResult,
     Emit,
@@ -129,24 +130,39 @@ class TransformersBackend:
             )
         return [row[width:].tolist() for row in out.cpu()]
 
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note=lambda rec: None) -> None:
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
         batch_no = 0
         while True:
-            batch = []
-            while len(batch) < self.batch_size and (req := await feed.take()) is not None:
+            batch: list[Attempt] = []
+            while len(batch) < self.batch_size and (attempt := await feed.take(wait=not batch)) is not None:
+                req = attempt.request
                 if max_len and len(req.prompt_ids) + settings.max_tokens > max_len:
-                    emit(CompletionResult(req.prompt_id, "failed", "error", error_code="context_length",
+                    feed.unbilled(attempt, generated=False, why="context length")
+                    emit(CompletionResult(req.prompt_id, "failed", "error", error_code="context_length", attempt_id=attempt.attempt_id,
                                           error=f"prompt of {len(req.prompt_ids)} tokens + max_tokens exceeds the model's {max_len}"))
                     continue
-                batch.append(req)
+                batch.append(attempt)
             if not batch:
                 return
             started = time.monotonic()
             seed = (settings.seed or 0) + batch_no
-            outputs = await asyncio.to_thread(self._generate, batch, settings, seed)
+            for attempt in batch:
+                attempt.sent = True
+            try:
+                outputs = await asyncio.to_thread(self._generate, [a.request for a in batch], settings, seed)
+            except asyncio.CancelledError:
+                for attempt in batch:
+                    feed.unbilled(attempt, generated=False, why="cancelled in flight")
+                    emit(CompletionResult(attempt.request.prompt_id, "aborted", error="cancelled in flight", error_code="cancelled",
+                                          attempt_id=attempt.attempt_id))
+                raise
             latency = time.monotonic() - started
             batch_no += 1
-            for req, out in zip(batch, outputs):
-                emit(result_from_ids(self.tokenizer, req.prompt_id, out, prompt_tokens=len(req.prompt_ids),
-                                     provider="transformers", model=settings.model, latency_s=latency))
+            for attempt, out in zip(batch, outputs):
+                req = attempt.request
+                result = result_from_ids(self.tokenizer, req.prompt_id, out, prompt_tokens=len(req.prompt_ids),
+                                         provider="transformers", model=settings.model, latency_s=latency)
+                result.attempt_id = attempt.attempt_id
+                feed.billed(attempt, cost_usd=0.0, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+                emit(result)

@@ -4,13 +4,20 @@ Streaming (SSE) by default: the generation id arrives with the headers (`X-Gener
 is journaled before the body is read, and cancelling a stream stops generation (and billing)
 where the provider supports it. Non-streaming is a setting.
 
+Before fanning out, the key is read (`/api/v1/key`, unbilled): a revoked key stops the run before
+a single paid request. Every attempt, first or retry, is admitted by the feed (the spend ledger:
+caps and hold) and ends there as billed (the response's `usage.cost`), released (nothing was
+generated) or unsettled (a generation id without a bill: looked up before the prompt is sent again).
+
 Outcomes (../shared/reference/openrouter-api.md):
 - run-fatal: 401 (bad key), 402 without Retry-After (no credits / key limit), 404 (no endpoint
   after provider filters): no new request is admitted and the run ends with the message;
 - retryable: 408, 429, 5xx, 402 with Retry-After (in-flight budget), connection errors,
   truncated bodies or streams, an error inside HTTP 200 or mid-stream: capped exponential
-  backoff with jitter, Retry-After honoured per request, a bounded number of attempts; 429, 503
-  and the in-flight 402 also shrink the concurrency for a while (`AdaptiveLimiter`);
+  backoff with jitter, Retry-After honoured per request, a bounded number of attempts after which
+  the prompt is `deferred` (sent again by the next materialization, never final); 429, 503 and the
+  in-flight 402 also shrink the concurrency for a while (`AdaptiveLimiter`), and `X-RateLimit-*`
+  headers pace requests per second (`RateLimiter`; such 429s do not use up attempts);
 - per-sample: 400/403, finish_reason length / content_filter / error, empty completions:
   recorded as such and never re-sent.
 The API key is sent in a header only; it is never logged or recorded.
@@ -39,12 +46,14 @@ from eagle3_resources.completions.sse import (
     StreamError,
     fold_events,
 )
-from eagle3_resources.completions.throttle import AdaptiveLimiter
+from eagle3_resources.completions.openrouter_account import AccountError, OpenRouterAccount
+from eagle3_resources.completions.throttle import AdaptiveLimiter, RateLimiter
 from eagle3_resources.completions.types import (
+    Attempt,
     CompletionRequest,
     CompletionResult,
     Emit,
-    Note,
+    Refusal,
     RequestFeed,
     RunFatalError,
     SamplingSettings,
@@ -54,10 +63,15 @@ FATAL_STATUS = {401, 404}
 THROTTLE_STATUS = {429, 503}
 
 
+ATTEMPT_HEADER = "X-Eagle3-Attempt"  # the ledger's attempt id: lets a bill be matched to its reservation
+MAX_PACED_429 = 100  # 429s with X-RateLimit-* headers (pacing, not failure) a request may meet
+
+
 class _Retry(Exception):
-    def __init__(self, message: str, code: str, retry_after: float | None = None, throttle: bool = False):
+    def __init__(self, message: str, code: str, retry_after: float | None = None, throttle: bool = False,
+                 paced: bool = False, generated: bool | None = None):
         super().__init__(message)
-        self.code, self.retry_after, self.throttle = code, retry_after, throttle
+        self.code, self.retry_after, self.throttle, self.paced, self.generated = code, retry_after, throttle, paced, generated
 
 
 class _Final(Exception):
@@ -156,6 +170,7 @@ class OpenRouterBackend:
         backoff_cap_s: float = 60.0,
         timeout_s: float = 900.0,
         app_title: str = "eagle3-pipeline",
+        preflight: bool = True,
     ):
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
@@ -166,44 +181,92 @@ class OpenRouterBackend:
         self.backoff_cap_s = backoff_cap_s
         self.timeout_s = timeout_s
         self.app_title = app_title
+        self.preflight = preflight
         self.fatal: str | None = None
         self.limiter: AdaptiveLimiter | None = None
+        self.rate = RateLimiter()
+        self.key_info = None
+
+    def account(self) -> OpenRouterAccount:
+        """The unbilled endpoints with this backend's key (`async with` it)."""
+        return OpenRouterAccount(self.base_url, self._api_key)
 
     def describe(self) -> dict[str, Any]:
         out = {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency, "stream": self.stream,
                "max_attempts": self.max_attempts}
         if self.limiter is not None:
             out.update(throttle_events=self.limiter.throttle_events, min_concurrency=self.limiter.min_seen)
+        if self.rate.learnt:
+            out["rate_limit"] = self.rate.describe()
         return out
 
-    async def _attempt(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings,
-                       state: RequestState, note: Note) -> CompletionResult:
+    async def check_key(self) -> None:
+        """Read /api/v1/key (unbilled) before any paid request: a bad or spent key stops the run here."""
+        async with self.account() as account:
+            try:
+                self.key_info = await account.key()
+            except AccountError as e:
+                if e.status in (401, 402, 403):
+                    self.fatal = f"the key was refused before any request was sent ({e})"
+                    raise RunFatalError(f"OpenRouter refused the run: {self.fatal}") from None
+                return  # an endpoint without /key (another OpenAI-compatible API): nothing to learn
+            except httpx.TransportError:
+                return
+        remaining = self.key_info.limit_remaining_usd
+        if remaining is not None and remaining <= 0:
+            self.fatal = f"the key has no credit left (limit_remaining ${remaining:.4f}: every request would get HTTP 402)"
+            raise RunFatalError(f"OpenRouter refused the run: {self.fatal}")
+
+    async def _attempt(self, client: httpx.AsyncClient, feed: RequestFeed, attempt: Attempt, settings: SamplingSettings,
+                       state: RequestState) -> CompletionResult:
+        req = attempt.request
         body = request_body(req, settings, stream=self.stream)
-        async with client.stream("POST", "/chat/completions", json=body) as resp:
-            gen_id = resp.headers.get("x-generation-id")
-            if gen_id and gen_id != state.generation_id:
-                state.generation_id = gen_id
-                note({"type": "inflight", "prompt_id": req.prompt_id, "generation_id": gen_id, "attempt": state.attempts})
-            if resp.status_code != 200:
-                await resp.aread()
-                self._classify_error(req, resp, state)
-            if self.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
-                folded = StreamedResponse()
-                decoder = SSEDecoder()
-                async for line in resp.aiter_lines():
-                    fold_events(decoder.line(line), folded)
-                    if folded.done:
-                        break
-                if not folded.done:
-                    raise StreamError(f"stream ended after {folded.chunks} chunks without [DONE]", "stream:truncated")
-                data = folded.as_body()
-            else:
-                raw = await resp.aread()
-                try:
-                    data = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise _Retry(f"truncated or invalid body ({len(raw)} bytes): {e}", "bad_body") from None
-        return parse_response(req, data, time.monotonic() - state.started, state.attempts)
+        headers_seen = False
+        try:
+            await self.rate.acquire()
+            attempt.sent = True
+            async with client.stream("POST", "/chat/completions", json=body, headers={ATTEMPT_HEADER: attempt.attempt_id}) as resp:
+                headers_seen = True
+                gen_id = resp.headers.get("x-generation-id")
+                if gen_id:
+                    feed.started(attempt, gen_id)
+                if resp.status_code != 200:
+                    self.rate.observe(resp.headers, throttled=resp.status_code == 429)
+                    await resp.aread()
+                    self._classify_error(req, resp, state)
+                self.rate.observe(resp.headers)
+                if self.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    folded = StreamedResponse()
+                    decoder = SSEDecoder()
+                    async for line in resp.aiter_lines():
+                        fold_events(decoder.line(line), folded)
+                        if folded.done:
+                            break
+                    if not folded.done:
+                        raise StreamError(f"stream ended after {folded.chunks} chunks without [DONE]", "stream:truncated")
+                    data = folded.as_body()
+                else:
+                    raw = await resp.aread()
+                    try:
+                        data = json.loads(raw)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise _Retry(f"truncated or invalid body ({len(raw)} bytes): {e}", "bad_body") from None
+        except httpx.ConnectError as e:  # never reached the server
+            raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=False) from None
+        except (httpx.TransportError, httpx.DecodingError) as e:
+            # OpenRouter streams answer with headers at once: none means nothing started. A non-streaming
+            # request may be generating (and billed) after its connection broke: unknown.
+            generated = None if headers_seen or not self.stream else False
+            raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=generated) from None
+        usage = data.get("usage") or {}
+        if "cost" in usage:
+            feed.billed(attempt, cost_usd=float(usage.get("cost") or 0.0), prompt_tokens=usage.get("prompt_tokens"),
+                        completion_tokens=usage.get("completion_tokens"))
+        else:  # a complete answer without its bill (an error inside HTTP 200): the generation is looked up
+            feed.unbilled(attempt, generated=None, why="response without usage.cost")
+        result = parse_response(req, data, time.monotonic() - state.started, attempt.number)
+        result.attempt_id, result.billed = attempt.attempt_id, "cost" in usage
+        return result
 
     def _classify_error(self, req: CompletionRequest, resp: httpx.Response, state: RequestState) -> None:
         status = resp.status_code
@@ -214,94 +277,66 @@ class OpenRouterBackend:
         message, _ = _error_message(data, resp.reason_phrase or f"HTTP {status}")
         retry_after = retry_after_seconds(resp.headers)
         text = f"HTTP {status}: {message}"
+        generated = None if resp.headers.get("x-generation-id") else False
         if (status == 402 and retry_after is None) or status in FATAL_STATUS:
-            raise _Final(CompletionResult(req.prompt_id, "aborted", error=text, error_code=str(status),
-                                          generation_id=state.generation_id, attempts=state.attempts,
-                                          latency_s=time.monotonic() - state.started), fatal=text)
+            raise _Final(state.result("aborted", text, str(status)), fatal=text)
         if status == 402 or status in RETRYABLE_STATUS:
-            raise _Retry(text, str(status), retry_after, throttle=status in THROTTLE_STATUS or status == 402)
-        raise _Final(CompletionResult(req.prompt_id, "failed", error=text, error_code=str(status), attempts=state.attempts,
-                                      latency_s=time.monotonic() - state.started))
+            paced = status == 429 and resp.headers.get("x-ratelimit-reset") is not None
+            raise _Retry(text, str(status), retry_after, throttle=status in THROTTLE_STATUS or status == 402, paced=paced,
+                         generated=generated)
+        raise _Final(state.result("failed", text, str(status)))
 
-    async def _complete(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings,
-                        state: RequestState, note: Note) -> CompletionResult:
+    async def _complete(self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings,
+                        state: RequestState) -> CompletionResult:
         assert self.limiter is not None
-        last_error, last_code = "", ""
-        while state.attempts < self.max_attempts:
+        attempt = state.attempt
+        last_error, last_code, paced = "", "", 0
+        while True:
             if self.fatal:
+                feed.unbilled(attempt, generated=False, why=f"not sent: {self.fatal}")
                 return state.aborted(f"not sent: {self.fatal}")
             state.attempts += 1
             retry_after = None
             try:
                 async with self.limiter.slot():
-                    result = await self._attempt(client, req, settings, state, note)
+                    result = await self._attempt(client, feed, attempt, settings, state)
                 await self.limiter.succeeded()
                 return result
             except _Final as e:
+                feed.unbilled(attempt, generated=False, why=str(e.result.error))
                 if e.fatal:
                     self.fatal = self.fatal or e.fatal
+                e.result.attempt_id = attempt.attempt_id
                 return e.result
             except _Retry as e:
                 last_error, last_code, retry_after = str(e), e.code, e.retry_after
+                feed.unbilled(attempt, generated=e.generated, why=last_error)
                 if e.throttle:
                     self.limiter.throttled()
+                if e.paced and paced < MAX_PACED_429:  # the provider said when to come back: not a failure
+                    paced += 1
+                    state.attempts -= 1
+                    retry_after = max(retry_after or 0.0, self.rate.reset_at - time.time())
             except StreamError as e:
                 last_error, last_code = str(e), e.code
-            except (httpx.TransportError, httpx.DecodingError) as e:
-                last_error, last_code = f"{type(e).__name__}: {e}", type(e).__name__
-            if state.attempts < self.max_attempts:
-                await asyncio.sleep(backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after))
-        return CompletionResult(
-            req.prompt_id, "failed", error=f"gave up after {self.max_attempts} attempts: {last_error}",
-            error_code=last_code, generation_id=state.generation_id, latency_s=time.monotonic() - state.started,
-            attempts=state.attempts,
-        )
+                feed.unbilled(attempt, generated=None, why=last_error)
+            if state.attempts >= self.max_attempts:
+                return state.result("deferred", f"gave up after {state.attempts} attempts: {last_error}; sent again by the "
+                                    "next materialization", last_code)
+            await asyncio.sleep(backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after))
+            nxt = await feed.retry(attempt, last_error)
+            if isinstance(nxt, Refusal):
+                return state.result(nxt.status, nxt.reason, last_code or "not_retried")
+            attempt = state.attempt = nxt
 
-    async def lookup_generations(self, generation_ids: list[str], *, window_s: float = 20.0) -> dict[str, dict[str, Any]]:
-        """What OpenRouter billed for generations whose responses were lost (GET /api/v1/generation).
-
-        A finished generation answers 404 for a short while; each id is retried within `window_s`.
-        Ids still unknown after that are left out (the caller reports them as possible double spend).
-        """
-        headers = {"Authorization": f"Bearer {self._api_key}"}
-        found: dict[str, dict[str, Any]] = {}
-
-        async def one(client: httpx.AsyncClient, gen: str) -> None:
-            deadline = time.monotonic() + window_s
-            delay = 0.25
-            while True:
-                try:
-                    resp = await client.get("/generation", params={"id": gen})
-                    if resp.status_code == 200:
-                        d = resp.json().get("data") or {}
-                        found[gen] = {
-                            "cost_usd": float(d.get("total_cost") or 0.0),
-                            "native_tokens_prompt": d.get("native_tokens_prompt"),
-                            "native_tokens_completion": d.get("native_tokens_completion"),
-                            "finish_reason": d.get("finish_reason"),
-                            "cancelled": d.get("cancelled"),
-                            "provider": d.get("provider_name"),
-                        }
-                        return
-                    if resp.status_code not in (404, 429) and resp.status_code < 500:
-                        return
-                except (httpx.TransportError, json.JSONDecodeError):
-                    pass
-                if time.monotonic() + delay > deadline:
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 4.0)
-
-        async with make_client(self.base_url, headers, min(32, max(1, len(generation_ids))), 60.0) as client:
-            await asyncio.gather(*(one(client, g) for g in generation_ids))
-        return found
-
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note: Note = lambda rec: None) -> None:
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
+        if self.preflight:
+            await self.check_key()
         headers = {"Authorization": f"Bearer {self._api_key}", "X-Title": self.app_title}
         self.limiter = AdaptiveLimiter(self.concurrency)
         async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
             await run_workers(
-                feed, self.concurrency, lambda req, state: self._complete(client, req, settings, state, note), emit,
+                feed, self.concurrency, lambda state: self._complete(client, feed, settings, state), emit,
                 stop=lambda: self.fatal is not None,
             )
         if self.fatal:

@@ -13,6 +13,7 @@ from eagle3_resources.completions.local import TransformersBackend
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.sglang import SGLangBackend
 from eagle3_resources.completions.types import CompletionBackend
+from eagle3_resources.env import setting, source
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
 OPENROUTER_DEFAULT_URL = "https://openrouter.ai/api/v1"
@@ -25,28 +26,43 @@ class BackendKind(str, Enum):
 
 
 class CompletionsResource(dg.ConfigurableResource):
-    """Where completions come from. Choose with `EAGLE3_COMPLETIONS_BACKEND` or run config."""
+    """Where completions come from. Fields left unset are read from the environment at use time
+    (EAGLE3_COMPLETIONS_BACKEND, OPENROUTER_BASE_URL, OPENROUTER_API_KEY, EAGLE3_SGLANG_URL), so a
+    launchpad that sets only `concurrency` keeps the backend the environment chose."""
 
-    backend: BackendKind = Field(default=BackendKind.LOCAL, description="local | openrouter | sglang")
-    openrouter_base_url: str = Field(default=OPENROUTER_DEFAULT_URL, description="OPENROUTER_BASE_URL")
-    openrouter_api_key: Optional[str] = Field(default=None, description="OPENROUTER_API_KEY (bound with EnvVar, never shown)")
-    sglang_url: str = Field(default="http://127.0.0.1:30000", description="SGLang server base URL (EAGLE3_SGLANG_URL)")
+    backend: Optional[BackendKind] = Field(default=None, description="local | openrouter | sglang (unset: "
+                                           "$EAGLE3_COMPLETIONS_BACKEND, else local)")
+    openrouter_base_url: Optional[str] = Field(default=None, description=f"unset: $OPENROUTER_BASE_URL, else {OPENROUTER_DEFAULT_URL}")
+    openrouter_api_key: Optional[str] = Field(default=None, description="unset: $OPENROUTER_API_KEY (bound with EnvVar, never shown)")
+    sglang_url: Optional[str] = Field(default=None, description="SGLang server base URL (unset: $EAGLE3_SGLANG_URL, else "
+                                      "http://127.0.0.1:30000)")
     sglang_api_key: Optional[str] = Field(default=None, description="SGLang --api-key, if the server has one")
     concurrency: int = Field(default=256, description="requests in flight, at most (API backends; up to 2,000 tested)")
     openrouter_stream: bool = Field(default=True, description="SSE streaming (a stop cancels generation where supported)")
-    max_attempts: int = Field(default=6, description="attempts per request for retryable errors")
+    max_attempts: int = Field(default=6, description="attempts per request for retryable errors; then the prompt is deferred "
+                              "to the next materialization")
     local_batch_size: int = Field(default=8, description="prompts per generate() call (local backend)")
 
+    def backend_kind(self) -> BackendKind:
+        return BackendKind(setting(self.backend, "EAGLE3_COMPLETIONS_BACKEND", BackendKind.LOCAL, BackendKind))
+
+    def sources(self) -> dict[str, str]:
+        """Where each environment-backed setting came from (config, $VAR or default): for the run's metadata."""
+        return {"backend": source(self.backend, "EAGLE3_COMPLETIONS_BACKEND"),
+                "openrouter_base_url": source(self.openrouter_base_url, "OPENROUTER_BASE_URL"),
+                "sglang_url": source(self.sglang_url, "EAGLE3_SGLANG_URL")}
+
     def make_backend(self, tokenizer: KimiTokenizer, load_model: Callable[[], object]) -> CompletionBackend:
-        if self.backend is BackendKind.LOCAL:
+        kind = self.backend_kind()
+        if kind is BackendKind.LOCAL:
             return TransformersBackend(load_model(), tokenizer, batch_size=self.local_batch_size)
-        if self.backend is BackendKind.OPENROUTER:
-            if not self.openrouter_api_key:
+        if kind is BackendKind.OPENROUTER:
+            key = setting(self.openrouter_api_key, "OPENROUTER_API_KEY")
+            if not key:
                 raise ValueError("the openrouter backend needs OPENROUTER_API_KEY to be set")
             return OpenRouterBackend(
-                self.openrouter_base_url, self.openrouter_api_key, concurrency=self.concurrency, max_attempts=self.max_attempts,
-                stream=self.openrouter_stream,
+                setting(self.openrouter_base_url, "OPENROUTER_BASE_URL", OPENROUTER_DEFAULT_URL), key,
+                concurrency=self.concurrency, max_attempts=self.max_attempts, stream=self.openrouter_stream,
             )
-        return SGLangBackend(
-            self.sglang_url, tokenizer, concurrency=self.concurrency, max_attempts=self.max_attempts, api_key=self.sglang_api_key
-        )
+        return SGLangBackend(setting(self.sglang_url, "EAGLE3_SGLANG_URL", "http://127.0.0.1:30000"), tokenizer,
+                             concurrency=self.concurrency, max_attempts=self.max_attempts, api_key=self.sglang_api_key)

@@ -29,6 +29,7 @@ from eagle3_resources.completions.types import (
     CompletionRequest,
     CompletionResult,
     Emit,
+    Refusal,
     RequestFeed,
     SamplingSettings,
 )
@@ -83,32 +84,45 @@ class SGLangBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency}
 
-    async def _complete(self, client: httpx.AsyncClient, req: CompletionRequest, settings: SamplingSettings,
+    async def _complete(self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings,
                         state: RequestState) -> CompletionResult:
+        """Every attempt is admitted by the feed (token budget, caps); a server of one's own bills nothing."""
         stop_ids = [self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)]
+        attempt = state.attempt
+        req = attempt.request
         body = generate_body(req, settings, stop_ids)
         started = state.started
         last = ""
-        for attempt in range(1, self.max_attempts + 1):
-            state.attempts = attempt
+        while True:
+            state.attempts += 1
             retry_after = None
             try:
+                attempt.sent = True
                 resp = await client.post("/generate", json=body)
                 if resp.status_code == 200:
-                    return parse_generate(req, resp.json(), self.tokenizer, time.monotonic() - started, attempt)
+                    result = parse_generate(req, resp.json(), self.tokenizer, time.monotonic() - started, attempt.number)
+                    result.attempt_id = attempt.attempt_id
+                    feed.billed(attempt, cost_usd=0.0, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+                    return result
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                feed.unbilled(attempt, generated=False, why=last)
                 if resp.status_code not in RETRYABLE_STATUS:
-                    return CompletionResult(req.prompt_id, "failed", error=last, error_code=str(resp.status_code),
-                                            latency_s=time.monotonic() - started, attempts=attempt)
+                    return state.result("failed", last, str(resp.status_code))
                 retry_after = retry_after_seconds(resp.headers)
             except (httpx.TransportError, httpx.DecodingError, json.JSONDecodeError) as e:
                 last = f"{type(e).__name__}: {e}"
-            if attempt < self.max_attempts:
-                await asyncio.sleep(backoff_seconds(attempt, 1.0, 30.0, retry_after))
-        return CompletionResult(req.prompt_id, "failed", error=f"gave up after {self.max_attempts} attempts: {last}",
-                                latency_s=time.monotonic() - started, attempts=self.max_attempts)
+                feed.unbilled(attempt, generated=None, why=last)
+            if state.attempts >= self.max_attempts:
+                return state.result("deferred", f"gave up after {state.attempts} attempts: {last}; sent again by the next "
+                                    "materialization", "gave_up")
+            await asyncio.sleep(backoff_seconds(state.attempts, 1.0, 30.0, retry_after))
+            nxt = await feed.retry(attempt, last)
+            if isinstance(nxt, Refusal):
+                return state.result(nxt.status, nxt.reason, "not_retried")
+            attempt = state.attempt = nxt
+            body = generate_body(req, settings, stop_ids)
 
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note=lambda rec: None) -> None:
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
-            await run_workers(feed, self.concurrency, lambda req, state: self._complete(client, req, settings, state), emit)
+            await run_workers(feed, self.concurrency, lambda state: self._complete(client, feed, settings, state), emit)

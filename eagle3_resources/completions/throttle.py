@@ -57,3 +57,80 @@ class AdaptiveLimiter:
             async with self._cond:
                 self.limit += 1
                 self._cond.notify(1)
+
+
+def _reset_epoch_s(value: str, now: float) -> float | None:
+    """X-RateLimit-Reset: epoch milliseconds (OpenRouter), epoch seconds, or seconds from now."""
+    try:
+        v = float(value)
+    except ValueError:
+        return None
+    if v > 1e11:  # epoch ms
+        return v / 1000.0
+    if v > 1e9:  # epoch s
+        return v
+    return now + v
+
+
+class RateLimiter:
+    """Requests per window, learnt from the provider's `X-RateLimit-*` headers; beside the concurrency gate.
+
+    A provider that caps requests per second answers 429 with `X-RateLimit-Limit` (requests per
+    window), `X-RateLimit-Remaining` and `X-RateLimit-Reset` (when the window resets; OpenRouter
+    gives epoch milliseconds). From then on at most the remaining requests start before the reset,
+    and windows after it are paced at the limit (their length learnt from successive resets).
+    Without such headers it lets everything through.
+    """
+
+    def __init__(self) -> None:
+        self.limit: int | None = None
+        self.window_s: float | None = None
+        self.reset_at = 0.0  # wall clock (time.time) of the current window's end
+        self.allowance = 0  # requests this client may still start before reset_at
+        self.waits = 0
+        self._lock = asyncio.Lock()
+
+    @property
+    def learnt(self) -> bool:
+        return self.limit is not None
+
+    def observe(self, headers, throttled: bool = False) -> None:
+        limit, remaining, reset = headers.get("x-ratelimit-limit"), headers.get("x-ratelimit-remaining"), headers.get("x-ratelimit-reset")
+        if limit is None or reset is None:
+            return
+        now = time.time()
+        reset_at = _reset_epoch_s(reset, now)
+        try:
+            limit_n = int(float(limit))
+            remaining_n = 0 if throttled else int(float(remaining)) if remaining is not None else limit_n
+        except ValueError:
+            return
+        if reset_at is None or reset_at <= now:
+            return
+        if self.reset_at and reset_at > self.reset_at + 1e-3:  # a new window: its length is the step between resets
+            step = reset_at - self.reset_at
+            self.window_s = step if self.window_s is None else min(self.window_s, step)
+            self.allowance = remaining_n
+        else:
+            self.allowance = min(self.allowance, remaining_n) if self.reset_at else remaining_n
+        self.limit, self.reset_at = limit_n, reset_at
+
+    async def acquire(self) -> None:
+        if self.limit is None:
+            return
+        async with self._lock:  # one waiter at a time keeps the order and the count honest
+            while True:
+                now = time.time()
+                if now >= self.reset_at:
+                    window = self.window_s or max(0.05, self.reset_at - now if self.reset_at > now else 1.0)
+                    while self.reset_at <= now:
+                        self.reset_at += window
+                    self.allowance = self.limit
+                if self.allowance > 0:
+                    self.allowance -= 1
+                    return
+                self.waits += 1
+                await asyncio.sleep(max(0.0, self.reset_at - now) + 0.005)
+
+    def describe(self) -> dict:
+        return {"limit": self.limit, "window_s": self.window_s, "waits": self.waits} if self.learnt else {}

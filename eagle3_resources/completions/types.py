@@ -13,6 +13,13 @@ from pydantic import Field
 KIMI_QUANTIZATIONS = ["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 
 
+class MaxPrice(dg.Config):
+    """OpenRouter's `provider.max_price`, in USD per million tokens."""
+
+    prompt: Optional[float] = Field(default=None, description="USD per million prompt tokens, at most")
+    completion: Optional[float] = Field(default=None, description="USD per million completion tokens, at most")
+
+
 class ProviderRouting(dg.Config):
     """OpenRouter's `provider` routing object (only the fields that are set are sent)."""
 
@@ -26,9 +33,15 @@ class ProviderRouting(dg.Config):
     allow_fallbacks: Optional[bool] = Field(default=None, description="OpenRouter's default is true")
     require_parameters: Optional[bool] = Field(default=True, description="only endpoints that honour every parameter sent")
     data_collection: Optional[str] = Field(default=None, description='"allow" or "deny"')
+    sort: Optional[str] = Field(default=None, description='"price", "throughput" or "latency": the order endpoints are tried in')
+    max_price: Optional[MaxPrice] = Field(default=None, description="OpenRouter never routes to an endpoint priced above "
+                                          "this; admission uses it as the worst case when it is lower than the price list")
 
     def to_request(self) -> dict:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+        out = {k: v for k, v in self.model_dump().items() if v is not None}
+        if self.max_price is not None:
+            out["max_price"] = {k: v for k, v in self.max_price.model_dump().items() if v is not None}
+        return out
 
 
 class SamplingSettings(dg.Config):
@@ -78,34 +91,71 @@ class CompletionResult:
     error: str | None = None
     error_code: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    attempt_id: str | None = None  # the ledger attempt that produced this result
+    billed: bool = False  # the response carried its bill (usage.cost)
 
     def to_record(self) -> dict[str, Any]:
         return asdict(self)
 
 
 FINAL_STATUSES = ("ok", "truncated", "filtered", "failed")
+# Not final, sent again by a later materialization: "aborted" (the run stopped), "deferred" (retryable
+# errors used up the attempts, or an earlier attempt's bill is still outstanding).
+RETRY_LATER_STATUSES = ("aborted", "deferred")
 
 
 class RunFatalError(RuntimeError):
     """The whole run must stop: bad key, no credits, no endpoint after provider filters."""
 
 
+@dataclass
+class Attempt:
+    """One admitted try at a request: reserved in the spend ledger before it is sent."""
+
+    request: CompletionRequest
+    attempt_id: str
+    number: int
+    generation_id: str | None = None
+    sent: bool = False  # bytes may have left: from here on, it may be billed
+    outcome: str | None = None  # settled | released | unsettled | unidentified, once it has ended
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a retry was not admitted; `status` is the request's result status (aborted or deferred)."""
+
+    status: str
+    reason: str
+
+
 class RequestFeed(Protocol):
-    async def take(self) -> CompletionRequest | None: ...
+    """Admission and the money side of every attempt (eagle3_assets.spend.admission.Admission).
+
+    A backend takes a request's first attempt with `take`, and every further attempt with `retry`
+    (which passes admission, the caps and the hold again); each attempt it sends ends with exactly
+    one of `billed` (the response carried its cost) or `unbilled` (no bill: `generated=False` when
+    nothing can have been generated, None when unknown).
+    """
+
+    async def take(self, wait: bool = True) -> Attempt | None: ...
+
+    async def retry(self, previous: Attempt, why: str) -> Attempt | Refusal: ...
+
+    def started(self, attempt: Attempt, generation_id: str) -> None: ...
+
+    def billed(self, attempt: Attempt, *, cost_usd: float, prompt_tokens: int | None, completion_tokens: int | None) -> None: ...
+
+    def unbilled(self, attempt: Attempt, *, generated: bool | None, why: str) -> None: ...
 
 
 Emit = Callable[[CompletionResult], None]
-Note = Callable[[dict[str, Any]], None]
 
 
 class CompletionBackend(Protocol):
-    """Pulls requests from `feed` until it is empty or closed, and emits one result per request.
-
-    `note` journals what is learnt before a result exists (a generation id with the headers).
-    """
+    """Pulls attempts from `feed` until it is empty or closed, and emits one result per request."""
 
     name: str
 
-    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit, note: Note = ...) -> None: ...
+    async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...

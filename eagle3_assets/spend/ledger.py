@@ -1,0 +1,493 @@
+"""The spend ledger: one SQLite database under the data root, shared by every process that spends.
+
+Why SQLite in WAL mode: transactions across the processes of one host with no server to run;
+indexed reads, so the credit sensor's figures cost the same whatever the history (scope rows are
+kept up to date in the same transactions as the attempts); and durability against kill -9 without
+an fsync per write (a committed transaction is in the OS page cache; with `synchronous=NORMAL`
+WAL fsyncs at checkpoints, so only a power cut can lose the last moments). WAL does not work over
+network filesystems: hosts that share a data root need the ledger in a database server instead.
+
+Every attempt of every request is one row, reserved at its worst case (prompt + `max_tokens` at
+the highest price the routing allows) BEFORE it is sent, in the same transaction that checks the
+caps against settled + reserved spend of every process:
+
+    reserved --(response headers: generation id)--> open --(bill)--> settled
+       |   \--(nothing was generated: refused, not sent)--> released ($0)
+       |    \--(cut short with a generation id, no bill)--> unsettled --(look-up finds it)--> settled
+       |     \--(cut short before any id; its process died)--> unidentified
+       \--------------------------- unsettled / unidentified --(horizon passes)--> expired
+
+reserved and open are *live* (a process is waiting on them); unsettled and unidentified are
+*stuck*: money possibly spent that no bill confirms yet. Both count against every cap at their
+worst case, and a prompt with a stuck attempt is not sent again, until the bill is found or the
+horizon passes. Scope rows keep the sums per `total`, `day:<UTC date>`, `run:<id>`, `dataset:<name>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from eagle3_assets.spend.caps import Caps
+
+LIVE = ("reserved", "open")
+STUCK = ("unsettled", "unidentified")
+FINAL = ("settled", "released", "expired")
+DEFAULT_HORIZON_S = 15 * 60.0
+LOOKUP_BACKOFF_CAP_S = 60.0
+
+SCHEMA = """
+create table if not exists meta (key text primary key, value text);
+create table if not exists attempts (
+    attempt_id text primary key,
+    run_id text not null,
+    dataset text not null,
+    prompt_id text not null,
+    number integer not null,
+    owner text not null,
+    day text not null,
+    reserved_at real not null,
+    ended_at real,
+    settled_at real,
+    reserved_usd real not null,
+    reserved_tokens integer not null,
+    state text not null,
+    generation_id text,
+    cost_usd real,
+    prompt_tokens integer,
+    completion_tokens integer,
+    source text,
+    lookups integer not null default 0,
+    next_lookup_at real,
+    note text
+);
+create index if not exists attempts_unfinished on attempts(state, dataset)
+    where state in ('reserved', 'open', 'unsettled', 'unidentified');
+create index if not exists attempts_prompt on attempts(dataset, prompt_id);
+create index if not exists attempts_generation on attempts(generation_id) where generation_id is not null;
+create table if not exists scopes (
+    scope text primary key,
+    settled_usd real not null default 0,
+    live_usd real not null default 0,
+    stuck_usd real not null default 0,
+    expired_usd real not null default 0,
+    settled_tokens integer not null default 0,
+    live_tokens integer not null default 0,
+    stuck_tokens integer not null default 0,
+    attempts integer not null default 0
+);
+create table if not exists hold (
+    id integer primary key check (id = 1),
+    since real not null,
+    reasons text not null,
+    figures text not null,
+    thresholds text not null
+);
+create table if not exists hold_log (t real not null, event text not null, hold text not null);
+"""
+
+
+def utc_day(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d")
+
+
+def process_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Want:
+    """One attempt asking for admission."""
+
+    prompt_id: str
+    number: int
+    worst_usd: float
+    tokens: int  # max_tokens: the completion tokens it may buy
+
+
+@dataclass(frozen=True)
+class Block:
+    """Why admission stopped: a cap (reached = it cannot fit even when nothing is live) or the hold."""
+
+    reason: str
+    reached: bool
+    hold: bool = False
+
+
+@dataclass
+class Scope:
+    settled_usd: float = 0.0
+    live_usd: float = 0.0
+    stuck_usd: float = 0.0
+    expired_usd: float = 0.0
+    settled_tokens: int = 0
+    live_tokens: int = 0
+    stuck_tokens: int = 0
+    attempts: int = 0
+
+    @property
+    def committed_usd(self) -> float:
+        """Billed plus the worst case of everything not yet billed: what a cap is checked against."""
+        return self.settled_usd + self.live_usd + self.stuck_usd
+
+    @property
+    def committed_tokens(self) -> int:
+        return self.settled_tokens + self.live_tokens + self.stuck_tokens
+
+
+@dataclass
+class Figures:
+    """What the ledger says, for the sensor, `eagle3 hold` and metadata."""
+
+    total: Scope
+    today: Scope
+    day: str
+    runs: dict[str, Scope] = field(default_factory=dict)
+    unsettled: int = 0
+    unidentified: int = 0
+    live: int = 0
+
+    @property
+    def stuck_usd(self) -> float:
+        return self.total.stuck_usd
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "settled_usd": usd(self.total.settled_usd),
+            "today_usd": usd(self.today.settled_usd),
+            "in_flight_worst_usd": usd(self.total.live_usd),
+            "unsettled": self.unsettled,
+            "unidentified": self.unidentified,
+            "unsettled_worst_usd": usd(self.total.stuck_usd),
+            "expired_worst_usd": usd(self.total.expired_usd),
+            "runs_usd": {r: usd(s.committed_usd) for r, s in self.runs.items()},
+        }
+
+
+def usd(value: float) -> float:
+    """Dollars for people: 6 decimals, and no -0.0 from sums of reservations given back."""
+    return round(value, 6) + 0.0
+
+
+def _scope_keys(run_id: str, dataset: str, day: str) -> tuple[str, str, str, str]:
+    return ("total", f"day:{day}", f"run:{run_id}", f"dataset:{dataset}")
+
+
+def _read_scope(conn: sqlite3.Connection, key: str) -> Scope:
+    row = conn.execute(
+        "select settled_usd, live_usd, stuck_usd, expired_usd, settled_tokens, live_tokens, stuck_tokens, attempts "
+        "from scopes where scope = ?", (key,)).fetchone()
+    return Scope(*row) if row else Scope()
+
+
+def _bump(conn: sqlite3.Connection, keys: tuple[str, ...], **deltas: float) -> None:
+    """Add to columns of several scope rows (created on first use)."""
+    conn.executemany("insert or ignore into scopes(scope) values (?)", [(k,) for k in keys])
+    sets = ", ".join(f"{col} = {col} + ?" for col in deltas)
+    conn.executemany(f"update scopes set {sets} where scope = ?", [(*deltas.values(), k) for k in keys])
+
+
+class SpendLedger:
+    """The ledger database. Thread-safe: one connection, one lock; every change is one transaction."""
+
+    def __init__(self, path: str | os.PathLike[str], *, legacy_journals: Callable[[], list[Path]] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        self._conn.execute("pragma journal_mode = wal")
+        self._conn.execute("pragma synchronous = normal")
+        self._conn.execute("pragma busy_timeout = 60000")
+        self._lock = threading.RLock()
+        self._create(legacy_journals)
+
+    def _create(self, legacy_journals: Callable[[], list[Path]] | None) -> None:
+        with self._lock:
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self._conn.execute(statement)
+            with self.transaction() as conn:
+                done = conn.execute("select value from meta where key = 'legacy_import'").fetchone()
+                if done is None:
+                    imported = import_journals(conn, legacy_journals() if legacy_journals else [])
+                    conn.execute("insert into meta values ('legacy_import', ?)", (json.dumps(imported),))
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: the write lock is taken up front, across processes)."""
+        with self._lock:
+            self._conn.execute("begin immediate")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("rollback")
+                raise
+            self._conn.execute("commit")
+
+    def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self._conn, *args, **kwargs)
+
+    def write(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self.transaction() as conn:
+            return fn(conn, *args, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- convenience for callers outside a request loop (sensor, CLI, tests) -------------------
+
+    def figures(self, run_ids: list[str] | None = None, now: float | None = None) -> Figures:
+        return self.read(figures, run_ids or [], time.time() if now is None else now)
+
+    def hold(self) -> Optional[dict[str, Any]]:
+        return self.read(get_hold)
+
+
+# -- operations: each takes a connection inside a transaction ---------------------------------
+
+
+def reserve(conn: sqlite3.Connection, wants: list[Want], *, run_id: str, dataset: str, owner: str, caps: Caps,
+            now: float) -> tuple[list[str], Block | None]:
+    """Reserve the longest prefix of `wants` that fits every cap; returns their attempt ids and what blocked the rest.
+
+    Checked against settled + live + stuck spend of every process (this transaction holds the
+    database's write lock, so two processes cannot both take the same headroom).
+    """
+    hold = get_hold(conn)
+    if hold is not None:
+        return [], Block("spending hold: " + "; ".join(hold["reasons"]), reached=True, hold=True)
+    day = utc_day(now)
+    keys = _scope_keys(run_id, dataset, day)
+    total, today, run, ds = (_read_scope(conn, k) for k in keys)
+    granted: list[tuple] = []
+    added_usd, added_tokens = 0.0, 0
+    block = None
+    for want in wants:
+        block = _does_not_fit(want, caps, total, today, run, ds, added_usd, added_tokens)
+        if block is not None:
+            break
+        attempt_id = os.urandom(12).hex()
+        granted.append((attempt_id, run_id, dataset, want.prompt_id, want.number, owner, day, now, want.worst_usd, want.tokens))
+        added_usd += want.worst_usd
+        added_tokens += want.tokens
+    if granted:
+        conn.executemany(
+            "insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, reserved_usd, "
+            "reserved_tokens, state) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'reserved')", granted)
+        _bump(conn, keys, live_usd=added_usd, live_tokens=added_tokens, attempts=len(granted))
+    return [g[0] for g in granted], block
+
+
+def _does_not_fit(want: Want, caps: Caps, total: Scope, today: Scope, run: Scope, ds: Scope, added_usd: float,
+                  added_tokens: int) -> Block | None:
+    if caps.token_budget is not None:
+        committed = ds.committed_tokens + added_tokens
+        if committed + want.tokens > caps.token_budget:
+            reached = ds.settled_tokens + ds.stuck_tokens + want.tokens > caps.token_budget
+            return Block(f"token budget {caps.token_budget:,} reached ({ds.settled_tokens:,} completion tokens billed, "
+                         f"{ds.live_tokens + ds.stuck_tokens + added_tokens:,} reserved, next request up to {want.tokens:,})", reached)
+    for cap, scope, what in ((caps.run_usd, run, "run"), (caps.day_usd, today, "daily"), (caps.total_usd, total, "total")):
+        if cap is None:
+            continue
+        if scope.committed_usd + added_usd + want.worst_usd > cap:
+            reached = scope.settled_usd + scope.stuck_usd + want.worst_usd > cap
+            return Block(f"{what} dollar cap ${cap:.2f} reached (${scope.settled_usd:.4f} billed, "
+                         f"${scope.live_usd + scope.stuck_usd + added_usd:.4f} reserved, next request up to ${want.worst_usd:.4f})",
+                         reached)
+    return None
+
+
+def _row(conn: sqlite3.Connection, attempt_id: str) -> Optional[sqlite3.Row]:
+    return conn.execute("select state, reserved_usd, reserved_tokens, run_id, dataset, day from attempts where attempt_id = ?",
+                        (attempt_id,)).fetchone()
+
+
+def opened(conn: sqlite3.Connection, attempt_id: str, generation_id: str) -> None:
+    """The response's headers named the generation: from now on it can be looked up."""
+    conn.execute("update attempts set state = case when state = 'reserved' then 'open' else state end, generation_id = ? "
+                 "where attempt_id = ?", (generation_id, attempt_id))
+
+
+def settle(conn: sqlite3.Connection, attempt_id: str, *, cost_usd: float, prompt_tokens: int | None,
+           completion_tokens: int | None, source: str, now: float, generation_id: str | None = None,
+           state: str = "settled") -> bool:
+    """Record what an attempt cost (idempotent: a settled attempt stays as it is). False if nothing changed."""
+    row = _row(conn, attempt_id)
+    if row is None or row[0] in ("settled", "released"):
+        return False
+    old, reserved_usd, reserved_tokens, run_id, dataset, day = row
+    keys = _scope_keys(run_id, dataset, day)
+    tokens = completion_tokens or 0
+    if old in LIVE:
+        _bump(conn, keys, live_usd=-reserved_usd, live_tokens=-reserved_tokens, settled_usd=cost_usd, settled_tokens=tokens)
+    elif old in STUCK:
+        _bump(conn, keys, stuck_usd=-reserved_usd, stuck_tokens=-reserved_tokens, settled_usd=cost_usd, settled_tokens=tokens)
+    else:  # expired, then found after all
+        _bump(conn, keys, expired_usd=-reserved_usd, settled_usd=cost_usd, settled_tokens=tokens)
+    conn.execute(
+        "update attempts set state = ?, cost_usd = ?, prompt_tokens = ?, completion_tokens = ?, source = ?, settled_at = ?, "
+        "ended_at = coalesce(ended_at, ?), generation_id = coalesce(?, generation_id) where attempt_id = ?",
+        (state, cost_usd, prompt_tokens, completion_tokens, source, now, now, generation_id, attempt_id))
+    return True
+
+
+def release(conn: sqlite3.Connection, attempt_id: str, why: str, now: float) -> bool:
+    """Nothing was generated (refused, never sent): the reservation is given back, $0."""
+    return settle(conn, attempt_id, cost_usd=0.0, prompt_tokens=None, completion_tokens=None, source=why, now=now,
+                  state="released")
+
+
+def unsettle(conn: sqlite3.Connection, attempt_id: str, generation_id: str | None, why: str, now: float) -> str | None:
+    """A live attempt ended without a bill: stuck until a look-up finds it (or, without an id, the horizon)."""
+    row = _row(conn, attempt_id)
+    if row is None or row[0] not in LIVE:
+        return None
+    _, reserved_usd, reserved_tokens, run_id, dataset, day = row
+    state = "unsettled" if generation_id else "unidentified"
+    _bump(conn, _scope_keys(run_id, dataset, day), live_usd=-reserved_usd, live_tokens=-reserved_tokens,
+          stuck_usd=reserved_usd, stuck_tokens=reserved_tokens)
+    conn.execute("update attempts set state = ?, generation_id = coalesce(?, generation_id), ended_at = ?, next_lookup_at = ?, "
+                 "note = ? where attempt_id = ?", (state, generation_id, now, now, why, attempt_id))
+    return state
+
+
+def looked_up_in_vain(conn: sqlite3.Connection, attempt_id: str, now: float) -> None:
+    """Not found yet: look again later, backing off (0.5 s doubling, at most a minute)."""
+    conn.execute("update attempts set lookups = lookups + 1, next_lookup_at = ? + min(?, 0.5 * (1 << min(lookups, 8))) "
+                 "where attempt_id = ?", (now, LOOKUP_BACKOFF_CAP_S, attempt_id))
+
+
+def expire(conn: sqlite3.Connection, now: float, horizon_s: float) -> list[tuple[str, str, str]]:
+    """Stuck attempts older than the horizon give up their reservation: (attempt, dataset, prompt) each."""
+    rows = conn.execute("select attempt_id, dataset, prompt_id, reserved_usd, reserved_tokens, run_id, day from attempts "
+                        "where state in ('unsettled', 'unidentified') and ended_at < ?", (now - horizon_s,)).fetchall()
+    for attempt_id, dataset, _, reserved_usd, reserved_tokens, run_id, day in rows:
+        _bump(conn, _scope_keys(run_id, dataset, day), stuck_usd=-reserved_usd, stuck_tokens=-reserved_tokens,
+              expired_usd=reserved_usd)
+        conn.execute("update attempts set state = 'expired', settled_at = ? where attempt_id = ?", (now, attempt_id))
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def due_lookups(conn: sqlite3.Connection, now: float, limit: int, attempt_ids: list[str] | None = None) -> list[tuple[str, str]]:
+    """(attempt id, generation id) of unsettled attempts whose next look-up is due, oldest first."""
+    if attempt_ids is not None:
+        marks = ",".join("?" * len(attempt_ids))
+        return conn.execute(f"select attempt_id, generation_id from attempts where state = 'unsettled' and attempt_id in ({marks})",
+                            attempt_ids).fetchall()
+    return conn.execute("select attempt_id, generation_id from attempts where state = 'unsettled' and next_lookup_at <= ? "
+                        "order by next_lookup_at limit ?", (now, limit)).fetchall()
+
+
+def blocked_prompts(conn: sqlite3.Connection, dataset: str) -> dict[str, str]:
+    """prompt id -> state, for prompts of a dataset with an attempt not yet final (never to be sent twice)."""
+    return dict(conn.execute("select prompt_id, state from attempts where dataset = ? and state in "
+                             "('reserved', 'open', 'unsettled', 'unidentified')", (dataset,)).fetchall())
+
+
+def unsettled_ids(conn: sqlite3.Connection, dataset: str) -> list[str]:
+    return [r[0] for r in conn.execute("select attempt_id from attempts where dataset = ? and state = 'unsettled'", (dataset,))]
+
+
+def live_attempts(conn: sqlite3.Connection, dataset: str) -> list[tuple[str, str, str | None, float]]:
+    """(attempt, prompt, generation id, reserved_usd) of a dataset's live attempts."""
+    return conn.execute("select attempt_id, prompt_id, generation_id, reserved_usd from attempts "
+                        "where dataset = ? and state in ('reserved', 'open')", (dataset,)).fetchall()
+
+
+def datasets_with_live_attempts(conn: sqlite3.Connection) -> list[str]:
+    return [r[0] for r in conn.execute("select distinct dataset from attempts where state in ('reserved', 'open')")]
+
+
+def attempt(conn: sqlite3.Connection, attempt_id: str) -> Optional[dict[str, Any]]:
+    cur = conn.execute("select * from attempts where attempt_id = ?", (attempt_id,))
+    row = cur.fetchone()
+    return dict(zip([c[0] for c in cur.description], row)) if row else None
+
+
+def figures(conn: sqlite3.Connection, run_ids: list[str], now: float) -> Figures:
+    day = utc_day(now)
+    counts = dict(conn.execute("select state, count(*) from attempts where state in ('reserved', 'open', 'unsettled', "
+                               "'unidentified') group by state").fetchall())
+    return Figures(
+        total=_read_scope(conn, "total"), today=_read_scope(conn, f"day:{day}"), day=day,
+        runs={r: _read_scope(conn, f"run:{r}") for r in run_ids},
+        unsettled=counts.get("unsettled", 0), unidentified=counts.get("unidentified", 0),
+        live=counts.get("reserved", 0) + counts.get("open", 0),
+    )
+
+
+def scope(conn: sqlite3.Connection, key: str) -> Scope:
+    return _read_scope(conn, key)
+
+
+def stuck_attempts(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, Any]]:
+    cur = conn.execute("select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
+                       "where state in ('unsettled', 'unidentified') order by ended_at limit ?", (limit,))
+    cols = [c[0] for c in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+# -- the hold: one row, read by every admission ----------------------------------------------
+
+
+def get_hold(conn: sqlite3.Connection) -> Optional[dict[str, Any]]:
+    row = conn.execute("select since, reasons, figures, thresholds from hold where id = 1").fetchone()
+    if row is None:
+        return None
+    return {"since": row[0], "reasons": json.loads(row[1]), "figures": json.loads(row[2]), "thresholds": json.loads(row[3])}
+
+
+def set_hold(conn: sqlite3.Connection, reasons: list[str], figs: dict[str, Any], thresholds: dict[str, Any], now: float) -> dict[str, Any]:
+    hold = {"since": now, "reasons": reasons, "figures": figs, "thresholds": thresholds}
+    conn.execute("insert or replace into hold(id, since, reasons, figures, thresholds) values (1, ?, ?, ?, ?)",
+                 (now, json.dumps(reasons), json.dumps(figs, default=str), json.dumps(thresholds)))
+    conn.execute("insert into hold_log values (?, 'set', ?)", (now, json.dumps(hold, default=str)))
+    return hold
+
+
+def lift_hold(conn: sqlite3.Connection, now: float, why: str) -> Optional[dict[str, Any]]:
+    hold = get_hold(conn)
+    if hold is not None:
+        conn.execute("delete from hold where id = 1")
+        conn.execute("insert into hold_log values (?, ?, ?)", (now, "lifted: " + why, json.dumps(hold, default=str)))
+    return hold
+
+
+# -- the ledger's first use on a data root that already has journals --------------------------
+
+
+def import_journals(conn: sqlite3.Connection, journals: list[Path]) -> dict[str, Any]:
+    """Bills recorded in journals written before the ledger existed, as settled attempts (once)."""
+    from eagle3_resources.journal import read_journal
+
+    imported = {"journals": 0, "bills": 0, "usd": 0.0}
+    for path in journals:
+        dataset = path.parent.name
+        imported["journals"] += 1
+        for i, r in enumerate(read_journal(path).records):
+            if r.get("type") not in ("result", "orphan") or (r.get("type") == "result" and not r.get("status")):
+                continue
+            cost = float(r.get("cost_usd") or 0.0)
+            tokens = int(r.get("completion_tokens") or 0) if r.get("type") == "result" else 0
+            t = float(r.get("t") or 0.0)
+            attempt_id = f"import:{dataset}:{i}"
+            run_id, day = r.get("run_id") or "", utc_day(t)
+            conn.execute("insert or ignore into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
+                         "reserved_usd, reserved_tokens, state, generation_id, cost_usd, completion_tokens, source, settled_at) "
+                         "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?)",
+                         (attempt_id, run_id, dataset, r.get("prompt_id") or "", day, t, r.get("generation_id"), cost, tokens, t))
+            _bump(conn, _scope_keys(run_id, dataset, day), settled_usd=cost, settled_tokens=tokens, attempts=1)
+            imported["bills"] += 1
+            imported["usd"] += cost
+    return imported
