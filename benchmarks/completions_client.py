@@ -1,7 +1,7 @@
 """Benchmark: sustained requests/s of the completions client against the fake OpenRouter.
 
     .venv/bin/pip install -e '.[bench]'
-    .venv/bin/python benchmarks/completions_client.py [--quick]
+    .venv/bin/python benchmarks/completions_client.py [--quick] [--against REV]
 
 For each (concurrency C, latency L) the fake server runs in its own process (own process group),
 answering every request after L seconds; each client runs in a fresh process, sends N = 3C
@@ -9,7 +9,10 @@ requests with C in flight, and reports requests/s as a fraction of the limit C/L
 RSS. Clients, in the same run:
   - ours: the project's OpenRouterBackend driven through `run_completions` (journal, admission,
     progress: the production path), streaming and non-streaming;
-  - peer: the official `openai` SDK, `AsyncOpenAI` + an `asyncio.Semaphore(C)`, same two modes.
+    every attempt reserved and settled in the shared spend ledger (SQLite) at the fake's prices;
+  - peer: the official `openai` SDK, `AsyncOpenAI` + an `asyncio.Semaphore(C)`, same two modes;
+  - with --against REV: the project's client as it was at git revision REV (exported to a temporary
+    folder and run from there), against the same server in the same run: a regression check.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Deadline(Exception):
 
 def client_ours(url: str, concurrency: int, n: int, stream: bool, deadline: float) -> dict:
     from eagle3_assets.completions import final_results, run_completions
+    from eagle3_assets.spend import Pricing, SpendLedger
     from eagle3_resources.completions.openrouter import OpenRouterBackend
     from eagle3_resources.completions.types import CompletionRequest, SamplingSettings
 
@@ -82,7 +86,8 @@ def client_ours(url: str, concurrency: int, n: int, stream: bool, deadline: floa
     with tempfile.TemporaryDirectory() as d:
         started = time.monotonic()
         try:
-            run_completions("bench", reqs, backend, SamplingSettings(max_tokens=256), Path(d) / "j.jsonl", log=lambda m: None)
+            run_completions("bench", reqs, backend, SamplingSettings(max_tokens=256), Path(d) / "j.jsonl",
+                            ledger=SpendLedger(Path(d) / "ledger.sqlite"), pricing=Pricing(0.60e-6, 2.50e-6), log=lambda m: None)
         except Deadline:
             pass
         elapsed = time.monotonic() - started
@@ -150,13 +155,15 @@ def child(args) -> None:
     print(json.dumps(out))
 
 
-def measure(client: str, url: str, concurrency: int, n: int, stream: bool, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", client, "--url", url, "--concurrency", str(concurrency), "--n", str(n),
-           "--deadline", str(timeout)]
+def measure(client: str, url: str, concurrency: int, n: int, stream: bool, timeout: float, tree: Path = REPO) -> dict:
+    """One client in a fresh process; `tree` is the checkout whose code it runs (an older revision for --against)."""
+    cmd = [sys.executable, str(tree / "benchmarks" / "completions_client.py"), "--child", client, "--url", url,
+           "--concurrency", str(concurrency), "--n", str(n), "--deadline", str(timeout)]
     if stream:
         cmd.append("--stream")
+    env = dict(os.environ, PYTHONPATH=str(tree))  # ahead of the editable install: the tree's own modules
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout + 120, start_new_session=True)
+        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=timeout + 120, start_new_session=True, env=env)
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
         return {"ok": 0, "elapsed": timeout, "peak_rss_mib": float("nan"), "baseline_rss_mib": float("nan"), "cpu_s": float("nan"),
@@ -172,27 +179,34 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a client gets; it reports what it finished")
     parser.add_argument("--quick", action="store_true", help="only C=256, L=1")
+    parser.add_argument("--against", metavar="REV", help="also run the client of this git revision (regression check)")
     args = parser.parse_args()
     if args.child:
         return child(args)
+    clients = [("ours", True, REPO, "eagle3"), ("ours", False, REPO, "eagle3")]
+    if args.against:
+        old = Path(tempfile.mkdtemp(prefix="bench-against-"))
+        subprocess.run(f"git archive {args.against} | tar -x -C {old}", shell=True, cwd=REPO, check=True)
+        clients += [("ours", True, old, f"@{args.against[:9]}"), ("ours", False, old, f"@{args.against[:9]}")]
+    clients += [("openai", True, REPO, "openai AsyncOpenAI+sem"), ("openai", False, REPO, "openai AsyncOpenAI+sem")]
 
     configs = [(256, 1.0)] if args.quick else [(256, 1.0), (2000, 2.0)]
     print(f"{'client':<29} {'C':>5} {'L':>4} {'ok':>6} {'req/s':>8} {'of C/L':>7} {'client CPU':>10} {'peak RSS':>9} {'(imports)':>10}")
     for concurrency, latency in configs:
-        server, url = start_server(latency)
-        try:
-            n = 3 * concurrency
-            limit = concurrency / latency
-            for client, stream in (("ours", True), ("ours", False), ("openai", True), ("openai", False)):
-                r = measure(client, url, concurrency, n, stream, timeout=args.deadline)
+        n = 3 * concurrency
+        limit = concurrency / latency
+        for client, stream, tree, label in clients:
+            server, url = start_server(latency)  # a fresh server each: the fake keeps every bill it wrote
+            try:
+                r = measure(client, url, concurrency, n, stream, timeout=args.deadline, tree=tree)
                 rate = r["ok"] / r["elapsed"] if r["elapsed"] else 0.0
-                name = f"{'eagle3 OpenRouterBackend' if client == 'ours' else 'openai AsyncOpenAI+sem'} {'sse' if stream else 'json'}"
+                name = f"{label} {'sse' if stream else 'json'}"
                 flag = f" (stopped at the {args.deadline:.0f}s deadline)" if r.get("timed_out") else ""
                 print(f"{name:<29} {concurrency:>5} {latency:>4.1f} {r['ok']:>6} {rate:>8.1f} {rate / limit:>7.2f} "
                       f"{100 * r.get('cpu_s', float('nan')) / r['elapsed']:>9.0f}% "
                       f"{r['peak_rss_mib']:>6.0f}MiB {r['baseline_rss_mib']:>7.0f}MiB{flag}", flush=True)
-        finally:
-            stop(server)
+            finally:
+                stop(server)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,13 @@ concurrency:
   pools:
     # Steps in a pool (hidden_states and eagle3_drafter are in "gpu") run one at a time.
     default_limit: 1
+# A run no process owns must never hold its dataset's queue slot: the daemon ends runs stuck
+# CANCELING (a terminate that reached no process) and runs that never started.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 300
+  cancel_timeout_seconds: 120
+  poll_interval_seconds: 30
 """
 
 

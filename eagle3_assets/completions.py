@@ -179,7 +179,9 @@ class CompletionsRun:
     blocked: int = 0  # prompts not sent: an earlier attempt's bill is outstanding
     attempt_outcomes: dict[str, int] = field(default_factory=dict)  # settled / released / unsettled / unidentified
     in_flight_at_stop: int | None = None
+    after_stop_usd: float = 0.0  # billed for requests in flight at the stop (drained: kept)
     settled_late_usd: float = 0.0  # bills of earlier attempts found by look-ups during this run
+    recovered_answers: int = 0  # billed answers lost before the journal (a kill), fetched from the provider's stored content
     unsettled: int = 0  # in the whole ledger, when the run ended
     unsettled_usd: float = 0.0  # their worst case
     run_committed_usd: float = 0.0  # this run id, all its datasets: billed + still reserved
@@ -189,7 +191,8 @@ class CompletionsRun:
                 "resumed_done": self.resumed_done, "blocked_unsettled": self.blocked, "duration_s": round(self.duration_s, 1),
                 "results": dict(self.results), "errors": dict(self.errors), "billed_usd": round(self.cost_usd, 6),
                 "attempts": self.attempt_outcomes, "in_flight_at_stop": self.in_flight_at_stop,
-                "settled_late_usd": round(self.settled_late_usd, 6)}
+                "billed_after_stop_usd": round(self.after_stop_usd, 6),
+                "settled_late_usd": round(self.settled_late_usd, 6), "recovered_answers": self.recovered_answers}
 
 
 def run_completions(
@@ -255,6 +258,7 @@ def run_completions(
                         if r is not None and (r.looked_up or r.expired):
                             log(f"{dataset}: before sending: {r.line()}")
                             run.settled_late_usd += r.found_usd
+                    run.recovered_answers = await recover_lost_answers(writer, account, dataset, done, note, log)
                 blocked = await writer.call(L.blocked_prompts, dataset)
                 pending = [r for r in requests if r.prompt_id not in done and (resend_unsettled or r.prompt_id not in blocked)]
                 run.blocked = sum(1 for r in requests if r.prompt_id not in done and r.prompt_id in blocked)
@@ -265,7 +269,8 @@ def run_completions(
                                  dataset=dataset, note=note, hold_mode=hold_mode, resend_unsettled=resend_unsettled,
                                  unsettled_wait_s=unsettled_wait_s, horizon_s=horizon_s, lookup=lookup)
                 state["feed"] = feed
-                progress = Progress(dataset, len(requests), len(done), log, spent=lambda: feed.billed_usd)
+                progress = Progress(dataset, len(requests), sum(1 for r in requests if r.prompt_id in done), log,
+                                    spent=lambda: feed.billed_usd)
                 state["progress"] = progress
                 signals.on_first = (lambda: feed.stop(HALTED + f"{signals.description}: draining", cancel_inflight=False)) \
                     if on_terminate == "drain" else None
@@ -281,8 +286,8 @@ def run_completions(
                     watcher.cancel()
                     await feed.close()
                     await writer.flush()
-                # Only after a normal end: a stop must not wait on look-ups (the next run or the sensor does them).
-                if lookup is not None and feed.unsettled_ids:
+                # Not after a stop (halt, hold): it must take effect at once; the next run or the sensor looks them up.
+                if lookup is not None and feed.unsettled_ids and not (feed.stopped_by or "").startswith(HALTED):
                     report = await settle_due(writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s,
                                               attempt_ids=list(feed.unsettled_ids))
                     run.settled_late_usd += report.found_usd
@@ -310,17 +315,57 @@ def run_completions(
                 run.sent, run.stopped_by, run.retries = feed.admitted, feed.stopped_by, feed.retries
                 run.cost_usd, run.attempt_outcomes = feed.billed_usd, dict(feed.outcomes)
                 run.in_flight_at_stop = feed.in_flight_at_stop
+                run.after_stop_usd = feed.billed_usd - (feed.billed_at_stop or feed.billed_usd)
                 run.results, run.errors, run.completion_tokens = progress.counts, progress.errors, progress.completion_tokens
             run.unsettled, run.unsettled_usd = figs.unsettled + figs.unidentified, figs.total.stuck_usd
             run.run_committed_usd = figs.runs[run_id].committed_usd
             run.duration_s = time.monotonic() - started
             if run.stopped_by:
                 log(f"{dataset}: stopped after {progress.finished if progress else 0} done, ${run.cost_usd:.4f} billed ({run.stopped_by})"
-                    + (f"; {run.in_flight_at_stop} request(s) were in flight at the stop" if run.in_flight_at_stop else ""))
+                    + (f"; {run.in_flight_at_stop} request(s) were in flight at the stop: ${run.after_stop_usd:.4f} billed for "
+                       f"them since (kept), {run.attempt_outcomes.get('unsettled', 0) + run.attempt_outcomes.get('unidentified', 0)} "
+                       "cut short (unsettled: looked up, prompts sent again)" if run.in_flight_at_stop else ""))
             journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": run.stopped_by,
                             "finished": progress.finished if progress else 0, "cost_usd": run.cost_usd,
                             "attempts": run.attempt_outcomes, "ledger": figs.as_dict()})
     return run
+
+
+FINISHED = {"stop": "ok", "length": "truncated", "content_filter": "filtered"}
+
+
+async def recover_lost_answers(writer: LedgerWriter, account: Any, dataset: str, done: dict[str, dict[str, Any]],
+                               note: Callable[[dict[str, Any]], None], log: Callable[[str], None]) -> int:
+    """Answers that were generated and billed but never reached the journal (a kill -9, a cut stream whose provider
+    finished anyway): fetched from OpenRouter's stored content, where the account keeps it, so the prompt is not paid
+    for twice. Returns how many were recovered; the others' prompts are sent again (and say so)."""
+    lost = await writer.call(L.lost_answers, dataset)
+    if not lost:
+        return 0
+    recovered, unavailable, already = [], [], []
+    for row in lost:
+        if row["prompt_id"] in done:
+            already.append(row["attempt_id"])
+            continue
+        content = await account.generation_content(row["generation_id"])
+        if content is None:
+            unavailable.append(row["attempt_id"])
+            continue
+        reasoning, text = content
+        result = CompletionResult(row["prompt_id"], FINISHED[row["finish_reason"]], row["finish_reason"], reasoning=reasoning,
+                                  content=text, prompt_tokens=row["prompt_tokens"], completion_tokens=row["completion_tokens"],
+                                  cost_usd=row["cost_usd"] or 0.0, generation_id=row["generation_id"], provider=row["provider"],
+                                  attempt_id=row["attempt_id"],
+                                  billed=True, extra={"recovered_from": "generation/content"})
+        note({"type": "result", **result.to_record()})
+        done[row["prompt_id"]] = result.to_record()
+        recovered.append(row["attempt_id"])
+    await writer.call(L.mark_recovered, recovered + already, True)
+    await writer.call(L.mark_recovered, unavailable, False)
+    log(f"{dataset}: {len(recovered) + len(unavailable)} answer(s) were billed but never received: {len(recovered)} recovered "
+        f"from OpenRouter's stored content" + (f"; {len(unavailable)} not stored (the account's input/output logging is off?): "
+                                               "their prompts are sent again and paid twice" if unavailable else ""))
+    return len(recovered)
 
 
 async def watch(feed: Admission, writer: LedgerWriter, halt: Optional[Callable[[], Optional[str]]], poll_s: float,

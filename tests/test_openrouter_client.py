@@ -310,10 +310,12 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     assert held.unsettled + held.unidentified == len(aborted)  # each cancelled stream is held until its bill is known
     again = run_completions("T", reqs, backend_for(thread, concurrency=32), SamplingSettings(max_tokens=4096), journal,
                             ledger=ledger, pricing=PRICING, log=print)
-    # The resume looked up the cancelled streams' partial bills before sending their prompts again; a stream cut
-    # before its generation id reached us cannot be looked up, and its prompt waits (blocked) for the horizon.
+    # The resume looked up the cancelled streams' bills before sending their prompts again (an answer the provider had
+    # finished is fetched from its stored content instead of being bought twice); a stream cut before its generation
+    # id reached us cannot be looked up, and its prompt waits (blocked) for the horizon.
     assert again.resumed_done == n_done
-    assert again.results["ok"] + again.blocked == 400 - n_done and again.blocked == ledger.figures().unidentified
+    assert again.results["ok"] + again.recovered_answers + again.blocked == 400 - n_done
+    assert again.blocked == ledger.figures().unidentified
     counts = requests_per_prompt(server)
     done_before = {r["prompt_id"] for r in records if r.get("type") == "result" and r["status"] == "ok"}
     assert all(counts[f"Question number {int(p[1:])}: what is {int(p[1:])} plus {int(p[1:])}?"] == 1 for p in done_before)

@@ -16,7 +16,7 @@ from support import Webhook
 
 from eagle3_assets.definitions import defs
 from eagle3_assets.sensors import credit_sensor
-from eagle3_assets.spend import Caps, SpendPolicy, cancel_spending, get_hold, open_ledger, spends
+from eagle3_assets.spend import Caps, SpendPolicy, cancel_spending, get_hold, lift_hold, open_ledger, spends
 from eagle3_assets.spend import ledger as L
 from eagle3_assets.spend.ledger import Figures, Scope
 from eagle3_assets.spend.policy import Account, LedgerGap, account_moves, crossed
@@ -197,3 +197,74 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled(hol
         assert status[started.run_id] == (dg.DagsterRunStatus.CANCELED if hold_mode == "cancel" else dg.DagsterRunStatus.STARTED)
         assert instance.get_backfill("bf-spend").status == BulkActionStatus.CANCELING
         assert instance.get_backfill("bf-ids").status == BulkActionStatus.REQUESTED
+
+
+def sensor_tick(instance, ledger_root, policy, hook_url, cursor=None):
+    resources = {"spend_policy": policy, "store": DataStore(root=str(ledger_root)), "alerts": AlertSink(webhook_url=hook_url)}
+    return credit_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources))
+
+
+def test_a_run_over_its_own_threshold_is_stopped_and_old_figures_hold_nothing(tmp_path, monkeypatch):
+    """A per-run threshold is about that run; a finished run's or yesterday's spend never holds today's spending."""
+    for var in ("EAGLE3_MIN_BALANCE_USD", "EAGLE3_MAX_RUN_USD", "EAGLE3_MAX_DAY_USD", "EAGLE3_MAX_TOTAL_USD",
+                "OPENROUTER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    hook = Webhook()
+    ledger = open_ledger(DataStore(root=str(tmp_path)).layout)
+    overrides = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
+    with ServerThread(hook.app) as hook_server, dg.instance_for_test(overrides=overrides) as instance:
+        url = f"{hook_server.base_url}/hook"
+        finished = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.SUCCESS)
+        running = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.STARTED)
+        yesterday = time.time() - 86400
+        for run, usd in ((finished, 9.0), (running, 6.0)):
+            bill(ledger, usd, run_id=run.run_id)
+        (old,), _ = ledger.write(L.reserve, [L.Want("q", 1, 50.0, 10)], run_id="older", dataset="A1", owner="t", caps=Caps(),
+                                 now=yesterday)
+        ledger.write(L.settle, old, cost_usd=50.0, prompt_tokens=1, completion_tokens=1, source="response", now=yesterday)
+        policy = SpendPolicy(max_run_usd=5.0, max_day_usd=20.0)  # $15 today, $50 yesterday; run over $5: only `running`
+
+        result = sensor_tick(instance, tmp_path, policy, url)
+        assert get_hold(ledger) is None  # nothing global is crossed: today's $15 < $20, the finished run is history
+        assert instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED
+        assert instance.get_run_by_id(finished.run_id).status == dg.DagsterRunStatus.SUCCESS
+        assert [a["title"] for a in hook.alerts] == [f"Run over its spend threshold, cancelled: run {running.run_id[:8]} spent "
+                                                     "$6.00 > $5.00 per run"]
+        hook.alerts.clear()
+        sensor_tick(instance, tmp_path, policy, url, result.cursor)
+        assert hook.alerts == []  # said once
+
+        # A day cap crossed holds spending; lifted while still crossed it comes back, from today's figures; a raised
+        # threshold lifts it by itself.
+        tight = SpendPolicy(max_day_usd=10.0)
+        sensor_tick(instance, tmp_path, tight, url)
+        assert get_hold(ledger)["reasons"] == ["spent today $15.00 > $10.00 per day"]
+        lift_hold(ledger)
+        sensor_tick(instance, tmp_path, tight, url)
+        assert get_hold(ledger) is not None
+        sensor_tick(instance, tmp_path, SpendPolicy(max_day_usd=30.0), url)
+        assert get_hold(ledger) is None
+
+
+def test_the_sensor_settles_what_runs_left_unsettled(tmp_path, tok, monkeypatch):
+    """A generation whose bill a run did not get is looked up by the sensor (the run may be long gone)."""
+    from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings
+
+    fake = FakeOpenRouter(tok, FakeSettings(api_key="k", generation_404_s=0.0))
+    ledger = open_ledger(DataStore(root=str(tmp_path)).layout)
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        import httpx
+
+        body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+        resp = httpx.post(f"{server.base_url}/api/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        gen = resp.headers["x-generation-id"]
+        (attempt,), _ = ledger.write(L.reserve, [L.Want("p", 1, 0.01, 50)], run_id="gone", dataset="A1", owner="t", caps=Caps(),
+                                     now=time.time())
+        ledger.write(L.unsettle, attempt, gen, "its stream was cut", time.time())
+        assert ledger.figures().unsettled == 1
+        monkeypatch.setenv("OPENROUTER_API_KEY", "k")
+        monkeypatch.setenv("OPENROUTER_BASE_URL", f"{server.base_url}/api/v1")
+        result = sensor_tick(instance, tmp_path, SpendPolicy(), None)
+    assert ledger.figures().unsettled == 0
+    assert ledger.figures().total.settled_usd == pytest.approx(fake.billing.total_usd)
+    assert result.asset_events[0].metadata["settled_this_tick"].value["found"] == 1

@@ -268,4 +268,6 @@ def _projection(context, key, pilot_frame, requests, journal, pricing, settings,
     projection = project(pilot_frame, remaining, pricing=pricing, max_tokens=settings.max_tokens, token_budget_left=budget_left,
                          concurrency=resource.concurrency, max_rps=max_rps)
     context.log.info(projection.line(key))
+    with Journal(journal) as j:
+        j.append({"type": "projection", "run_id": context.run_id, "t": time.time(), **projection.as_dict()})
     return projection

@@ -6,7 +6,9 @@ one ledger transaction, which checks the hold and every cap against settled + re
 every process and reserves the longest prefix that fits. When a request does not fit:
 - if it cannot fit even once everything live has settled, the cap is *reached*: admission stops
   for good (in-flight requests finish, or with on_cap="cancel" are cancelled);
-- otherwise it waits for this process's in-flight attempts to settle and tries again.
+- otherwise it waits for in-flight attempts to settle (this process's, or for up to two minutes
+  another's: a reservation left by a process that died is put right by the next run of its
+  dataset or by the credit sensor) and tries again.
 The hold stops admission the same way (drained or cancelled by `hold_mode`).
 
 Each sent attempt then ends in the ledger as billed (settled from the response's `usage.cost`),
@@ -33,6 +35,7 @@ from eagle3_resources.completions.types import Attempt, CompletionRequest, Refus
 HALTED = "halted: "  # prefix of `stopped_by` when the hold or a terminate stopped the run
 BATCH = 256  # attempts reserved per transaction, at most
 RECHECK_S = 0.5  # a request that waits for headroom tries again at least this often
+OTHERS_WAIT_S = 120.0  # with nothing of ours in flight, how long to wait on other processes' reservations
 
 
 class Admission:
@@ -76,11 +79,13 @@ class Admission:
         self.billed_tokens = 0
         self.outcomes: dict[str, int] = {}
         self.in_flight_at_stop: int | None = None
+        self.billed_at_stop: float | None = None
         self.unsettled_ids: list[str] = []
         self._waiters: deque[tuple[asyncio.Future, Optional[Attempt], bool]] = deque()
         self._wake: asyncio.Event | None = None
         self._settled: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._waiting_on_others_since: float | None = None
         self.cancel_inflight: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bind_if_running()
@@ -209,12 +214,19 @@ class Admission:
             refused = [slot for slot in refused if slot[3]]
         for future, _, previous, wait in reversed(refused):  # back to the front of the queue, in order
             self._waiters.appendleft((future, previous, wait))
+        if ids:
+            self._waiting_on_others_since = None
         if block is None:
             return True
         if block.hold:
             self.stop(HALTED + block.reason, cancel_inflight=self.hold_mode == "cancel")
             return True
-        if block.reached or not self.live:
+        if not self.live:  # only other processes' reservations stand in the way: they settle, or go stale
+            since = self._waiting_on_others_since = self._waiting_on_others_since or time.monotonic()
+            if time.monotonic() - since > OTHERS_WAIT_S:
+                block = L.Block(f"{block.reason}; other processes' reservations did not settle within {OTHERS_WAIT_S:.0f} s",
+                                reached=True)
+        if block.reached:
             self.stop(block.reason, cancel_inflight=self.caps.on_cap == "cancel")
             return True
         self._settled.clear()  # wait for one of ours to settle (or for another process's, polled)
@@ -228,7 +240,7 @@ class Admission:
         """No new attempt is admitted from now on; with cancel_inflight, live ones are cancelled."""
         if self.stopped_by is None:
             self.stopped_by = reason
-            self.in_flight_at_stop = len(self.live)
+            self.in_flight_at_stop, self.billed_at_stop = len(self.live), self.billed_usd
         self._bind_if_running()
         if cancel_inflight and self.cancel_inflight is not None:
             self.cancel_inflight.set()

@@ -67,6 +67,9 @@ create table if not exists attempts (
     prompt_tokens integer,
     completion_tokens integer,
     source text,
+    finish_reason text,
+    provider text,
+    recovered integer,
     lookups integer not null default 0,
     next_lookup_at real,
     note text
@@ -190,11 +193,65 @@ def _read_scope(conn: sqlite3.Connection, key: str) -> Scope:
     return Scope(*row) if row else Scope()
 
 
+_batch = threading.local()  # a group commit's pending scope sums (see `batched_scopes`)
+
+
 def _bump(conn: sqlite3.Connection, keys: tuple[str, ...], **deltas: float) -> None:
-    """Add to columns of several scope rows (created on first use)."""
-    conn.executemany("insert or ignore into scopes(scope) values (?)", [(k,) for k in keys])
-    sets = ", ".join(f"{col} = {col} + ?" for col in deltas)
-    conn.executemany(f"update scopes set {sets} where scope = ?", [(*deltas.values(), k) for k in keys])
+    """Add to columns of several scope rows (created on first use); inside `batched_scopes`, once per transaction."""
+    pending = getattr(_batch, "op", None)
+    if pending is not None:
+        for k in keys:
+            row = pending.setdefault(k, {})
+            for col, v in deltas.items():
+                row[col] = row.get(col, 0) + v
+        return
+    _apply(conn, {k: deltas for k in keys})
+
+
+def _apply(conn: sqlite3.Connection, sums: dict[str, dict[str, float]]) -> None:
+    conn.executemany("insert or ignore into scopes(scope) values (?)", [(k,) for k in sums])
+    for key, deltas in sums.items():
+        sets = ", ".join(f"{col} = {col} + ?" for col in deltas)
+        conn.execute(f"update scopes set {sets} where scope = ?", (*deltas.values(), key))
+
+
+class ScopeBatch:
+    """Many operations in one transaction: their scope sums are added up and written once (group commit).
+
+    `done(ok)` after each operation (a failed one, rolled back to its savepoint, contributes nothing);
+    an operation that reads scopes (`reserve`: caps) runs after `flush()`, unbatched, so it sees every
+    sum before it. `close()` writes what is left."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+        self.total: dict[str, dict[str, float]] = {}
+        _batch.op = {}
+
+    def done(self, ok: bool) -> None:
+        if ok:
+            for key, deltas in (_batch.op or {}).items():
+                row = self.total.setdefault(key, {})
+                for col, v in deltas.items():
+                    row[col] = row.get(col, 0) + v
+        _batch.op = {}
+
+    def flush(self) -> None:
+        if self.total:
+            _apply(self.conn, self.total)
+            self.total = {}
+
+    @contextmanager
+    def unbatched(self) -> Iterator[None]:
+        """Run one operation with its sums written at once (call `flush()` first, outside its savepoint)."""
+        _batch.op = None
+        try:
+            yield
+        finally:
+            _batch.op = {}
+
+    def close(self) -> None:
+        _batch.op = None
+        self.flush()
 
 
 class SpendLedger:
@@ -258,7 +315,7 @@ class SpendLedger:
 
 
 def reserve(conn: sqlite3.Connection, wants: list[Want], *, run_id: str, dataset: str, owner: str, caps: Caps,
-            now: float) -> tuple[list[str], Block | None]:
+            now: float) -> tuple[list[str], Block | None]:  # reads scopes: run unbatched (reserve.reads_scopes)
     """Reserve the longest prefix of `wants` that fits every cap; returns their attempt ids and what blocked the rest.
 
     Checked against settled + live + stuck spend of every process (this transaction holds the
@@ -287,6 +344,9 @@ def reserve(conn: sqlite3.Connection, wants: list[Want], *, run_id: str, dataset
             "reserved_tokens, state) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'reserved')", granted)
         _bump(conn, keys, live_usd=added_usd, live_tokens=added_tokens, attempts=len(granted))
     return [g[0] for g in granted], block
+
+
+reserve.reads_scopes = True  # type: ignore[attr-defined]
 
 
 def _does_not_fit(want: Want, caps: Caps, total: Scope, today: Scope, run: Scope, ds: Scope, added_usd: float,
@@ -321,7 +381,7 @@ def opened(conn: sqlite3.Connection, attempt_id: str, generation_id: str) -> Non
 
 def settle(conn: sqlite3.Connection, attempt_id: str, *, cost_usd: float, prompt_tokens: int | None,
            completion_tokens: int | None, source: str, now: float, generation_id: str | None = None,
-           state: str = "settled") -> bool:
+           state: str = "settled", finish_reason: str | None = None, provider: str | None = None) -> bool:
     """Record what an attempt cost (idempotent: a settled attempt stays as it is). False if nothing changed."""
     row = _row(conn, attempt_id)
     if row is None or row[0] in ("settled", "released"):
@@ -337,8 +397,9 @@ def settle(conn: sqlite3.Connection, attempt_id: str, *, cost_usd: float, prompt
         _bump(conn, keys, expired_usd=-reserved_usd, settled_usd=cost_usd, settled_tokens=tokens)
     conn.execute(
         "update attempts set state = ?, cost_usd = ?, prompt_tokens = ?, completion_tokens = ?, source = ?, settled_at = ?, "
-        "ended_at = coalesce(ended_at, ?), generation_id = coalesce(?, generation_id) where attempt_id = ?",
-        (state, cost_usd, prompt_tokens, completion_tokens, source, now, now, generation_id, attempt_id))
+        "ended_at = coalesce(ended_at, ?), generation_id = coalesce(?, generation_id), finish_reason = ?, provider = ? "
+        "where attempt_id = ?",
+        (state, cost_usd, prompt_tokens, completion_tokens, source, now, now, generation_id, finish_reason, provider, attempt_id))
     return True
 
 
@@ -397,6 +458,20 @@ def blocked_prompts(conn: sqlite3.Connection, dataset: str) -> dict[str, str]:
 
 def unsettled_ids(conn: sqlite3.Connection, dataset: str) -> list[str]:
     return [r[0] for r in conn.execute("select attempt_id from attempts where dataset = ? and state = 'unsettled'", (dataset,))]
+
+
+def lost_answers(conn: sqlite3.Connection, dataset: str) -> list[dict[str, Any]]:
+    """Finished generations a look-up found billed whose answer never reached the journal (a kill, a cut stream)."""
+    cur = conn.execute("select attempt_id, prompt_id, generation_id, cost_usd, prompt_tokens, completion_tokens, finish_reason, "
+                       "provider "
+                       "from attempts where dataset = ? and state = 'settled' and source = 'lookup' and recovered is null "
+                       "and finish_reason in ('stop', 'length', 'content_filter')", (dataset,))
+    cols = [c[0] for c in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def mark_recovered(conn: sqlite3.Connection, attempt_ids: list[str], recovered: bool) -> None:
+    conn.executemany("update attempts set recovered = ? where attempt_id = ?", [(int(recovered), a) for a in attempt_ids])
 
 
 def live_attempts(conn: sqlite3.Connection, dataset: str) -> list[tuple[str, str, str | None, float]]:

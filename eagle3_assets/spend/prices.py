@@ -9,6 +9,7 @@ price list that is wrong makes every cap wrong).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -44,8 +45,8 @@ class PriceSheet:
                        source=self.source)
 
     def for_provider(self, provider: Optional[str]) -> list[EndpointPrice]:
-        name = (provider or "").lower()
-        return [e for e in self.endpoints if e.provider.lower() == name]
+        name = _norm(provider or "")
+        return [e for e in self.endpoints if _norm(e.provider) == name]
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model, "source": self.source,
@@ -58,11 +59,24 @@ def _usd(value: Any) -> float:
     return float(value or 0.0)
 
 
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _named(endpoint: dict[str, Any], names: set[str]) -> bool:
+    """OpenRouter matches a provider by display name or slug, loosely; a base slug matches all its variants."""
+    candidates = {_norm(str(endpoint.get("provider_name") or ""))}
+    tag = str(endpoint.get("tag") or "")
+    if tag:
+        candidates |= {_norm(tag), _norm(tag.split("/")[0])}
+    return bool(candidates & names)
+
+
 def allowed(endpoints: list[dict[str, Any]], routing: dict[str, Any]) -> tuple[list[EndpointPrice], list[str]]:
     """The endpoints OpenRouter may route this request to, by its `provider` object; and those it may not."""
-    only = {p.lower() for p in routing.get("only") or []}
-    ignore = {p.lower() for p in routing.get("ignore") or []}
-    order = [p.lower() for p in routing.get("order") or []]
+    only = {_norm(p) for p in routing.get("only") or []}
+    ignore = {_norm(p) for p in routing.get("ignore") or []}
+    order = {_norm(p) for p in routing.get("order") or []}
     quantizations = set(routing.get("quantizations") or [])
     max_price = routing.get("max_price") or {}
     keep, excluded = [], []
@@ -71,11 +85,11 @@ def allowed(endpoints: list[dict[str, Any]], routing: dict[str, Any]) -> tuple[l
         price = EndpointPrice(name, e.get("quantization"), _usd((e.get("pricing") or {}).get("prompt")),
                               _usd((e.get("pricing") or {}).get("completion")))
         why = None
-        if only and name.lower() not in only:
+        if only and not _named(e, only):
             why = "not in only"
-        elif name.lower() in ignore:
+        elif ignore and _named(e, ignore):
             why = "ignored"
-        elif order and routing.get("allow_fallbacks") is False and name.lower() not in order:
+        elif order and routing.get("allow_fallbacks") is False and not _named(e, order):
             why = "not in order (no fallbacks)"
         elif quantizations and price.quantization and price.quantization not in quantizations and not (
                 "fp4" in quantizations and "fp4" in price.quantization):

@@ -25,15 +25,16 @@ Lookup = Callable[[str], Awaitable[Optional[GenerationBill]]]  # generation id -
 
 @dataclass
 class SettleReport:
-    looked_up: int = 0
+    looked_up: int = 0  # look-ups made (an id may be looked up several times)
+    ids: set[str] = field(default_factory=set)
     found_ids: set[str] = field(default_factory=set)
     found_usd: float = 0.0
-    missing: int = 0
     expired: list[tuple[str, str, str]] = field(default_factory=list)
 
     def line(self) -> str:
-        return (f"{self.looked_up} unsettled generation(s) looked up: {len(self.found_ids)} billed (${self.found_usd:.4f}), "
-                f"{self.missing} not found yet" + (f"; {len(self.expired)} expired past the horizon" if self.expired else ""))
+        return (f"{len(self.ids)} unsettled generation(s) looked up ({self.looked_up} look-ups): {len(self.found_ids)} billed "
+                f"(${self.found_usd:.4f}), {len(self.ids) - len(self.found_ids)} not found yet"
+                + (f"; {len(self.expired)} expired past the horizon" if self.expired else ""))
 
 
 async def settle_due(writer: LedgerWriter, lookup: Lookup, *, deadline_s: float, horizon_s: float,
@@ -57,13 +58,13 @@ async def settle_due(writer: LedgerWriter, lookup: Lookup, *, deadline_s: float,
             except Exception:  # a network error, a timeout: a miss like any other
                 bill = None
         report.looked_up += 1
+        report.ids.add(attempt_id)
         if bill is None:
-            report.missing += 1
             await writer.call(L.looked_up_in_vain, attempt_id, time.time())
             return False
         if await writer.call(L.settle, attempt_id, cost_usd=bill.cost_usd, prompt_tokens=bill.prompt_tokens,
                              completion_tokens=bill.completion_tokens, source="lookup", now=time.time(),
-                             generation_id=generation_id):
+                             generation_id=generation_id, finish_reason=bill.finish_reason, provider=bill.provider):
             report.found_ids.add(attempt_id)
             report.found_usd += bill.cost_usd
         return True

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
-from eagle3_assets.spend.ledger import SpendLedger
+from eagle3_assets.spend.ledger import ScopeBatch, SpendLedger
 
 Done = Optional[Callable[[bool, Any], None]]
 
@@ -57,16 +57,29 @@ class LedgerWriter:
         outcomes: list[tuple[Done, bool, Any]] = []
         try:
             with self.ledger.transaction() as conn:
-                for fn, args, kwargs, done in batch:
-                    conn.execute("savepoint op")
-                    try:
-                        result = fn(conn, *args, **kwargs)
-                        conn.execute("release op")
-                        outcomes.append((done, True, result))
-                    except Exception as e:  # this operation only; the others commit
-                        conn.execute("rollback to op")
-                        conn.execute("release op")
-                        outcomes.append((done, False, e))
+                scopes = ScopeBatch(conn)
+                try:
+                    for fn, args, kwargs, done in batch:
+                        reads_scopes = getattr(fn, "reads_scopes", False)
+                        if reads_scopes:  # it must see every sum so far (outside its savepoint: a rollback keeps them)
+                            scopes.flush()
+                        conn.execute("savepoint op")
+                        try:
+                            if reads_scopes:
+                                with scopes.unbatched():
+                                    result = fn(conn, *args, **kwargs)
+                            else:
+                                result = fn(conn, *args, **kwargs)
+                            conn.execute("release op")
+                            scopes.done(True)
+                            outcomes.append((done, True, result))
+                        except Exception as e:  # this operation only; the others commit
+                            conn.execute("rollback to op")
+                            conn.execute("release op")
+                            scopes.done(False)
+                            outcomes.append((done, False, e))
+                finally:
+                    scopes.close()
         except sqlite3.Error as e:  # the commit itself failed (disk full, locked too long): every operation failed
             outcomes = [(done, False, e) for _, _, _, done in batch]
         self.transactions += 1

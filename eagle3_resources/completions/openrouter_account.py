@@ -2,6 +2,7 @@
 
     GET /api/v1/key                                   usage, limit_remaining (a normal key works)
     GET /api/v1/generation?id=gen-...                 what one generation cost (404 for a while after it ends)
+    GET /api/v1/generation/content?id=gen-...         its stored prompt and completion (with input/output logging on)
     GET /api/v1/models                                every model with its `pricing` (USD per token, as strings)
     GET /api/v1/models/{author}/{slug}/endpoints      each provider endpoint of a model, with its own pricing
 
@@ -101,6 +102,19 @@ class OpenRouterAccount:
             completion_tokens=d.get("native_tokens_completion", d.get("tokens_completion")),
             finish_reason=d.get("finish_reason"), cancelled=d.get("cancelled"), provider=d.get("provider_name"),
         )
+
+    async def generation_content(self, generation_id: str) -> Optional[tuple[str, str]]:
+        """(reasoning, content) of a finished generation, where OpenRouter stored them (the account's logging); else None."""
+        try:
+            resp = await self._get("/generation/content", id=generation_id)
+        except httpx.TransportError:
+            return None
+        if resp.status_code != 200:
+            return None
+        output = (resp.json().get("data") or {}).get("output") or {}
+        if not isinstance(output, dict) or output.get("completion") is None:
+            return None
+        return str(output.get("reasoning") or ""), str(output["completion"])
 
     async def model(self, model: str) -> Optional[dict[str, Any]]:
         """The model's catalogue entry (with `pricing`), or None if the API has no catalogue or not this model."""

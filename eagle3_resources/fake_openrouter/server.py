@@ -43,7 +43,9 @@ What it does, each a setting (`FakeSettings`; every one is also a CLI flag):
 - `/api/v1/key` (usage, `usage_daily`... and `limit_remaining`, lagging by `key_lag_s`, once
   non-monotonic, and rising by itself at `foreign_spend_usd_per_s`: another app on the same key,
   which also eats the credit), `/api/v1/credits` (management key only),
-  `/api/v1/generation?id=` (404 for `generation_404_s` after the bill).
+  `/api/v1/generation?id=` (404 for `generation_404_s` after the bill), and
+  `/api/v1/generation/content?id=` (a finished answer's stored prompt and completion; 404 with
+  `store_content` off, as when the account's input/output logging is off).
 Every request body is kept in `billing.requests`, with its `X-Eagle3-Attempt` header and
 prompt key (`json.dumps(messages, sort_keys=True)`) in `billing.request_info`; everything billed
 is in `billing.bills` (each bill with its attempt and prompt key too) and printed as JSON lines
@@ -119,6 +121,7 @@ class FakeSettings:
     template_version: str = "k2.5"  # "k2.5" (TypeScript tool declaration) or "k2" (JSON)
     thinking: bool = True  # the prompt ends in <think>; off: <think></think> and no reasoning
     late_bill_s: float = 0.0  # > 0: an abandoned stream is billed in full this long after the disconnect
+    store_content: bool = True  # /generation/content serves finished answers (OpenRouter's input/output logging on)
     rate_never_found: float = 0.0  # share of generations /generation never finds (billed all the same)
     foreign_spend_usd_per_s: float = 0.0  # another app spending on the same key
     max_rps: float = 0.0  # chat requests per second accepted (0: no cap) ...
@@ -188,6 +191,7 @@ class _Gen:
     price_completion: float
     never_found: bool
     model: Any
+    answer: tuple[str, str] = ("", "")  # (reasoning, content) as generated: what /generation/content returns
 
 
 class _Answer:
@@ -208,6 +212,7 @@ class FakeOpenRouter:
         self.key_calls = 0
         self._log_billing = log_billing
         self._by_id: dict[str, Bill] = {}
+        self._gens: dict[str, _Gen] = {}
         self._window = (-1, 0)  # (window index, requests accepted in it)
         self._endpoints_cache: tuple[tuple, list[Endpoint]] | None = None
         self.app = web.Application()
@@ -216,6 +221,7 @@ class FakeOpenRouter:
         self.app.router.add_get("/api/v1/key", self.key)
         self.app.router.add_get("/api/v1/credits", self.credits)
         self.app.router.add_get("/api/v1/generation", self.generation)
+        self.app.router.add_get("/api/v1/generation/content", self.generation_content)
         self.app.router.add_get("/api/v1/models", self.models)
         self.app.router.add_get("/api/v1/models/{author}/{slug}/endpoints", self.model_endpoints)
 
@@ -360,11 +366,12 @@ class FakeOpenRouter:
         price_prompt = endpoint.price_prompt * s.billed_price_factor
         price_completion = endpoint.price_completion * s.billed_price_factor
         worst = prompt_tokens * price_prompt + max_tokens * price_completion
-        remaining = s.credit_usd - self.billing.total_usd - self._foreign(time.monotonic())
-        if remaining <= 0:
-            return self._error(402, "Insufficient credits. Add more using https://openrouter.ai/credits")
-        if sum(self.inflight_worst.values()) + worst > remaining:
-            return self._error(402, "Request cost exceeds the remaining in-flight budget", {"Retry-After": f"{s.retry_after_s}"})
+        if s.credit_usd != float("inf"):  # (sums over every bill: skipped when there is no limit, as in the benchmark)
+            remaining = s.credit_usd - self.billing.total_usd - self._foreign(time.monotonic())
+            if remaining <= 0:
+                return self._error(402, "Insufficient credits. Add more using https://openrouter.ai/credits")
+            if sum(self.inflight_worst.values()) + worst > remaining:
+                return self._error(402, "Request cost exceeds the remaining in-flight budget", {"Retry-After": f"{s.retry_after_s}"})
         if self._in_storm() or self._roll(s.rate_429):
             return self._error(429, "Provider returned error: rate limited upstream", {"Retry-After": f"{s.retry_after_s}"})
         if self._roll(s.rate_503):
@@ -404,6 +411,8 @@ class FakeOpenRouter:
                 completion_tokens = max_tokens
             if finish is None or finish == "error":
                 completion_tokens = 0  # not charged
+            gen.answer = (reasoning, content)
+            self._gens[gen.id] = gen
             usage = {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -557,6 +566,20 @@ class FakeOpenRouter:
         limit = self.settings.credit_usd
         return web.json_response({"data": {"total_credits": None if limit == float("inf") else limit,
                                            "total_usage": self._usage(lagged=True)}})
+
+    async def generation_content(self, request: web.Request) -> web.Response:
+        """Stored prompt and completion of a finished generation (only with the account's logging on: `store_content`)."""
+        if not self._authorized(request, self.settings.api_key):
+            return self._error(401, "No auth credentials found")
+        gen_id = request.query.get("id", "")
+        bill, gen = self._by_id.get(gen_id), self._gens.get(gen_id)
+        if (not self.settings.store_content or bill is None or gen is None or bill.never_found
+                or bill.kind not in ("complete", "late", "after_disconnect")
+                or time.monotonic() - bill.t_done < self.settings.generation_404_s):
+            return self._error(404, f"No stored content for generation {gen_id}")
+        reasoning, content = gen.answer
+        return web.json_response({"data": {"input": {"messages": json.loads(gen.prompt_key)},
+                                           "output": {"completion": content, "reasoning": reasoning or None}}})
 
     async def generation(self, request: web.Request) -> web.Response:
         if not self._authorized(request, self.settings.api_key):
