@@ -40,6 +40,9 @@ from typing import Any, Optional
 
 from eagle3_assets.spend.caps import Caps
 
+# The partial index's own condition, repeated in queries on unfinished attempts: SQLite uses a partial
+# index only where the query's WHERE visibly implies the index's (a sensor tick must not scan history).
+UNFINISHED = "state in ('reserved', 'open', 'unsettled', 'unidentified')"
 LIVE = ("reserved", "open")
 STUCK = ("unsettled", "unidentified")
 FINAL = ("settled", "released", "expired")
@@ -77,6 +80,8 @@ create table if not exists attempts (
 create index if not exists attempts_unfinished on attempts(state, dataset)
     where state in ('reserved', 'open', 'unsettled', 'unidentified');
 create index if not exists attempts_prompt on attempts(dataset, prompt_id);
+create index if not exists attempts_due on attempts(next_lookup_at) where state = 'unsettled';
+create index if not exists attempts_lost on attempts(dataset) where source = 'lookup' and recovered is null;
 create index if not exists attempts_generation on attempts(generation_id) where generation_id is not null;
 create table if not exists scopes (
     scope text primary key,
@@ -431,8 +436,8 @@ def looked_up_in_vain(conn: sqlite3.Connection, attempt_id: str, now: float) -> 
 
 def expire(conn: sqlite3.Connection, now: float, horizon_s: float) -> list[tuple[str, str, str]]:
     """Stuck attempts older than the horizon give up their reservation: (attempt, dataset, prompt) each."""
-    rows = conn.execute("select attempt_id, dataset, prompt_id, reserved_usd, reserved_tokens, run_id, day from attempts "
-                        "where state in ('unsettled', 'unidentified') and ended_at < ?", (now - horizon_s,)).fetchall()
+    rows = conn.execute(f"select attempt_id, dataset, prompt_id, reserved_usd, reserved_tokens, run_id, day from attempts "
+                        f"where {UNFINISHED} and state in ('unsettled', 'unidentified') and ended_at < ?", (now - horizon_s,)).fetchall()
     for attempt_id, dataset, _, reserved_usd, reserved_tokens, run_id, day in rows:
         _bump(conn, _scope_keys(run_id, dataset, day), stuck_usd=-reserved_usd, stuck_tokens=-reserved_tokens,
               expired_usd=reserved_usd)
@@ -457,7 +462,8 @@ def blocked_prompts(conn: sqlite3.Connection, dataset: str) -> dict[str, str]:
 
 
 def unsettled_ids(conn: sqlite3.Connection, dataset: str) -> list[str]:
-    return [r[0] for r in conn.execute("select attempt_id from attempts where dataset = ? and state = 'unsettled'", (dataset,))]
+    return [r[0] for r in conn.execute(f"select attempt_id from attempts where {UNFINISHED} and dataset = ? and state = 'unsettled'",
+                                       (dataset,))]
 
 
 def lost_answers(conn: sqlite3.Connection, dataset: str) -> list[dict[str, Any]]:
@@ -476,12 +482,12 @@ def mark_recovered(conn: sqlite3.Connection, attempt_ids: list[str], recovered: 
 
 def live_attempts(conn: sqlite3.Connection, dataset: str) -> list[tuple[str, str, str | None, float]]:
     """(attempt, prompt, generation id, reserved_usd) of a dataset's live attempts."""
-    return conn.execute("select attempt_id, prompt_id, generation_id, reserved_usd from attempts "
-                        "where dataset = ? and state in ('reserved', 'open')", (dataset,)).fetchall()
+    return conn.execute(f"select attempt_id, prompt_id, generation_id, reserved_usd from attempts "
+                        f"where {UNFINISHED} and dataset = ? and state in ('reserved', 'open')", (dataset,)).fetchall()
 
 
 def datasets_with_live_attempts(conn: sqlite3.Connection) -> list[str]:
-    return [r[0] for r in conn.execute("select distinct dataset from attempts where state in ('reserved', 'open')")]
+    return [r[0] for r in conn.execute(f"select distinct dataset from attempts where {UNFINISHED} and state in ('reserved', 'open')")]
 
 
 def attempt(conn: sqlite3.Connection, attempt_id: str) -> Optional[dict[str, Any]]:
@@ -507,8 +513,8 @@ def scope(conn: sqlite3.Connection, key: str) -> Scope:
 
 
 def stuck_attempts(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, Any]]:
-    cur = conn.execute("select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
-                       "where state in ('unsettled', 'unidentified') order by ended_at limit ?", (limit,))
+    cur = conn.execute(f"select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
+                       f"where {UNFINISHED} and state in ('unsettled', 'unidentified') order by ended_at limit ?", (limit,))
     cols = [c[0] for c in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
