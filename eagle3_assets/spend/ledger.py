@@ -461,9 +461,11 @@ def blocked_prompts(conn: sqlite3.Connection, dataset: str) -> dict[str, str]:
                              "('reserved', 'open', 'unsettled', 'unidentified')", (dataset,)).fetchall())
 
 
-def unsettled_ids(conn: sqlite3.Connection, dataset: str) -> list[str]:
-    return [r[0] for r in conn.execute(f"select attempt_id from attempts where {UNFINISHED} and dataset = ? and state = 'unsettled'",
-                                       (dataset,))]
+def unsettled_ids(conn: sqlite3.Connection, dataset: str, max_lookups: int = 3) -> list[str]:
+    """A dataset's unsettled attempts not yet looked up `max_lookups` times (worth waiting for; older ones are left to
+    the backoff, so a generation that is never found does not delay every later run of its dataset)."""
+    return [r[0] for r in conn.execute(f"select attempt_id from attempts where {UNFINISHED} and dataset = ? and state = 'unsettled' "
+                                       "and lookups < ?", (dataset, max_lookups))]
 
 
 def lost_answers(conn: sqlite3.Connection, dataset: str) -> list[dict[str, Any]]:
