@@ -42,7 +42,6 @@ from eagle3_assets.sensors import (
 from eagle3_assets.spend import SpendPolicy
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import (
-    OPENROUTER_DEFAULT_URL,
     CompletionsResource,
 )
 from eagle3_resources.hidden_states.resource import HiddenStatesResource

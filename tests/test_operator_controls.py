@@ -38,7 +38,7 @@ from eagle3_assets.completions import COMPLETION_COLUMNS, final_results, partiti
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.sensors import check_failure_alert, newly_resolved, run_failure_alert
-from eagle3_assets.spend import SpendPolicy, get_hold, lift_hold, open_ledger, set_hold
+from eagle3_assets.spend import SpendPolicy, get_hold, open_ledger, set_hold
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread

@@ -49,6 +49,10 @@ def tools_json(tools: list[dict[str, Any]]) -> str:
     return json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
 
 
+# A parsed schema node is (description, constraints, render(indent) -> str).
+Node = tuple[str, dict[str, Any], Callable[[str], str]]
+
+
 class _TS:
     """K2.5's TypeScript-style declaration of one function (semantics of `tool_declaration_ts.py`)."""
 
@@ -57,9 +61,6 @@ class _TS:
     def __init__(self) -> None:
         self.defs: dict[str, Any] = {}
         self.self_ref = False
-
-    # A parsed schema node is (description, constraints, render(indent) -> str).
-    Node = tuple[str, dict[str, Any], Callable[[str], str]]
 
     @staticmethod
     def _comment(text: str, indent: str = "") -> str:
