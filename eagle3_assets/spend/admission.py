@@ -189,8 +189,18 @@ class Admission:
                                 self.max_tokens))
         if not slots:
             return True
-        ids, block = await self.writer.call(L.reserve, wants, run_id=self.run_id, dataset=self.dataset, owner=self.owner,
-                                            caps=self.caps, now=time.time())
+        reserving = asyncio.ensure_future(self.writer.call(L.reserve, wants, run_id=self.run_id, dataset=self.dataset,
+                                                           owner=self.owner, caps=self.caps, now=time.time()))
+        try:
+            ids, block = await asyncio.shield(reserving)
+        except asyncio.CancelledError:  # the run is ending: what was reserved for nobody is given back, never left live
+            ids, _ = await reserving
+            for attempt_id in ids:
+                self.writer.post(L.release, attempt_id, "not sent: the run ended while it was reserved", time.time())
+            for future, *_ in slots:
+                if not future.done():
+                    future.cancel()
+            raise
         returned: list[CompletionRequest] = []
         for (future, req, previous, _), attempt_id, want in zip(slots, ids, wants):
             if previous is None:
