@@ -1,9 +1,12 @@
-"""Adaptive concurrency: back off when the API says it is overloaded, recover when it is not.
+"""Adaptive concurrency and request pacing: back off when the API says it is overloaded, recover when it is not.
 
 A gate in front of every HTTP attempt. 429, 503 and the in-flight-budget 402 shrink the number of
 attempts allowed in flight (x0.8, at most once per `cooldown_s`, never below `floor`); every
 `recover_after` successes grow it back by one, up to the configured concurrency. The request that
 was refused waits its own Retry-After; the others carry on, at most slightly fewer at a time.
+
+Beside it, `RateLimiter` paces requests per second where the provider says its limit in
+`X-RateLimit-*` headers (a cap on requests, not on concurrency, which the gate above cannot see).
 """
 
 from __future__ import annotations
