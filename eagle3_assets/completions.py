@@ -32,6 +32,7 @@ from eagle3_assets.spend.writer import LedgerWriter
 from eagle3_assets.stop_signals import StopSignals
 from eagle3_resources.completions.types import (
     FINAL_STATUSES,
+    RETRY_LATER_STATUSES,
     CompletionBackend,
     CompletionRequest,
     CompletionResult,
@@ -134,7 +135,7 @@ class Progress:
     def add(self, result: CompletionResult) -> None:
         self.counts[result.status] += 1
         self.completion_tokens += result.completion_tokens or 0
-        if result.status in ("failed", "aborted", "deferred"):
+        if result.status in ("failed", *RETRY_LATER_STATUSES):
             self.errors[f"{result.error_code or 'unknown'}@{result.provider or '-'}"] += 1
         if time.monotonic() - self.last_report >= PROGRESS_EVERY_S:
             self.report()
@@ -149,7 +150,7 @@ class Progress:
         done = self.already_done + self.finished
         remaining = max(0, self.total - done)
         eta_h = remaining / rate / 3600 if rate > 0 else float("inf")
-        errs = self.counts["failed"] + self.counts["aborted"] + self.counts["deferred"]
+        errs = self.counts["failed"] + sum(self.counts[s] for s in RETRY_LATER_STATUSES)
         avg = self.completion_tokens / self.finished if self.finished else 0
         return (
             f"{self.dataset} {done}/{self.total} ({errs} err, {self.counts['ok']} ok, {self.counts['truncated']} cut) "
@@ -182,9 +183,6 @@ class CompletionsRun:
     after_stop_usd: float = 0.0  # billed for requests in flight at the stop (drained: kept)
     settled_late_usd: float = 0.0  # bills of earlier attempts found by look-ups during this run
     recovered_answers: int = 0  # billed answers lost before the journal (a kill), fetched from the provider's stored content
-    unsettled: int = 0  # in the whole ledger, when the run ended
-    unsettled_usd: float = 0.0  # their worst case
-    run_committed_usd: float = 0.0  # this run id, all its datasets: billed + still reserved
 
     def summary(self, dataset: str) -> dict[str, Any]:
         return {"dataset": dataset, "sent": self.sent, "retries": self.retries, "stopped_by": self.stopped_by,
@@ -310,15 +308,13 @@ def run_completions(
             feed, progress = state.get("feed"), state.get("progress")
             if progress is not None:
                 progress.report()
-            figs = ledger.figures([run_id])
+            figs = ledger.figures()
             if feed is not None:
                 run.sent, run.stopped_by, run.retries = feed.admitted, feed.stopped_by, feed.retries
                 run.cost_usd, run.attempt_outcomes = feed.billed_usd, dict(feed.outcomes)
                 run.in_flight_at_stop = feed.in_flight_at_stop
                 run.after_stop_usd = feed.billed_usd - (feed.billed_at_stop or feed.billed_usd)
                 run.results, run.errors, run.completion_tokens = progress.counts, progress.errors, progress.completion_tokens
-            run.unsettled, run.unsettled_usd = figs.unsettled + figs.unidentified, figs.total.stuck_usd
-            run.run_committed_usd = figs.runs[run_id].committed_usd
             run.duration_s = time.monotonic() - started
             if run.stopped_by:
                 log(f"{dataset}: stopped after {progress.finished if progress else 0} done, ${run.cost_usd:.4f} billed ({run.stopped_by})"

@@ -76,7 +76,6 @@ class Admission:
         self.stopped_by: str | None = None
         self.live: dict[str, Attempt] = {}
         self.billed_usd = 0.0
-        self.billed_tokens = 0
         self.outcomes: dict[str, int] = {}
         self.in_flight_at_stop: int | None = None
         self.billed_at_stop: float | None = None
@@ -278,7 +277,6 @@ class Admission:
         if not self._end(attempt, "settled"):
             return
         self.billed_usd += cost_usd
-        self.billed_tokens += completion_tokens or 0
         self.writer.post(L.settle, attempt.attempt_id, cost_usd=cost_usd, prompt_tokens=prompt_tokens,
                          completion_tokens=completion_tokens, source="response", now=time.time(),
                          generation_id=attempt.generation_id, on_commit=self._on_commit)

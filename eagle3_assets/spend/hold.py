@@ -87,9 +87,7 @@ def cancel_spending(instance: dg.DagsterInstance, hold_mode: str = "drain") -> t
     from dagster._core.execution.backfill import BulkActionStatus
 
     cancelled = []
-    for run in instance.get_runs(filters=dg.RunsFilter(statuses=ACTIVE_STATUSES)):
-        if not spends(run):
-            continue
+    for run in active_spending_runs(instance):
         if hold_mode == "cancel" or run.status in NOT_RUNNING:
             cancel_run(instance, run)
             cancelled.append(run.run_id)

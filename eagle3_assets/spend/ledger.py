@@ -165,10 +165,6 @@ class Figures:
     unidentified: int = 0
     live: int = 0
 
-    @property
-    def stuck_usd(self) -> float:
-        return self.total.stuck_usd
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "settled_usd": usd(self.total.settled_usd),
@@ -490,12 +486,6 @@ def live_attempts(conn: sqlite3.Connection, dataset: str) -> list[tuple[str, str
 
 def datasets_with_live_attempts(conn: sqlite3.Connection) -> list[str]:
     return [r[0] for r in conn.execute(f"select distinct dataset from attempts where {UNFINISHED} and state in ('reserved', 'open')")]
-
-
-def attempt(conn: sqlite3.Connection, attempt_id: str) -> Optional[dict[str, Any]]:
-    cur = conn.execute("select * from attempts where attempt_id = ?", (attempt_id,))
-    row = cur.fetchone()
-    return dict(zip([c[0] for c in cur.description], row)) if row else None
 
 
 def figures(conn: sqlite3.Connection, run_ids: list[str], now: float) -> Figures:

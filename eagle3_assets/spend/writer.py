@@ -26,9 +26,6 @@ class LedgerWriter:
     def __init__(self, ledger: SpendLedger, on_error: Callable[[str], None] = lambda message: None):
         self.ledger = ledger
         self.on_error = on_error
-        self.transactions = 0
-        self.operations = 0
-        self.failures = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="spend-ledger-writer", daemon=True)
         self._thread.start()
@@ -82,13 +79,9 @@ class LedgerWriter:
                     scopes.close()
         except sqlite3.Error as e:  # the commit itself failed (disk full, locked too long): every operation failed
             outcomes = [(done, False, e) for _, _, _, done in batch]
-        self.transactions += 1
-        self.operations += len(batch)
         for done, ok, value in outcomes:
-            if not ok:
-                self.failures += 1
-                if done is None:
-                    self.on_error(f"a spend ledger write failed ({type(value).__name__}: {value})")
+            if not ok and done is None:
+                self.on_error(f"a spend ledger write failed ({type(value).__name__}: {value})")
             if done is not None:
                 done(ok, value)
 
