@@ -1,7 +1,11 @@
 """`eagle3`: the project's command. It sets DAGSTER_HOME so nobody has to.
 
-    eagle3 run [--datasets A1,B2]   run eagle3_pipeline now, in this process, against the embedded
+    eagle3 run [--datasets A1,B2] [--real-prompts]
+                                    run eagle3_pipeline now, in this process, against the embedded
                                     SQLite instance; ends with a finished run recorded there
+    eagle3 prompts [--real] [--datasets B1,B3] [--sources DIR]
+                                    build raw_prompts only (nothing is spent) and print each dataset's
+                                    import: rows, rejects, duplicates, filtered, selected
     eagle3 dev [--port 3000]        the Dagster UI and daemon (`dagster dev`) on 127.0.0.1
     eagle3 dagster ARGS...          any `dagster` command with this project's DAGSTER_HOME,
                                     e.g. `eagle3 dagster job launch -j eagle3_pipeline`
@@ -69,37 +73,49 @@ def dagster_home() -> Path:
     return home
 
 
-def run_pipeline(datasets: list[str] | None) -> int:
+def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
+    from eagle3_assets.registry import DATASETS
+
+    names = list(DATASETS)
+    chosen = datasets or names
+    unknown = [d for d in chosen if d not in DATASETS]
+    if unknown:
+        print(f"unknown dataset(s) {unknown}; the registry lists {', '.join(names)}", file=sys.stderr)
+        return None
+    idx = sorted(names.index(d) for d in chosen)
+    if idx != list(range(idx[0], idx[-1] + 1)):
+        print("--datasets must be a contiguous range of the registry order: " + ", ".join(names), file=sys.stderr)
+        return None
+    return names[idx[0]], names[idx[-1]]
+
+
+def _execute(job_name: str, start: str, end: str, run_config: dict | None = None):
+    """Run a job of the code location now, in this process, over the partition range start...end."""
     import dagster as dg
     from dagster._core.storage.tags import (
         ASSET_PARTITION_RANGE_END_TAG,
         ASSET_PARTITION_RANGE_START_TAG,
     )
 
-    from eagle3_assets.registry import DATASETS
-
-    home = dagster_home()
-    names = list(DATASETS)
-    chosen = datasets or names
-    unknown = [d for d in chosen if d not in DATASETS]
-    if unknown:
-        print(f"unknown dataset(s) {unknown}; the registry lists {', '.join(names)}", file=sys.stderr)
-        return 2
-    idx = sorted(names.index(d) for d in chosen)
-    if idx != list(range(idx[0], idx[-1] + 1)):
-        print("--datasets must be a contiguous range of the registry order: " + ", ".join(names), file=sys.stderr)
-        return 2
-    start, end = names[idx[0]], names[idx[-1]]
-    print(f"DAGSTER_HOME={home}\nEAGLE3_DATA_DIR={default_data_dir()}\nrunning eagle3_pipeline for {start}...{end}")
-    started = time.monotonic()
     with dg.DagsterInstance.get() as instance:
         result = dg.execute_job(
-            dg.reconstructable(_pipeline_job),
+            dg.reconstructable(_pipeline_job) if job_name == "eagle3_pipeline" else dg.reconstructable(_import_job),
             instance=instance,
             tags={ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end},
-            run_config={"execution": {"config": {"in_process": {}}}},
+            run_config={"execution": {"config": {"in_process": {}}}, **(run_config or {})},
         )
-        run = instance.get_run_by_id(result.run_id)
+        return result, instance.get_run_by_id(result.run_id)
+
+
+def run_pipeline(datasets: list[str] | None) -> int:
+    home = dagster_home()
+    span = _dataset_range(datasets)
+    if span is None:
+        return 2
+    start, end = span
+    print(f"DAGSTER_HOME={home}\nEAGLE3_DATA_DIR={default_data_dir()}\nrunning eagle3_pipeline for {start}...{end}")
+    started = time.monotonic()
+    result, run = _execute("eagle3_pipeline", start, end)
     minutes = (time.monotonic() - started) / 60
     drafter = default_data_dir() / "eagle3_drafter"
     print(f"run {result.run_id}: {run.status.value} in {minutes:.1f} min")
@@ -107,6 +123,41 @@ def run_pipeline(datasets: list[str] | None) -> int:
         print(f"drafter checkpoint: {drafter}")
         print("open the UI with `eagle3 dev` to see every stage's metadata")
     return 0 if result.success else 1
+
+
+def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) -> int:
+    """Build raw_prompts only (nothing is spent) and print what each dataset's import did."""
+    import polars as pl
+
+    dagster_home()
+    span = _dataset_range(datasets)
+    if span is None:
+        return 2
+    start, end = span
+    config = {"prompts": mode, **({"sources_dir": str(Path(sources).resolve())} if sources else {})}
+    print(f"building raw_prompts for {start}...{end} from the {mode} prompts"
+          + (f" (sources under {sources})" if sources else " (real: from the Hugging Face Hub)" if mode == "real" else ""))
+    started = time.monotonic()
+    result, run = _execute("import_prompts", start, end, {"ops": {"raw_prompts": {"config": config}}})
+    print(f"run {result.run_id}: {run.status.value} in {time.monotonic() - started:.1f} s")
+    for event in result.all_events:
+        if event.event_type_value == "STEP_FAILURE":
+            print(event.step_failure_data.user_failure_data.description if event.step_failure_data.user_failure_data
+                  else event.message, file=sys.stderr)
+    for mat in result.asset_materializations_for_node("raw_prompts")[:1]:  # one per partition, same figures
+        per = mat.metadata["per_dataset"].value
+        print(f"{'dataset':8} {'rows':>9} {'rejected':>9} {'dups':>7} {'filtered':>9} {'selected':>9}  prompts file")
+        for name, r in per.items():
+            path = default_data_dir() / "raw_prompts" / f"{name}.parquet"
+            dups = r["duplicates_within"] + sum(r["duplicates_of_earlier"].values())
+            print(f"{name:8} {r['rows']:>9,} {r['rejected']:>9,} {dups:>7,} {sum(r['filtered'].values()):>9,} "
+                  f"{pl.scan_parquet(path).select(pl.len()).collect().item():>9,}  {path}")
+            if r.get("rejects_file") and r["rejected"]:
+                print(f"{'':8} rejects: {r['rejects_file']} ({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})")
+    for check in result.get_asset_check_evaluations():
+        if not check.passed:
+            print(f"check {check.check_name} FAILED: {check.description}", file=sys.stderr)
+    return 0 if result.success and all(c.passed for c in result.get_asset_check_evaluations()) else 1
 
 
 def _ledger():
@@ -196,6 +247,12 @@ def _pipeline_job():
     return defs.get_job_def("eagle3_pipeline")
 
 
+def _import_job():
+    from eagle3_assets.definitions import defs
+
+    return defs.get_job_def("import_prompts")
+
+
 def run_in_group(cmd: list[str]) -> int:
     """Run a long-lived command (dagster dev) in its own process group; stop the whole group.
 
@@ -228,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run eagle3_pipeline now and wait for it")
     p_run.add_argument("--datasets", help="comma-separated contiguous datasets (default: all)")
+    p_run.add_argument("--real-prompts", action="store_true", help="import each dataset's real source (EAGLE3_PROMPTS=real)")
+    p_prompts = sub.add_parser("prompts", help="build raw_prompts only and report the import (nothing is spent)")
+    p_prompts.add_argument("--datasets", help="comma-separated contiguous datasets (default: all)")
+    p_prompts.add_argument("--real", action="store_true", help="import the real sources named in data/datasets.yaml")
+    p_prompts.add_argument("--sources", help="a local copy of the sources (<dir>/<hub id>/<files>); default: "
+                           "EAGLE3_SOURCES_DIR, else the Hugging Face Hub")
     p_dev = sub.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1")
     p_dev.add_argument("--port", type=int, default=3000)
     p_dg = sub.add_parser("dagster", help="any dagster command with this project's DAGSTER_HOME")
@@ -242,7 +305,12 @@ def main(argv: list[str] | None = None) -> int:
 
     os.chdir(PROJECT_ROOT)
     if args.command == "run":
+        if args.real_prompts:
+            os.environ["EAGLE3_PROMPTS"] = "real"
         return run_pipeline(args.datasets.split(",") if args.datasets else None)
+    if args.command == "prompts":
+        return prompts_command(args.datasets.split(",") if args.datasets else None, "real" if args.real else "sample",
+                               args.sources)
     home = dagster_home()
     if args.command == "hold":
         return hold_command(args.action)

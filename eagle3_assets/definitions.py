@@ -13,6 +13,8 @@ systems (README: "Pointing it at real systems"):
     EAGLE3_SGLANG_URL            SGLang server for completions (default http://127.0.0.1:30000)
     EAGLE3_HIDDEN_STATES_BACKEND transformers | sglang (default: transformers)
     EAGLE3_REGISTRY              another dataset registry file (default: data/datasets.yaml)
+    EAGLE3_PROMPTS               sample (default: the shipped sample files) | real (import each dataset's source)
+    EAGLE3_SOURCES_DIR           a local copy of the sources (<dir>/<hub id>/<files>); unset: the Hugging Face Hub
     EAGLE3_MIN_BALANCE_USD, EAGLE3_MAX_RUN_USD, EAGLE3_MAX_DAY_USD, EAGLE3_MAX_TOTAL_USD
                                  spend thresholds (credit sensor and client); unset = not enforced
     EAGLE3_HOLD_MODE             drain (default) | cancel: requests in flight when the hold is set
@@ -31,7 +33,7 @@ import os
 import dagster as dg
 
 from eagle3_assets.assets import PIPELINE_ASSETS
-from eagle3_assets.jobs import eagle3_pipeline, lift_spend_hold
+from eagle3_assets.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.sensors import (
     check_failure_alert,
@@ -80,7 +82,7 @@ def resources() -> dict:
 
 defs = dg.Definitions(
     assets=[*PIPELINE_ASSETS, openrouter_account],
-    jobs=[eagle3_pipeline, lift_spend_hold],
+    jobs=[eagle3_pipeline, import_prompts, lift_spend_hold],
     sensors=[credit_sensor, run_failure_alert, check_failure_alert],
     schedules=[missing_partitions_nightly],
     resources=resources(),

@@ -1,4 +1,4 @@
-"""Jobs: `eagle3_pipeline` runs every stage, prompts to drafter."""
+"""Jobs: `eagle3_pipeline` runs every stage, prompts to drafter; `import_prompts` only the first, free one."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ eagle3_pipeline = dg.define_asset_job(
     description="Every stage: raw_prompts -> completions -> token_ids (per dataset) -> merged_dataset -> "
     "hidden_states -> eagle3_drafter. Launch it for one dataset, or for all of them in one run with the "
     "partition range A1...B8 (what `eagle3 run` does).",
+)
+
+import_prompts = dg.define_asset_job(
+    "import_prompts",
+    selection=dg.AssetSelection.assets("raw_prompts"),
+    partitions_def=dataset_partitions,
+    description="raw_prompts alone: read, convert, filter, sample and de-duplicate the prompts (sample files, or "
+    "the real sources with `prompts: real`) and see the report before anything is spent (`eagle3 prompts`).",
 )
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import time
-
-import math
+from pathlib import Path
 
 from aiohttp import web
 
@@ -84,3 +85,28 @@ def bills_not_in_ledger(fake, ledger) -> list[str]:
         elif bill.cost:
             problems.append(f"{bill.id} (${bill.cost:.6f}): {row['state']} in the ledger")
     return problems
+
+
+SOURCE_FIXTURES = Path(__file__).parent / "data" / "sources"
+
+
+def build_source_tree(dest: Path) -> Path:
+    """The fixtures laid out as the hub serves them: `*.parquet.jsonl` written as real Parquet files
+    (pyarrow infers the nested list<struct> columns the hub's files have), everything else copied."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for src in SOURCE_FIXTURES.rglob("*"):
+        if not src.is_file():
+            continue
+        rel = src.relative_to(SOURCE_FIXTURES)
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.name.endswith(".parquet.jsonl"):
+            rows = [json.loads(line) for line in src.read_text(encoding="utf-8").split("\n") if line.strip()]
+            pq.write_table(pa.Table.from_pylist(rows), out.with_name(src.name.removesuffix(".jsonl")))
+        else:
+            shutil.copyfile(src, out)
+    return dest

@@ -75,7 +75,7 @@ def test_bad_prompt_file_fails_raw_prompts_before_anything_downstream(tmp_path, 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n')
     spec = DatasetSpec(name="A1", prompt_file=bad, format="messages", kind="chat")
-    monkeypatch.setattr("eagle3_assets.assets.raw_prompts.dataset_spec", lambda key: spec)
+    monkeypatch.setattr("eagle3_assets.assets.raw_prompts.DATASETS", {"A1": spec})
     with dg.instance_for_test() as instance:
         result = dg.materialize([raw_prompts, completions], partition_key="A1", instance=instance,
                                 resources={**resources(), "store": DataStore(root=str(tmp_path / "data"))}, raise_on_error=False,

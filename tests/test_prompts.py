@@ -123,3 +123,36 @@ def test_registry_errors(tmp_path):
     reg.write_text("datasets:\n  X1:\n    prompt_file: x.jsonl\n    format: messages\n    kind: chat\n    sample_cap: -3\n")
     with pytest.raises(RegistryError, match="sample_cap must be a positive integer"):
         load_registry(reg)
+
+
+# -- JSON Lines as the format defines it ---------------------------------------------------
+
+
+def test_raw_line_and_paragraph_separators_inside_strings_do_not_split_a_line(tmp_path):
+    texts = ["before\u2028after", "para\u2029graph", "next\u0085line", "form\x0cfeed"]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes("".join(json.dumps({"id": f"x{i}", "messages": [{"role": "user", "content": t}]}, ensure_ascii=False) + "\n"
+                             for i, t in enumerate(texts)).encode("utf-8"))
+    assert "\u2028".encode() in path.read_bytes()  # raw, not escaped
+    prompts = read_prompts(spec_for(path))
+    assert [p.messages[0]["content"] for p in prompts] == texts
+    assert [p.line for p in prompts] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "data, line, fragment",
+    [
+        (b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n", 1, "byte-order mark"),
+        (json.dumps(GOOD).encode() + b"\n" + b'{"id": "x2", "messages": [{"role": "user", "content": "a\x00b"}]}\n', 2, "NUL byte"),
+        (json.dumps(GOOD).encode() + b"\n" + '{"id": "x2", "messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"), 2,
+         "not valid UTF-8 at byte"),
+        (json.dumps(GOOD).encode() + b"\r\n" + json.dumps(GOOD | {"id": "x2"}).encode() + b"\r\n{", 3, "malformed JSON"),
+    ],
+)
+def test_bom_nul_and_bad_encoding_each_get_their_own_message(tmp_path, data, line, fragment):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(PromptFileError) as info:
+        read_prompts(spec_for(path))
+    assert f"{path}:{line}: " in str(info.value) and fragment in str(info.value), str(info.value)
+    assert len(info.value.problems) == 1

@@ -1,58 +1,116 @@
-"""`raw_prompts`: each dataset's prompt file, validated, as Parquet."""
+"""`raw_prompts`: each dataset's prompts, validated, selected and de-duplicated, as Parquet.
 
+Two sources per dataset (data/datasets.yaml): the shipped sample file (the embedded default), or
+the real public dataset its `import:` block names (`prompts: real`, or EAGLE3_PROMPTS=real).
+"""
+
+import functools
+import os
 
 import dagster as dg
 import polars as pl
+from pydantic import Field
 
-from eagle3_assets.metadata import markdown_table, path_value
+from eagle3_assets.checks.outcome import check_specs, combine, to_results
+from eagle3_assets.checks.prompts import PROMPT_CHECKS, reject_rate
+from eagle3_assets.importers.build import build_prompt_sets
+from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.prompts import (
     PromptFileError,
     prompts_frame,
-    read_prompts,
     with_prompt_tokens,
 )
-from eagle3_assets.registry import RegistryError, dataset_partitions, dataset_spec
+from eagle3_assets.registry import DATASETS, RegistryError, dataset_partitions
+from eagle3_resources.source_files import SourceError
 from eagle3_resources.storage import DataStore
+from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
+class RawPromptsConfig(dg.Config):
+    prompts: str | None = Field(default=None, description='"sample": the shipped sample files; "real": import each '
+                                "dataset's public source (its `import:` block in data/datasets.yaml). Unset: "
+                                "EAGLE3_PROMPTS, else sample")
+    sources_dir: str | None = Field(default=None, description="a local copy of the sources, laid out "
+                                    "<dir>/<hub id>/<files>; unset: EAGLE3_SOURCES_DIR, else download from the Hugging Face Hub")
+
+    def mode(self) -> str:
+        return self.prompts or os.environ.get("EAGLE3_PROMPTS") or "sample"
+
+    def local_sources(self) -> str | None:
+        return self.sources_dir or os.environ.get("EAGLE3_SOURCES_DIR") or None
+
+
+def _built_keys(store: DataStore):
+    def read(name: str) -> list[str] | None:
+        path = store.layout.raw_prompts(name)
+        if not path.exists():
+            return None
+        df = pl.read_parquet(path)
+        return df["prompt_key"].to_list() if "prompt_key" in df.columns else None
+    return read
+
+
 @dg.asset(
+    check_specs=check_specs("raw_prompts", PROMPT_CHECKS, blocking={"reject_rate"}),
     partitions_def=dataset_partitions,
     backfill_policy=dg.BackfillPolicy.single_run(),
     group_name="prompts",
     kinds={"parquet"},
-    description="Prompts of one dataset read from its file in data/ (see data/datasets.yaml), validated: "
-    "any malformed line fails the partition with the file, the line and what is wrong.",
+    description="Prompts of one dataset, from its sample file in data/ or imported from its public source "
+    "(data/datasets.yaml), validated, filtered, sampled with a seed and de-duplicated across datasets. A malformed "
+    "line of a sample file fails the partition with the file, the line and what is wrong; a source row that does not "
+    "convert is skipped into `<ds>.rejects.jsonl`, and the reject-rate check blocks above the dataset's limit.",
 )
-def raw_prompts(context: dg.AssetExecutionContext, store: DataStore, tokenizer: TokenizerResource) -> dg.MaterializeResult:
-    problems, frames = [], {}
-    for key in context.partition_keys:
-        try:
-            spec = dataset_spec(key)
-            frames[key] = prompts_frame(read_prompts(spec), key)
-        except (PromptFileError, RegistryError) as e:
-            problems.append(str(e))
-    if problems:
-        raise dg.Failure(description="Bad prompt input; nothing downstream ran.\n\n" + "\n\n".join(problems))
-    tok = tokenizer.load()
-    for key, df in frames.items():
-        df = with_prompt_tokens(df, tok, tokenizer.template_version, tokenizer.thinking)
+def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, store: DataStore,
+                tokenizer: TokenizerResource) -> dg.MaterializeResult:
+    load = functools.cache(tokenizer.load)  # only once the input is known to be good
+
+    def count_tokens(messages, tools) -> int:
+        text = render_messages(messages, tools, version=tokenizer.template_version, thinking=tokenizer.thinking)
+        return len(load().encode(text, allow_special=True))
+
+    mode = config.mode()
+    try:
+        sets = build_prompt_sets(
+            context.partition_keys, DATASETS, mode=mode, count_tokens=count_tokens, sources_dir=config.local_sources(),
+            built_keys=_built_keys(store), log=context.log.info,
+            rejects_path=lambda name: store.layout.raw_prompts(name).with_suffix(".rejects.jsonl"),
+        )
+    except (PromptFileError, RegistryError, SourceError) as e:
+        raise dg.Failure(description=f"Bad prompt input ({mode} prompts); nothing downstream ran.\n\n{e}") from None
+    frames, reports = {}, {}
+    for key, result in sets.items():
+        if not result.prompts:
+            raise dg.Failure(description=f"{key}: no prompt selected ({result.report.summary()})")
+        df = with_prompt_tokens(prompts_frame(result.prompts, key), load(), tokenizer.template_version, tokenizer.thinking)
         frames[key] = df
         path = store.layout.ensure(store.layout.raw_prompts(key))
         df.write_parquet(path)
+        reports[key] = {"source": result.source, **result.report.to_dict(), "settings": result.settings,
+                        "rejects_file": str(result.rejects_path) if result.rejects_path else None,
+                        "not_checked_against": result.not_checked_against}
         context.log.info(f"{key}: {df.height} prompts -> {path}")
     total = pl.concat(list(frames.values()))
+    limits = {k: (DATASETS[k].real.max_reject_rate if mode == "real" else 0.0) for k in sets}
+    outcome = combine({k: reject_rate(r.report, limits[k]) for k, r in sets.items()})
     return dg.MaterializeResult(
+        check_results=to_results(PROMPT_CHECKS, {"reject_rate": outcome}),
         metadata={
             "rows": total.height,
+            "prompts_source": mode,
             "tokens": int(total["prompt_tokens"].sum()),
             "max_prompt_tokens": int(total["prompt_tokens"].max()),
             "datasets": ", ".join(frames),
+            "source_rows": sum(r.report.rows for r in sets.values()),
+            "rejected": sum(r.report.rejected for r in sets.values()),
+            "duplicates": sum(r.report.duplicates + sum(r.report.duplicates_of.values()) for r in sets.values()),
             "with_tools": int(total["has_tools"].sum()),
             "multi_turn": int((total["n_user_turns"] > 1).sum()),
             "with_system": int(total["has_system"].sum()),
             "chars": int(total["chars"].sum()),
+            "per_dataset": json_value(reports),
             "path": path_value(store.layout.raw_prompts(next(iter(frames)))),
-            "preview": markdown_table(total, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "messages_json"]),
+            "preview": markdown_table(total, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "source_row", "messages_json"]),
         }
     )

@@ -58,7 +58,7 @@ def corpus_strings(files: Iterable[Path]) -> Iterable[str]:
                 yield from walk(v)
 
     for path in files:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
+        for line in Path(path).read_text(encoding="utf-8").split("\n"):
             line = line.strip()
             if not line:
                 continue
