@@ -74,10 +74,11 @@ def dagster_home() -> Path:
 
 
 def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
+    """The first and last dataset of `--datasets` (names, or `B1...B6`), which must be contiguous in the registry."""
     from eagle3_assets.registry import DATASETS
 
     names = list(DATASETS)
-    chosen = datasets or names
+    chosen = [d for item in datasets or names for d in (item.split("...") if "..." in item else [item])]
     unknown = [d for d in chosen if d not in DATASETS]
     if unknown:
         print(f"unknown dataset(s) {unknown}; the registry lists {', '.join(names)}", file=sys.stderr)
@@ -284,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run eagle3_pipeline now and wait for it")
-    p_run.add_argument("--datasets", help="comma-separated contiguous datasets (default: all)")
+    p_run.add_argument("--datasets", help="contiguous datasets: A1,A2 or B1...B6 (default: all)")
     p_run.add_argument("--real-prompts", action="store_true", help="import each dataset's real source (EAGLE3_PROMPTS=real)")
     p_prompts = sub.add_parser("prompts", help="build raw_prompts only and report the import (nothing is spent)")
-    p_prompts.add_argument("--datasets", help="comma-separated contiguous datasets (default: all)")
+    p_prompts.add_argument("--datasets", help="contiguous datasets: A1,A2 or B1...B6 (default: all)")
     p_prompts.add_argument("--real", action="store_true", help="import the real sources named in data/datasets.yaml")
     p_prompts.add_argument("--sources", help="a local copy of the sources (<dir>/<hub id>/<files>); default: "
                            "EAGLE3_SOURCES_DIR, else the Hugging Face Hub")

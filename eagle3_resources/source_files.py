@@ -10,7 +10,6 @@ JSON Lines, or one JSON array (glaive-function-calling-v2 is a single `.json` ar
 
 from __future__ import annotations
 
-import fnmatch
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,13 +49,15 @@ def resolve_files(repo: str | None, pattern: str, revision: str = "main", local_
         return [(p.relative_to(base).as_posix(), p) for p in found]
     if not repo:
         raise SourceError(f"no hub dataset id and no local sources folder to find {pattern!r} in")
-    from huggingface_hub import HfApi, hf_hub_download  # the hub only when it is used
+    from huggingface_hub import snapshot_download  # the hub only when it is used
 
-    names = sorted(f for f in HfApi().list_repo_files(repo, repo_type="dataset", revision=revision) if fnmatch.fnmatch(f, pattern))
-    if not names:
+    # Only the files the glob names, in parallel, into the Hugging Face cache (HF_HOME): resumable,
+    # shared with `datasets`, and read from there again with HF_HUB_OFFLINE=1.
+    folder = Path(snapshot_download(repo, repo_type="dataset", revision=revision, allow_patterns=[pattern]))
+    found = sorted(p for p in folder.glob(pattern) if p.is_file())
+    if not found:
         raise SourceError(f"no file of hf://datasets/{repo}@{revision} matches {pattern!r}")
-    # Downloads go to the Hugging Face cache (HF_HOME), resumable and shared with `datasets`.
-    return [(n, Path(hf_hub_download(repo, n, repo_type="dataset", revision=revision))) for n in names]
+    return [(p.relative_to(folder).as_posix(), p) for p in found]
 
 
 def _parquet_rows(name: str, path: Path, columns: Sequence[str], required: Sequence[str]) -> Iterator[SourceRow]:

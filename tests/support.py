@@ -20,6 +20,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server accepts connections on the port yet."""
+    try:
+        socket.create_connection((host, port), 1).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout: float, what: str, every: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

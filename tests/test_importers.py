@@ -9,10 +9,10 @@ import random
 from pathlib import Path
 
 import pytest
+from support import build_source_tree
 
 from eagle3_assets.importers.build import build_prompt_sets
 from eagle3_assets.registry import DatasetSpec, ImportSpec, load_registry
-from support import build_source_tree
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = load_registry(REPO / "data" / "datasets.yaml")
@@ -257,3 +257,23 @@ def test_real_mode_names_datasets_without_a_source(tmp_path):
     reg = {"X1": DatasetSpec(name="X1", prompt_file=tmp_path / "x.jsonl", format="messages", kind="chat")}
     with pytest.raises(RegistryError, match="no `import:` source in the registry for X1"):
         build_prompt_sets(["X1"], reg, mode="real", count_tokens=words)
+
+
+def test_an_in_house_set_without_a_sources_folder_says_what_to_set(tmp_path):
+    from eagle3_resources.source_files import SourceError
+
+    with pytest.raises(SourceError, match=r"A1 is an in-house set \(no hub id\): set EAGLE3_SOURCES_DIR .* in-house/A1/\*\.jsonl"):
+        build_prompt_sets(["A1"], REGISTRY, mode="real", count_tokens=words, log=lambda m: None)
+
+
+def test_a_parquet_source_without_the_needed_column_fails_naming_the_file_and_its_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_resources.source_files import SourceError
+
+    (tmp_path / "src" / "x").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"instruction": "a", "response": "b"}]), tmp_path / "src" / "x" / "part-0.parquet")
+    reg = instruction_registry(tmp_path, {"X1": "x/*.parquet"})
+    with pytest.raises(SourceError, match=r"X1: x/part-0.parquet: no column\(s\) \['input'\]; the file has \['instruction', 'response'\]"):
+        build_prompt_sets(["X1"], reg, mode="real", count_tokens=words, sources_dir=tmp_path / "src", log=lambda m: None)

@@ -8,7 +8,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from support import bills_not_in_ledger, free_port, stop_group, wait_for
+from support import bills_not_in_ledger, free_port, port_open, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
@@ -97,14 +96,7 @@ def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(tmp_pat
     try:
         client = DagsterGraphQLClient("127.0.0.1", port_number=port, timeout=60)
 
-        def ui_up():
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                return True
-            except OSError:
-                return False
-
-        wait_for(ui_up, 180, "dagster dev")
+        wait_for(lambda: port_open(port), 180, "dagster dev")
         run_id = None
         deadline = time.monotonic() + 120
         while run_id is None:  # the code location may still be loading

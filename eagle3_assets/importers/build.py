@@ -21,7 +21,12 @@ from eagle3_assets.importers.schemas import columns
 from eagle3_assets.importers.selection import prompt_key
 from eagle3_assets.prompts import Prompt, read_prompts
 from eagle3_assets.registry import DatasetSpec, RegistryError
-from eagle3_resources.source_files import SourceRow, iter_rows, resolve_files
+from eagle3_resources.source_files import (
+    SourceError,
+    SourceRow,
+    iter_rows,
+    resolve_files,
+)
 
 MODES = ("sample", "real")
 REJECT_ROW_CHARS = 4000  # a rejected row is kept this long in the rejects file
@@ -41,8 +46,18 @@ class DatasetPrompts:
 def source_rows(spec: DatasetSpec, sources_dir: str | os.PathLike[str] | None) -> Iterator[SourceRow]:
     real = spec.real
     read, required = columns(real)
-    for name, path in resolve_files(real.repo, real.files, real.revision, sources_dir):
-        yield from iter_rows(name, path, read, required)
+    if real.repo is None and sources_dir is None:
+        raise SourceError(f"{spec.name} is an in-house set (no hub id): set EAGLE3_SOURCES_DIR (or `--sources`) to the "
+                          f"folder that holds {real.files}, or build {spec.name} from its sample file")
+    try:
+        files = resolve_files(real.repo, real.files, real.revision, sources_dir)
+    except SourceError as e:
+        raise SourceError(f"{spec.name}: {e}") from None
+    for name, path in files:
+        try:
+            yield from iter_rows(name, path, read, required)
+        except SourceError as e:
+            raise SourceError(f"{spec.name}: {e}") from None
 
 
 class _RejectsFile:
