@@ -78,7 +78,16 @@ def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
     from eagle3_assets.registry import DATASETS
 
     names = list(DATASETS)
-    chosen = [d for item in datasets or names for d in (item.split("...") if "..." in item else [item])]
+    chosen = []
+    for item in datasets or names:
+        first, _, last = item.partition("...")
+        if last and first in DATASETS and last in DATASETS:
+            if names.index(first) > names.index(last):
+                print(f"{item}: {first} comes after {last} in the registry order: " + ", ".join(names), file=sys.stderr)
+                return None
+            chosen += names[names.index(first): names.index(last) + 1]
+        else:
+            chosen += [first, last] if last else [first]
     unknown = [d for d in chosen if d not in DATASETS]
     if unknown:
         print(f"unknown dataset(s) {unknown}; the registry lists {', '.join(names)}", file=sys.stderr)

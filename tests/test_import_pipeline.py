@@ -67,3 +67,14 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
     meta = result.asset_materializations_for_node("raw_prompts")[0].metadata
     assert meta["prompts_source"].value == "real" and meta["rejected"].value == 1
     assert meta["per_dataset"].value["B2"]["settings"]["repo"] == "nvidia/OpenCodeInstruct"
+
+
+@pytest.mark.parametrize("arg, code, said", [("B3...B1", 2, "B3 comes after B1"), ("B1...B9", 2, "unknown dataset(s) ['B9']"),
+                                             ("A1,B2", 2, "must be a contiguous range")])
+def test_dataset_ranges_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys, arg, code, said):
+    from eagle3_assets.cli import main
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dg"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["prompts", "--datasets", arg]) == code
+    assert said in capsys.readouterr().err
