@@ -30,13 +30,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3_assets.importers.build import source_rows
-from eagle3_assets.importers.importer import import_prompts
+from eagle3_assets.importers.importer import PromptLength, import_prompts
 from eagle3_assets.registry import DatasetSpec, ImportSpec
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
-WORDS = ["the", "history", "of", "printing", "changed", "how", "people", "read", "and", "wrote", "letters", "about", "science", "art", "music", "travel", "food", "cities", "rivers", "mountains", "energy", "climate", "markets", "code", "data", "systems", "design", "health", "sport", "language"]
-FRENCH = ["la", "mer", "est", "calme", "ce", "soir", "et", "nous", "parlons", "de", "la", "musique", "des", "livres", "et", "des", "villes", "anciennes"]
+WORDS = ["the", "history", "of", "printing", "changed", "how", "people", "read", "and", "wrote", "letters",
+         "about", "science", "art", "music", "travel", "food", "cities", "rivers", "mountains", "energy",
+         "climate", "markets", "code", "data", "systems", "design", "health", "sport", "language"]
+FRENCH = ["la", "mer", "est", "calme", "ce", "soir", "et", "nous", "parlons", "de", "la", "musique", "des",
+          "livres", "et", "des", "villes", "anciennes"]
 
 
 def text(rng: random.Random, n_words: int, words=WORDS) -> str:
@@ -71,8 +74,8 @@ def main() -> None:
     tok_res = TokenizerResource(standin_dir=str(REPO / "var" / "data" / "standin"))
     tok = tok_res.load()
 
-    def count_tokens(messages, tools):
-        return len(tok.encode(render_messages(messages, tools, version=tok_res.template_version, thinking=True), allow_special=True))
+    length = PromptLength(render=lambda m, t: render_messages(m, t, version=tok_res.template_version, thinking=True),
+                          count=lambda text: len(tok.encode(text, allow_special=True)))
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src" / "HuggingFaceH4" / "ultrachat_200k" / "data" / "train_sft-00000-of-00001.parquet"
@@ -93,7 +96,7 @@ def main() -> None:
 
         def timed(cap):
             t = time.perf_counter()
-            selected, report = import_prompts("B6", spec, rows_of(), cap=cap, count_tokens=count_tokens)
+            selected, report = import_prompts("B6", spec, rows_of(), cap=cap, length=length)
             return time.perf_counter() - t, selected[: args.cap], report
 
         ours_s, ours, report = timed(args.cap)

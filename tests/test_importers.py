@@ -12,15 +12,16 @@ import pytest
 from support import build_source_tree
 
 from eagle3_assets.importers.build import build_prompt_sets
+from eagle3_assets.importers.importer import PromptLength
 from eagle3_assets.registry import DatasetSpec, ImportSpec, load_registry
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = load_registry(REPO / "data" / "datasets.yaml")
 
 
-def words(messages, tools):
-    """An independent stand-in for the target's token count: whitespace words."""
-    return sum(len((m.get("content") or "").split()) for m in messages)
+# An independent stand-in for the target's rendering and token count: contents, whitespace words.
+words = PromptLength(render=lambda messages, tools: "\n".join(m.get("content") or "" for m in messages),
+                     count=lambda text: len(text.split()))
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def sources(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def imported(sources, tmp_path_factory):
     rejects = tmp_path_factory.mktemp("rejects")
-    sets = build_prompt_sets(list(REGISTRY), REGISTRY, mode="real", count_tokens=words, sources_dir=sources,
+    sets = build_prompt_sets(list(REGISTRY), REGISTRY, mode="real", length=words, sources_dir=sources,
                              rejects_path=lambda name: rejects / f"{name}.rejects.jsonl", log=lambda msg: None)
     return sets, rejects
 
@@ -198,7 +199,7 @@ def write_instructions(path: Path, texts: list[str]) -> None:
 
 
 def sample_ids(tmp_path, reg, names, **kw):
-    sets = build_prompt_sets(names, reg, mode="real", count_tokens=words, sources_dir=tmp_path / "src", log=lambda m: None, **kw)
+    sets = build_prompt_sets(names, reg, mode="real", length=words, sources_dir=tmp_path / "src", log=lambda m: None, **kw)
     return {n: [p.prompt_id for p in r.prompts] for n, r in sets.items()}, sets
 
 
@@ -256,14 +257,14 @@ def test_real_mode_names_datasets_without_a_source(tmp_path):
 
     reg = {"X1": DatasetSpec(name="X1", prompt_file=tmp_path / "x.jsonl", format="messages", kind="chat")}
     with pytest.raises(RegistryError, match="no `import:` source in the registry for X1"):
-        build_prompt_sets(["X1"], reg, mode="real", count_tokens=words)
+        build_prompt_sets(["X1"], reg, mode="real", length=words)
 
 
 def test_an_in_house_set_without_a_sources_folder_says_what_to_set(tmp_path):
     from eagle3_resources.source_files import SourceError
 
     with pytest.raises(SourceError, match=r"A1 is an in-house set \(no hub id\): set EAGLE3_SOURCES_DIR .* in-house/A1/\*\.jsonl"):
-        build_prompt_sets(["A1"], REGISTRY, mode="real", count_tokens=words, log=lambda m: None)
+        build_prompt_sets(["A1"], REGISTRY, mode="real", length=words, log=lambda m: None)
 
 
 def test_a_parquet_source_without_the_needed_column_fails_naming_the_file_and_its_columns(tmp_path):
@@ -276,4 +277,18 @@ def test_a_parquet_source_without_the_needed_column_fails_naming_the_file_and_it
     pq.write_table(pa.Table.from_pylist([{"instruction": "a", "response": "b"}]), tmp_path / "src" / "x" / "part-0.parquet")
     reg = instruction_registry(tmp_path, {"X1": "x/*.parquet"})
     with pytest.raises(SourceError, match=r"X1: x/part-0.parquet: no column\(s\) \['input'\]; the file has \['instruction', 'response'\]"):
-        build_prompt_sets(["X1"], reg, mode="real", count_tokens=words, sources_dir=tmp_path / "src", log=lambda m: None)
+        build_prompt_sets(["X1"], reg, mode="real", length=words, sources_dir=tmp_path / "src", log=lambda m: None)
+
+
+def test_prompt_length_bounds_keep_exactly_the_prompts_inside_them(tmp_path):
+    texts = [" ".join(["word"] * n) + f" {n}" for n in range(1, 40)]  # 2..40 words, 4..200 bytes
+    write_instructions(tmp_path / "src" / "l" / "p.jsonl", texts)
+    for low, high in ((None, 10), (8, None), (5, 12), (30, 35)):
+        reg = {"X1": DatasetSpec(name="X1", prompt_file=tmp_path / "x.jsonl", format="messages", kind="code", real=ImportSpec(
+            schema="instruction", files="l/*.jsonl", min_prompt_tokens=low, max_prompt_tokens=high))}
+        _, sets = sample_ids(tmp_path, reg, ["X1"])
+        kept = sorted(len(p.messages[0]["content"].split()) for p in sets["X1"].prompts)
+        want = [n for n in (len(t.split()) for t in texts) if (low is None or n >= low) and (high is None or n <= high)]
+        assert kept == want, (low, high)
+        report = sets["X1"].report
+        assert report.filtered["min_prompt_tokens"] + report.filtered["max_prompt_tokens"] == len(texts) - len(want)

@@ -14,6 +14,7 @@ from pydantic import Field
 from eagle3_assets.checks.outcome import check_specs, combine, to_results
 from eagle3_assets.checks.prompts import PROMPT_CHECKS, reject_rate
 from eagle3_assets.importers.build import build_prompt_sets
+from eagle3_assets.importers.importer import PromptLength
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.prompts import (
     PromptFileError,
@@ -66,14 +67,15 @@ def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, sto
                 tokenizer: TokenizerResource) -> dg.MaterializeResult:
     load = functools.cache(tokenizer.load)  # only once the input is known to be good
 
-    def count_tokens(messages, tools) -> int:
-        text = render_messages(messages, tools, version=tokenizer.template_version, thinking=tokenizer.thinking)
-        return len(load().encode(text, allow_special=True))
+    length = PromptLength(
+        render=lambda messages, tools: render_messages(messages, tools, version=tokenizer.template_version, thinking=tokenizer.thinking),
+        count=lambda text: len(load().encode(text, allow_special=True)),
+    )
 
     mode = config.mode()
     try:
         sets = build_prompt_sets(
-            context.partition_keys, DATASETS, mode=mode, count_tokens=count_tokens, sources_dir=config.local_sources(),
+            context.partition_keys, DATASETS, mode=mode, length=length, sources_dir=config.local_sources(),
             built_keys=_built_keys(store), log=context.log.info,
             rejects_path=lambda name: store.layout.raw_prompts(name).with_suffix(".rejects.jsonl"),
         )

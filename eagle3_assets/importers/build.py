@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.importers.importer import ImportReport, TokenCounter, import_prompts
+from eagle3_assets.importers.importer import ImportReport, PromptLength, import_prompts
 from eagle3_assets.importers.schemas import columns
 from eagle3_assets.importers.selection import prompt_key
 from eagle3_assets.prompts import Prompt, read_prompts
@@ -103,7 +103,7 @@ def build_prompt_sets(
     registry: dict[str, DatasetSpec],
     *,
     mode: str,
-    count_tokens: TokenCounter,
+    length: PromptLength,
     sources_dir: str | os.PathLike[str] | None = None,
     built_keys: Callable[[str], list[str] | None] = lambda name: None,
     rejects_path: Callable[[str], Path] | None = None,
@@ -138,7 +138,7 @@ def build_prompt_sets(
             rejects = _RejectsFile(rejects_path(name)) if rejects_path else None
             try:
                 prompts, report = import_prompts(
-                    name, spec.real, source_rows(spec, sources_dir), cap=spec.sample_cap, count_tokens=count_tokens,
+                    name, spec.real, source_rows(spec, sources_dir), cap=spec.sample_cap, length=length,
                     claimed=claimed, on_reject=rejects.write if rejects else (lambda row, reason: None))
             finally:
                 if rejects:

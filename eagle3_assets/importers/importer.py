@@ -28,7 +28,13 @@ from eagle3_assets.prompts import InvalidPrompt, Prompt
 from eagle3_assets.registry import ImportSpec
 from eagle3_resources.source_files import SourceRow
 
-TokenCounter = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], int]
+
+@dataclass(frozen=True)
+class PromptLength:
+    """A prompt as the target reads it: the chat template's text, and the number of tokens of a text."""
+
+    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
+    count: Callable[[str], int]
 
 
 @dataclass
@@ -80,14 +86,23 @@ def reason_group(message: str) -> str:
     return ROW_DETAIL.sub("", message)[:100] or message[:100]
 
 
-def _filtered_by(messages, tools, spec: ImportSpec, count_tokens: TokenCounter) -> str | None:
+def _filtered_by(messages, tools, spec: ImportSpec, length: PromptLength) -> str | None:
     if spec.languages and language(messages) not in spec.languages:
         return "language"
-    if spec.min_prompt_tokens or spec.max_prompt_tokens:
-        n = count_tokens(messages, tools)
-        if spec.min_prompt_tokens and n < spec.min_prompt_tokens:
+    low, high = spec.min_prompt_tokens, spec.max_prompt_tokens
+    if low or high:
+        text = length.render(messages, tools)
+        # A byte-level BPE token is at least one byte: a prompt of n bytes has at most n tokens, so
+        # most prompts are inside a max bound (or under a min one) without being encoded at all.
+        n_bytes = len(text.encode())
+        if low and n_bytes < low:
             return "min_prompt_tokens"
-        if spec.max_prompt_tokens and n > spec.max_prompt_tokens:
+        if high and n_bytes <= high and not low:
+            return None
+        n = length.count(text)
+        if low and n < low:
+            return "min_prompt_tokens"
+        if high and n > high:
             return "max_prompt_tokens"
     return None
 
@@ -98,14 +113,14 @@ def import_prompts(
     rows: Iterable[SourceRow],
     *,
     cap: int | None,
-    count_tokens: TokenCounter,
+    length: PromptLength,
     claimed: Mapping[str, str] | None = None,
     on_reject: Callable[[SourceRow, str], None] = lambda row, reason: None,
 ) -> tuple[list[Prompt], ImportReport]:
     """The sample of `dataset` (in sampling order) and the report of every row.
 
     `claimed` maps the keys of prompts earlier datasets hold to their names: a prompt there is
-    not imported again. `count_tokens` gives a prompt's length as the target reads it.
+    not imported again. `length` renders and counts a prompt as the target reads it.
     """
     claimed = claimed or {}
     convert = CONVERTERS[spec.schema]
@@ -145,7 +160,7 @@ def import_prompts(
         if cap is not None and len(heap) >= cap and rank >= -heap[0].neg_rank:
             continue  # outside the sample whatever the filters say: do not pay for them
         report.measured += 1
-        if (why := _filtered_by(conv.messages, conv.tools, spec, count_tokens)) is not None:
+        if (why := _filtered_by(conv.messages, conv.tools, spec, length)) is not None:
             report.filtered[why] += 1
             continue
         prompt = Prompt(f"{dataset}-{key[:16]}", conv.messages, conv.tools, row.row, conv.dropped_turns,
