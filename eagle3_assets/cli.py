@@ -99,8 +99,8 @@ def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
     return names[idx[0]], names[idx[-1]]
 
 
-def _execute(job_name: str, start: str, end: str, run_config: dict | None = None):
-    """Run a job of the code location now, in this process, over the partition range start...end."""
+def _execute(job_fn, start: str, end: str, run_config: dict | None = None):
+    """Run a job of the code location (`job_fn` returns it) now, in this process, over the partition range start...end."""
     import dagster as dg
     from dagster._core.storage.tags import (
         ASSET_PARTITION_RANGE_END_TAG,
@@ -109,7 +109,7 @@ def _execute(job_name: str, start: str, end: str, run_config: dict | None = None
 
     with dg.DagsterInstance.get() as instance:
         result = dg.execute_job(
-            dg.reconstructable(_pipeline_job) if job_name == "eagle3_pipeline" else dg.reconstructable(_import_job),
+            dg.reconstructable(job_fn),
             instance=instance,
             tags={ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end},
             run_config={"execution": {"config": {"in_process": {}}}, **(run_config or {})},
@@ -125,7 +125,7 @@ def run_pipeline(datasets: list[str] | None) -> int:
     start, end = span
     print(f"DAGSTER_HOME={home}\nEAGLE3_DATA_DIR={default_data_dir()}\nrunning eagle3_pipeline for {start}...{end}")
     started = time.monotonic()
-    result, run = _execute("eagle3_pipeline", start, end)
+    result, run = _execute(_pipeline_job, start, end)
     minutes = (time.monotonic() - started) / 60
     drafter = default_data_dir() / "eagle3_drafter"
     print(f"run {result.run_id}: {run.status.value} in {minutes:.1f} min")
@@ -137,8 +137,6 @@ def run_pipeline(datasets: list[str] | None) -> int:
 
 def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) -> int:
     """Build raw_prompts only (nothing is spent) and print what each dataset's import did."""
-    import polars as pl
-
     dagster_home()
     span = _dataset_range(datasets)
     if span is None:
@@ -148,7 +146,7 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
     print(f"building raw_prompts for {start}...{end} from the {mode} prompts"
           + (f" (sources under {sources})" if sources else " (real: from the Hugging Face Hub)" if mode == "real" else ""))
     started = time.monotonic()
-    result, run = _execute("import_prompts", start, end, {"ops": {"raw_prompts": {"config": config}}})
+    result, run = _execute(_import_job, start, end, {"ops": {"raw_prompts": {"config": config}}})
     print(f"run {result.run_id}: {run.status.value} in {time.monotonic() - started:.1f} s")
     for event in result.all_events:
         if event.event_type_value == "STEP_FAILURE":
@@ -161,13 +159,13 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
             path = default_data_dir() / "raw_prompts" / f"{name}.parquet"
             dups = r["duplicates_within"] + sum(r["duplicates_of_earlier"].values())
             print(f"{name:8} {r['rows']:>9,} {r['rejected']:>9,} {dups:>7,} {sum(r['filtered'].values()):>9,} "
-                  f"{pl.scan_parquet(path).select(pl.len()).collect().item():>9,}  {path}")
+                  f"{r['selected']:>9,}  {path}")
             if r.get("rejects_file") and r["rejected"]:
                 print(f"{'':8} rejects: {r['rejects_file']} ({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})")
-    for check in result.get_asset_check_evaluations():
-        if not check.passed:
-            print(f"check {check.check_name} FAILED: {check.description}", file=sys.stderr)
-    return 0 if result.success and all(c.passed for c in result.get_asset_check_evaluations()) else 1
+    failed = [c for c in result.get_asset_check_evaluations() if not c.passed]
+    for check in failed:
+        print(f"check {check.check_name} FAILED: {check.description}", file=sys.stderr)
+    return 0 if result.success and not failed else 1
 
 
 def _ledger():
