@@ -11,6 +11,8 @@
                                     e.g. `eagle3 dagster job launch -j eagle3_pipeline`
     eagle3 hold [show|lift]         the credit sensor's spending hold: why it stands, what is unsettled; lift it
     eagle3 ledger [show|settle]     the spend ledger: billed, in flight, unsettled; look up unsettled bills now
+    eagle3 status [--json]          the picture over SSH: every dataset's stages (rows, tokens, dollars, checks),
+                                    the training stages, runs in progress, money and the spending hold
     eagle3 env                      print the environment lines, for a shell that runs dagster itself
 
 The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already set.
@@ -70,7 +72,23 @@ def dagster_home() -> Path:
     if not (home / "dagster.yaml").exists():
         (home / "dagster.yaml").write_text(INSTANCE_YAML)
     os.environ["DAGSTER_HOME"] = str(home)
+    show_pools()
     return home
+
+
+GPU_POOL = "gpu"
+
+
+def show_pools() -> None:
+    """Give the `gpu` pool its limit explicitly: the UI's Concurrency page lists only pools with a stored limit,
+    and says "No pool limits" for one that only `default_limit` governs."""
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        storage = instance.event_log_storage
+        if storage.supports_global_concurrency_limits and GPU_POOL not in storage.get_concurrency_keys():
+            limit = (instance.get_settings("concurrency").get("pools") or {}).get("default_limit") or 1
+            storage.set_concurrency_slots(GPU_POOL, int(limit))
 
 
 def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
@@ -152,18 +170,19 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
         if event.event_type_value == "STEP_FAILURE":
             print(event.step_failure_data.user_failure_data.description if event.step_failure_data.user_failure_data
                   else event.message, file=sys.stderr)
-    for mat in result.asset_materializations_for_node("raw_prompts")[:1]:  # one per partition, same figures
-        per = mat.metadata["per_dataset"].value
+    mats = result.asset_materializations_for_node("raw_prompts")  # one per dataset, each with its own figures
+    if mats:
         print(f"{'dataset':8} {'rows':>9} {'rejected':>9} {'dups':>7} {'filtered':>9} {'selected':>9}  prompts file")
-        for name, r in per.items():
-            path = default_data_dir() / "raw_prompts" / f"{name}.parquet"
-            dups = r["duplicates_within"] + sum(r["duplicates_of_earlier"].values())
-            print(f"{name:8} {r['rows']:>9,} {r['rejected']:>9,} {dups:>7,} {sum(r['filtered'].values()):>9,} "
-                  f"{r['selected']:>9,}  {path}")
-            if r.get("rejects_file") and r["rejected"]:
-                print(f"{'':8} rejects: {r['rejects_file']} ({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})")
+    for mat in mats:
+        r, name = mat.metadata["import_report"].value, mat.partition
+        dups = r["duplicates_within"] + sum(r["duplicates_of_earlier"].values())
+        print(f"{name:8} {r['rows']:>9,} {r['rejected']:>9,} {dups:>7,} {sum(r['filtered'].values()):>9,} "
+              f"{r['selected']:>9,}  {mat.metadata['path'].value}")
+        if "rejects_file" in mat.metadata and r["rejected"]:
+            print(f"{'':8} rejects: {mat.metadata['rejects_file'].value} "
+                  f"({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})")
     failed = [c for c in result.get_asset_check_evaluations() if not c.passed]
-    for check in failed:
+    for check in failed:  # the description starts with the dataset
         print(f"check {check.check_name} FAILED: {check.description}", file=sys.stderr)
     return 0 if result.success and not failed else 1
 
@@ -308,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p_ledger = sub.add_parser("ledger", help="the spend ledger; `settle` looks up unsettled bills now")
     p_ledger.add_argument("action", choices=["show", "settle"], nargs="?", default="show")
     p_ledger.add_argument("--wait", type=float, default=0.0, help="with settle: keep looking up for this many seconds")
+    p_status = sub.add_parser("status", help="each dataset's stages, runs in progress, money and the hold")
+    p_status.add_argument("--json", action="store_true", help="print the same data as JSON")
     sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
     args = parser.parse_args(argv)
 
@@ -324,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         return hold_command(args.action)
     if args.command == "ledger":
         return ledger_command(args.action, args.wait)
+    if args.command == "status":
+        from eagle3_assets.status import status_command
+
+        return status_command(args.json)
     dagster = str(Path(sys.executable).with_name("dagster"))
     if args.command == "dev":
         return run_in_group([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(args.port)])

@@ -131,6 +131,7 @@ class Progress:
     completion_tokens: int = 0
     errors: Counter = field(default_factory=Counter)
     last_report: float = field(default_factory=time.monotonic)
+    on_report: Callable[[dict[str, Any]], None] | None = None  # the figures of each report (the UI's live progress)
 
     def add(self, result: CompletionResult) -> None:
         self.counts[result.status] += 1
@@ -144,23 +145,36 @@ class Progress:
     def finished(self) -> int:
         return sum(n for s, n in self.counts.items() if s in FINAL_STATUSES)
 
-    def line(self) -> str:
+    def figures(self) -> dict[str, Any]:
+        """Where the dataset stands: done (earlier runs' and this run's) of total, rate, tokens, dollars, ETA."""
         elapsed = max(1e-9, time.monotonic() - self.started)
         rate = self.finished / elapsed
         done = self.already_done + self.finished
         remaining = max(0, self.total - done)
-        eta_h = remaining / rate / 3600 if rate > 0 else float("inf")
-        errs = self.counts["failed"] + sum(self.counts[s] for s in RETRY_LATER_STATUSES)
+        return {
+            "done": done, "total": self.total, "done_before": self.already_done, "this_run": self.finished,
+            "ok": self.counts["ok"], "truncated": self.counts["truncated"],
+            "errors": self.counts["failed"] + sum(self.counts[s] for s in RETRY_LATER_STATUSES),
+            "requests_per_s": round(rate, 3), "completion_tokens": self.completion_tokens,
+            "billed_usd": round(self.spent(), 6), "eta_s": round(remaining / rate, 1) if rate > 0 else None,
+            "elapsed_s": round(elapsed, 1),
+        }
+
+    def line(self) -> str:
+        f = self.figures()
         avg = self.completion_tokens / self.finished if self.finished else 0
+        eta = f"{f['eta_s'] / 3600:.1f}h" if f["eta_s"] is not None else "-"
         return (
-            f"{self.dataset} {done}/{self.total} ({errs} err, {self.counts['ok']} ok, {self.counts['truncated']} cut) "
-            f"{rate:.1f} req/s avg_comp={avg:.0f}tok tot={self.completion_tokens / 1e6:.2f}M ${self.spent():.2f} "
-            f"ETA {eta_h:.1f}h"
+            f"{self.dataset} {f['done']}/{f['total']} done ({f['done_before']} before this run; this run: {f['ok']} ok, "
+            f"{f['errors']} err, {f['truncated']} cut) {f['requests_per_s']:.1f} req/s avg_comp={avg:.0f}tok "
+            f"tot={self.completion_tokens / 1e6:.2f}M ${f['billed_usd']:.2f} ETA {eta}"
         )
 
     def report(self) -> None:
         self.last_report = time.monotonic()
         self.log(self.line())
+        if self.on_report is not None:
+            self.on_report(self.figures())
 
 
 @dataclass
@@ -213,6 +227,7 @@ def run_completions(
     unsettled_wait_s: float = 60.0,
     horizon_s: float = DEFAULT_HORIZON_S,
     settle_window_s: float = 20.0,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> CompletionsRun:
     """Send every prompt without a final outcome in the journal; stop at a cap, the hold, a stop, or a halt.
 
@@ -222,6 +237,7 @@ def run_completions(
     database) and returns a reason to stop admitting (the run being cancelled from the UI) or None;
     it makes a terminate bite on runs no launcher can signal, such as in-process ones.
     `hold_mode` / `on_terminate`: "drain" lets requests in flight finish (kept), "cancel" cancels them.
+    `on_progress` gets `Progress.figures()` at the start, every PROGRESS_EVERY_S and at the end.
     """
     run_id = run_id or f"local-{uuid.uuid4().hex[:12]}"
     contents = read_journal(journal_path)
@@ -268,8 +284,10 @@ def run_completions(
                                  unsettled_wait_s=unsettled_wait_s, horizon_s=horizon_s, lookup=lookup)
                 state["feed"] = feed
                 progress = Progress(dataset, len(requests), sum(1 for r in requests if r.prompt_id in done), log,
-                                    spent=lambda: feed.billed_usd)
+                                    spent=lambda: feed.billed_usd, on_report=on_progress)
                 state["progress"] = progress
+                if on_progress is not None:
+                    on_progress(progress.figures())
                 signals.on_first = (lambda: feed.stop(HALTED + f"{signals.description}: draining", cancel_inflight=False)) \
                     if on_terminate == "drain" else None
 

@@ -34,11 +34,12 @@ import dagster as dg
 
 from eagle3_assets.assets import PIPELINE_ASSETS
 from eagle3_assets.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
+from eagle3_assets.quality import pipeline_status, status_board
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.sensors import (
     check_failure_alert,
     credit_sensor,
-    openrouter_account,
+    spend,
     run_failure_alert,
 )
 from eagle3_assets.spend import SpendPolicy
@@ -81,9 +82,9 @@ def resources() -> dict:
 
 
 defs = dg.Definitions(
-    assets=[*PIPELINE_ASSETS, openrouter_account],
+    assets=[*PIPELINE_ASSETS, spend, pipeline_status],
     jobs=[eagle3_pipeline, import_prompts, lift_spend_hold],
-    sensors=[credit_sensor, run_failure_alert, check_failure_alert],
+    sensors=[credit_sensor, run_failure_alert, check_failure_alert, status_board],
     schedules=[missing_partitions_nightly],
     resources=resources(),
 )

@@ -70,13 +70,28 @@ def extract_hidden_states(
     *,
     log: Callable[[str], None],
     progress_every_s: float = 10.0,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> ExtractionReport:
+    """Every sample without a file gets one; `on_progress` gets the figures logged every `progress_every_s`."""
     rows = merged.select("sample_id", "split", "input_ids", "loss_mask").rows()
     written = skipped = tokens = nbytes = 0
     nan_samples = []
     started = last = time.monotonic()
+    all_tokens, seen_tokens = sum(len(r[2]) for r in rows), 0
+
+    def report(i: int) -> None:
+        elapsed = max(1e-9, time.monotonic() - started)
+        rate = tokens / elapsed
+        left = all_tokens - seen_tokens
+        figures = {"samples_done": i, "samples": len(rows), "tokens_written": tokens, "tokens_per_s": round(rate, 1),
+                   "bytes_written": nbytes, "eta_s": round(left / rate, 1) if rate > 0 else None}
+        log(f"hidden states {i}/{len(rows)} samples, {tokens:,} tokens, {rate:,.0f} tok/s, {nbytes / 2**20:.1f} MiB written")
+        if on_progress is not None:
+            on_progress(figures)
+
     for i, (sample_id, split, ids, mask) in enumerate(rows, start=1):
         path = sample_path(out_root, split, sample_id)
+        seen_tokens += len(ids)
         if path.exists():
             skipped += 1
             continue
@@ -88,8 +103,7 @@ def extract_hidden_states(
         tokens += len(ids)
         if time.monotonic() - last >= progress_every_s:
             last = time.monotonic()
-            rate = tokens / (last - started)
-            log(f"hidden states {i}/{len(rows)} samples, {tokens:,} tokens, {rate:,.0f} tok/s, {nbytes / 2**20:.1f} MiB written")
+            report(i)
     return ExtractionReport(written, skipped, tokens, nbytes, time.monotonic() - started, nan_samples)
 
 

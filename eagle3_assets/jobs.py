@@ -8,10 +8,15 @@ from eagle3_assets.assets import PIPELINE_ASSETS
 from eagle3_assets.registry import dataset_partitions
 from eagle3_resources.storage import DataStore
 
+# Shown in the launchpad, so a user sees the spend caps without knowing their names (null: the environment's
+# EAGLE3_MAX_RUN_USD / EAGLE3_MAX_TOTAL_USD, else no cap; every other field: its documented default).
+SPEND_CAPS = {"max_run_usd": None, "max_total_usd": None, "max_projected_usd": None, "on_cap": "finish", "pilot_size": 8}
+
 eagle3_pipeline = dg.define_asset_job(
     "eagle3_pipeline",
     selection=dg.AssetSelection.assets(*PIPELINE_ASSETS),
     partitions_def=dataset_partitions,
+    config={"ops": {"completions": {"config": SPEND_CAPS}}},
     description="Every stage: raw_prompts -> completions -> token_ids (per dataset) -> merged_dataset -> "
     "hidden_states -> eagle3_drafter. Launch it for one dataset, or for all of them in one run with the "
     "partition range A1...B8 (what `eagle3 run` does).",

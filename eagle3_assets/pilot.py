@@ -26,7 +26,9 @@ def pilot_passed(journal) -> bool:
 
 
 def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame, prices: PriceCheck | None = None) -> CheckOutcome:
-    """The pilot's completions have the shape training needs and agree with what was billed (tokens and dollars)."""
+    """The pilot's completions have the shape training needs and agree with what was billed (tokens and dollars). When
+    it fails: nothing more of the dataset is sent; read the failing figure, fix the settings (template, `max_tokens`,
+    prices) and re-materialize: a new pilot runs."""
     problems: list[str] = list(prices.problems) if prices is not None else []
     final = completions.filter(pl.col("status") != "pending")
     ok = final.filter(pl.col("status") == "ok")

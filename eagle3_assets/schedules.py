@@ -28,4 +28,5 @@ def missing_partitions_nightly(context: dg.ScheduleEvaluationContext):
     if not missing:
         return dg.SkipReason("every dataset has token ids")
     stamp = context.scheduled_execution_time.strftime("%Y%m%d%H%M")
-    return [dg.RunRequest(run_key=f"{d}-{stamp}", partition_key=d) for d in missing]
+    # The dataset as a tag too: the schedule's preview lists run requests by their tags, not their partition.
+    return [dg.RunRequest(run_key=f"{d}-{stamp}", partition_key=d, tags={"eagle3/dataset": d}) for d in missing]

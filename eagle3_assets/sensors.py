@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -12,9 +13,11 @@ from dagster._core.storage.asset_check_execution_record import (
 )
 
 from eagle3_assets.completions import recover_idle_datasets
-from eagle3_assets.registry import run_datasets
+from eagle3_assets.metadata import png_markdown
+from eagle3_assets.registry import DATASETS, run_datasets
 from eagle3_assets.spend import get_hold, lift_hold, open_ledger, set_hold
 from eagle3_assets.spend.hold import active_spending_runs, cancel_run, cancel_spending
+from eagle3_assets.spend import view
 from eagle3_assets.spend.ledger import Figures
 from eagle3_assets.spend.policy import Account, LedgerGap, SpendPolicy, account_moves, crossed, figures
 from eagle3_assets.spend.settle import settle_due
@@ -23,11 +26,16 @@ from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.storage import DataStore
 
-ACCOUNT_ASSET = dg.AssetKey("openrouter_account")
+SPEND_ASSET = dg.AssetKey("spend")
 SETTLE_BUDGET_S = 8.0  # look-ups per tick, at most (a sensor that times out sets no hold: the hold is decided first)
-openrouter_account = dg.AssetSpec(
-    ACCOUNT_ASSET, group_name="completions", kinds={"openrouter"},
-    description="The OpenRouter account and the project's spend ledger, observed by the credit sensor.",
+spend = dg.AssetSpec(
+    SPEND_ASSET, group_name="completions", kinds={"openrouter", "sqlite"},
+    description="Money at a glance, observed by the credit sensor when a figure changes (else every 15 min): the "
+    "OpenRouter balance and usage, dollars billed today and in all, per dataset and per run, requests in flight, "
+    "unsettled attempts and their worst case, the projected cost of the prompts still pending, the thresholds, and "
+    "whether spending is ON HOLD and why (lift it with `eagle3 hold lift` or the lift_spend_hold job). The numeric "
+    "figures are plotted over time on the Plots tab; `spend_over_time` pictures dollars per dataset against the "
+    "thresholds. Nothing here appears while the daemon (and so the sensor) is not running.",
 )
 
 
@@ -53,39 +61,69 @@ def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy
         hold = None
     if crossing.reasons and not hold:
         hold = set_hold(ledger, crossing.reasons, figs, thresholds)
-        alerts.send("Spending halted: " + "; ".join(crossing.reasons) + f" (in-flight requests: {spend_policy.hold_action})",
-                    figs, context.log.warning)
+        alert_in_runs(instance, active, alerts.send(
+            "Spending halted: " + "; ".join(crossing.reasons) + f" (in-flight requests: {spend_policy.hold_action})",
+            figs, context.log.warning))
     if hold:
         cancelled, stopped = cancel_spending(instance, spend_policy.hold_action)
         if cancelled or stopped:
-            alerts.send("Spending runs cancelled while the hold stands",
-                        {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]}, context.log.warning)
+            alert_in_runs(instance, cancelled, alerts.send("Spending runs cancelled while the hold stands",
+                          {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]}, context.log.warning))
     over = _stop_runs_over_their_threshold(instance, crossing.runs, cursor, figs, alerts, context.log)
     settled = _settle(spend_policy, store, ledger, context.log)
-    found, gap = _watch_account(cursor, account, figs_ledger, spend_policy.tolerance_usd, figs, alerts, context.log)
-    figs_ledger = ledger.figures()
-    metadata: dict[str, Any] = {
-        "ledger_total_usd": round(figs_ledger.total.settled_usd, 6),
-        "ledger_today_usd": round(figs_ledger.today.settled_usd, 6),
-        "in_flight_worst_usd": round(figs_ledger.total.live_usd, 6),
-        "unsettled": figs_ledger.unsettled + figs_ledger.unidentified,
-        "unsettled_worst_usd": round(figs_ledger.total.stuck_usd, 6),
-        "settled_this_tick": settled,
-        "hold": "; ".join(hold["reasons"]) if hold else "none",
-        "anomalies": "; ".join(found) or "none",
-    }
+    found, gap = _watch_account(cursor, account, figs_ledger, spend_policy.tolerance_usd, figs, alerts, context.log, instance, active)
     new_cursor: dict[str, Any] = {"runs_over": over}
     if account is not None:
-        metadata["account_usage_usd"] = round(account.usage_usd, 6)
-        if account.limit_remaining_usd is not None:
-            metadata["account_remaining_usd"] = round(account.limit_remaining_usd, 6)
-        metadata["account_minus_ledger_offset_usd"] = round(gap.offset_usd, 6)
-        metadata["drift_usd"] = round(gap.drift_usd, 6)
         new_cursor.update(account=asdict(account), offset_usd=gap.offset_usd, gap_open=gap.open)
     else:
         new_cursor.update({k: cursor[k] for k in ("account", "offset_usd", "gap_open", "account_unreadable") if k in cursor})
-    return dg.SensorResult(asset_events=[dg.AssetObservation(asset_key=ACCOUNT_ASSET, metadata=metadata)],
-                           cursor=json.dumps(new_cursor))
+    observation, new_cursor["observed"] = _spend_observation(instance, ledger, account, hold, thresholds, found, gap, settled,
+                                                             cursor.get("observed"))
+    return dg.SensorResult(asset_events=[observation] if observation else [], cursor=json.dumps(new_cursor))
+
+
+def pending_projections(instance: dg.DagsterInstance) -> dict[str, float]:
+    """Dollars the prompts still pending should cost, per dataset: its pilot's projection, scaled to what is left."""
+    out = {}
+    for name in DATASETS:
+        records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"),
+                                                                        asset_partitions=[name]), limit=1).records
+        meta = records[0].asset_materialization.metadata if records else {}
+        if "projection" not in meta or "status_pending" not in meta:
+            continue
+        projection, pending = meta["projection"].value, meta["status_pending"].value
+        if pending and projection.get("prompts"):
+            out[name] = projection["usd"] * min(1.0, pending / projection["prompts"])
+    return out
+
+
+def _spend_observation(instance, ledger, account: Account | None, hold, thresholds, anomalies: list[str], gap: LedgerGap | None,
+                       settled: dict[str, Any], last: dict[str, Any] | None) -> tuple[dg.AssetObservation | None, dict | None]:
+    """The `spend` asset's observation, when a figure changed or the heartbeat is due (not on every tick)."""
+    figs_ledger = ledger.figures()
+    figures = view.spend_figures(figs_ledger, view.dataset_scopes(ledger, list(DATASETS)), asdict(account) if account else None,
+                                 hold, thresholds, pending_projections(instance))
+    figures["anomalies"] = "; ".join(anomalies) or "none"
+    if gap is not None:
+        figures["account_minus_ledger_offset_usd"] = round(gap.offset_usd, 6)
+        figures["drift_usd"] = round(gap.drift_usd, 6)
+    now = time.time()
+    if not view.due(figures, last, now) and not settled:
+        return None, last
+    picture = png_markdown(view.spend_plot(ledger.read(view.settled_series), thresholds, hold))
+    metadata = view.observation_metadata({**figures, **({"settled_this_tick": settled} if settled else {})}, picture)
+    description = figures["spending"] if hold else f"${figures['spent_today_usd']:,.4f} billed today, " \
+        f"${figures['spent_total_usd']:,.4f} in all; {figures['unsettled']} unsettled"
+    return (dg.AssetObservation(asset_key=SPEND_ASSET, description=description, metadata=metadata),
+            {"fingerprint": view.fingerprint(figures), "t": now})
+
+
+def alert_in_runs(instance: dg.DagsterInstance, run_ids, alert: str) -> None:
+    """An alert also goes into the log of each run it is about, where an operator looks first."""
+    for run_id in run_ids:
+        run = instance.get_run_by_id(run_id)
+        if run is not None:
+            instance.report_engine_event(alert, dagster_run=run)
 
 
 def _read_account(policy: SpendPolicy, cursor: dict[str, Any], ledger: Figures, alerts: AlertSink, log) -> Account | None:
@@ -112,7 +150,7 @@ def _stop_runs_over_their_threshold(instance: dg.DagsterInstance, runs: dict[str
         if run is not None and not run.is_finished and run.status != dg.DagsterRunStatus.CANCELING:
             cancel_run(instance, run)
         if run_id not in alerted:
-            alerts.send(f"Run over its spend threshold, cancelled: {why}", figs, log.warning)
+            alert_in_runs(instance, [run_id], alerts.send(f"Run over its spend threshold, cancelled: {why}", figs, log.warning))
     return sorted(set(runs))
 
 
@@ -141,11 +179,11 @@ def _settle(policy: SpendPolicy, store: DataStore, ledger, log) -> dict[str, Any
 
 
 def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Figures, tolerance: float,
-                   figs: dict[str, Any], alerts: AlertSink, log) -> tuple[list[str], LedgerGap | None]:
+                   figs: dict[str, Any], alerts: AlertSink, log, instance, active: list[str]) -> tuple[list[str], LedgerGap | None]:
     """Alert on anomalies: account moves (events, each alerted) and ledger drift (a level: alerted when it opens or closes)."""
     found = account_moves(cursor.get("account"), account)
     for move in found:
-        alerts.send(f"Spend anomaly: {move}", figs, log.warning)
+        alert_in_runs(instance, active, alerts.send(f"Spend anomaly: {move}", figs, log.warning))
     if account is None:
         return found, None
     billed = ledger.total.settled_usd
@@ -157,7 +195,8 @@ def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Figu
         found.append(gap.describe(account, billed, tolerance))
     if gap.open != bool(cursor.get("gap_open")):
         if gap.open:
-            alerts.send(f"Spend anomaly: {found[-1]}", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.warning)
+            alert_in_runs(instance, active, alerts.send(f"Spend anomaly: {found[-1]}", {**figs, "drift_usd": round(gap.drift_usd, 6)},
+                                                        log.warning))
         else:
             alerts.send("Ledger and account agree again", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.info)
     return found, gap
@@ -184,11 +223,11 @@ def _partition_label(run: dg.DagsterRun | None) -> str:
                        description="Alerts on every failed run, with its error and the blocking checks that failed it.")
 def run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertSink):
     run = context.dagster_run
-    alerts.send(f"Run failed: {run.job_name}{_partition_label(run)}", {
+    alert_in_runs(context.instance, [run.run_id], alerts.send(f"Run failed: {run.job_name}{_partition_label(run)}", {
         "run_id": run.run_id,
         "error": context.failure_event.message,
         "failed_checks": _failed_checks(context.instance, run.run_id),
-    }, context.log.error)
+    }, context.log.error))
 
 
 CHECK_HISTORY_WINDOW = 200  # executions of one check read per tick; far more than run between two ticks
@@ -248,6 +287,6 @@ def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
                 continue  # it failed its run: run_failure_alert says so
             figs = {"severity": ev.severity.value, "description": ev.description, "run_id": record.run_id}
             figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
-            label = _partition_label(instance.get_run_by_id(record.run_id))
-            alerts.send(f"Check failed: {name}{label}", figs, context.log.warning)
+            partition = f" [{ev.partition}]" if ev.partition else _partition_label(instance.get_run_by_id(record.run_id))
+            alert_in_runs(instance, [record.run_id], alerts.send(f"Check failed: {name}{partition}", figs, context.log.warning))
     return dg.SensorResult(cursor=json.dumps(state, sort_keys=True))

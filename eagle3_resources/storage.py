@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import dagster as dg
+from pydantic import Field
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = PROJECT_ROOT / "var" / "data"
@@ -73,7 +74,8 @@ class DataLayout:
 class DataStore(dg.ConfigurableResource):
     """The data root every asset reads and writes under (`EAGLE3_DATA_DIR`)."""
 
-    root: str
+    root: str = Field(description="the data root: every asset's files, the stand-ins and the spend ledger live under it "
+                      "(EAGLE3_DATA_DIR, default var/data in the checkout)")
 
     @property
     def layout(self) -> DataLayout:

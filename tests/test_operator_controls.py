@@ -98,11 +98,9 @@ def test_checks_judge_each_dataset_of_a_multi_partition_run_on_its_own():
             for i in range(2, 6)]
     df = pl.concat([bad, *good])
     assert COMPLETION_CHECKS["error_rate"][0](df).passed  # the aggregate would hide B1
-    outcome = per_dataset(COMPLETION_CHECKS, df)["error_rate"]
-    assert not outcome.passed
-    assert outcome.metadata["failed_datasets"] == ["B1"]
-    assert outcome.description.startswith("B1: 6 of 30 completions failed (20.0%") and "4 of 5 datasets pass" in outcome.description
-    assert per_dataset(COMPLETION_CHECKS, pl.concat(good))["error_rate"].passed
+    outcomes = per_dataset(COMPLETION_CHECKS, {d: part for (d,), part in df.partition_by("dataset", as_dict=True).items()})
+    assert [d for d, o in outcomes.items() if not o["error_rate"].passed] == ["B1"]
+    assert outcomes["B1"]["error_rate"].description.startswith("6 of 30 completions failed (20.0%")
 
 
 def test_training_checks_pass_on_good_and_fail_on_bad_data(tmp_path):
@@ -236,6 +234,9 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
         assert len(webhook.alerts) == len(failed)
         titles = sorted(a["title"] for a in webhook.alerts)
         assert titles == ["Check failed: completions.error_rate [B6]", "Check failed: completions.truncated_share [B6]"]
+        in_run_log = [e.message for e in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
+                      if e.message.startswith("ALERT ")]  # also in the log of the run that failed the check
+        assert sorted(m.splitlines()[0] for m in in_run_log) == ["ALERT " + t for t in titles]
         error_alert = next(a for a in webhook.alerts if "error_rate" in a["title"])
         assert error_alert["figures"]["failed"] > 0 and "share_pct" in error_alert["figures"] and "text" in error_alert
         again = check_failure_alert(dg.build_sensor_context(instance=instance, cursor=first.cursor, resources={"alerts": sink},

@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
 from safetensors import safe_open
+from test_descriptions import unquoted_special_tokens
 
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
@@ -45,6 +47,7 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
             for ds in ("B6", "B7"):
                 assert ds in instance.get_materialized_partitions(dg.AssetKey("token_ids"))
             meta = instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter")).asset_materialization.metadata
+            assert_each_dataset_has_its_own_figures_and_checks(instance, data_dir_with_standin, ("B6", "B7"))
     finally:
         os.environ.pop("DAGSTER_HOME", None)
 
@@ -60,6 +63,36 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
     for ds in ("B6", "B7"):
         assert (data_dir_with_standin / "completions" / ds / "journal.jsonl").stat().st_size > 0
         assert (data_dir_with_standin / "token_ids" / f"{ds}.parquet").exists()
+
+
+def assert_each_dataset_has_its_own_figures_and_checks(instance, data_dir, datasets):
+    """One run over several datasets: each dataset's page shows its own rows, path, preview and checks."""
+    for asset, file in (("raw_prompts", "raw_prompts/{}.parquet"), ("completions", "completions/{}.parquet"),
+                        ("token_ids", "token_ids/{}.parquet")):
+        rows = {ds: pl.read_parquet(data_dir / file.format(ds)).height for ds in datasets}
+        assert len(set(rows.values())) > 1, rows  # else equal figures could not tell the datasets apart
+        for ds in datasets:
+            records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[ds]), limit=1)
+            meta = records.records[0].asset_materialization.metadata
+            assert meta["rows"].value == rows[ds], (asset, ds)
+            assert meta["path"].value == str(data_dir / file.format(ds)), (asset, ds)
+            others = [d for d in datasets if d != ds]
+            assert f"{ds}-" in meta["preview"].value and not any(f"{d}-" in meta["preview"].value for d in others), (asset, ds)
+        if asset == "completions":  # the local backend's settings, not OpenRouter's routing
+            settings = meta["request_settings"].value
+            assert "provider" not in settings and "kimi" not in settings["model"], settings
+            assert len(repr(meta["this_run_duration_s"].value).split(".")[-1]) <= 1
+        for name in CHECK_NAMES[asset]:
+            history = instance.event_log_storage.get_asset_check_execution_history(dg.AssetCheckKey(dg.AssetKey(asset), name), limit=20)
+            by_partition = {r.event.dagster_event.asset_check_evaluation_data.partition: r for r in history if r.event}
+            assert set(datasets) <= set(by_partition), (asset, name, list(by_partition))
+            for ds in datasets:
+                description = by_partition[ds].event.dagster_event.asset_check_evaluation_data.description
+                assert description.startswith(f"{ds}: ") and not unquoted_special_tokens(description), description
+
+
+CHECK_NAMES = {"raw_prompts": ["reject_rate"], "completions": ["complete", "pilot", "error_rate"],
+               "token_ids": ["billed_completion_tokens_match", "separator_and_end_token", "no_leaked_special_tokens"]}
 
 
 def test_definitions_validate(tmp_path):

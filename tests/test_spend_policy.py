@@ -118,7 +118,7 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
             cursor = result.cursor
             titles = [a["title"] for a in hook.alerts]
             hook.alerts.clear()
-            return titles, result.asset_events[0].metadata
+            return titles, result.asset_events[0].metadata if result.asset_events else None
 
         titles, _ = tick()  # the key spent $5 before the project: said once, as an offset
         assert len(titles) == 1 and titles[0].startswith("Account usage and the ledger start $+5.0000 apart")
@@ -268,3 +268,28 @@ def test_the_sensor_settles_what_runs_left_unsettled(tmp_path, tok, monkeypatch)
     assert ledger.figures().unsettled == 0
     assert ledger.figures().total.settled_usd == pytest.approx(fake.billing.total_usd)
     assert result.asset_events[0].metadata["settled_this_tick"].value["found"] == 1
+
+
+def test_the_spend_asset_is_observed_when_a_figure_changes_not_on_every_tick(tmp_path, monkeypatch):
+    for var in ("EAGLE3_MIN_BALANCE_USD", "EAGLE3_MAX_RUN_USD", "EAGLE3_MAX_DAY_USD", "OPENROUTER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EAGLE3_MAX_TOTAL_USD", "5")
+    ledger = open_ledger(DataStore(root=str(tmp_path)).layout)
+    with dg.instance_for_test() as instance:
+        cursor, observations = None, []
+        for i in range(12):
+            if i == 6:
+                bill(ledger, 1.25, dataset="B6")
+            result = sensor_tick(instance, tmp_path, SpendPolicy(), None, cursor)
+            cursor = result.cursor
+            observations += result.asset_events
+        assert len(observations) == 2  # the first tick, and the bill: not one per tick
+        first, second = (o.metadata for o in observations)
+        assert first["spent_total_usd"].value == 0.0 and second["spent_total_usd"].value == 1.25
+        assert second["spent_B6_usd"].value == 1.25 and second["spent_today_usd"].value == 1.25
+        assert second["threshold_max_total_usd"].value == 5.0 and second["spending"].value == "allowed (no hold)"
+        assert second["spend_over_time"].value.startswith("![plot](data:image/png;base64,")
+        bill(ledger, 4.0, dataset="B7")  # crosses max_total_usd: the hold and its reasons are in the next observation
+        held = sensor_tick(instance, tmp_path, SpendPolicy(), None, cursor).asset_events[0]
+        assert held.metadata["spending"].value.startswith("ON HOLD since") and "spent in all $5.25 > $5.00" in held.metadata["spending"].value
+        assert held.description.startswith("ON HOLD")

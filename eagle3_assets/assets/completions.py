@@ -5,28 +5,22 @@ import asyncio
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.assets.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.checks.completions import COMPLETION_CHECKS
-from eagle3_assets.checks.outcome import (
-    CheckOutcome,
-    check_specs,
-    combine,
-    per_dataset,
-    to_results,
-)
+from eagle3_assets.checks.outcome import CheckOutcome, per_dataset
 from eagle3_assets.completions import (
     CompletionsRun,
     DatasetBusy,
-    partition_lock,
     build_requests,
     completions_frame,
     final_results,
+    partition_lock,
     run_completions,
 )
 from eagle3_assets.metadata import json_value, markdown_table, path_value
@@ -36,7 +30,12 @@ from eagle3_assets.spend import SpendPolicy, cancelling, get_hold, open_ledger, 
 from eagle3_assets.spend import ledger as L
 from eagle3_assets.spend.admission import HALTED
 from eagle3_assets.spend.caps import Caps, Pricing
-from eagle3_assets.spend.prices import PriceSheet, check_billed, configured, fetch_prices
+from eagle3_assets.spend.prices import (
+    PriceSheet,
+    check_billed,
+    configured,
+    fetch_prices,
+)
 from eagle3_assets.spend.projection import project
 from eagle3_assets.token_ids import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
@@ -54,22 +53,22 @@ STOP_MODES = ("drain", "cancel")
 class CompletionsConfig(SamplingSettings):
     """Request settings and spend limits of this run (recorded with the materialization)."""
 
-    max_tokens: Optional[int] = Field(default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise")
-    max_run_usd: Optional[float] = Field(default=None, description="dollar cap for this run, all its datasets and pilots "
+    max_tokens: int | None = Field(default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise")
+    max_run_usd: float | None = Field(default=None, description="dollar cap for this run, all its datasets and pilots "
                                          "together (with EAGLE3_MAX_RUN_USD, the tighter holds): never overshot")
-    max_total_usd: Optional[float] = Field(default=None, description="dollar cap for the whole ledger: every partition, every run")
+    max_total_usd: float | None = Field(default=None, description="dollar cap for the whole ledger: every partition, every run")
     on_cap: str = Field(default="finish", description='in-flight requests when a cap is reached: "finish" or "cancel"')
     on_terminate: str = Field(default="cancel", description='in-flight requests when the run is terminated (UI, SIGTERM, '
                               'Ctrl-C): "cancel" (their streams stop; the prompts are sent again later, partial bills '
                               'included) or "drain" (they finish and are kept; a second stop cancels)')
     pilot_size: int = Field(default=8, description="prompts of a partition sent first; the rest waits for the pilot's "
                             "blocking checks (shape, billed counts, prices) and its cost projection (0: no pilot)")
-    usd_per_m_prompt_tokens: Optional[float] = Field(default=None, description="price override; unset: read from the API "
+    usd_per_m_prompt_tokens: float | None = Field(default=None, description="price override; unset: read from the API "
                                                      "(/models/{model}/endpoints, the highest price the routing allows)")
-    usd_per_m_completion_tokens: Optional[float] = Field(default=None, description="price override (see usd_per_m_prompt_tokens)")
+    usd_per_m_completion_tokens: float | None = Field(default=None, description="price override (see usd_per_m_prompt_tokens)")
     price_tolerance: float = Field(default=0.05, description="the pilot's bills may differ from the listed prices by this "
                                    "share; beyond it the run stops before the rest is sent")
-    max_projected_usd: Optional[float] = Field(default=None, description="stop after the pilot when the rest of a partition "
+    max_projected_usd: float | None = Field(default=None, description="stop after the pilot when the rest of a partition "
                                                "is projected to cost more than this")
     resend_unsettled: bool = Field(default=False, description="send a prompt again although an earlier attempt of it has no "
                                    "bill yet (it may be paid twice)")
@@ -81,7 +80,7 @@ class CompletionsConfig(SamplingSettings):
         fields = {k: v for k, v in self.model_dump().items() if k in SamplingSettings.model_fields}
         return SamplingSettings(**{**fields, "max_tokens": max_tokens})
 
-    def caps(self, token_budget: Optional[int], thresholds: dict[str, Optional[float]]) -> Caps:
+    def caps(self, token_budget: int | None, thresholds: dict[str, float | None]) -> Caps:
         """This run's caps and the spend policy's, whichever is tighter: the client enforces the
         policy in every admission, so spending stops even when no sensor daemon runs."""
         if self.on_terminate not in STOP_MODES:
@@ -90,7 +89,7 @@ class CompletionsConfig(SamplingSettings):
                     total_usd=tighter(self.max_total_usd, thresholds["max_total_usd"]), day_usd=thresholds["max_day_usd"],
                     on_cap=self.on_cap)
 
-    def price_sheet(self, backend: BackendKind, make_account, settings: SamplingSettings) -> Optional[PriceSheet]:
+    def price_sheet(self, backend: BackendKind, make_account, settings: SamplingSettings) -> PriceSheet | None:
         """Where admission's prices come from: the run config, else the API; None for a backend that bills nothing."""
         if self.usd_per_m_prompt_tokens is not None or self.usd_per_m_completion_tokens is not None:
             return configured(settings.model, self.usd_per_m_prompt_tokens or 0.0, self.usd_per_m_completion_tokens or 0.0)
@@ -116,7 +115,7 @@ CHECKS = {**COMPLETION_CHECKS, PILOT_CHECK: (pilot_outcome, "ERROR")}
 
 
 @dg.asset(
-    check_specs=check_specs("completions", CHECKS, blocking={PILOT_CHECK}),
+    check_specs=dataset_check_specs("completions", CHECKS, blocking={PILOT_CHECK}),
     partitions_def=dataset_partitions,
     deps=[raw_prompts],
     backfill_policy=dg.BackfillPolicy.single_run(),
@@ -136,7 +135,7 @@ def completions(
     target: TargetModelResource,
     completions_backend: CompletionsResource,
     spend_policy: SpendPolicy,
-) -> dg.MaterializeResult:
+):
     ledger = open_ledger(store.layout)
     hold = get_hold(ledger)
     if hold:
@@ -152,7 +151,7 @@ def completions(
         context.log.info(f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
                          f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)")
     thresholds = spend_policy.thresholds()
-    summaries, frames, pilots, projections = [], [], {}, {}
+    metadata, outcomes, pilots, projections = {}, {}, {}, {}
     for key in context.partition_keys:
         spec = dataset_spec(key)
         prompts = pl.read_parquet(store.layout.raw_prompts(key))
@@ -169,7 +168,7 @@ def completions(
                                    halt=lambda: cancelling(context.instance, context.run_id),
                                    hold_mode=spend_policy.hold_action, on_terminate=config.on_terminate,
                                    resend_unsettled=config.resend_unsettled, unsettled_wait_s=config.unsettled_wait_s,
-                                   horizon_s=spend_policy.horizon_s)
+                                   horizon_s=spend_policy.horizon_s, on_progress=live_progress(context, key))
 
         with dataset_lock(journal, context.run_id):
             try:
@@ -206,45 +205,69 @@ def completions(
                 raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
                                  "re-materialize to resume.") from None
         df = completions_frame(key, requests, journal, prompts)
-        df.write_parquet(store.layout.ensure(store.layout.completions(key)))
+        path = store.layout.ensure(store.layout.completions(key))
+        df.write_parquet(path)
         if run is not None and (run.stopped_by or "").startswith(HALTED):
             raise dg.Failure(description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
                              f"is in {journal}; re-materialize to resume once the hold is lifted.")
-        frames.append(df)
-        summaries.append(run.summary(key) if run is not None else
-                         {"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0, "billed_usd": 0.0})
-    df = pl.concat(frames)
-    outcomes = per_dataset(COMPLETION_CHECKS, df)
-    outcomes[PILOT_CHECK] = combine(pilots) if pilots else CheckOutcome(
-        True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))
-    counts = df["status"].value_counts()
-    duration = sum(s["duration_s"] for s in summaries)
-    figs = ledger.figures([context.run_id])
-    return dg.MaterializeResult(
-        check_results=to_results(CHECKS, outcomes),
-        metadata={
-            "rows": df.height,
-            **{f"status_{s}": int(n) for s, n in counts.rows()},
-            "completion_tokens": int(df["completion_tokens"].fill_null(0).sum()),
-            "prompt_tokens": int(df["prompt_tokens"].fill_null(0).sum()),
-            "cost_usd": round(float(df["cost_usd"].sum()), 6),
-            "duration_s": round(duration, 1),
-            "requests_per_s": round(sum(s["sent"] for s in summaries) / duration, 3) if duration else 0.0,
-            "run_billed_usd": round(figs.runs[context.run_id].settled_usd, 6),
-            "unsettled": figs.unsettled + figs.unidentified,
-            "unsettled_worst_usd": round(figs.total.stuck_usd, 6),
-            "ledger": json_value(figs.as_dict()),
-            "prices": json_value(sheet.describe() if sheet else {"source": "free backend"}),
-            "projections": json_value({k: p.as_dict() for k, p in projections.items()}),
-            "stopped_by": "; ".join(f"{s['dataset']}: {s['stopped_by']}" for s in summaries if s["stopped_by"]) or "not stopped",
+        summary = run.summary(key) if run is not None else \
+            {"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0, "billed_usd": 0.0}
+        outcomes[key] = {**per_dataset(COMPLETION_CHECKS, {key: df})[key], PILOT_CHECK: pilots.get(key) or CheckOutcome(
+            True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))}
+        metadata[key] = {
+            **completions_figures(df, summary, ledger.read(L.scope, f"dataset:{key}")),
             "backend": json_value({**backend.describe(), "settings_from": completions_backend.sources()}),
-            "request_settings": json_value(settings.model_dump()),
-            "runs": json_value(summaries),
-            "path": path_value(store.layout.completions(context.partition_keys[0])),
-            "journal": path_value(store.layout.completions_journal(context.partition_keys[0])),
+            "request_settings": json_value(recorded_settings(settings, kind)),
+            "prices": json_value(sheet.describe() if sheet else {"source": "free backend"}),
+            **({"projection": json_value(projections[key].as_dict())} if key in projections else {}),
+            "run": json_value(summary),
+            "path": path_value(path),
+            "journal": path_value(journal),
             "preview": markdown_table(df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]),
         }
-    )
+    yield from per_dataset_results(context, metadata, CHECKS, outcomes)
+
+
+def live_progress(context: dg.AssetExecutionContext, dataset: str):
+    """Progress as it happens, on the asset's page: an observation of the partition at each progress report."""
+    def observe(figures: dict) -> None:
+        eta = "-" if figures["eta_s"] is None else f"{figures['eta_s'] / 60:.1f} min"
+        line = (f"{figures['done']}/{figures['total']} done, {figures['requests_per_s']:.2f} req/s, "
+                f"{figures['completion_tokens']:,} completion tokens, ${figures['billed_usd']:.4f}, ETA {eta}")
+        context.log_event(dg.AssetObservation(
+            asset_key=context.assets_def.key, partition=dataset, description=f"progress of run {context.run_id[:8]}",
+            metadata={"progress": line, **{k: v for k, v in figures.items() if v is not None}, "run_id": context.run_id}))
+    return observe
+
+
+def completions_figures(df: pl.DataFrame, run: dict, dataset_scope) -> dict:
+    """One dataset's figures: every prompt's outcome (this run's and earlier ones'), tokens and dollars."""
+    counts = dict(df["status"].value_counts().rows())
+    return {
+        "rows": df.height,
+        **{f"status_{s}": int(counts.get(s, 0)) for s in ("ok", "truncated", "filtered", "failed", "pending")},
+        "completion_tokens": int(df["completion_tokens"].fill_null(0).sum()),
+        "prompt_tokens": int(df["prompt_tokens"].fill_null(0).sum()),
+        "cost_usd": L.usd(float(df["cost_usd"].sum())),  # what the kept answers cost
+        "this_run_sent": run["sent"],
+        "this_run_billed_usd": L.usd(run["billed_usd"]),
+        "this_run_duration_s": round(run["duration_s"], 1),
+        "this_run_requests_per_s": round(run["sent"] / run["duration_s"], 3) if run["duration_s"] else 0.0,
+        "dataset_billed_usd": L.usd(dataset_scope.settled_usd),  # every attempt of every run, answers kept or not
+        "dataset_unsettled_worst_usd": L.usd(dataset_scope.stuck_usd),
+        "stopped_by": run["stopped_by"] or "not stopped",
+    }
+
+
+def recorded_settings(settings: SamplingSettings, kind: BackendKind) -> dict:
+    """The request settings that apply to this backend (OpenRouter's routing means nothing to a local model)."""
+    out = settings.model_dump()
+    if kind is not BackendKind.OPENROUTER:
+        out.pop("provider")
+        out.pop("reasoning_effort")
+    if kind is BackendKind.LOCAL:
+        out["model"] = "the local target (EAGLE3_TARGET_DIR, else the stand-in)"
+    return out
 
 
 @contextmanager

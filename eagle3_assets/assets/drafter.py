@@ -58,6 +58,59 @@ def training_plot(report: DrafterReport):
     return fig
 
 
+def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int = 50) -> list[dict]:
+    """Earlier drafters' accept length and per-step acceptance, oldest first (from their materializations)."""
+    records = instance.fetch_materializations(key, limit=limit).records
+    out = []
+    for record in reversed(records):
+        meta = record.asset_materialization.metadata
+        if "accept_length" not in meta:
+            continue
+        steps = sorted((int(k.rsplit("_", 1)[1]), v.value) for k, v in meta.items() if k.startswith("acceptance_step_"))
+        out.append({"t": record.timestamp, "accept_length": meta["accept_length"].value, "acc": [v for _, v in steps]})
+    return out
+
+
+def history_plot(history: list[dict], report: DrafterReport):
+    """Accept length over materializations, and this drafter's per-step acceptance against the previous one's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
+    lengths = [h["accept_length"] for h in history] + [report.trained["accept_length"]]
+    ax1.plot(range(1, len(lengths) + 1), lengths, marker="o")
+    ax1.axhline(report.untrained["accept_length"], color="grey", ls=":", label="untrained drafter")
+    ax1.set_title("simulated accept length per materialization")
+    ax1.set_xlabel("materialization (this one last)")
+    ax1.legend(fontsize=8)
+    steps = range(1, len(report.trained["acc"]) + 1)
+    ax2.plot(steps, report.trained["acc"], marker="o", label="this drafter")
+    if history and history[-1]["acc"]:
+        ax2.plot(range(1, len(history[-1]["acc"]) + 1), history[-1]["acc"], marker="x", label="previous drafter")
+    ax2.set_title("acceptance per draft step")
+    ax2.set_xlabel("draft step")
+    ax2.set_ylim(0, 1)
+    ax2.legend(fontsize=8)
+    plt.close(fig)
+    return fig
+
+
+def loss_plot(losses: list[float]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 2.6))
+    ax.plot(losses, lw=1)
+    ax.set_title("training loss (TTT-weighted) per optimizer step")
+    ax.set_xlabel("optimizer step")
+    plt.close(fig)
+    return fig
+
+
 @dg.asset(
     check_specs=check_specs("eagle3_drafter", DRAFTER_CHECKS, blocking={"sglang_keys"}),
     deps=[hidden_states],
@@ -65,7 +118,7 @@ def training_plot(report: DrafterReport):
     pool="gpu",
     kinds={"pytorch", "safetensors"},
     description="One-layer EAGLE-3 drafter trained with training-time test on the stored hidden states; exported "
-    "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked).",
+    "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
 )
 def eagle3_drafter(
     context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore,
@@ -86,10 +139,17 @@ def eagle3_drafter(
         "acc_trained": report.trained["acc"],
         "acc_untrained": report.untrained["acc"],
     })
+    history = drafter_history(context.instance, context.assets_def.key)
+    previous = history[-1] if history else None
+    positions = {f"acceptance_step_{i}": round(a, 4) for i, a in enumerate(report.trained["acc"], start=1)}
     return dg.MaterializeResult(
         check_results=to_results(DRAFTER_CHECKS, outcomes),
         metadata={
             "accept_length": report.trained["accept_length"],
+            **({"accept_length_previous": previous["accept_length"],
+                "accept_length_change": round(report.trained["accept_length"] - previous["accept_length"], 4)} if previous else {}),
+            **positions,
+            "quality_over_materializations": png_markdown(history_plot(history, report)),
             "accept_length_untrained": report.untrained["accept_length"],
             "accept_length_product": report.trained["accept_length_product"],
             "eval_split": report.eval_split,
@@ -97,7 +157,8 @@ def eagle3_drafter(
             "per_step_accuracy": markdown_table(per_step, rows=len(per_step)),
             "training_plot": png_markdown(training_plot(report)),
             "final_loss": report.history.step_loss[-1],
-            "loss_curve": json_value(report.history.step_loss),
+            "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
+            "loss_per_step": json_value(report.history.step_loss),
             "train_samples": report.train_samples,
             "eval_samples": report.eval_samples,
             "draft_vocab_size": report.draft_vocab_size,

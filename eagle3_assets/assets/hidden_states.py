@@ -38,7 +38,7 @@ def sample_preview(root, merged: pl.DataFrame, n: int = 5) -> pl.DataFrame:
     pool="gpu",
     kinds={"pytorch", "safetensors"},
     description="Aux hidden states of layers [1, N//2-1, N-4] (outputs, 0-based) and the post-norm final hidden "
-    "state of every merged sample, one safetensors file each; existing files are kept (resume).",
+    "state of every merged sample, one safetensors file each; existing files are kept (resume). Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
 )
 def hidden_states(
     context: dg.AssetExecutionContext,
@@ -50,7 +50,11 @@ def hidden_states(
     merged = pl.read_parquet(store.layout.merged_dataset())
     backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
     root = store.layout.hidden_states()
-    report = extract_hidden_states(merged, backend, root, log=context.log.info)
+    def observe(figures: dict) -> None:  # live progress on the asset's page
+        context.log_event(dg.AssetObservation(asset_key=context.assets_def.key, description=f"progress of run {context.run_id[:8]}",
+                                              metadata={k: v for k, v in figures.items() if v is not None}))
+
+    report = extract_hidden_states(merged, backend, root, log=context.log.info, on_progress=observe)
     manifest = write_manifest(root, merged, backend, str(target.folder(tokenizer, context.log.info)))
     outcomes = {name: fn(root, merged) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
     outcomes["finite"] = hidden_state_finite(report.nan_samples)

@@ -41,7 +41,7 @@ def mix_plot(accounting: pl.DataFrame):
     group_name="training",
     kinds={"polars", "parquet"},
     description="All datasets' token ids: failed and truncated samples dropped, exact duplicates removed, a "
-    "deterministic train/eval split.",
+    "deterministic train/eval split. Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
 )
 def merged_dataset(context: dg.AssetExecutionContext, config: MergeConfig, store: DataStore) -> dg.MaterializeResult:
     frames, missing = {}, []

@@ -11,7 +11,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.checks.outcome import check_specs, combine, to_results
+from eagle3_assets.assets.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.checks.prompts import PROMPT_CHECKS, reject_rate
 from eagle3_assets.importers.build import build_prompt_sets
 from eagle3_assets.importers.importer import PromptLength
@@ -53,7 +53,7 @@ def _built_keys(store: DataStore):
 
 
 @dg.asset(
-    check_specs=check_specs("raw_prompts", PROMPT_CHECKS, blocking={"reject_rate"}),
+    check_specs=dataset_check_specs("raw_prompts", PROMPT_CHECKS, blocking={"reject_rate"}),
     partitions_def=dataset_partitions,
     backfill_policy=dg.BackfillPolicy.single_run(),
     group_name="prompts",
@@ -64,7 +64,7 @@ def _built_keys(store: DataStore):
     "convert is skipped into `<ds>.rejects.jsonl`, and the reject-rate check blocks above the dataset's limit.",
 )
 def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, store: DataStore,
-                tokenizer: TokenizerResource) -> dg.MaterializeResult:
+                tokenizer: TokenizerResource):
     load = functools.cache(tokenizer.load)  # only once the input is known to be good
 
     length = PromptLength(
@@ -81,38 +81,39 @@ def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, sto
         )
     except (PromptFileError, RegistryError, SourceError) as e:
         raise dg.Failure(description=f"Bad prompt input ({mode} prompts); nothing downstream ran.\n\n{e}") from None
-    frames, reports = {}, {}
+    metadata, outcomes = {}, {}
     for key, result in sets.items():
         if not result.prompts:
             raise dg.Failure(description=f"{key}: no prompt selected ({result.report.summary()})")
         df = with_prompt_tokens(prompts_frame(result.prompts, key), load(), tokenizer.template_version, tokenizer.thinking)
-        frames[key] = df
         path = store.layout.ensure(store.layout.raw_prompts(key))
         df.write_parquet(path)
-        reports[key] = {"source": result.source, **result.report.to_dict(), "settings": result.settings,
-                        "rejects_file": str(result.rejects_path) if result.rejects_path else None,
-                        "not_checked_against": result.not_checked_against}
         context.log.info(f"{key}: {df.height} prompts -> {path}")
-    total = pl.concat(list(frames.values()))
-    limits = {k: (DATASETS[k].real.max_reject_rate if mode == "real" else 0.0) for k in sets}
-    outcome = combine({k: reject_rate(r.report, limits[k]) for k, r in sets.items()})
-    return dg.MaterializeResult(
-        check_results=to_results(PROMPT_CHECKS, {"reject_rate": outcome}),
-        metadata={
-            "rows": total.height,
-            "prompts_source": mode,
-            "tokens": int(total["prompt_tokens"].sum()),
-            "max_prompt_tokens": int(total["prompt_tokens"].max()),
-            "datasets": ", ".join(frames),
-            "source_rows": sum(r.report.rows for r in sets.values()),
-            "rejected": sum(r.report.rejected for r in sets.values()),
-            "duplicates": sum(r.report.duplicates + sum(r.report.duplicates_of.values()) for r in sets.values()),
-            "with_tools": int(total["has_tools"].sum()),
-            "multi_turn": int((total["n_user_turns"] > 1).sum()),
-            "with_system": int(total["has_system"].sum()),
-            "chars": int(total["chars"].sum()),
-            "per_dataset": json_value(reports),
-            "path": path_value(store.layout.raw_prompts(next(iter(frames)))),
-            "preview": markdown_table(total, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "source_row", "messages_json"]),
-        }
-    )
+        limit = DATASETS[key].real.max_reject_rate if mode == "real" else 0.0
+        outcomes[key] = {"reject_rate": reject_rate(result.report, limit)}
+        metadata[key] = prompt_set_metadata(df, result, mode, path)
+    yield from per_dataset_results(context, metadata, PROMPT_CHECKS, outcomes)
+
+
+def prompt_set_metadata(df: pl.DataFrame, result, mode: str, path) -> dict:
+    """One dataset's figures: what was read, what was dropped and why, what was kept."""
+    report = result.report
+    return {
+        "rows": df.height,
+        "prompts_source": mode,
+        "source": result.source,
+        "tokens": int(df["prompt_tokens"].sum()),
+        "max_prompt_tokens": int(df["prompt_tokens"].max()),
+        "source_rows": report.rows,
+        "rejected": report.rejected,
+        "duplicates": report.duplicates + sum(report.duplicates_of.values()),
+        "with_tools": int(df["has_tools"].sum()),
+        "multi_turn": int((df["n_user_turns"] > 1).sum()),
+        "with_system": int(df["has_system"].sum()),
+        "chars": int(df["chars"].sum()),
+        "import_report": json_value({**report.to_dict(), "not_checked_against": result.not_checked_against}),
+        "settings": json_value(result.settings),
+        **({"rejects_file": path_value(result.rejects_path)} if result.rejects_path else {}),
+        "path": path_value(path),
+        "preview": markdown_table(df, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "source_row", "messages_json"]),
+    }

@@ -11,7 +11,8 @@ MAX_TRUNCATED_SHARE = 0.10
 
 
 def complete(df: pl.DataFrame) -> CheckOutcome:
-    """Every prompt has a final outcome (ok, truncated, filtered or failed)."""
+    """Every prompt has a final outcome (ok, truncated, filtered or failed). When it fails: a cap, a hold or a stop
+    ended the run early; re-materialize the dataset to resume (nothing is paid twice)."""
     pending = df.filter(pl.col("status") == "pending")
     per_dataset = pending.group_by("dataset").len().rows()
     return CheckOutcome(
@@ -23,7 +24,8 @@ def complete(df: pl.DataFrame) -> CheckOutcome:
 
 
 def error_rate(df: pl.DataFrame, limit: float = MAX_ERROR_SHARE) -> CheckOutcome:
-    """At most 5% of the prompts sent ended as failed."""
+    """At most 5% of the prompts sent ended as failed. When it fails: `by_code_and_provider` says which errors from
+    which provider; exclude that provider in `provider` settings or retry later (failed prompts are not resent)."""
     final = df.filter(pl.col("status") != "pending")
     failed = final.filter(pl.col("status") == "failed")
     share = failed.height / final.height if final.height else 0.0
@@ -37,7 +39,8 @@ def error_rate(df: pl.DataFrame, limit: float = MAX_ERROR_SHARE) -> CheckOutcome
 
 
 def truncated_share(df: pl.DataFrame, limit: float = MAX_TRUNCATED_SHARE) -> CheckOutcome:
-    """At most 10% of the completions were cut by max_tokens (truncated samples are dropped from training)."""
+    """At most 10% of the completions were cut by `max_tokens` (truncated samples are dropped from training). When it
+    fails: raise `max_tokens` for this dataset; the cut answers were paid for and are not used."""
     final = df.filter(pl.col("status") != "pending")
     cut = final.filter(pl.col("status") == "truncated")
     share = cut.height / final.height if final.height else 0.0
@@ -50,7 +53,8 @@ def truncated_share(df: pl.DataFrame, limit: float = MAX_TRUNCATED_SHARE) -> Che
 
 
 def no_duplicates(df: pl.DataFrame) -> CheckOutcome:
-    """No prompt is in the dataset twice, and no two completions are identical."""
+    """No prompt is in the dataset twice, and no two completions are identical. When it fails: the prompt file has
+    duplicates, or the backend answers deterministically (check temperature and seed)."""
     dup_prompts = df.filter(pl.col("messages_json").is_duplicated())
     answered = df.filter(pl.col("content").is_not_null() | pl.col("reasoning").is_not_null())
     dup_answers = answered.filter(pl.struct("reasoning", "content").is_duplicated())

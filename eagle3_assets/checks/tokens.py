@@ -12,7 +12,8 @@ INVARIANT_SHARE = 0.99
 
 
 def billed_completion_match(df: pl.DataFrame, limit: float = BILLED_DIFF_LIMIT) -> CheckOutcome:
-    """Reconstructed completion lengths agree with the billed completion_tokens (aggregate <= 0.04%)."""
+    """Reconstructed completion lengths agree with the billed `completion_tokens` (aggregate <= 0.04%). When it fails:
+    the tokenizer or `billed_includes_im_end` is wrong; do not train on the dataset until it passes."""
     billed = df.filter(pl.col("billed_completion_tokens").is_not_null())
     if billed.height == 0:
         return CheckOutcome(True, "no billed counts to compare (the backend reported none)", {"rows": 0})
@@ -29,7 +30,8 @@ def billed_completion_match(df: pl.DataFrame, limit: float = BILLED_DIFF_LIMIT) 
 
 
 def prompt_tokens_match(df: pl.DataFrame) -> CheckOutcome:
-    """Rendered prompt lengths agree with the billed prompt_tokens (a cheap detector of altered templates)."""
+    """Rendered prompt lengths agree with the billed `prompt_tokens` (a cheap detector of altered templates). When it
+    fails: the provider renders the chat template differently; compare a failing prompt's rendering with its bill."""
     billed = df.filter(pl.col("billed_prompt_tokens").is_not_null())
     if billed.height == 0:
         return CheckOutcome(True, "no billed prompt counts to compare", {"rows": 0})
@@ -43,7 +45,8 @@ def prompt_tokens_match(df: pl.DataFrame) -> CheckOutcome:
 
 
 def separator_and_end(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> CheckOutcome:
-    """Complete responses have exactly one </think> (or end reasoning with a tool call) and end in <|im_end|>."""
+    """Complete responses have exactly one `</think>` (or end reasoning with a tool call) and end in `<|im_end|>`. When it
+    fails: the answers are not in the target's format (a wrong model or template); look at the listed samples."""
     normal = df.filter(pl.col("finish_reason").is_in(["stop", "tool_calls"]))
     if normal.height == 0:
         return CheckOutcome(True, "no complete responses", {"rows": 0})
@@ -53,24 +56,26 @@ def separator_and_end(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> Check
     good_share = 1 - bad.height / normal.height
     return CheckOutcome(
         good_share >= share,
-        f"{100 * good_share:.2f}% of complete responses have exactly one </think> and end in <|im_end|> (need {100 * share:.0f}%)",
+        f"{100 * good_share:.2f}% of complete responses have exactly one `</think>` and end in `<|im_end|>` (need {100 * share:.0f}%)",
         {"violations": bad.height, "rows": normal.height, "no_separator": int((bad["n_separators"] == 0).sum()),
          "several_separators": int((bad["n_separators"] > 1).sum()), "no_end": int((~bad["has_end"]).sum()), "examples": _ids(bad)},
     )
 
 
 def no_leaked_specials(df: pl.DataFrame) -> CheckOutcome:
-    """No completion holds special tokens other than </think>, a final <|im_end|> and tool-call markers."""
+    """No completion holds special tokens other than `</think>`, a final `<|im_end|>` and tool-call markers. When it
+    fails: the listed answers ran past their turn; they are kept but worth a look before training."""
     leaked = df.filter(pl.col("n_leaked_specials") > 0)
     return CheckOutcome(
         leaked.height == 0,
-        f"{leaked.height} completions contain special tokens a completion must not (a new turn, a stray <|im_end|>, ...)",
+        f"{leaked.height} completions contain special tokens a completion must not (a new turn, a stray `<|im_end|>`, ...)",
         {"samples": leaked.height, "tokens": int(leaked["n_leaked_specials"].sum()) if leaked.height else 0, "examples": _ids(leaked)},
     )
 
 
 def backend_ids_agree(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> CheckOutcome:
-    """Where the backend returned ids, the reconstruction from text gives the same ids."""
+    """Where the backend returned ids, the reconstruction from text gives the same ids. When it fails: the sampled ids
+    are not the canonical encoding of their text (usual for a tiny stand-in); the backend's ids are used."""
     with_ids = df.filter(pl.col("ids_source") == "backend")
     if with_ids.height == 0:
         return CheckOutcome(True, "the backend returned no ids (ids were reconstructed from text)", {"rows": 0})

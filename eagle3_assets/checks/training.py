@@ -17,7 +17,8 @@ MIN_ACCEPT_LENGTH = 1.5
 
 
 def dataset_mix(merged: pl.DataFrame, datasets: list[str]) -> CheckOutcome:
-    """Every registered dataset contributes samples to the merged set."""
+    """Every registered dataset contributes samples to the merged set. When it fails: materialize `token_ids` for the
+    datasets it names (a range run, or the backfill dialog), then `merged_dataset` again."""
     counts = dict(merged.group_by("dataset").len().rows())
     missing = [d for d in datasets if counts.get(d, 0) == 0]
     total = max(1, merged.height)
@@ -29,7 +30,8 @@ def dataset_mix(merged: pl.DataFrame, datasets: list[str]) -> CheckOutcome:
 
 
 def token_totals(merged: pl.DataFrame, *_) -> CheckOutcome:
-    """Token counts add up: ids and masks have equal lengths, every sample trains on some tokens."""
+    """Token counts add up: ids and masks have equal lengths, every sample trains on some tokens. When it fails: the
+    named samples' `token_ids` rows are malformed; look at their `token_ids` checks and re-materialize that dataset."""
     lengths_ok = merged.select((pl.col("input_ids").list.len() == pl.col("n_tokens")).all()).item() if merged.height else True
     masks_ok = merged.select((pl.col("loss_mask").list.len() == pl.col("input_ids").list.len()).all()).item() if merged.height else True
     no_loss = merged.filter(pl.col("loss_mask").list.sum() == 0).height
@@ -43,7 +45,8 @@ def token_totals(merged: pl.DataFrame, *_) -> CheckOutcome:
 
 
 def hidden_state_shapes(root: Path, merged: pl.DataFrame) -> CheckOutcome:
-    """Every stored sample has ids [L], mask [L], aux [L, 3H] and final [L, H]."""
+    """Every stored sample has ids [L], mask [L], aux [L, 3H] and final [L, H]. When it fails: delete the named files
+    (or the whole store) and re-materialize `hidden_states`; a mismatch of H means the target changed."""
     H = read_manifest(root)["hidden_size"]
     bad, checked = [], 0
     for sample_id, split, n in merged.select("sample_id", "split", "n_tokens").rows():
@@ -61,7 +64,8 @@ def hidden_state_shapes(root: Path, merged: pl.DataFrame) -> CheckOutcome:
 
 
 def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
-    """The recorded layers are the EAGLE-3 rule [1, N//2-1, N-4] of the target, in its stated convention."""
+    """The recorded layers are the EAGLE-3 rule [1, N//2-1, N-4] of the target, in its stated convention. When it fails:
+    the store was written by another target or backend; delete it and re-materialize `hidden_states`."""
     m = read_manifest(root)
     want = eagle3_aux_layers(m["num_target_layers"])
     return CheckOutcome(m["aux_layer_ids"] == want and bool(m.get("layer_convention")),
@@ -70,7 +74,8 @@ def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
 
 
 def hidden_state_count(root: Path, merged: pl.DataFrame) -> CheckOutcome:
-    """One stored file per merged sample, no more, no fewer."""
+    """One stored file per merged sample, no more, no fewer. When it fails: re-materialize `hidden_states` (it writes
+    the missing ones); extra files are from an older merged set and can be deleted."""
     missing = [sid for sid, split in merged.select("sample_id", "split").rows() if not sample_path(root, split, sid).exists()]
     files = sum(1 for _ in root.glob("*/*.safetensors"))
     return CheckOutcome(not missing and files == merged.height,
@@ -79,19 +84,22 @@ def hidden_state_count(root: Path, merged: pl.DataFrame) -> CheckOutcome:
 
 
 def hidden_state_finite(nan_samples: list[str]) -> CheckOutcome:
-    """No NaN or infinite value in any hidden state written by this run."""
+    """No NaN or infinite value in any hidden state written by this run. When it fails: the target overflowed (dtype,
+    weights or device); check the named samples and the target's dtype before training on them."""
     return CheckOutcome(not nan_samples, f"{len(nan_samples)} samples with non-finite values", {"samples": nan_samples[:20]})
 
 
 def drafter_keys(checkpoint: Path) -> CheckOutcome:
-    """The checkpoint's keys, shapes and dtypes are exactly what SGLang's LlamaForCausalLMEagle3 loads."""
+    """The checkpoint's keys, shapes and dtypes are exactly what SGLang's `LlamaForCausalLMEagle3` loads. When it fails:
+    do not serve it (SGLang would load it with random weights and accept nothing); the metadata lists the keys."""
     problems = check_checkpoint(checkpoint)
     return CheckOutcome(not problems, "loadable by SGLang" if not problems else f"{len(problems)} problem(s): {problems[0]}",
                         {"problems": problems})
 
 
 def drafter_accept_length(trained: float, untrained: float, threshold: float = MIN_ACCEPT_LENGTH) -> CheckOutcome:
-    """The trained drafter's simulated accept length is above the threshold and above an untrained drafter's."""
+    """The trained drafter's simulated accept length is above the threshold and above an untrained drafter's. When it
+    fails: more data or epochs (`epochs`, the datasets' budgets), or a lower `min_accept_length` for a tiny stand-in."""
     ok = not math.isnan(trained) and trained >= threshold and trained > untrained
     return CheckOutcome(ok, f"accept length {trained:.3f} (untrained {untrained:.3f}, threshold {threshold})",
                         {"accept_length": trained, "untrained": untrained, "threshold": threshold})

@@ -49,7 +49,7 @@ class TokenizerResource(dg.ConfigurableResource):
     template_version: TemplateVersion = Field(
         default=TemplateVersion.K2_5, description="k2.5 (TypeScript tool declaration, K2.5/K2.6) or k2 (JSON, K2/K2-Thinking)"
     )
-    thinking: bool = Field(default=True, description="generation prompt ends in <think> (on) or <think></think> (off)")
+    thinking: bool = Field(default=True, description="generation prompt ends in `<think>` (on) or `<think></think>` (off)")
 
     def folder(self) -> Path:
         if self.path:

@@ -1,0 +1,80 @@
+"""What an operator sees while things run: live progress on the asset's page, the pool on the Concurrency page,
+the datasets in the schedule's preview, the spend caps in the launchpad."""
+
+from datetime import UTC, datetime
+
+import dagster as dg
+import polars as pl
+import pytest
+from dagster._core.definitions.partitions.context import partition_loading_context
+from test_operator_controls import KEY, resources_for
+
+from eagle3_assets import completions as completions_logic
+from eagle3_assets.assets.completions import completions
+from eagle3_assets.assets.raw_prompts import raw_prompts
+from eagle3_assets.cli import dagster_home
+from eagle3_assets.definitions import defs
+from eagle3_assets.quality import status_board
+from eagle3_assets.schedules import missing_partitions_nightly
+from eagle3_assets.status import run_progress
+from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
+from eagle3_resources.storage import DataStore
+
+
+@pytest.mark.timeout(900)
+def test_progress_is_observed_on_the_partition_while_it_runs(data_dir_with_standin, tok, monkeypatch):
+    monkeypatch.setattr(completions_logic, "PROGRESS_EVERY_S", 0.0)  # a report per result
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.05))
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance,
+                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+                                run_config={"ops": {"completions": {"config": {"pilot_size": 0}}}})
+        assert result.success
+        observations = instance.fetch_observations(dg.AssetKey("completions"), limit=1000).records
+        materialized = instance.fetch_materializations(dg.AssetKey("completions"), limit=1).records[0]
+        progress_lines = run_progress(instance, result.run_id)
+        board = status_board(dg.build_sensor_context(instance=instance, resources={"store": DataStore(root=str(data_dir_with_standin))}))
+        again = status_board(dg.build_sensor_context(instance=instance, cursor=board.cursor,
+                                                     resources={"store": DataStore(root=str(data_dir_with_standin))}))
+    rows = pl.read_parquet(data_dir_with_standin / "completions" / "B6.parquet").height
+    table = board.asset_events[0].metadata["board"].value
+    b6 = next(line for line in table.splitlines() if line.startswith("| B6 |"))
+    assert f"{rows} rows" in b6 and b6.endswith("| no |")  # token_ids not built: not complete
+    assert next(line for line in table.splitlines() if line.startswith("| A1 |")).count("—") == 3
+    assert board.asset_events[0].metadata["datasets_complete"].value == 0
+    assert isinstance(again, dg.SkipReason)  # nothing changed: no second observation
+    total = len(fake.billing.requests)
+    figures = [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in reversed(observations)]
+    assert all(r.partition_key == "B6" for r in observations)
+    assert figures[0]["done"] == 0 and figures[-1]["done"] == figures[-1]["total"] == total
+    partway = [f for f in figures if 0 < f["done"] < f["total"]]
+    assert partway, "no observation while the partition was running"
+    assert all(r.timestamp <= materialized.timestamp for r in observations)
+    assert {"requests_per_s", "completion_tokens", "billed_usd", "eta_s"} <= set(partway[0])
+    assert f"{partway[0]['done']}/{total} done" in partway[0]["progress"]
+    assert progress_lines["B6"].startswith(f"{total}/{total} done")  # what `eagle3 status` shows under a running run
+
+
+def test_the_gpu_pool_has_a_stored_limit_so_the_ui_lists_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    dagster_home()
+    with dg.DagsterInstance.get() as instance:
+        assert [(p.name, p.limit) for p in instance.event_log_storage.get_pool_limits()] == [("gpu", 1)]
+    dagster_home()  # idempotent
+    with dg.DagsterInstance.get() as instance:
+        assert len(instance.event_log_storage.get_pool_limits()) == 1
+
+
+def test_the_schedule_names_each_dataset_it_requests():
+    with dg.instance_for_test() as instance:
+        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC))
+        requests = missing_partitions_nightly(context)
+    assert [r.tags["eagle3/dataset"] for r in requests] == [r.partition_key for r in requests] and len(requests) == 10
+
+
+def test_the_launchpad_offers_the_spend_caps():
+    job = defs.resolve_job_def("eagle3_pipeline")
+    with dg.instance_for_test() as instance, partition_loading_context(dynamic_partitions_store=instance):
+        config = job.partitioned_config.get_run_config_for_partition_key("B6")
+    offered = config["ops"]["completions"]["config"]
+    assert {"max_run_usd", "max_total_usd", "max_projected_usd"} <= set(offered)
