@@ -48,8 +48,11 @@ def test_captured_layers_are_layer_outputs(target_model):
 def test_files_manifest_and_resume(target_model, tmp_path):
     merged = two_samples()
     backend = TransformersHiddenStates(target_model)
-    report = extract_hidden_states(merged, backend, tmp_path, log=print)
+    reports = []
+    report = extract_hidden_states(merged, backend, tmp_path, log=print, progress_every_s=0.0, on_progress=reports.append)
     assert report.written == 2 and not report.nan_samples
+    assert [(r["samples_done"], r["samples"], r["tokens_written"]) for r in reports] == [(1, 2, 3), (2, 2, 3 + len(merged["input_ids"][1]))]
+    assert reports[-1]["eta_s"] == 0.0 and reports[-1]["bytes_written"] == report.bytes_written
     sample = read_sample(sample_path(tmp_path, "train", "A1/x"))
     assert sample["input_ids"].tolist() == [5, 6, 7] and sample["loss_mask"].tolist() == [0, 1, 1]
     assert sample["aux_hidden_states"].dtype == torch.bfloat16 and sample["aux_hidden_states"].shape == (3, 3 * 64)

@@ -55,6 +55,9 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
     print(f"accept length on the eval split: trained {trained}, untrained {untrained}")
     assert trained > untrained
     assert meta["sglang_key_check"].value == "ok"
+    steps = [k for k in meta if k.startswith("acceptance_step_")]  # numbers, plotted by Dagster across materializations
+    assert len(steps) == 7 and all(0.0 <= meta[k].value <= 1.0 for k in steps)
+    assert meta["quality_over_materializations"].value.startswith("![plot](data:image/png;base64,")
     ckpt = data_dir_with_standin / "eagle3_drafter"
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         assert len(set(f.keys())) == 15
