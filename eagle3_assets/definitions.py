@@ -33,13 +33,13 @@ import os
 import dagster as dg
 
 from eagle3_assets.assets import PIPELINE_ASSETS
+from eagle3_assets.assets.spend import spend
 from eagle3_assets.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
 from eagle3_assets.quality import pipeline_status, status_board
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.sensors import (
     check_failure_alert,
     credit_sensor,
-    spend,
     run_failure_alert,
 )
 from eagle3_assets.spend import SpendPolicy

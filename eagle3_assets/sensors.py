@@ -13,31 +13,26 @@ from dagster._core.storage.asset_check_execution_record import (
 )
 
 from eagle3_assets.completions import recover_idle_datasets
-from eagle3_assets.metadata import png_markdown
-from eagle3_assets.registry import DATASETS, run_datasets
-from eagle3_assets.spend import get_hold, lift_hold, open_ledger, set_hold
+from eagle3_assets.registry import run_datasets
+from eagle3_assets.spend import get_hold, lift_hold, open_ledger, set_hold, view
 from eagle3_assets.spend.hold import active_spending_runs, cancel_run, cancel_spending
-from eagle3_assets.spend import view
 from eagle3_assets.spend.ledger import Figures
-from eagle3_assets.spend.policy import Account, LedgerGap, SpendPolicy, account_moves, crossed, figures
+from eagle3_assets.spend.policy import (
+    Account,
+    LedgerGap,
+    SpendPolicy,
+    account_moves,
+    crossed,
+    figures,
+)
 from eagle3_assets.spend.settle import settle_due
 from eagle3_assets.spend.writer import LedgerWriter
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.storage import DataStore
 
-SPEND_ASSET = dg.AssetKey("spend")
+SPEND_ASSET = dg.AssetKey("spend")  # the observable asset in assets/spend.py
 SETTLE_BUDGET_S = 8.0  # look-ups per tick, at most (a sensor that times out sets no hold: the hold is decided first)
-spend = dg.AssetSpec(
-    SPEND_ASSET, group_name="completions", kinds={"openrouter", "sqlite"},
-    description="Money at a glance, observed by the credit sensor when a figure changes (else every 15 min): the "
-    "OpenRouter balance and usage, dollars billed today and in all, per dataset and per run, requests in flight, "
-    "unsettled attempts and their worst case, the projected cost of the prompts still pending, the thresholds, and "
-    "whether spending is ON HOLD and why (lift it with `eagle3 hold lift` or the lift_spend_hold job). The numeric "
-    "figures are plotted over time on the Plots tab; `spend_over_time` pictures dollars per dataset against the "
-    "thresholds. Nothing here appears while the daemon (and so the sensor) is not running.",
-)
-
 
 @dg.sensor(name="credit_sensor", minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Holds spending when the account balance or the ledger crosses a SpendPolicy threshold (queued "
@@ -82,27 +77,10 @@ def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy
     return dg.SensorResult(asset_events=[observation] if observation else [], cursor=json.dumps(new_cursor))
 
 
-def pending_projections(instance: dg.DagsterInstance) -> dict[str, float]:
-    """Dollars the prompts still pending should cost, per dataset: its pilot's projection, scaled to what is left."""
-    out = {}
-    for name in DATASETS:
-        records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"),
-                                                                        asset_partitions=[name]), limit=1).records
-        meta = records[0].asset_materialization.metadata if records else {}
-        if "projection" not in meta or "status_pending" not in meta:
-            continue
-        projection, pending = meta["projection"].value, meta["status_pending"].value
-        if pending and projection.get("prompts"):
-            out[name] = projection["usd"] * min(1.0, pending / projection["prompts"])
-    return out
-
-
 def _spend_observation(instance, ledger, account: Account | None, hold, thresholds, anomalies: list[str], gap: LedgerGap | None,
                        settled: dict[str, Any], last: dict[str, Any] | None) -> tuple[dg.AssetObservation | None, dict | None]:
     """The `spend` asset's observation, when a figure changed or the heartbeat is due (not on every tick)."""
-    figs_ledger = ledger.figures()
-    figures = view.spend_figures(figs_ledger, view.dataset_scopes(ledger, list(DATASETS)), asdict(account) if account else None,
-                                 hold, thresholds, pending_projections(instance))
+    figures = view.current_figures(instance, ledger, asdict(account) if account else None, hold, thresholds)
     figures["anomalies"] = "; ".join(anomalies) or "none"
     if gap is not None:
         figures["account_minus_ledger_offset_usd"] = round(gap.offset_usd, 6)
@@ -110,11 +88,9 @@ def _spend_observation(instance, ledger, account: Account | None, hold, threshol
     now = time.time()
     if not view.due(figures, last, now) and not settled:
         return None, last
-    picture = png_markdown(view.spend_plot(ledger.read(view.settled_series), thresholds, hold))
-    metadata = view.observation_metadata({**figures, **({"settled_this_tick": settled} if settled else {})}, picture)
-    description = figures["spending"] if hold else f"${figures['spent_today_usd']:,.4f} billed today, " \
-        f"${figures['spent_total_usd']:,.4f} in all; {figures['unsettled']} unsettled"
-    return (dg.AssetObservation(asset_key=SPEND_ASSET, description=description, metadata=metadata),
+    metadata = view.observation_metadata({**figures, **({"settled_this_tick": settled} if settled else {})},
+                                         view.picture(ledger, thresholds, hold))
+    return (dg.AssetObservation(asset_key=SPEND_ASSET, description=view.headline(figures, hold), metadata=metadata),
             {"fingerprint": view.fingerprint(figures), "t": now})
 
 

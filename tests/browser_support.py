@@ -68,8 +68,8 @@ def eagle3_dev(tmp_path: Path, data_dir: Path, **env_vars: str):
     home.mkdir()
     (home / "dagster.yaml").write_text(INSTANCE_YAML + "nux:\n  enabled: false\n")
     env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}
-    env.update(DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir), EAGLE3_COMPLETIONS_BACKEND="local",
-               PYTHONUNBUFFERED="1", **env_vars)
+    env.update({"DAGSTER_HOME": str(home), "EAGLE3_DATA_DIR": str(data_dir), "EAGLE3_COMPLETIONS_BACKEND": "local",
+                "PYTHONUNBUFFERED": "1", **env_vars})
     port = free_port()
     log = tmp_path / "dev.log"
     with open(log, "w") as out:

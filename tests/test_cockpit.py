@@ -78,3 +78,18 @@ def test_the_launchpad_offers_the_spend_caps():
         config = job.partitioned_config.get_run_config_for_partition_key("B6")
     offered = config["ops"]["completions"]["config"]
     assert {"max_run_usd", "max_total_usd", "max_projected_usd"} <= set(offered)
+
+
+@pytest.mark.timeout(900)
+def test_a_pilot_then_the_rest_against_a_provider_that_caps_requests_per_second(data_dir_with_standin, tok):
+    # Found taking the screenshots for the issue: the rate limit learnt in the pilot's event loop was awaited
+    # in the rest's, and the run died ("Lock ... is bound to a different event loop").
+    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, max_rps=1.0))
+    with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, raise_on_error=False,
+                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+                                run_config={"ops": {"completions": {"config": {"pilot_size": 8}}}})
+    assert result.success, [e.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert fake.billing.statuses.count(429) > 0  # the cap was met, so the limiter learnt it in the pilot
+    statuses = pl.read_parquet(data_dir_with_standin / "completions" / "B6.parquet")["status"].to_list()
+    assert statuses.count("ok") == len(statuses) == pl.read_parquet(data_dir_with_standin / "raw_prompts" / "B6.parquet").height

@@ -6,6 +6,7 @@ import uuid
 import dagster as dg
 import pytest
 from aiohttp import web
+from dagster._core.definitions.observe import observe
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.remote_origin import (
     RegisteredCodeLocationOrigin,
@@ -14,9 +15,18 @@ from dagster._core.remote_origin import (
 )
 from support import Webhook
 
+from eagle3_assets.assets.spend import spend
 from eagle3_assets.definitions import defs
 from eagle3_assets.sensors import credit_sensor
-from eagle3_assets.spend import Caps, SpendPolicy, cancel_spending, get_hold, lift_hold, open_ledger, spends
+from eagle3_assets.spend import (
+    Caps,
+    SpendPolicy,
+    cancel_spending,
+    get_hold,
+    lift_hold,
+    open_ledger,
+    spends,
+)
 from eagle3_assets.spend import ledger as L
 from eagle3_assets.spend.ledger import Figures, Scope
 from eagle3_assets.spend.policy import Account, LedgerGap, account_moves, crossed
@@ -293,3 +303,9 @@ def test_the_spend_asset_is_observed_when_a_figure_changes_not_on_every_tick(tmp
         held = sensor_tick(instance, tmp_path, SpendPolicy(), None, cursor).asset_events[0]
         assert held.metadata["spending"].value.startswith("ON HOLD since") and "spent in all $5.25 > $5.00" in held.metadata["spending"].value
         assert held.description.startswith("ON HOLD")
+        # Observe in the UI reads the same figures now, without the sensor
+        assert observe([spend], instance=instance, resources={"store": DataStore(root=str(tmp_path)),
+                                                              "spend_policy": SpendPolicy()}).success
+        observed = instance.fetch_observations(dg.AssetKey("spend"), limit=1).records[0].asset_observation.metadata
+        assert observed["spent_total_usd"].value == 5.25 and observed["spent_B7_usd"].value == 4.0
+        assert observed["summary"].value.startswith("ON HOLD since")

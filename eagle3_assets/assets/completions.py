@@ -173,11 +173,13 @@ def completions(
         with dataset_lock(journal, context.run_id):
             try:
                 run = None  # what was sent and why it stopped; None when the pilot stopped the partition
+                sent = []  # this run's request batches (pilot, rest): the figures count both
                 if config.pilot_size and not pilot_passed(journal):
                     done, _ = final_results(journal)
                     batch = [r for r in requests if r.prompt_id not in done][: config.pilot_size]
                     context.log.info(f"{key}: pilot of {len(batch)} prompts before the rest")
                     pilot_run = complete(batch)
+                    sent.append(("pilot", pilot_run))
                     if pilot_run.stopped_by:  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
                         run = pilot_run
                         pilots[key] = CheckOutcome(False, f"pilot cut short ({run.stopped_by}); it runs again on the next "
@@ -201,6 +203,7 @@ def completions(
                                          f"${config.max_projected_usd:,.2f}. Nothing more was sent; raise the limit to go on.",
                                          metadata={"projection": json_value(projections[key].as_dict())})
                     run = complete(requests)
+                    sent.append(("rest", run))
             except RunFatalError as e:
                 raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
                                  "re-materialize to resume.") from None
@@ -210,8 +213,7 @@ def completions(
         if run is not None and (run.stopped_by or "").startswith(HALTED):
             raise dg.Failure(description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
                              f"is in {journal}; re-materialize to resume once the hold is lifted.")
-        summary = run.summary(key) if run is not None else \
-            {"dataset": key, "sent": config.pilot_size, "stopped_by": "pilot failed", "duration_s": 0.0, "billed_usd": 0.0}
+        summary = run_summary(key, sent, None if key not in pilots or pilots[key].passed else "pilot failed")
         outcomes[key] = {**per_dataset(COMPLETION_CHECKS, {key: df})[key], PILOT_CHECK: pilots.get(key) or CheckOutcome(
             True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))}
         metadata[key] = {
@@ -226,6 +228,20 @@ def completions(
             "preview": markdown_table(df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]),
         }
     yield from per_dataset_results(context, metadata, CHECKS, outcomes)
+
+
+def run_summary(dataset: str, sent: list, stopped_by: str | None) -> dict:
+    """What this run did for a dataset, pilot and rest together (each batch's own summary kept beside)."""
+    parts = {name: run.summary(dataset) for name, run in sent}
+    last = list(parts.values())[-1] if parts else {}
+    return {
+        "dataset": dataset,
+        "sent": sum(p["sent"] for p in parts.values()),
+        "duration_s": round(sum(p["duration_s"] for p in parts.values()), 1),
+        "billed_usd": L.usd(sum(p["billed_usd"] for p in parts.values())),
+        "stopped_by": stopped_by or last.get("stopped_by"),
+        "batches": parts,
+    }
 
 
 def live_progress(context: dg.AssetExecutionContext, dataset: str):

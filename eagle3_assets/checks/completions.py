@@ -14,12 +14,11 @@ def complete(df: pl.DataFrame) -> CheckOutcome:
     """Every prompt has a final outcome (ok, truncated, filtered or failed). When it fails: a cap, a hold or a stop
     ended the run early; re-materialize the dataset to resume (nothing is paid twice)."""
     pending = df.filter(pl.col("status") == "pending")
-    per_dataset = pending.group_by("dataset").len().rows()
     return CheckOutcome(
         pending.height == 0,
         f"{df.height - pending.height} of {df.height} prompts have a final outcome"
         + ("" if pending.height == 0 else f"; {pending.height} still to send (a cap or a stop; re-materialize to resume)"),
-        {"rows": df.height, "pending": pending.height, "pending_by_dataset": dict(per_dataset), "examples": sample_ids(pending)},
+        {"rows": df.height, "pending": pending.height, "examples": sample_ids(pending)},
     )
 
 

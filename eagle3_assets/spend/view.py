@@ -126,6 +126,46 @@ def spend_plot(series: list[tuple[str, float, float]], thresholds: Mapping[str, 
     return fig
 
 
+def pending_projections(instance: dg.DagsterInstance, datasets: list[str]) -> dict[str, float]:
+    """Dollars the prompts still pending should cost, per dataset: its pilot's projection, scaled to what is left."""
+    out = {}
+    for name in datasets:
+        records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"),
+                                                                        asset_partitions=[name]), limit=1).records
+        meta = records[0].asset_materialization.metadata if records else {}
+        if "projection" not in meta or "status_pending" not in meta:
+            continue
+        projection, pending = meta["projection"].value, meta["status_pending"].value
+        if pending and projection.get("prompts"):
+            out[name] = projection["usd"] * min(1.0, pending / projection["prompts"])
+    return out
+
+
+def current_figures(instance: dg.DagsterInstance, ledger, account: dict[str, Any] | None, hold: dict[str, Any] | None,
+                    thresholds: Mapping[str, float | None]) -> dict[str, Any]:
+    """Every figure of the `spend` asset, read now from the ledger, the account and the instance (runs: those spending now)."""
+    from eagle3_assets.registry import DATASETS
+    from eagle3_assets.spend.hold import active_spending_runs
+
+    runs = [r.run_id for r in active_spending_runs(instance)]
+    return spend_figures(ledger.figures(runs), dataset_scopes(ledger, list(DATASETS)), account, hold, thresholds,
+                         pending_projections(instance, list(DATASETS)))
+
+
+def headline(figures: Mapping[str, Any], hold: dict[str, Any] | None) -> str:
+    """The observation's description: the hold first, when there is one."""
+    if hold:
+        return figures["spending"]
+    return (f"${figures['spent_today_usd']:,.4f} billed today, ${figures['spent_total_usd']:,.4f} in all; "
+            f"{figures['unsettled']} unsettled")
+
+
+def picture(ledger, thresholds: Mapping[str, float | None], hold: dict[str, Any] | None) -> dg.MetadataValue:
+    from eagle3_assets.metadata import png_markdown
+
+    return png_markdown(spend_plot(ledger.read(settled_series), thresholds, hold))
+
+
 def observation_metadata(figures: Mapping[str, Any], picture: dg.MetadataValue) -> dict[str, Any]:
     """Figures as Dagster metadata: numbers as numbers (plotted), dicts as JSON, the picture last."""
     out: dict[str, Any] = {}

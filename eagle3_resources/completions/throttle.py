@@ -91,7 +91,11 @@ class RateLimiter:
         self.reset_at = 0.0  # wall clock (time.time) of the current window's end
         self.allowance = 0  # requests this client may still start before reset_at
         self.waits = 0
-        self._lock = asyncio.Lock()
+        # The limiter outlives an event loop (the pilot and the rest of a partition each run in their own
+        # `asyncio.run`, and what it learnt must carry over); an asyncio.Lock is bound to the loop it first
+        # waited in, so each loop gets its own.
+        self._lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def learnt(self) -> bool:
@@ -121,6 +125,9 @@ class RateLimiter:
     async def acquire(self) -> None:
         if self.limit is None:
             return
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
         async with self._lock:  # one waiter at a time keeps the order and the count honest
             while True:
                 now = time.time()
