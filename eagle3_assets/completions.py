@@ -177,6 +177,15 @@ class Progress:
             self.on_report(self.figures())
 
 
+async def report_while_waiting(progress: Progress) -> None:
+    """A report every PROGRESS_EVERY_S even while no answer arrives (a slow provider, a rate cap): the rate and
+    ETA keep moving on the asset's page instead of freezing at the last arrival."""
+    while True:
+        await asyncio.sleep(max(PROGRESS_EVERY_S, 0.5))
+        if time.monotonic() - progress.last_report >= PROGRESS_EVERY_S:
+            progress.report()
+
+
 @dataclass
 class CompletionsRun:
     """What one materialization did."""
@@ -296,10 +305,12 @@ def run_completions(
                     progress.add(result)
 
                 watcher = asyncio.create_task(watch(feed, writer, halt, halt_poll_s, hold_mode, on_terminate, log, dataset))
+                ticker = asyncio.create_task(report_while_waiting(progress))
                 try:
                     await backend.run(feed, settings, emit)
                 finally:
                     watcher.cancel()
+                    ticker.cancel()
                     await feed.close()
                     await writer.flush()
                 # Not after a stop (halt, hold): it must take effect at once; the next run or the sensor looks them up.

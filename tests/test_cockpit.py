@@ -1,6 +1,7 @@
 """What an operator sees while things run: live progress on the asset's page, the pool on the Concurrency page,
 the datasets in the schedule's preview, the spend caps in the launchpad."""
 
+import asyncio
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -93,3 +94,19 @@ def test_a_pilot_then_the_rest_against_a_provider_that_caps_requests_per_second(
     assert fake.billing.statuses.count(429) > 0  # the cap was met, so the limiter learnt it in the pilot
     statuses = pl.read_parquet(data_dir_with_standin / "completions" / "B6.parquet")["status"].to_list()
     assert statuses.count("ok") == len(statuses) == pl.read_parquet(data_dir_with_standin / "raw_prompts" / "B6.parquet").height
+
+
+def test_progress_is_reported_while_no_answer_arrives(monkeypatch):
+    # A slow provider or a rate cap: no result for a while, yet the page must not freeze at the last arrival.
+    monkeypatch.setattr(completions_logic, "PROGRESS_EVERY_S", 0.3)
+    seen = []
+    progress = completions_logic.Progress("B6", 28, 8, log=lambda line: None, on_report=seen.append)
+
+    async def wait_a_while():
+        ticker = asyncio.create_task(completions_logic.report_while_waiting(progress))
+        await asyncio.sleep(1.8)
+        ticker.cancel()
+
+    asyncio.run(wait_a_while())
+    assert len(seen) >= 2 and all(f["done"] == 8 and f["total"] == 28 for f in seen)
+    assert seen[-1]["elapsed_s"] > seen[0]["elapsed_s"]
