@@ -74,8 +74,8 @@ def test_the_schedule_names_each_dataset_it_requests():
 
 
 def test_the_launchpad_offers_the_spend_caps():
-    job = defs.resolve_job_def("eagle3_pipeline")
     with dg.instance_for_test() as instance, partition_loading_context(dynamic_partitions_store=instance):
+        job = defs.resolve_job_def("eagle3_pipeline")
         config = job.partitioned_config.get_run_config_for_partition_key("B6")
     offered = config["ops"]["completions"]["config"]
     assert {"max_run_usd", "max_total_usd", "max_projected_usd"} <= set(offered)
