@@ -66,7 +66,7 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
     assert not (data_dir_with_standin / "completions" / "B2").exists()
     meta = result.asset_materializations_for_node("raw_prompts")[0].metadata
     assert meta["prompts_source"].value == "real" and meta["rejected"].value == 1
-    assert meta["per_dataset"].value["B2"]["settings"]["repo"] == "nvidia/OpenCodeInstruct"
+    assert meta["settings"].value["repo"] == "nvidia/OpenCodeInstruct"
 
 
 @pytest.mark.parametrize("arg, code, said", [("B3...B1", 2, "B3 comes after B1"), ("B1...B9", 2, "unknown dataset(s) ['B9']"),
