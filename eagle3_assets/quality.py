@@ -2,7 +2,7 @@
 
 The same picture as `eagle3 status` (it reads the same `Status`), observed by a sensor when
 something in it changes: per dataset and stage, materialized or not, its rows, and the checks that
-fail; the training stages beside. Numbers (`datasets_complete`, `failing_checks`) are plotted by
+fail (ok / warn / FAIL: plain words, no emoji, which a server's browser may lack); the training stages beside. Numbers (`datasets_complete`, `failing_checks`) are plotted by
 Dagster over observations.
 """
 
@@ -30,7 +30,7 @@ LAST_STAGE = "token_ids"  # a dataset is complete when its token ids are materia
 pipeline_status = dg.AssetSpec(
     STATUS_ASSET, group_name="training", kinds={"dagster"},
     description="Every dataset and stage at a glance, observed by the `status_board` sensor when something changes: "
-    "materialized or not, rows, and the names of the checks that fail (ERROR first); the training stages' figures "
+    "materialized or not (—), rows, ok / warn / **FAIL** and the names of the checks that fail (ERROR first); the training stages' figures "
     "(accept length of the drafter). The same as `eagle3 status` in a terminal. A dataset is complete when its "
     "`token_ids` are materialized with no failing ERROR check: materialize the missing ones (the nightly schedule "
     "does) and open a failing check for what to do.",
@@ -45,7 +45,7 @@ def _cell(stage: StageState) -> str:
     if not stage.materialized:
         return "—"
     rows = stage.figures.get("rows")
-    mark = "❌" if any(c.severity == "ERROR" for c in stage.failing) else "⚠️" if stage.failing else "✅"
+    mark = "**FAIL**" if any(c.severity == "ERROR" for c in stage.failing) else "warn" if stage.failing else "ok"
     text = f"{mark} {count(rows)} rows" if rows is not None else mark
     return text + (f"<br>{_failing(stage)}" if stage.failing else "")
 
