@@ -67,9 +67,9 @@ def test_the_gpu_pool_has_a_stored_limit_so_the_ui_lists_it(tmp_path, monkeypatc
 
 
 def test_the_schedule_names_each_dataset_it_requests():
-    with dg.instance_for_test() as instance:
-        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC))
-        requests = missing_partitions_nightly(context)
+    with dg.instance_for_test() as instance, dg.build_schedule_context(
+            instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC)) as context:
+        requests = missing_partitions_nightly(context)  # a context left open keeps the instance current for later tests
     assert [r.tags["eagle3/dataset"] for r in requests] == [r.partition_key for r in requests] and len(requests) == 10
 
 
