@@ -97,11 +97,6 @@ def graphql(base_url: str, query: str, variables: dict | None = None, timeout: f
     return body["data"]
 
 
-def asset_keys(base_url: str) -> set[str]:
-    data = graphql(base_url, "{ assetNodes { assetKey { path } } }")
-    return {"/".join(node["assetKey"]["path"]) for node in data["assetNodes"]}
-
-
 def run_status(base_url: str, run_id: str) -> str:
     data = graphql(base_url, "query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }", {"id": run_id})
     return data["runOrError"].get("status", "UNKNOWN")

@@ -15,7 +15,6 @@ import time
 
 import pytest
 from browser_support import (
-    asset_keys,
     chromium_page,
     eagle3_dev,
     log_tail,
@@ -28,9 +27,7 @@ PIPELINE_ASSETS = ["raw_prompts", "completions", "token_ids", "merged_dataset", 
 DATASET = "B6"  # 28 prompts: one of the smallest (data/datasets.yaml)
 COMPLETIONS_LABELS = ["rows", "cost_usd", "preview"]
 COMPLETIONS_CHECKS = ["complete", "pilot"]
-# The spend figures: the `spend` observation asset's labels; while it does not exist, the credit sensor's
-# observations of `openrouter_account` hold today's spend under another label.
-SPEND_LABELS = {"spend": ["spent_today_usd"], "openrouter_account": ["ledger_today_usd"]}
+SPEND_LABELS = ["spent_today_usd", "spending"]  # the `spend` asset's observation
 
 LOAD_MS = 180_000  # the first page of a cold webserver on a shared 2-core machine
 UI_MS = 60_000
@@ -127,12 +124,7 @@ def completions_partition(page, base: str, shots) -> None:
     page.get_by_role("tab", name="Partitions").or_(page.get_by_role("link", name="Partitions")).first.click()
     page.get_by_text(DATASET, exact=True).first.click()
     page.get_by_text("Materialized", exact=True).first.wait_for()
-    missing = []
-    for label in COMPLETIONS_LABELS:
-        try:
-            page.get_by_text(label, exact=True).first.wait_for(state="attached")
-        except Exception:
-            missing.append(label)
+    missing = missing_labels(page, COMPLETIONS_LABELS)
     page.screenshot(path=shots / "completions_partition.png")
     assert not missing, f"completions {DATASET}: the metadata labels {missing} are not shown ({page.url})"
 
@@ -146,15 +138,20 @@ def completions_partition(page, base: str, shots) -> None:
 
 
 def spend(page, base: str, shots) -> None:
-    """The spend figures: the `spend` asset when it is defined, else the credit sensor's `openrouter_account`."""
-    asset = "spend" if "spend" in asset_keys(base) else "openrouter_account"
-    page.goto(f"{base}/assets/{asset}", timeout=LOAD_MS)
-    page.get_by_text(asset, exact=True).first.wait_for()
+    """The spend figures: the `spend` asset's latest observation (the credit sensor observes it on its first tick)."""
+    page.goto(f"{base}/assets/spend", timeout=LOAD_MS)
+    page.get_by_text("spend", exact=True).first.wait_for()
+    missing = missing_labels(page, SPEND_LABELS)
+    page.screenshot(path=shots / "spend.png")
+    assert not missing, f"spend: the labels {missing} are not shown ({page.url})"
+
+
+def missing_labels(page, labels: list[str]) -> list[str]:
+    """The metadata labels the page does not show (each waited for up to the page's default timeout)."""
     missing = []
-    for label in SPEND_LABELS[asset]:
+    for label in labels:
         try:
             page.get_by_text(label, exact=True).first.wait_for(state="attached")
-        except Exception:
+        except Exception:  # noqa: BLE001 - Playwright's timeout: the label is not there
             missing.append(label)
-    page.screenshot(path=shots / "spend.png")
-    assert not missing, f"{asset}: the spend labels {missing} are not shown ({page.url})"
+    return missing
