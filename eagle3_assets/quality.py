@@ -2,8 +2,8 @@
 
 The same picture as `eagle3 status` (it reads the same `Status`), observed by a sensor when
 something in it changes: per dataset and stage, materialized or not, its rows, and the checks that
-fail (ok / warn / FAIL: plain words, no emoji, which a server's browser may lack); the training stages beside. Numbers (`datasets_complete`, `failing_checks`) are plotted by
-Dagster over observations.
+fail (ok / warn / FAIL: plain words, no emoji, which a server's browser may lack); the training
+stages beside. `datasets_complete` and `failing_checks` are numbers in each observation.
 """
 
 from __future__ import annotations

@@ -73,14 +73,15 @@ def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy
     else:
         new_cursor.update({k: cursor[k] for k in ("account", "offset_usd", "gap_open", "account_unreadable") if k in cursor})
     observation, new_cursor["observed"] = _spend_observation(instance, ledger, account, hold, thresholds, found, gap, settled,
-                                                             cursor.get("observed"))
+                                                             cursor.get("observed"), active)
     return dg.SensorResult(asset_events=[observation] if observation else [], cursor=json.dumps(new_cursor))
 
 
 def _spend_observation(instance, ledger, account: Account | None, hold, thresholds, anomalies: list[str], gap: LedgerGap | None,
-                       settled: dict[str, Any], last: dict[str, Any] | None) -> tuple[dg.AssetObservation | None, dict | None]:
+                       settled: dict[str, Any], last: dict[str, Any] | None,
+                       active: list[str]) -> tuple[dg.AssetObservation | None, dict | None]:
     """The `spend` asset's observation, when a figure changed or the heartbeat is due (not on every tick)."""
-    figures = view.current_figures(instance, ledger, asdict(account) if account else None, hold, thresholds)
+    figures = view.current_figures(instance, ledger, asdict(account) if account else None, hold, thresholds, active)
     figures["anomalies"] = "; ".join(anomalies) or "none"
     if gap is not None:
         figures["account_minus_ledger_offset_usd"] = round(gap.offset_usd, 6)

@@ -2,8 +2,8 @@
 
 The credit sensor ticks every few seconds; an observation per tick would bury the asset's history
 (923 in two hours). One is recorded when a figure a person reads changes (to the cent, a count,
-the hold) or, unchanged, every `HEARTBEAT_S`, so Dagster's plots of the numeric figures show
-what happened and when.
+the hold) or, unchanged, every `HEARTBEAT_S`, so the asset's events show what happened and when
+(Dagster 1.13 draws no Plots tab for an observable asset; `spend_over_time` is the picture).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def settled_series(conn: sqlite3.Connection) -> list[tuple[str, float, float]]:
 def spend_figures(ledger: Figures, by_dataset: Mapping[str, Scope], account: dict[str, Any] | None,
                   hold: dict[str, Any] | None, thresholds: Mapping[str, float | None],
                   projected: Mapping[str, float]) -> dict[str, Any]:
-    """The numbers of one observation. Numeric ones are plotted by Dagster over observations."""
+    """The figures of one observation (numbers stay numbers in the metadata)."""
     out: dict[str, Any] = {
         "spending": f"ON HOLD since {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(hold['since']))}: "
                     + "; ".join(hold["reasons"]) if hold else "allowed (no hold)",
@@ -142,12 +142,16 @@ def pending_projections(instance: dg.DagsterInstance, datasets: list[str]) -> di
 
 
 def current_figures(instance: dg.DagsterInstance, ledger, account: dict[str, Any] | None, hold: dict[str, Any] | None,
-                    thresholds: Mapping[str, float | None]) -> dict[str, Any]:
-    """Every figure of the `spend` asset, read now from the ledger, the account and the instance (runs: those spending now)."""
+                    thresholds: Mapping[str, float | None], runs: list[str] | None = None) -> dict[str, Any]:
+    """Every figure of the `spend` asset, read now from the ledger, the account and the instance.
+
+    `runs`: the ids of the runs spending now (looked up when not given; the credit sensor has them already).
+    """
     from eagle3_assets.registry import DATASETS
     from eagle3_assets.spend.hold import active_spending_runs
 
-    runs = [r.run_id for r in active_spending_runs(instance)]
+    if runs is None:
+        runs = [r.run_id for r in active_spending_runs(instance)]
     return spend_figures(ledger.figures(runs), dataset_scopes(ledger, list(DATASETS)), account, hold, thresholds,
                          pending_projections(instance, list(DATASETS)))
 
@@ -167,7 +171,7 @@ def picture(ledger, thresholds: Mapping[str, float | None], hold: dict[str, Any]
 
 
 def observation_metadata(figures: Mapping[str, Any], picture: dg.MetadataValue) -> dict[str, Any]:
-    """Figures as Dagster metadata: numbers as numbers (plotted), dicts as JSON, the picture last."""
+    """Figures as Dagster metadata: numbers as numbers, dicts as JSON, the picture last."""
     out: dict[str, Any] = {}
     for key, value in figures.items():
         out[key] = dg.MetadataValue.json(value) if isinstance(value, dict) else value
