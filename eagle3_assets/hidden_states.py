@@ -1,137 +1,113 @@
-"""Extract and store the target's hidden states: the logic behind the `hidden_states` asset.
+"""The logic behind the `hidden_states` asset: which samples, into which store, with which figures.
 
-One safetensors file per sample, `<root>/hidden_states/<split>/<sample_id>.safetensors`:
-    input_ids [L] int32, loss_mask [L] int8,
-    aux_hidden_states [L, 3H] bf16   (the EAGLE-3 layers, low -> high),
-    final_hidden_state [L, H] bf16   (after the final norm: the LM-head input).
-A sample whose file exists is skipped, so an interrupted extraction resumes where it stopped.
-`manifest.json` records the layer ids and their convention, H, the dtype and the counts.
+The store itself (shards, manifest, reading back) is `eagle3_resources.hidden_states.store`; the
+extraction loop is `eagle3_resources.hidden_states.extract`. Here the merged set is narrowed to
+what the user chose to extract (a token budget, a dataset mix), and turned into the asset's figures.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import polars as pl
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from eagle3_resources.hidden_states.layers import FINAL_CONVENTION, LAYER_CONVENTION
-
-MANIFEST = "manifest.json"
-KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
+from eagle3_resources.hidden_states.store import HiddenStateStore, StoredSample
 
 
-def sample_path(root: Path, split: str, sample_id: str) -> Path:
-    return root / split / (sample_id.replace("/", "__") + ".safetensors")
+def select_samples(merged: pl.DataFrame, max_tokens: int | None = None,
+                   dataset_weights: Mapping[str, float] | None = None) -> pl.DataFrame:
+    """The merged rows to extract, in merged order.
+
+    `dataset_weights` keeps only the datasets named with a weight above 0; with `max_tokens` each
+    kept dataset gets `max_tokens x weight / sum(weights)` tokens (its own token count as weight
+    when no weights are given) and contributes its samples in merged order while they fit.
+    Neither set: everything.
+    """
+    if dataset_weights is not None:
+        unknown = sorted(set(dataset_weights) - set(merged["dataset"].unique().to_list()))
+        if unknown:
+            raise ValueError(f"dataset_weights names datasets the merged set does not hold: {', '.join(unknown)}")
+        if any(w < 0 for w in dataset_weights.values()):
+            raise ValueError("dataset_weights must not be negative")
+        merged = merged.filter(pl.col("dataset").is_in([d for d, w in dataset_weights.items() if w > 0]))
+    if max_tokens is None:
+        return merged
+    totals = dict(merged.group_by("dataset").agg(pl.col("n_tokens").sum()).rows())
+    weights = {d: float((dataset_weights or {}).get(d, 0.0)) if dataset_weights else float(t) for d, t in totals.items()}
+    scale = sum(weights.values()) or 1.0
+    share = {d: max_tokens * w / scale for d, w in weights.items()}
+    used: dict[str, int] = dict.fromkeys(totals, 0)
+    keep = []
+    for dataset, n in merged.select("dataset", "n_tokens").rows():
+        fits = used[dataset] + n <= share[dataset]
+        keep.append(fits)
+        used[dataset] += n if fits else 0
+    return merged.filter(pl.Series(keep, dtype=pl.Boolean))
 
 
-def write_sample(path: Path, input_ids: list[int], loss_mask: list[int], aux: torch.Tensor, final: torch.Tensor) -> int:
-    """Write one sample atomically (a crash never leaves a half file that resume would trust)."""
-    tensors = {
-        "input_ids": torch.tensor(input_ids, dtype=torch.int32),
-        "loss_mask": torch.tensor(loss_mask, dtype=torch.int8),
-        "aux_hidden_states": aux.to(torch.bfloat16).contiguous(),
-        "final_hidden_state": final.to(torch.bfloat16).contiguous(),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-    return path.stat().st_size
+def stored_samples(selected: pl.DataFrame) -> list[StoredSample]:
+    return [StoredSample(sid, split, ids, mask)
+            for sid, split, ids, mask in selected.select("sample_id", "split", "input_ids", "loss_mask").iter_rows()]
 
 
-def read_sample(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+def tokens_by_dataset(selected: pl.DataFrame, merged: pl.DataFrame) -> pl.DataFrame:
+    """Per dataset: tokens in the merged set and tokens extracted (the picture's data)."""
+    whole = merged.group_by("dataset").agg(pl.col("n_tokens").sum().alias("merged_tokens"), pl.len().alias("merged_samples"))
+    chosen = selected.group_by("dataset").agg(pl.col("n_tokens").sum().alias("stored_tokens"), pl.len().alias("stored_samples"))
+    return whole.join(chosen, on="dataset", how="left").fill_null(0).sort("dataset")
 
 
-@dataclass
-class ExtractionReport:
-    written: int
-    skipped: int
-    tokens: int
-    bytes_written: int
-    seconds: float
-    nan_samples: list[str]
+def tokens_picture(by_dataset: pl.DataFrame, bytes_per_token: float):
+    """Bars of tokens per dataset: the merged set's, and what the store holds (with its size on disk)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = by_dataset["dataset"].to_list()
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], by_dataset["merged_tokens"].to_list(), width=0.4, label="merged set", color="#c8d3e6")
+    ax.bar([i + 0.2 for i in x], by_dataset["stored_tokens"].to_list(), width=0.4, label="stored", color="#3b6fb6")
+    for i, t in zip(x, by_dataset["stored_tokens"].to_list()):
+        ax.annotate(f"{t * bytes_per_token / 1e9:.2f} GB" if t * bytes_per_token >= 1e8 else f"{t * bytes_per_token / 1e6:.1f} MB",
+                    (i + 0.2, t), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("tokens")
+    ax.set_title("hidden states: tokens per dataset")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
-def extract_hidden_states(
-    merged: pl.DataFrame,
-    backend,
-    out_root: Path,
-    *,
-    log: Callable[[str], None],
-    progress_every_s: float = 10.0,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
-) -> ExtractionReport:
-    """Every sample without a file gets one; `on_progress` gets the figures logged every `progress_every_s`."""
-    rows = merged.select("sample_id", "split", "input_ids", "loss_mask").rows()
-    written = skipped = tokens = nbytes = 0
-    nan_samples = []
-    started = last = time.monotonic()
-    all_tokens, seen_tokens = sum(len(r[2]) for r in rows), 0
-
-    def report(i: int) -> None:
-        elapsed = max(1e-9, time.monotonic() - started)
-        rate = tokens / elapsed
-        left = all_tokens - seen_tokens
-        figures = {"samples_done": i, "samples": len(rows), "tokens_written": tokens, "tokens_per_s": round(rate, 1),
-                   "bytes_written": nbytes, "eta_s": round(left / rate, 1) if rate > 0 else None}
-        log(f"hidden states {i}/{len(rows)} samples, {tokens:,} tokens, {rate:,.0f} tok/s, {nbytes / 2**20:.1f} MiB written")
-        if on_progress is not None:
-            on_progress(figures)
-
-    for i, (sample_id, split, ids, mask) in enumerate(rows, start=1):
-        path = sample_path(out_root, split, sample_id)
-        seen_tokens += len(ids)
-        if path.exists():
-            skipped += 1
-            continue
-        aux, final = backend.extract(list(ids))
-        if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-            nan_samples.append(sample_id)
-        nbytes += write_sample(path, list(ids), list(mask), aux, final)
-        written += 1
-        tokens += len(ids)
-        if time.monotonic() - last >= progress_every_s:
-            last = time.monotonic()
-            report(i)
-    return ExtractionReport(written, skipped, tokens, nbytes, time.monotonic() - started, nan_samples)
+def sample_preview(store: HiddenStateStore, sample_ids: list[str], n: int = 5) -> pl.DataFrame:
+    rows = []
+    for sample_id in sample_ids[:n]:
+        t = store[sample_id]
+        rows.append({"sample_id": sample_id, "split": store.index[sample_id][3], "shard": store.index[sample_id][0],
+                     "tokens": t["input_ids"].shape[0], "loss_tokens": int(t["loss_mask"].sum()),
+                     "aux_shape": str(tuple(t["aux_hidden_states"].shape)),
+                     "aux_rms": round(float(t["aux_hidden_states"].float().pow(2).mean().sqrt()), 4),
+                     "final_rms": round(float(t["final_hidden_state"].float().pow(2).mean().sqrt()), 4)})
+    return pl.DataFrame(rows)
 
 
-def write_manifest(out_root: Path, merged: pl.DataFrame, backend, target: str) -> dict[str, Any]:
-    manifest = {
-        "aux_layer_ids": list(backend.layer_ids),
-        "layer_convention": LAYER_CONVENTION,
-        "final_hidden_state": FINAL_CONVENTION,
-        "num_target_layers": backend.num_layers,
-        "hidden_size": backend.hidden_size,
-        "dtype": "bfloat16",
-        "keys": list(KEYS),
-        "target": target,
-        "backend": backend.describe(),
-        "samples": {s: int((merged["split"] == s).sum()) for s in ("train", "eval")},
-        "tokens": int(merged["n_tokens"].sum()) if merged.height else 0,
-        "bytes_per_token": (3 + 1) * backend.hidden_size * 2,
-    }
-    out_root.mkdir(parents=True, exist_ok=True)
-    (out_root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+def split_ids(store: HiddenStateStore, merged: pl.DataFrame, split: str) -> list[str]:
+    """The stored samples of one split, in merged order."""
+    return [s for s in merged.filter(pl.col("split") == split)["sample_id"].to_list() if s in store]
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
-    return json.loads((root / MANIFEST).read_text())
+def target_identity(folder: Path) -> dict[str, Any]:
+    """What names the target in every shard key: its config and its weight files' names and sizes.
 
+    Not its path: the same model mounted elsewhere (another host, another volume) keeps its shards.
+    """
+    import hashlib
 
-def stored_samples(root: Path, merged: pl.DataFrame, split: str) -> list[Path]:
-    """The files of the merged set's samples of one split, in merged order."""
-    ids = merged.filter(pl.col("split") == split)["sample_id"].to_list()
-    return [sample_path(root, split, s) for s in ids]
+    folder = Path(folder)
+    config = folder / "config.json"
+    weights = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    return {"target_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.exists() else None,
+            "target_weights_sha256": hashlib.sha256(repr(weights).encode()).hexdigest()[:16]}

@@ -6,6 +6,7 @@ files, and every server a test talks to runs on 127.0.0.1 inside the test proces
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def standin_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("standin")
+    """Built once per session (minutes); EAGLE3_TEST_STANDIN_DIR names a folder to build it in once and reuse."""
+    reuse = os.environ.get("EAGLE3_TEST_STANDIN_DIR")
+    return Path(reuse) if reuse else tmp_path_factory.mktemp("standin")
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,11 @@ import math
 from pathlib import Path
 
 import polars as pl
-from safetensors import safe_open
 
 from eagle3_assets.checks.outcome import CheckOutcome, Checks
 from eagle3_assets.drafter.export import check_checkpoint
-from eagle3_assets.hidden_states import read_manifest, sample_path
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
+from eagle3_resources.hidden_states.store import KEYS, HiddenStateStore, read_manifest
 
 MIN_ACCEPT_LENGTH = 1.5
 
@@ -44,26 +43,32 @@ def token_totals(merged: pl.DataFrame, *_) -> CheckOutcome:
     )
 
 
-def hidden_state_shapes(root: Path, merged: pl.DataFrame) -> CheckOutcome:
-    """Every stored sample has ids [L], mask [L], aux [L, 3H] and final [L, H]. When it fails: delete the named files
-    (or the whole store) and re-materialize `hidden_states`; a mismatch of H means the target changed."""
-    H = read_manifest(root)["hidden_size"]
-    bad, checked = [], 0
-    for sample_id, split, n in merged.select("sample_id", "split", "n_tokens").rows():
-        path = sample_path(root, split, sample_id)
-        if not path.exists():
-            continue  # hidden_state_count reports missing files
-        with safe_open(str(path), framework="pt") as f:  # reads the header only
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        checked += 1
-        want = {"input_ids": (n,), "loss_mask": (n,), "aux_hidden_states": (n, 3 * H), "final_hidden_state": (n, H)}
-        if shapes != want:
-            bad.append({"sample": sample_id, "shapes": {k: list(v) for k, v in shapes.items()}})
-    return CheckOutcome(not bad, f"{checked - len(bad)} of {checked} stored samples have the expected shapes",
-                        {"hidden_size": H, "bad": bad[:20]})
+def hidden_state_shapes(root: Path, selected: pl.DataFrame) -> CheckOutcome:
+    """Every shard holds ids [T], mask [T], aux [T, 3H] and final [T, H] with offsets ending at T, and every stored
+    sample has as many rows as the merged set has tokens for it. When it fails: delete the named shards and
+    re-materialize `hidden_states` (only they are redone); a mismatch of H means the target changed."""
+    store = HiddenStateStore(root, tolerate_damage=True)
+    H = store.hidden_size
+    bad = [{"shard": name, "error": why} for name, why in store.damaged.items()]
+    for name in store.manifest["shards"]:
+        if name in store.damaged:
+            continue
+        f = store._open(name)
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in (*KEYS, "offsets")}
+        T = shapes["input_ids"][0]
+        want = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden_states": (T, 3 * H), "final_hidden_state": (T, H),
+                "offsets": shapes["offsets"]}
+        if shapes != want or int(f.get_slice("offsets")[-1:][0]) != T:
+            bad.append({"shard": name, "shapes": {k: list(v) for k, v in shapes.items()}})
+    wrong_length = [sid for sid, n in selected.select("sample_id", "n_tokens").rows()
+                    if sid in store and store.shapes(sid)["input_ids"][0] != n]
+    return CheckOutcome(not bad and not wrong_length,
+                        f"{len(store.manifest['shards']) - len(bad)} of {len(store.manifest['shards'])} shards have the expected "
+                        f"shapes; {len(wrong_length)} samples with a row count other than their tokens",
+                        {"hidden_size": H, "bad_shards": bad[:20], "wrong_length": wrong_length[:20]})
 
 
-def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
+def hidden_state_layers(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     """The recorded layers are the EAGLE-3 rule [1, N//2-1, N-4] of the target, in its stated convention. When it fails:
     the store was written by another target or backend; delete it and re-materialize `hidden_states`."""
     m = read_manifest(root)
@@ -73,14 +78,20 @@ def hidden_state_layers(root: Path, merged: pl.DataFrame) -> CheckOutcome:
                         {"aux_layer_ids": m["aux_layer_ids"], "expected": want, "convention": m.get("layer_convention")})
 
 
-def hidden_state_count(root: Path, merged: pl.DataFrame) -> CheckOutcome:
-    """One stored file per merged sample, no more, no fewer. When it fails: re-materialize `hidden_states` (it writes
-    the missing ones); extra files are from an older merged set and can be deleted."""
-    missing = [sid for sid, split in merged.select("sample_id", "split").rows() if not sample_path(root, split, sid).exists()]
-    files = sum(1 for _ in root.glob("*/*.safetensors"))
-    return CheckOutcome(not missing and files == merged.height,
-                        f"{files} files for {merged.height} merged samples ({len(missing)} missing)",
-                        {"files": files, "samples": merged.height, "missing": missing[:20]})
+def hidden_state_count(root: Path, selected: pl.DataFrame) -> CheckOutcome:
+    """Every selected sample is stored, and nothing else is; every committed shard's file is readable and of its
+    recorded size. When it fails: re-materialize `hidden_states` (it writes what is missing and redoes a damaged
+    shard); extra samples are from an older selection."""
+    store = HiddenStateStore(root, tolerate_damage=True)
+    wanted = set(selected["sample_id"].to_list())
+    missing = [sid for sid in selected["sample_id"].to_list() if sid not in store]
+    extra = sorted(set(store.index) - wanted)
+    damaged = sorted(store.damaged)
+    return CheckOutcome(not missing and not extra and not damaged,
+                        f"{len(store)} stored samples for {len(wanted)} selected ({len(missing)} missing, {len(extra)} extra), "
+                        f"{len(store.manifest['shards'])} shards" + (f", {len(damaged)} damaged" if damaged else ""),
+                        {"stored": len(store), "selected": len(wanted), "missing": missing[:20], "extra": extra[:20],
+                         "damaged": {n: store.damaged[n] for n in damaged[:20]}})
 
 
 def hidden_state_finite(nan_samples: list[str]) -> CheckOutcome:

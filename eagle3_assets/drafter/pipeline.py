@@ -26,7 +26,8 @@ from eagle3_assets.drafter.vocab import (
     count_loss_tokens,
     effective_draft_vocab_size,
 )
-from eagle3_assets.hidden_states import read_manifest, read_sample, stored_samples
+from eagle3_assets.hidden_states import split_ids
+from eagle3_resources.hidden_states.store import HiddenStateStore
 
 
 @dataclass
@@ -69,28 +70,29 @@ def train_drafter(
     requested_draft_vocab: int,
     log: Callable[[str], None],
 ) -> DrafterReport:
-    manifest = read_manifest(hidden_root)
+    store = HiddenStateStore(hidden_root)
+    manifest = store.manifest
     target_config = json.loads((Path(target_folder) / "config.json").read_text())
     target_config = target_config.get("text_config", target_config)
     embed, head = load_embed_and_head(Path(target_folder))
     vocab_size = embed.shape[0]
 
-    train_paths = stored_samples(hidden_root, merged, "train")
-    eval_paths = stored_samples(hidden_root, merged, "eval")
+    train_ids = split_ids(store, merged, "train")
+    eval_ids = split_ids(store, merged, "eval")
     eval_split = "eval"
-    if not eval_paths:
+    if not eval_ids:
         log("the eval split is empty: metrics are measured on the training split")
-        eval_paths, eval_split = train_paths, "train"
+        eval_ids, eval_split = train_ids, "train"
 
-    counts = count_loss_tokens((d["input_ids"], d["loss_mask"]) for d in map(read_sample, train_paths))
+    counts = count_loss_tokens((d["input_ids"], d["loss_mask"]) for d in (store[s] for s in train_ids))
     size = effective_draft_vocab_size(requested_draft_vocab, len(counts))
     draft_ids = build_draft_vocab(counts, size, vocab_size)
     covered = sum(c for t, c in counts.items() if t in set(draft_ids.tolist())) / max(1, sum(counts.values()))
     log(f"draft vocabulary: {size} ids ({len(counts)} distinct loss tokens, {covered:.1%} of loss tokens covered)")
 
     cfg = drafter_config(target_config, manifest["hidden_size"], size, vocab_size)
-    train_samples = [prepare_sample(p, head, draft_ids, settings.max_len) for p in train_paths]
-    eval_samples = [prepare_sample(p, head, draft_ids, settings.max_len) for p in eval_paths]
+    train_samples = [prepare_sample(store[s], head, draft_ids, settings.max_len) for s in train_ids]
+    eval_samples = [prepare_sample(store[s], head, draft_ids, settings.max_len) for s in eval_ids]
 
     torch.manual_seed(settings.seed)
     model = Eagle3Drafter(cfg, embed, draft_ids)

@@ -22,13 +22,11 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from eagle3_assets.drafter.model import Eagle3Drafter
-from eagle3_assets.hidden_states import read_sample
 
 
 @dataclass
@@ -53,9 +51,9 @@ class Sample:
     teacher_argmax: torch.Tensor  # [L] the target's argmax over its full vocabulary
 
 
-def prepare_sample(path: Path, head: torch.Tensor, draft_ids: torch.Tensor, max_len: int, chunk: int = 256) -> Sample:
-    """Load a stored sample (its last `max_len` tokens) and compute the teacher from its final hidden states."""
-    data = read_sample(path)
+def prepare_sample(data: dict[str, torch.Tensor], head: torch.Tensor, draft_ids: torch.Tensor, max_len: int,
+                   chunk: int = 256) -> Sample:
+    """A stored sample's last `max_len` tokens, with the teacher computed from its final hidden states."""
     L = data["input_ids"].shape[0]
     start = max(0, L - max_len)
     final = data["final_hidden_state"][start:].float()

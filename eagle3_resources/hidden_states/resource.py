@@ -24,6 +24,10 @@ class HiddenStatesResource(dg.ConfigurableResource):
     sglang_tp_size: int = Field(default=8, description="tensor-parallel GPUs for the SGLang backend")
     sglang_mem_fraction: float = Field(default=0.8, description="SGLang mem_fraction_static")
     max_length: int = Field(default=32768, description="longest sample (tokens) the backend accepts")
+    batch_tokens: int = Field(default=8192, description="tokens per forward pass: a batch is several samples whose "
+                              "longest times their count stays within this (a longer sample goes alone). Larger "
+                              "batches use the GPU better and need more activation memory; 8192 suits the CPU "
+                              "stand-in, an 8-GPU Kimi host takes 32768 or more")
 
     def make_backend(self, target: TargetModelResource, tokenizer: TokenizerResource, log: Callable[[str], None] = print):
         if self.backend is HiddenStatesBackendKind.SGLANG:

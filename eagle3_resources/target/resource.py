@@ -28,8 +28,21 @@ class TargetModelResource(dg.ConfigurableResource):
 
     path: Optional[str] = Field(default=None, description="HF model folder; unset = stand-in")
     standin_dir: str = Field(description="where the stand-in target is built and cached")
-    device: str = Field(default="cpu", description="torch device for the transformers backends")
-    dtype: str = Field(default="float32", description="torch dtype for the transformers backends")
+    device: str = Field(default="auto", description="torch device for the transformers backends: `auto` = CUDA when "
+                        "present, else CPU; or `cpu`, `cuda`, `cuda:1`")
+    dtype: str = Field(default="auto", description="torch dtype for the transformers backends: `auto` = bfloat16 on CUDA, "
+                       "float32 on CPU; or any torch dtype name")
+    device_map: Optional[str] = Field(default=None, description="spread a target too large for one GPU over all visible "
+                                      "GPUs (`auto`, `balanced`, needs the `accelerate` package: the `[gpu]` extra); "
+                                      "unset = the whole model on `device`")
+
+    def resolved(self) -> tuple[str, str]:
+        """(device, dtype) with `auto` decided for this host."""
+        import torch
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        dtype = ("bfloat16" if device.startswith("cuda") else "float32") if self.dtype == "auto" else self.dtype
+        return device, dtype
 
     def folder(self, tokenizer: TokenizerResource, log: Callable[[str], None] = print) -> Path:
         if self.path:
@@ -45,9 +58,14 @@ class TargetModelResource(dg.ConfigurableResource):
         from transformers import AutoModelForCausalLM
 
         folder = self.folder(tokenizer, log)
-        key = (str(folder.resolve()), self.device, self.dtype)
+        device, dtype = self.resolved()
+        key = (str(folder.resolve()), self.device_map or device, dtype)
         with _lock:
             if key not in _models:
-                model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, self.dtype))
-                _models[key] = model.to(self.device).eval()
+                if self.device_map:
+                    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=self.device_map)
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
+                log(f"target {folder.name} loaded on {self.device_map or device} in {dtype}")
+                _models[key] = model.eval()
             return _models[key]

@@ -1,0 +1,251 @@
+"""Run a hidden-states backend over samples and fill the shard store: batches in, shards out.
+
+The loop plans the shards first (so a resumed run plans the same ones), skips those already
+committed, checks the disk before the first byte, and runs each pending shard's samples through
+the backend in batches sized by a token budget. A finished shard goes to background writer threads
+while the next batches run; at most `writers + 1` finished shards wait in memory. Whatever stops
+the loop (an error, Dagster's terminate, Ctrl-C), the shards already finished are committed before
+it returns. Imports torch and safetensors only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import BoundedSemaphore
+from typing import Any, Protocol
+
+import torch
+
+from eagle3_resources.hidden_states.layers import FINAL_CONVENTION, LAYER_CONVENTION
+from eagle3_resources.hidden_states.store import (
+    FORMAT,
+    MANIFEST,
+    ShardCommitter,
+    ShardPlan,
+    StoredSample,
+    min_bytes_per_token,
+    plan_shards,
+    read_manifest,
+    remove_untrusted,
+    token_bytes,
+    trusted_shards,
+)
+
+GiB = 2**30
+
+
+class HiddenStatesBackend(Protocol):
+    name: str
+    layer_ids: list[int]
+    num_layers: int
+    hidden_size: int
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    shard_bytes: int = 1 * GiB  # a shard's size; 1-2 GB keeps file counts low and resume loss small
+    batch_tokens: int = 8192  # padded tokens per backend call (longest sample x samples in the batch)
+    writers: int = 2  # background threads serializing and writing finished shards
+    verify_on_resume: bool = False  # re-hash committed shards before trusting them (reads them all)
+    free_bytes: int | None = None  # the volume's free space; None = ask the file system
+    margin_pct: float = 5.0  # free space kept beyond what the store needs
+    reserve_bytes: int = 1 * GiB  # and this much on top
+
+
+class DiskSpaceError(RuntimeError):
+    """The volume cannot hold what the extraction would write (raised before any byte is written)."""
+
+
+@dataclass
+class ExtractionReport:
+    shards: int
+    shards_written: int
+    shards_skipped: int
+    samples_written: int
+    tokens_written: int
+    bytes_written: int
+    seconds: float
+    nan_samples: list[str] = field(default_factory=list)
+    removed_untrusted: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_written / self.seconds if self.seconds > 0 else 0.0
+
+
+def batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Positions grouped so that longest x count stays within `batch_tokens` (a longer sample goes alone).
+
+    Sorted by length first, so padding stays small; deterministic, so a resumed shard is computed
+    from exactly the same batches.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and lengths[i] * (len(out[-1]) + 1) <= batch_tokens:  # sorted: i is the batch's longest
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def disk_needed(plans: Sequence[ShardPlan], pending: set[str], hidden_size: int) -> int:
+    """Bytes the pending shards will take (states, ids, masks; headers are under 0.1% and covered by the margin)."""
+    return sum(p.tokens for p in plans if p.name in pending) * token_bytes(hidden_size)
+
+
+def check_disk(root: Path, needed: int, settings: StoreSettings, *, tokens_pending: int, total_tokens: int,
+               hidden_size: int) -> dict[str, int]:
+    """Refuse before the first byte when `needed` plus the margin exceeds the free space; say what would fit."""
+    probe = Path(root)
+    while not probe.exists():
+        probe = probe.parent
+    free = settings.free_bytes if settings.free_bytes is not None else shutil.disk_usage(probe).free
+    required = int(needed * (1 + settings.margin_pct / 100)) + settings.reserve_bytes
+    figures = {"needed_bytes": needed, "required_with_margin_bytes": required, "free_bytes": free}
+    if required > free:
+        usable = max(0, (free - settings.reserve_bytes) / (1 + settings.margin_pct / 100))
+        fits = int(usable // token_bytes(hidden_size))
+        raise DiskSpaceError(
+            f"hidden_states would write {needed / 1e9:,.2f} GB ({tokens_pending:,} tokens x {token_bytes(hidden_size):,} "
+            f"bytes) and keeps a margin of {settings.margin_pct:g}% + {settings.reserve_bytes / 1e9:.2f} GB: "
+            f"{required / 1e9:,.2f} GB in all, but {probe} has {free / 1e9:,.2f} GB free. "
+            f"About {fits:,} of the {total_tokens:,} tokens fit: set `max_tokens` (the asset's config) to at most "
+            f"that, or `dataset_weights` to keep some datasets only, or point EAGLE3_DATA_DIR at a larger volume."
+        )
+    return figures
+
+
+def extract_to_store(
+    samples: Sequence[StoredSample],
+    backend: HiddenStatesBackend,
+    root: Path,
+    settings: StoreSettings,
+    *,
+    identity: dict[str, Any],
+    notes: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+    progress_every_s: float = 10.0,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> ExtractionReport:
+    """Fill `root` with the shards of `samples`; return what this call did.
+
+    `identity` names the target (it enters every shard's key); `notes` are recorded in the manifest only.
+    """
+    root = Path(root)
+    H = backend.hidden_size
+    layer_ids = list(backend.layer_ids)
+    plans = plan_shards(samples, H, settings.shard_bytes, {**identity, "aux_layer_ids": layer_ids})
+    old = read_manifest(root) if (root / MANIFEST).exists() else {}
+    manifest = {
+        "format": FORMAT,
+        "aux_layer_ids": layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "final_hidden_state": FINAL_CONVENTION,
+        "num_target_layers": backend.num_layers,
+        "hidden_size": H,
+        "dtype": "bfloat16",
+        "identity": identity,
+        **(notes or {}),
+        "backend": backend.describe(),
+        "shard_bytes": settings.shard_bytes,
+        "planned_shards": [p.name for p in plans],
+        "shards": {},
+    }
+    done = trusted_shards(root, old, plans, settings.verify_on_resume) if old else set()
+    manifest["shards"] = {name: old["shards"][name] for name in sorted(done)}
+    pending = [p for p in plans if p.name not in done]
+    total_tokens = sum(p.tokens for p in plans)
+    tokens_pending = sum(p.tokens for p in pending)
+    check_disk(root, disk_needed(plans, {p.name for p in pending}, H), settings,
+               tokens_pending=tokens_pending, total_tokens=total_tokens, hidden_size=H)
+
+    root.mkdir(parents=True, exist_ok=True)
+    committer = ShardCommitter(root, manifest)
+    committer.save_manifest()  # drops shards no longer planned or no longer trusted before anything else
+    removed = remove_untrusted(root, manifest)
+    if done:
+        log(f"hidden states: {len(done)} of {len(plans)} shards already stored; {len(pending)} to go ({tokens_pending:,} tokens)")
+    if removed:
+        log(f"hidden states: removed {len(removed)} untrusted file(s) left by an interrupted run: {', '.join(removed[:5])}")
+
+    report = ExtractionReport(len(plans), 0, len(done), 0, 0, 0, 0.0, removed_untrusted=removed)
+    started = last = time.monotonic()
+    slots = BoundedSemaphore(settings.writers + 1)  # finished shards waiting in memory, the one being filled included
+    futures: list[Future] = []
+
+    def progress(final: bool = False) -> None:
+        elapsed = max(1e-9, time.monotonic() - started)
+        rate = report.tokens_written / elapsed
+        left = tokens_pending - report.tokens_written
+        figures = {"tokens_written": report.tokens_written, "tokens_pending": tokens_pending, "tokens_per_s": round(rate, 1),
+                   "bytes_written": report.bytes_written, "gb_written": round(report.bytes_written / 1e9, 3),
+                   "shards_written": report.shards_written, "shards": len(plans),
+                   "eta_s": round(left / rate, 1) if rate > 0 else None}
+        eta = f"{figures['eta_s']:,.0f} s" if figures["eta_s"] is not None else "?"
+        log(f"hidden states {'done: ' if final else ''}{report.tokens_written:,}/{tokens_pending:,} tokens, {rate:,.0f} tok/s, "
+            f"{report.bytes_written / 1e9:.2f} GB written, shard {report.shards_written + report.shards_skipped}/{len(plans)}, ETA {eta}")
+        if on_progress is not None:
+            on_progress(figures)
+
+    def written(plan: ShardPlan, fut: Future) -> None:
+        slots.release()
+        if fut.exception() is None:
+            report.shards_written += 1
+            report.bytes_written += fut.result()["bytes"]
+
+    with ThreadPoolExecutor(max_workers=max(1, settings.writers), thread_name_prefix="shard-writer") as pool:
+        try:
+            for plan in pending:
+                rows = [samples[i] for i in plan.samples]
+                aux: list[torch.Tensor | None] = [None] * len(rows)
+                final: list[torch.Tensor | None] = [None] * len(rows)
+                slots.acquire()
+                for batch in batches([len(r.input_ids) for r in rows], settings.batch_tokens):
+                    outputs = backend.extract_batch([list(rows[j].input_ids) for j in batch])
+                    for j, (a, f) in zip(batch, outputs):
+                        if a.shape[0] != len(rows[j].input_ids) or f.shape[0] != a.shape[0]:
+                            raise RuntimeError(f"{backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
+                                               f"which has {len(rows[j].input_ids)} tokens")
+                        aux[j], final[j] = a.to("cpu", torch.bfloat16), f.to("cpu", torch.bfloat16)
+                        if not (torch.isfinite(aux[j]).all() and torch.isfinite(final[j]).all()):
+                            report.nan_samples.append(rows[j].sample_id)
+                        report.tokens_written += a.shape[0]
+                    if time.monotonic() - last >= progress_every_s:
+                        last = time.monotonic()
+                        progress()
+                fut = pool.submit(committer.commit, plan, rows, aux, final)
+                fut.add_done_callback(lambda f, plan=plan: written(plan, f))
+                futures.append(fut)
+                report.samples_written += len(rows)
+        finally:
+            for fut in futures:  # the finished shards are committed whatever stopped the loop
+                fut.exception()
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} shard(s) could not be written") from failed[0]
+    report.seconds = time.monotonic() - started
+    progress(final=True)
+    return report
+
+
+def store_figures(root: Path) -> dict[str, Any]:
+    """Totals of a store from its manifest: bytes per token against the (3 + 1) x H x 2 minimum."""
+    m = read_manifest(root)
+    shards = m.get("shards", {})
+    tokens = sum(s["tokens"] for s in shards.values())
+    nbytes = sum(s["bytes"] for s in shards.values())
+    floor = min_bytes_per_token(m["hidden_size"])
+    per_token = nbytes / tokens if tokens else 0.0
+    return {"shards": len(shards), "samples": sum(s["samples"] for s in shards.values()), "tokens": tokens,
+            "bytes": nbytes, "bytes_per_token": round(per_token, 2), "min_bytes_per_token": floor,
+            "overhead_pct": round(100 * (per_token / floor - 1), 3) if tokens else 0.0}

@@ -1,0 +1,267 @@
+"""The hidden-state store: shards of many samples, committed atomically, read back in O(1).
+
+Layout under `root`:
+    manifest.json               settings (H, layer ids and their convention, target) and every
+                                committed shard: its content key, sha256, bytes, samples, tokens
+    shard-00000.safetensors     one shard: the samples' rows concatenated along the token axis
+        input_ids           [T] int32
+        loss_mask           [T] int8
+        aux_hidden_states   [T, 3H] bf16   (the EAGLE-3 layers, low -> high)
+        final_hidden_state  [T, H] bf16    (after the final norm: the LM-head input)
+        offsets             [n + 1] int64  (sample j is rows offsets[j]:offsets[j+1])
+      and in the header's metadata (key `eagle3`) the sample ids and splits, in row order.
+
+So a token costs (3 + 1) x H x 2 bytes of states plus 5 of id and mask; headers and offsets are
+the only other bytes. A shard is trusted only once the manifest lists it (written after the
+shard's fsync and rename), so a process killed at any moment leaves nothing half-written that a
+resume would use. Imports torch and safetensors only: benchmarks and GPU hosts read it without
+Dagster or polars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+FORMAT = "eagle3-hidden-states-shards/1"
+MANIFEST = "manifest.json"
+KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
+STATE_BYTES = 2  # bf16
+ID_MASK_BYTES = 4 + 1  # int32 id + int8 mask per token
+
+
+def min_bytes_per_token(hidden_size: int) -> int:
+    """The floor the store is measured against: (3 aux + 1 final) x H x 2 bytes (bf16)."""
+    return (3 + 1) * hidden_size * STATE_BYTES
+
+
+def token_bytes(hidden_size: int) -> int:
+    """What one stored token takes: its states plus its id and loss-mask byte."""
+    return min_bytes_per_token(hidden_size) + ID_MASK_BYTES
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class StoredSample:
+    """What the store needs of one sample; `input_ids` and `loss_mask` are sequences of ints."""
+
+    sample_id: str
+    split: str
+    input_ids: Sequence[int]
+    loss_mask: Sequence[int]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    samples: tuple[int, ...]  # positions in the sample list, in order
+    tokens: int
+    key: str  # what the shard must contain: a committed shard with another key is redone
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.index)
+
+
+def plan_shards(samples: Sequence[StoredSample], hidden_size: int, shard_bytes: int, identity: dict[str, Any]) -> list[ShardPlan]:
+    """Cut the samples, in order, into shards of about `shard_bytes` (a sample is never split).
+
+    Deterministic in its inputs, so a resumed run plans the same shards; `identity` (target, layer
+    ids, ...) enters every key, so a changed target or layer rule never reuses an old shard.
+    """
+    per_token = token_bytes(hidden_size)
+    prefix = json.dumps({"format": FORMAT, "hidden_size": hidden_size, **identity}, sort_keys=True).encode()
+    plans: list[ShardPlan] = []
+    current: list[int] = []
+    tokens = 0
+
+    def close() -> None:
+        nonlocal current, tokens
+        h = hashlib.sha256(prefix)
+        for i in current:
+            s = samples[i]
+            h.update(f"\0{s.sample_id}\0{s.split}\0".encode())
+            h.update(torch.tensor(list(s.input_ids), dtype=torch.int32).numpy().tobytes())
+            h.update(torch.tensor(list(s.loss_mask), dtype=torch.int8).numpy().tobytes())
+        plans.append(ShardPlan(len(plans), tuple(current), tokens, h.hexdigest()))
+        current, tokens = [], 0
+
+    for i, s in enumerate(samples):
+        if current and (tokens + len(s.input_ids)) * per_token > shard_bytes:
+            close()
+        current.append(i)
+        tokens += len(s.input_ids)
+    if current:
+        close()
+    return plans
+
+
+def shard_tensors(rows: list[StoredSample], aux: list[torch.Tensor], final: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    lengths = [len(r.input_ids) for r in rows]
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return {
+        "input_ids": torch.tensor([t for r in rows for t in r.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for r in rows for m in r.loss_mask], dtype=torch.int8),
+        "aux_hidden_states": torch.cat([a.to("cpu", torch.bfloat16) for a in aux]).contiguous(),
+        "final_hidden_state": torch.cat([f.to("cpu", torch.bfloat16) for f in final]).contiguous(),
+        "offsets": offsets,
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    return json.loads((Path(root) / MANIFEST).read_text())
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class ShardCommitter:
+    """Writes shards and records each in the manifest; safe to call from several writer threads."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]):
+        self.root = Path(root)
+        self.manifest = manifest
+        self._lock = threading.Lock()
+
+    def save_manifest(self) -> None:
+        with self._lock:
+            write_json_atomic(self.root / MANIFEST, self.manifest)
+
+    def commit(self, plan: ShardPlan, rows: list[StoredSample], aux: list[torch.Tensor], final: list[torch.Tensor]) -> dict[str, Any]:
+        """Serialize, fsync, rename, then list the shard in the manifest: only then is it trusted."""
+        tensors = shard_tensors(rows, aux, final)
+        # One metadata entry: safetensors keeps metadata in a hash map whose order, and so the file's
+        # bytes and checksum, would otherwise differ from one process to the next.
+        meta = {"eagle3": json.dumps({"format": FORMAT, "key": plan.key, "sample_ids": [r.sample_id for r in rows],
+                                      "splits": [r.split for r in rows]})}
+        data = save(tensors, metadata=meta)
+        path = self.root / plan.name
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.root)
+        entry = {"key": plan.key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                 "samples": len(rows), "tokens": plan.tokens}
+        with self._lock:
+            self.manifest["shards"][plan.name] = entry
+            write_json_atomic(self.root / MANIFEST, self.manifest)
+        return entry
+
+
+def trusted_shards(root: Path, manifest: dict[str, Any], plans: Iterable[ShardPlan], verify: bool) -> set[str]:
+    """The planned shards already committed with the planned content (size, and with `verify` the sha256, re-checked)."""
+    done = set()
+    for plan in plans:
+        entry = manifest.get("shards", {}).get(plan.name)
+        path = Path(root) / plan.name
+        if entry is None or entry["key"] != plan.key or not path.exists() or path.stat().st_size != entry["bytes"]:
+            continue
+        if verify and file_sha256(path) != entry["sha256"]:
+            continue
+        done.add(plan.name)
+    return done
+
+
+def remove_untrusted(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """Delete temporary files and shard files the manifest does not list (a kill between rename and record)."""
+    removed = []
+    listed = set(manifest.get("shards", {}))
+    for path in sorted(Path(root).glob("shard-*")):
+        if path.name not in listed:
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+class HiddenStateStore:
+    """Read access: `store[sample_id]` returns one sample's tensors by index lookup and slices of memory-mapped shards."""
+
+    def __init__(self, root: Path, *, tolerate_damage: bool = False):
+        """Index every committed shard. A shard whose file is missing, of another size than recorded or unreadable
+        raises, unless `tolerate_damage`: then it is left out of the index and named in `damaged` (the checks)."""
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self.hidden_size = int(self.manifest["hidden_size"])
+        self.index: dict[str, tuple[str, int, int, str]] = {}  # id -> (shard, start, end, split)
+        self.damaged: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        for name, entry in sorted(self.manifest.get("shards", {}).items()):
+            try:
+                self._index_shard(name, entry)
+            except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError or safetensors' own error
+                if not tolerate_damage:
+                    raise ValueError(f"{self.root / name}: {e}; delete it and re-materialize hidden_states") from e
+                self.damaged[name] = str(e)
+
+    def _index_shard(self, name: str, entry: dict[str, Any]) -> None:
+        size = (self.root / name).stat().st_size
+        if size != entry["bytes"]:
+            raise ValueError(f"{size:,} bytes on disk, {entry['bytes']:,} recorded")
+        f = self._open(name)
+        meta = json.loads(f.metadata()["eagle3"])
+        ids, splits = meta["sample_ids"], meta["splits"]
+        offsets = f.get_tensor("offsets").tolist()
+        for j, (sid, split) in enumerate(zip(ids, splits)):
+            self.index[sid] = (name, offsets[j], offsets[j + 1], split)
+
+    def _open(self, name: str):
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.root / name), framework="pt")
+        return self._handles[name]
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def sample_ids(self, split: str | None = None) -> list[str]:
+        return [s for s, (_, _, _, sp) in self.index.items() if split is None or sp == split]
+
+    def shapes(self, sample_id: str) -> dict[str, tuple[int, ...]]:
+        """Each key's shape for one sample, from the header alone."""
+        name, a, b, _ = self.index[sample_id]
+        f = self._open(name)
+        return {k: (b - a, *tuple(f.get_slice(k).get_shape())[1:]) for k in KEYS}
+
+    def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
+        name, a, b, _ = self.index[sample_id]
+        f = self._open(name)
+        return {k: f.get_slice(k)[a:b] for k in KEYS}

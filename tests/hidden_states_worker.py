@@ -1,0 +1,70 @@
+"""A separate process that fills a hidden-state store, for the kill -9 test.
+
+    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS]
+
+Samples are drawn from a seeded generator, so every process extracts the same ones; torch runs on
+one thread so every process computes bit-identical states. `--slow` sleeps after each batch, so
+a test has time to kill the process between two shard commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
+from eagle3_resources.hidden_states.store import StoredSample
+from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+
+SHARD_BYTES = 40_000  # a few samples per shard at H = 64
+BATCH_TOKENS = 96
+
+
+def samples(vocab: int, n: int = 24, seed: int = 7) -> list[StoredSample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(8, 40)
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        mask = [0] * (length // 2) + [1] * (length - length // 2)
+        out.append(StoredSample(f"W{i % 3}/{i:03d}", "eval" if i % 5 == 0 else "train", ids, mask))
+    return out
+
+
+class Slow:
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds = inner, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def extract_batch(self, sequences):
+        out = self.inner.extract_batch(sequences)
+        time.sleep(self.seconds)
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("root")
+    parser.add_argument("--slow", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    backend = TransformersHiddenStates(model)
+    if args.slow:
+        backend = Slow(backend, args.slow)
+    settings = StoreSettings(shard_bytes=SHARD_BYTES, batch_tokens=BATCH_TOKENS, free_bytes=10**12, reserve_bytes=0)
+    report = extract_to_store(samples(model.config.vocab_size), backend, Path(args.root), settings,
+                              identity={"target": "worker"}, progress_every_s=3600)
+    print(f"done: {report.shards_written} written, {report.shards_skipped} kept", flush=True)
+
+
+if __name__ == "__main__":
+    main()
