@@ -56,7 +56,7 @@ PER_DATASET_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 UNPARTITIONED: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "merged_dataset": [("rows", ("rows",)), ("tokens", ("tokens",))],
-    "hidden_states": [("samples", ("samples",)), ("tokens", ("tokens",)), ("bytes", ("bytes_written", "bytes"))],
+    "hidden_states": [("samples", ("samples",)), ("tokens", ("tokens",)), ("bytes", ("bytes", "bytes_written"))],
     "eagle3_drafter": [("accept_length", ("accept_length",)), ("untrained", ("accept_length_untrained",)),
                        ("final_loss", ("final_loss",))],
 }

@@ -340,3 +340,51 @@ def test_checks_pass_on_a_good_store_and_name_what_is_wrong(target_model, tmp_pa
     assert not file_checks["shapes"](tmp_path, merged).passed
     with pytest.raises(ValueError, match="shard-00003.safetensors"):
         HiddenStateStore(tmp_path)
+
+
+def materialize_hidden_states(data_root: Path, config: dict):
+    import dagster as dg
+
+    from eagle3_assets.assets.hidden_states import hidden_states
+    from eagle3_resources.hidden_states.resource import HiddenStatesResource
+    from eagle3_resources.storage import DataStore
+    from eagle3_resources.target.resource import TargetModelResource
+    from eagle3_resources.tokenizer.resource import TokenizerResource
+
+    standin = str(data_root / "standin")
+    return dg.materialize(
+        [hidden_states], raise_on_error=False, run_config={"ops": {"hidden_states": {"config": config}}},
+        resources={"store": DataStore(root=str(data_root)), "tokenizer": TokenizerResource(standin_dir=standin),
+                   "target": TargetModelResource(standin_dir=standin), "hidden_states_backend": HiddenStatesResource()},
+    )
+
+
+@pytest.mark.timeout(900)
+def test_the_asset_checks_the_disk_first_then_stores_within_two_percent(data_dir_with_standin, target_model):
+    from eagle3_resources.storage import DataLayout
+
+    layout = DataLayout(data_dir_with_standin)
+    samples = make_samples(40, target_model.config.vocab_size, lengths=(150, 320, 90, 500))
+    merged = merged_frame(samples).with_columns(pl.col("loss_mask").list.sum().alias("completion_len"))
+    layout.merged_dataset().parent.mkdir(parents=True, exist_ok=True)
+    merged.write_parquet(layout.merged_dataset())
+
+    refused = materialize_hidden_states(data_dir_with_standin, {"free_bytes": 100_000, "disk_reserve_gb": 0})
+    assert not refused.success
+    failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
+    error = failure.step_failure_data.error.cause
+    assert error.cls_name == "DiskSpaceError" and "max_tokens" in error.message and "100.00 kB free" in error.message
+    assert not layout.hidden_states().exists() or not any(layout.hidden_states().iterdir())
+
+    budget = materialize_hidden_states(data_dir_with_standin, {"max_tokens": 3000, "dataset_weights": {"A1": 1}})
+    assert budget.success
+    meta = budget.asset_materializations_for_node("hidden_states")[0].metadata
+    assert meta["tokens"].value <= 3000 and "B1" not in {s.split("/")[0] for s in HiddenStateStore(layout.hidden_states()).index}
+
+    whole = materialize_hidden_states(data_dir_with_standin, {})
+    assert whole.success
+    meta = whole.asset_materializations_for_node("hidden_states")[0].metadata
+    assert meta["samples"].value == 40 and meta["tokens"].value == int(merged["n_tokens"].sum())
+    assert meta["min_bytes_per_token"].value == 512 and meta["overhead_over_min_pct"].value <= 2.0
+    assert meta["tokens_per_s"].value > 0 and "data:image/png;base64," in meta["tokens_by_dataset_picture"].value
+    assert all(c.passed for c in whole.get_asset_check_evaluations())

@@ -61,6 +61,13 @@ class StoreSettings:
     reserve_bytes: int = 1 * GiB  # and this much on top
 
 
+def human_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
 class DiskSpaceError(RuntimeError):
     """The volume cannot hold what the extraction would write (raised before any byte is written)."""
 
@@ -116,9 +123,9 @@ def check_disk(root: Path, needed: int, settings: StoreSettings, *, tokens_pendi
         usable = max(0, (free - settings.reserve_bytes) / (1 + settings.margin_pct / 100))
         fits = int(usable // token_bytes(hidden_size))
         raise DiskSpaceError(
-            f"hidden_states would write {needed / 1e9:,.2f} GB ({tokens_pending:,} tokens x {token_bytes(hidden_size):,} "
-            f"bytes) and keeps a margin of {settings.margin_pct:g}% + {settings.reserve_bytes / 1e9:.2f} GB: "
-            f"{required / 1e9:,.2f} GB in all, but {probe} has {free / 1e9:,.2f} GB free. "
+            f"hidden_states would write {human_bytes(needed)} ({tokens_pending:,} tokens x {token_bytes(hidden_size):,} "
+            f"bytes) and keeps a margin of {settings.margin_pct:g}% + {human_bytes(settings.reserve_bytes)}: "
+            f"{human_bytes(required)} in all, but {probe} has {human_bytes(free)} free. "
             f"About {fits:,} of the {total_tokens:,} tokens fit: set `max_tokens` (the asset's config) to at most "
             f"that, or `dataset_weights` to keep some datasets only, or point EAGLE3_DATA_DIR at a larger volume."
         )
