@@ -14,6 +14,9 @@
     eagle3 status [--json]          the picture over SSH: every dataset's stages (rows, tokens, dollars, checks),
                                     the training stages, runs in progress, money and the spending hold
     eagle3 env                      print the environment lines, for a shell that runs dagster itself
+    eagle3 gpu-check [--model PATH] [--tp N] [--json]
+                                    what this host can do for hidden states: CUDA, sglang and its API
+                                    contract, short captures checked against ground truth (gpu_check.py)
 
 The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already set.
 """
@@ -330,7 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     p_status = sub.add_parser("status", help="each dataset's stages, runs in progress, money and the hold")
     p_status.add_argument("--json", action="store_true", help="print the same data as JSON")
     sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
+    p_gpu = sub.add_parser("gpu-check", help="CUDA, sglang, its API contract, and short hidden-state captures")
+    p_gpu.add_argument("--model", help="also capture from this target folder (e.g. Kimi-K2.5) with SGLang")
+    p_gpu.add_argument("--tp", type=int, help="tensor-parallel GPUs for SGLang (tiny model: 1, --model: 8); asks for the SGLang rows")
+    p_gpu.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
+
+    if args.command == "gpu-check":
+        from eagle3_assets.gpu_check import gpu_check
+
+        return gpu_check(str(Path(args.model).resolve()) if args.model else None, args.tp, args.json)
 
     os.chdir(PROJECT_ROOT)
     if args.command == "run":

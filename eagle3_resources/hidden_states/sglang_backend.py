@@ -1,79 +1,400 @@
-"""Hidden states from the target on GPUs with SGLang's model runner (the `[sglang]` extra).
+"""Hidden states from the target on a GPU host with SGLang's model runner (the `[sglang]` extra).
 
-SGLang's HTTP server returns only the final hidden state, so, like SpecForge's offline data
-preparation, this loads the target in-process with SGLang's `ModelRunner` (tensor parallel over
-the host's GPUs), asks the model to capture the EAGLE-3 layers (`set_eagle3_layers_to_capture`,
-which SGLang's DeepseekV2/Kimi implementation supports) and runs one prefill ("extend") per batch
-with `CaptureHiddenMode.FULL`. The logits processor is wrapped so that its input, the final
-hidden state after the model's norm, is kept too.
+SGLang's HTTP server returns hidden states as JSON lists, far too slowly for training data, so,
+like SpecForge's offline preparation, this runs SGLang's `ModelRunner` in-process: one process
+per tensor-parallel rank (spawned here, NCCL between them), each loading its shard of the target.
+Every batch goes to every rank; each runs the same batched prefill ("extend"); after the TP
+all-reduces the hidden states are replicated, so only rank 0 copies them to the host and sends
+them back.
 
-sglang is imported only here and only when this backend is built; it needs CUDA. SGLang's
-internal API moves between releases: this follows the 0.5 series. It cannot run on the CPU
-machines the tests and CI use, and has not yet been run against a GPU host.
+The capture happens inside SGLang: `enable_return_aux_hidden_states` with
+`speculative_algorithm="EAGLE3"` is SGLang's capture-only mode (no draft is loaded). It calls the
+model's `set_eagle3_layers_to_capture` (Kimi-K2.5's multimodal wrapper forwards it to its
+DeepseekV3 language model) and makes the logits processor return the packed auxiliary layers as
+`hidden_states` [T, 3H] and the post-norm final state as `last_hidden_states` [T, H]. Our layer ids
+(outputs of 0-based decoder layers) are translated by `sglang_api.capture_argument`; every SGLang
+name used here is listed, and checked, in `sglang_api.CONTRACT`. CUDA graphs, chunked prefill
+and the radix cache are off: one extend per batch over whole sequences.
+
+sglang is imported only inside the rank processes. The parent checks, before spawning anything,
+that sglang is installed (without importing it), that its sources still have every name we use,
+and that there are enough CUDA devices; each failure says what to do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import importlib.util
+import json
+import os
+import queue
+import socket
+import time
+import traceback
+import weakref
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Self
 
 import torch
 
+from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 
 
-class SGLangHiddenStates:
-    name = "sglang"
+class SGLangUnavailable(RuntimeError):
+    """This host cannot run the SGLang backend (no sglang, no CUDA, too few GPUs, API drift)."""
 
-    def __init__(self, model_path: str, *, tp_size: int = 8, layer_ids: list[int] | None = None,
-                 max_length: int = 32768, mem_fraction_static: float = 0.8, trust_remote_code: bool = True):
+
+class RankError(RuntimeError):
+    """A rank process failed or died."""
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+@dataclass(frozen=True)
+class TextShape:
+    num_layers: int
+    hidden_size: int
+
+
+def read_text_shape(model_path: str | Path) -> TextShape:
+    """Decoder layers and hidden size from `config.json` (Kimi-K2.5 nests them in `text_config`)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return TextShape(int(text["num_hidden_layers"]), int(text["hidden_size"]))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a rank process needs to build its runner (picklable)."""
+
+    model_path: str
+    tp_size: int
+    capture_argument: tuple[int, ...]  # what SGLang is handed (see sglang_api.capture_argument)
+    capture_rule: sglang_api.CaptureRule  # the rule the argument was made for, re-checked in the rank
+    nccl_port: int
+    max_length: int = 32768
+    mem_fraction_static: float = 0.8
+    trust_remote_code: bool = True
+    log_level: str = "warning"
+
+
+def server_args_kwargs(spec: EngineSpec) -> dict[str, Any]:
+    """The `ServerArgs` of every rank; each key is in `sglang_api.SERVER_ARGS_KWARGS`."""
+    return {
+        "model_path": spec.model_path,
+        "tp_size": spec.tp_size,
+        "trust_remote_code": spec.trust_remote_code,
+        "context_length": spec.max_length,
+        "mem_fraction_static": spec.mem_fraction_static,
+        "chunked_prefill_size": -1,  # whole sequences in one extend
+        "disable_cuda_graph": True,  # prefill and decode graphs off: eager extend with capture
+        "disable_radix_cache": True,  # no prefix sharing between batches
+        "enable_return_aux_hidden_states": True,  # capture-only EAGLE-3 mode, keeps last_hidden_states
+        "speculative_algorithm": "EAGLE3",  # names the capture convention; SGLang resets it to None
+        "return_aux_hidden_state_layer_ids": list(spec.capture_argument),
+        "log_level": spec.log_level,
+    }
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int  # tokens the KV pool holds (one batch must fit: no chunked prefill)
+    max_requests: int  # rows of the request-to-token table
+    max_length: int  # context length the runner was built for
+
+
+def plan_sub_batches(lengths: list[int], limits: Limits) -> list[list[int]]:
+    """Indices of `lengths` grouped, in order, into batches that fit the runner's pools."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if n <= 0:
+            raise ValueError(f"sequence {i} is empty")
+        if n > limits.max_length or n > limits.max_tokens:
+            raise ValueError(f"sequence {i} has {n} tokens; the SGLang runner takes at most "
+                             f"{min(limits.max_length, limits.max_tokens)} (max_length {limits.max_length}, "
+                             f"KV pool {limits.max_tokens})")
+        if not groups or tokens + n > limits.max_tokens or len(groups[-1]) >= limits.max_requests:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += n
+    return groups
+
+
+def split_rows(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """A flat [sum L, D] output back into one [L, D] tensor per sequence, in order."""
+    if flat.dim() != 2 or flat.shape[0] != sum(lengths):
+        raise ValueError(f"expected [{sum(lengths)}, D] rows for lengths {lengths}, got {tuple(flat.shape)}")
+    return list(torch.split(flat, lengths, dim=0))
+
+
+# ---------------------------------------------------------------- rank protocol
+
+
+@dataclass
+class Ready:
+    rank: int
+    info: dict[str, Any]
+
+
+@dataclass
+class Done:
+    rank: int
+    batch_id: int
+    aux: torch.Tensor | None = None  # rank 0 only: [sum L, 3H]
+    final: torch.Tensor | None = None  # rank 0 only: [sum L, H]
+
+
+@dataclass
+class Failed:
+    rank: int
+    batch_id: int | None  # None: while starting
+    error: str
+
+
+@dataclass
+class ReplyGather:
+    """Collects one batch's replies: every rank must finish it, rank 0 carries the tensors."""
+
+    world_size: int
+    batch_id: int
+    done: set[int] = field(default_factory=set)
+    result: Done | None = None
+
+    def add(self, reply: Ready | Done | Failed) -> bool:
+        """True once all ranks are done; raises RankError on a failure."""
+        if isinstance(reply, Failed):
+            when = "while starting" if reply.batch_id is None else f"on batch {reply.batch_id}"
+            raise RankError(f"rank {reply.rank} failed {when}:\n{reply.error}")
+        if not isinstance(reply, Done) or reply.batch_id != self.batch_id:
+            raise RankError(f"unexpected reply while waiting for batch {self.batch_id}: {reply!r}")
+        if reply.rank == 0:
+            if reply.aux is None or reply.final is None:
+                raise RankError("rank 0 finished the batch without hidden states")
+            self.result = reply
+        self.done.add(reply.rank)
+        return len(self.done) == self.world_size
+
+
+class RankEngine(Protocol):
+    def info(self) -> dict[str, Any]: ...
+
+    def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
+
+
+def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEngine], requests, replies) -> None:
+    """A rank process: build the engine, then run every batch until told to stop (None)."""
+    try:
+        engine = factory(rank, world_size)
+        replies.put(Ready(rank, engine.info()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
+        replies.put(Failed(rank, None, traceback.format_exc()))
+        return
+    while True:
+        message = requests.get()
+        if message is None:
+            return
+        batch_id, sequences = message
         try:
-            from sglang.bench_one_batch import load_model
-            from sglang.srt.layers.logits_processor import LogitsProcessor
-            from sglang.srt.server_args import PortArgs, ServerArgs
-            from transformers import AutoConfig
-        except ImportError as e:  # pragma: no cover - needs the [sglang] extra and CUDA
-            raise ImportError("the sglang hidden-states backend needs `pip install -e '.[sglang]'` on a CUDA host") from e
+            aux, final = engine.capture(sequences)
+            replies.put(Done(rank, batch_id, aux, final) if rank == 0 else Done(rank, batch_id))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
+            replies.put(Failed(rank, batch_id, traceback.format_exc()))
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        text_config = getattr(config, "text_config", config)
-        self.num_layers = text_config.num_hidden_layers
-        self.hidden_size = text_config.hidden_size
-        self.layer_ids = layer_ids or eagle3_aux_layers(self.num_layers)
 
-        server_args = ServerArgs(
-            model_path=model_path, tp_size=tp_size, trust_remote_code=trust_remote_code,
-            enable_return_hidden_states=True, context_length=max_length,
-            mem_fraction_static=mem_fraction_static, disable_cuda_graph=True,
+def _stop(processes: list, requests: list, grace_s: float) -> None:
+    processes = [p for p in processes if p.pid is not None]  # started ones only
+    for q in requests:
+        try:
+            q.put(None)
+        except (ValueError, OSError):  # queue already closed
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+class RankPool:
+    """`world_size` spawned processes, each running `factory(rank, world_size)`; batches go to all."""
+
+    def __init__(self, world_size: int, factory: Callable[[int, int], RankEngine], *,
+                 start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, stop_grace_s: float = 60.0):
+        import torch.multiprocessing as mp
+
+        self.world_size = world_size
+        self.start_timeout_s = start_timeout_s
+        self.batch_timeout_s = batch_timeout_s
+        ctx = mp.get_context("spawn")
+        self._requests = [ctx.Queue() for _ in range(world_size)]
+        self._replies = ctx.Queue()
+        self._processes = [
+            ctx.Process(target=_rank_main, args=(rank, world_size, factory, self._requests[rank], self._replies),
+                        name=f"sglang-rank-{rank}")
+            for rank in range(world_size)
+        ]
+        self._next_batch = 0
+        self._broken: str | None = None
+        self.infos: list[dict[str, Any]] = []
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._requests, stop_grace_s)
+
+    def _get(self, deadline: float, what: str):
+        while True:
+            try:
+                return self._replies.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(p.name, p.exitcode) for p in self._processes if p.exitcode is not None]
+                if dead:
+                    raise RankError(f"rank process(es) exited {what}: {dead}") from None
+                if time.monotonic() > deadline:
+                    raise RankError(f"timed out {what}") from None
+
+    def start(self) -> list[dict[str, Any]]:
+        for p in self._processes:
+            p.start()
+        infos: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while len(infos) < self.world_size:
+                reply = self._get(deadline, "while starting")
+                if isinstance(reply, Failed):
+                    raise RankError(f"rank {reply.rank} failed while starting:\n{reply.error}")
+                infos[reply.rank] = reply.info
+        except BaseException:
+            self.close()
+            raise
+        self.infos = [infos[r] for r in range(self.world_size)]
+        return self.infos
+
+    def run(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch on every rank; rank 0's flat (aux, final)."""
+        if self._broken:
+            raise RankError(f"the rank processes are unusable after an earlier failure: {self._broken}")
+        batch_id = self._next_batch
+        self._next_batch += 1
+        for q in self._requests:
+            q.put((batch_id, sequences))
+        gather = ReplyGather(self.world_size, batch_id)
+        deadline = time.monotonic() + self.batch_timeout_s
+        try:
+            while not gather.add(self._get(deadline, f"on batch {batch_id}")):
+                pass
+        except BaseException as e:
+            # A rank that failed mid-batch leaves its peers inside a collective: stop them all.
+            self._broken = str(e).splitlines()[0]
+            self.close()
+            raise
+        return gather.result.aux, gather.result.final
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        return any(p.is_alive() for p in self._processes)
+
+
+# ---------------------------------------------------------------- the SGLang engine (rank side)
+
+
+class _NoSharingCache:
+    """The tree cache `ScheduleBatch` is given: allocation only, no prefix sharing (BasePrefixCache's
+    methods that the extend path calls, per sglang_api.CONTRACT)."""
+
+    def __init__(self, runner):
+        self.page_size = runner.page_size
+        self.device = runner.device
+        self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def supports_prefix_sharing(self) -> bool:
+        return False
+
+    def evict(self, params) -> None:
+        return None
+
+    def maybe_hand_to_session(self, req) -> None:
+        return None
+
+
+class SGLangRankEngine:
+    """One TP rank: its ModelRunner, and one extend pass with full capture per batch."""
+
+    def __init__(self, spec: EngineSpec, rank: int):
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed import bootstrap
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+        from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+        from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from sglang.srt.runtime_context import (
+            SpawnRanks,
+            get_device,
+            get_model,
+            publish,
+            spawn_world_rank,
         )
-        port_args = PortArgs.init_new(server_args)
-        self.model_runner, _ = load_model(server_args, port_args, 0)
-        model = self.model_runner.model
-        if not hasattr(model, "set_eagle3_layers_to_capture"):
-            raise ValueError(f"{type(model).__name__} in this SGLang cannot capture EAGLE-3 layers")
-        model.set_eagle3_layers_to_capture(self.layer_ids)
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.utils import require_mlp_sync
 
-        class KeepFinalHidden(torch.nn.Module):
-            """Keeps the logits processor's input (post-norm final hidden state) on its output."""
+        self.rank = rank
+        server_args = ServerArgs(**server_args_kwargs(spec))
+        server_args.resolve_once()
+        _set_envs_and_config(server_args)
+        publish(server_args, role="scheduler",
+                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=rank, pp_rank=0), gpu_id=rank))
+        initialize_moe_config()
+        initialize_fp8_gemm_config()
+        initialize_bf16_gemm_config()
+        initialize_fp4_gemm_config()
+        model_config = ModelConfig.from_server_args(server_args)
+        bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device, dist_port=spec.nccl_port)
+        bootstrap.init_layer_runtime(model_config=model_config)
+        runner = ModelRunner(model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=rank,
+                             nccl_port=spec.nccl_port, server_args=server_args)
+        overlap = bool(get_model().is_startup_weight_load_overlap)
+        if overlap:
+            runner.start_startup_weight_load()
+        runner.alloc_memory_pool()
+        runner.init_attention_backends()  # calls model.set_eagle3_layers_to_capture(capture_argument)
+        runner.init_cuda_graphs()  # none are captured: disable_cuda_graph
+        if overlap:
+            runner.finalize_startup_weight_load()
+        if require_mlp_sync():
+            raise SGLangUnavailable("this SGLang configuration needs MLP sync (DP attention); the backend does not do it")
+        rule = sglang_api.capture_rule_of_import()  # the model code is imported by now
+        if rule is not spec.capture_rule:
+            raise SGLangUnavailable(f"the imported SGLang reads capture ids as '{rule and rule.value}', "
+                                    f"the parent planned for '{spec.capture_rule.value}'")
+        self.runner = runner
+        self.model_class = type(runner.model).__name__
 
-            def __init__(self, inner):
-                super().__init__()
-                self.inner = inner
+    def info(self) -> dict[str, Any]:
+        r = self.runner
+        return {"rank": self.rank, "model_class": self.model_class, "max_total_num_tokens": int(r.max_total_num_tokens),
+                "max_requests": int(r.req_to_token_pool.size), "device": str(r.device)}
 
-            def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
-                out = self.inner(input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states)
-                out.last_hidden_states = hidden_states
-                return out
-
-        for name, sub in list(model.named_modules()):
-            if isinstance(sub, LogitsProcessor):
-                parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-                setattr(parent, name.rsplit(".", 1)[-1], KeepFinalHidden(sub))
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "num_layers": self.num_layers, "hidden_size": self.hidden_size}
-
-    @torch.no_grad()
-    def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    @torch.inference_mode()
+    def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import (
             CaptureHiddenMode,
@@ -82,32 +403,135 @@ class SGLangHiddenStates:
         from sglang.srt.sampling.sampling_params import SamplingParams
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        params = SamplingParams(temperature=0, max_new_tokens=1, top_k=1)
+        runner = self.runner
+        params = SamplingParams(temperature=0, max_new_tokens=1)
         reqs = []
         for i, ids in enumerate(sequences):
-            req = Req(rid=str(i), origin_input_text="", origin_input_ids=list(ids), sampling_params=params)
-            req.prefix_indices = []
-            req.fill_ids = req.origin_input_ids
-            req.extend_input_len = len(req.fill_ids)
-            req.logprob_start_len = len(req.origin_input_ids) - 1
+            req = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params,
+                      return_hidden_states=True)
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.extend_end = len(ids)
+            req.logprob_start_len = -1
             reqs.append(req)
-        runner = self.model_runner
-        batch = ScheduleBatch.init_new(
-            reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=None,
-            model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-        )
-        batch.prepare_for_extend()
-        forward_batch = ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
-        forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
-        output = runner.forward(forward_batch)
-        logits_output = output[0] if isinstance(output, tuple) else getattr(output, "logits_output", output)
-        lens = [len(s) for s in sequences]
-        aux = torch.split(logits_output.hidden_states, lens, dim=0)
-        final = torch.split(logits_output.last_hidden_states, lens, dim=0)
-        runner.req_to_token_pool.clear()
-        runner.token_to_kv_pool_allocator.clear()
-        return [(a.cpu(), f.cpu()) for a, f in zip(aux, final)]
+        try:
+            batch = ScheduleBatch.init_new(
+                reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
+                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=_NoSharingCache(runner),
+                model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+            )
+            batch.prepare_for_extend()
+            if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+                batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+                batch.prefill_input_ids_cpu = None
+            forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                                  return_hidden_states_before_norm=False)
+            out = runner.forward(forward_batch).logits_output
+            if self.rank != 0:
+                torch.cuda.synchronize()
+                return None, None
+            aux, final = out.hidden_states, out.last_hidden_states
+            if aux is None or final is None:
+                raise RuntimeError("SGLang returned no aux/last hidden states: is the capture-only mode on?")
+            return aux.to("cpu", torch.bfloat16), final.to("cpu", torch.bfloat16)
+        finally:
+            runner.req_to_token_pool.clear()
+            runner.token_to_kv_pool_allocator.clear()
+
+
+def build_sglang_engine(spec: EngineSpec, rank: int, world_size: int) -> SGLangRankEngine:
+    """The rank-process factory (top level, so a spawned process can unpickle it)."""
+    if world_size != spec.tp_size:
+        raise ValueError(f"{world_size} ranks for tp_size {spec.tp_size}")
+    return SGLangRankEngine(spec, rank)
+
+
+# ---------------------------------------------------------------- the backend (parent side)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def preflight(tp_size: int) -> None:
+    """Raise SGLangUnavailable, saying what to do, unless this host can run `tp_size` ranks."""
+    if importlib.util.find_spec("sglang") is None:
+        raise SGLangUnavailable(f"sglang is not installed: {sglang_api.INSTALL_HINT}")
+    if not torch.cuda.is_available():
+        raise SGLangUnavailable(f"no CUDA device (torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
+                                "the SGLang backend needs a GPU host with a CUDA build of torch")
+    if torch.cuda.device_count() < tp_size:
+        raise SGLangUnavailable(f"tp_size={tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible "
+                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    problems = sglang_api.check_contract()
+    if problems:
+        raise SGLangUnavailable(f"the installed sglang {sglang_api.installed_version()} lacks names this backend "
+                                f"uses (written for {sglang_api.SGLANG_REQUIREMENT}):\n  " + "\n  ".join(problems))
+
+
+class SGLangHiddenStates:
+    """Aux [L, 3H] (layers low -> high) and final [L, H] hidden states, bf16 on the CPU, per sequence."""
+
+    name = "sglang"
+
+    def __init__(self, model_path: str, *, tp_size: int = 8, layer_ids: list[int] | None = None,
+                 max_length: int = 32768, mem_fraction_static: float = 0.8, trust_remote_code: bool = True,
+                 start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, log_level: str = "warning"):
+        preflight(tp_size)
+        shape = read_text_shape(model_path)
+        self.model_path = str(model_path)
+        self.tp_size = tp_size
+        self.num_layers, self.hidden_size = shape.num_layers, shape.hidden_size
+        self.layer_ids = list(layer_ids) if layer_ids is not None else eagle3_aux_layers(self.num_layers)
+        rule = sglang_api.capture_rule()
+        if rule is None:
+            raise SGLangUnavailable("cannot tell how this sglang reads EAGLE-3 layer ids "
+                                    f"({'.'.join(sglang_api.CAPTURE_SETTER)} changed)")
+        self.capture_rule = rule
+        self.capture_argument = sglang_api.capture_argument(self.layer_ids, self.num_layers, rule)
+        spec = EngineSpec(model_path=self.model_path, tp_size=tp_size, capture_argument=tuple(self.capture_argument),
+                          capture_rule=rule, nccl_port=free_port(), max_length=max_length,
+                          mem_fraction_static=mem_fraction_static, trust_remote_code=trust_remote_code,
+                          log_level=log_level)
+        self._pool = RankPool(tp_size, functools.partial(build_sglang_engine, spec),
+                              start_timeout_s=start_timeout_s, batch_timeout_s=batch_timeout_s)
+        infos = self._pool.start()
+        self.rank_info = infos[0]
+        self.limits = Limits(max_tokens=min(i["max_total_num_tokens"] for i in infos),
+                             max_requests=min(i["max_requests"] for i in infos), max_length=max_length)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "layer_ids": self.layer_ids, "sglang_version": sglang_api.installed_version(),
+                "sglang_capture_argument": self.capture_argument, "sglang_capture_rule": self.capture_rule.value,
+                "tp_size": self.tp_size, "model_class": self.rank_info.get("model_class"),
+                "max_batch_tokens": self.limits.max_tokens, "max_batch_requests": self.limits.max_requests,
+                "max_length": self.limits.max_length, "dtype": "bfloat16"}
+
+    def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lengths = [len(s) for s in sequences]
+        results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
+        for group in plan_sub_batches(lengths, self.limits):
+            aux, final = self._pool.run([list(sequences[i]) for i in group])
+            group_lengths = [lengths[i] for i in group]
+            if aux.shape[-1] != len(self.layer_ids) * self.hidden_size or final.shape[-1] != self.hidden_size:
+                raise RankError(f"SGLang returned aux {tuple(aux.shape)} / final {tuple(final.shape)}; expected "
+                                f"[*, {len(self.layer_ids) * self.hidden_size}] / [*, {self.hidden_size}]")
+            for i, a, f in zip(group, split_rows(aux, group_lengths), split_rows(final, group_lengths)):
+                results[i] = (a, f)
+        return results  # type: ignore[return-value]
 
     def extract(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.extract_batch([input_ids])[0]
+
+    def close(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,311 @@
+"""`eagle3 gpu-check`: what this host can do for the hidden-states stage, proven by short captures.
+
+Rows, in order:
+
+- `torch/cuda`: torch version, CUDA, the GPUs (name, memory).
+- `sglang`: installed? its version against the pinned range.
+- `sglang contract`: every SGLang name the backend uses (eagle3_resources/hidden_states/sglang_api.py)
+  still exists, checked on the imported package when it imports, else on its source.
+- `transformers capture`: a tiny random DeepseekV3 (8 layers, MLA + MoE, built in a temp dir, on
+  the CPU in fp32) through the transformers backend, against `output_hidden_states=True` ground
+  truth: aux = hidden_states[i + 1] for each layer id, final = last_hidden_state (after the norm).
+- `sglang capture (tiny)`: the same model and sequences through the SGLang backend at `--tp`
+  (default 1), against that ground truth within a bf16 tolerance (per-token cosine similarity).
+  Its layer ids do not start at 1, so it exercises the id translation that SGLang #25454 changed.
+- `sglang capture (target)`, only with `--model`: the real target at `--tp` (default 8) with the
+  default EAGLE-3 layers: shapes, finiteness, tokens/s over one timed batch.
+
+Exit code: 1 when a row failed, or when a row that was asked for is unavailable; 0 otherwise.
+Asked for: the transformers row always; the SGLang rows (and CUDA) when `--tp` or `--model` is
+given. A CPU host without sglang therefore passes `eagle3 gpu-check` (SGLang rows "unavailable",
+with the reason) and fails `eagle3 gpu-check --tp 1`. An installed sglang whose contract check
+finds problems is a failure either way.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+OK, FAIL, UNAVAILABLE = "ok", "fail", "unavailable"
+TINY_LAYER_IDS = [2, 4, 6]  # outputs of layers 2, 4, 6 of 8; 6 is the last one SGLang can capture
+TINY_LENGTHS = [17, 64, 33]
+COSINE_MEAN_MIN, COSINE_LOW_MIN = 0.99, 0.95  # bf16 SGLang vs fp32 transformers, per token
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    required: bool
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def exit_code(checks: list[Check]) -> int:
+    return 1 if any(c.status == FAIL or (c.required and c.status != OK) for c in checks) else 0
+
+
+def _guard(name: str, required: bool, fn: Callable[[], Check]) -> Check:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - any failure of a check is that row's result
+        return Check(name, FAIL, f"{type(e).__name__}: {e}", required, {"traceback": traceback.format_exc()})
+
+
+# ---------------------------------------------------------------- rows
+
+
+def torch_row(required: bool) -> Check:
+    import torch
+
+    data: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
+                            "cuda_available": torch.cuda.is_available(), "gpus": []}
+    if not torch.cuda.is_available():
+        return Check("torch/cuda", UNAVAILABLE, f"torch {torch.__version__}, no CUDA device", required, data)
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        data["gpus"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
+    names = ", ".join(f"{g['name']} {g['memory_gib']} GiB" for g in data["gpus"])
+    return Check("torch/cuda", OK, f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+                 f"{len(data['gpus'])} GPU(s): {names}", required, data)
+
+
+def sglang_row(required: bool) -> Check:
+    from eagle3_resources.hidden_states import sglang_api
+
+    version = sglang_api.installed_version()
+    if version is None:
+        return Check("sglang", UNAVAILABLE, f"not installed: {sglang_api.INSTALL_HINT}", required)
+    note = "" if sglang_api.version_in_range(version) else f" (outside {sglang_api.SGLANG_REQUIREMENT})"
+    return Check("sglang", OK, f"sglang {version}{note}", required, {"version": version})
+
+
+def contract_row(required: bool) -> Check:
+    from eagle3_resources.hidden_states import sglang_api
+
+    if sglang_api.package_dir() is None:
+        return Check("sglang contract", UNAVAILABLE, "sglang is not installed", required)
+    try:
+        import sglang  # noqa: F401  (the package only; submodules are imported by the check)
+
+        mode = "import"
+    except Exception as e:  # noqa: BLE001 - a broken install still has its source to check
+        mode, why = "source", f"{type(e).__name__}: {e}"
+    problems = sglang_api.check_contract(mode=mode)
+    rule = sglang_api.capture_rule()
+    data = {"mode": mode, "problems": problems, "capture_rule": rule.value if rule else None,
+            "names": len(sglang_api.CONTRACT)}
+    how = f"{len(sglang_api.CONTRACT)} names checked by {mode}" + ("" if mode == "import" else f" ({why})")
+    if problems:
+        return Check("sglang contract", FAIL, f"{how}; {len(problems)} problem(s): " + "; ".join(problems), required, data)
+    return Check("sglang contract", OK, f"{how}; capture rule: {rule.value if rule else '?'}", required, data)
+
+
+def tiny_deepseek_v3(folder: Path, seed: int = 0) -> Path:
+    """A random 8-layer DeepseekV3 (MLA dims as Kimi's, 8 experts) saved in bf16, HF layout."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=256,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    cfg_file = folder / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.setdefault("torch_dtype", "bfloat16")  # older readers (transformers 4.x in an SGLang env) need this key
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def tiny_sequences(vocab_size: int, lengths: list[int] = TINY_LENGTHS, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def ground_truth(model, sequences: list[list[int]], layer_ids: list[int]):
+    """Per sequence (aux, final) from `output_hidden_states=True`, one unpadded sequence at a time."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for s in sequences:
+            r = model.model(input_ids=torch.tensor([s]), output_hidden_states=True)
+            aux = torch.cat([r.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+            out.append((aux.float(), r.last_hidden_state[0].float()))
+    return out
+
+
+def cosine_stats(got, truth, hidden: int, n_aux: int) -> dict[str, float]:
+    """Per-token cosine similarity of each aux layer and of the final state: the mean and the minimum."""
+    import torch
+
+    parts: dict[str, list[torch.Tensor]] = {}
+    for (ga, gf), (ta, tf) in zip(got, truth):
+        for k in range(n_aux):
+            sl = slice(k * hidden, (k + 1) * hidden)
+            parts.setdefault(f"aux{k}", []).append(torch.cosine_similarity(ga[:, sl].float(), ta[:, sl], dim=-1))
+        parts.setdefault("final", []).append(torch.cosine_similarity(gf.float(), tf, dim=-1))
+    stats = {}
+    for k, v in parts.items():
+        c = torch.cat(v)
+        stats[f"{k}_mean"] = round(float(c.mean()), 5)
+        stats[f"{k}_min"] = round(float(c.min()), 5)
+    return stats
+
+
+def transformers_row(folder: Path, sequences, truth) -> Check:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_resources.hidden_states.transformers_backend import (
+        TransformersHiddenStates,
+    )
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    backend = TransformersHiddenStates(model, layer_ids=TINY_LAYER_IDS)
+    got = [(a.float().cpu(), f.float().cpu()) for a, f in backend.extract_batch(sequences)]
+    hidden = model.config.hidden_size
+    shapes_ok = all(a.shape == (len(s), 3 * hidden) and f.shape == (len(s), hidden) for (a, f), s in zip(got, sequences))
+    err = max(max(float((a - ta).abs().max()), float((f - tf).abs().max())) for (a, f), (ta, tf) in zip(got, truth))
+    data = {"layer_ids": TINY_LAYER_IDS, "lengths": [len(s) for s in sequences], "max_abs_err": err}
+    ok = shapes_ok and err <= 1e-3
+    detail = (f"tiny DeepseekV3 (8 layers, CPU fp32), layers {TINY_LAYER_IDS}, batch of {len(sequences)}: "
+              f"max |diff| vs output_hidden_states {err:.2e}" + ("" if shapes_ok else ", WRONG SHAPES"))
+    return Check("transformers capture", OK if ok else FAIL, detail, True, data)
+
+
+def sglang_tiny_row(folder: Path, sequences, truth, tp: int, required: bool) -> Check:
+    from eagle3_resources.hidden_states.sglang_backend import (
+        SGLangHiddenStates,
+        SGLangUnavailable,
+    )
+
+    name = f"sglang capture (tiny, tp={tp})"
+    try:
+        backend = SGLangHiddenStates(str(folder), tp_size=tp, layer_ids=TINY_LAYER_IDS, max_length=1024,
+                                     mem_fraction_static=0.3, start_timeout_s=900, batch_timeout_s=300)
+    except SGLangUnavailable as e:
+        return Check(name, UNAVAILABLE, str(e).splitlines()[0], required)
+    with backend:
+        got = backend.extract_batch(sequences)
+        described = backend.describe()
+    hidden = described["hidden_size"]
+    stats = cosine_stats(got, truth, hidden, len(TINY_LAYER_IDS))
+    ok = (all(v >= COSINE_MEAN_MIN for k, v in stats.items() if k.endswith("_mean"))
+          and all(v >= COSINE_LOW_MIN for k, v in stats.items() if k.endswith("_min")))
+    worst = min(stats.items(), key=lambda kv: kv[1])
+    detail = (f"vs fp32 ground truth: per-token cosine mean >= {min(v for k, v in stats.items() if k.endswith('_mean'))}, "
+              f"worst token {worst[1]} ({worst[0]}); capture argument {described['sglang_capture_argument']}")
+    return Check(name, OK if ok else FAIL, detail, required, {"cosine": stats, "backend": described})
+
+
+def sglang_target_row(model_path: str, tp: int) -> Check:
+    import torch
+
+    from eagle3_resources.hidden_states.sglang_backend import (
+        SGLangHiddenStates,
+        SGLangUnavailable,
+        read_text_shape,
+    )
+
+    name = f"sglang capture (target, tp={tp})"
+    shape = read_text_shape(model_path)
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    vocab = int((config.get("text_config") or config)["vocab_size"])
+    started = time.monotonic()
+    try:
+        backend = SGLangHiddenStates(model_path, tp_size=tp, max_length=8192)
+    except SGLangUnavailable as e:
+        return Check(name, UNAVAILABLE, str(e).splitlines()[0], True)
+    load_s = time.monotonic() - started
+    with backend:
+        g = torch.Generator().manual_seed(1)
+        backend.extract_batch([torch.randint(1000, vocab - 1000, (256,), generator=g).tolist()])  # warm-up
+        batch = [torch.randint(1000, vocab - 1000, (n,), generator=g).tolist() for n in (2048, 1024, 4096, 512, 2048)]
+        t0 = time.monotonic()
+        got = backend.extract_batch(batch)
+        seconds = time.monotonic() - t0
+        described = backend.describe()
+    n_aux = len(described["layer_ids"])
+    problems = []
+    for (a, f), s in zip(got, batch):
+        if a.shape != (len(s), n_aux * shape.hidden_size) or f.shape != (len(s), shape.hidden_size):
+            problems.append(f"shape aux {tuple(a.shape)} final {tuple(f.shape)} for {len(s)} tokens")
+        if not (torch.isfinite(a).all() and torch.isfinite(f).all()):
+            problems.append(f"non-finite values in a {len(s)}-token sequence")
+    tokens = sum(len(s) for s in batch)
+    data = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+            "load_s": round(load_s, 1), "backend": described, "problems": problems}
+    detail = (f"layers {described['layer_ids']} (SGLang argument {described['sglang_capture_argument']}), "
+              f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s; load {load_s:.0f} s"
+              + (f"; {'; '.join(problems)}" if problems else ""))
+    return Check(name, FAIL if problems else OK, detail, True, data)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def run_checks(model: str | None = None, tp: int | None = None) -> list[Check]:
+    sglang_asked = tp is not None or model is not None
+    checks = [
+        _guard("torch/cuda", sglang_asked, lambda: torch_row(sglang_asked)),
+        _guard("sglang", sglang_asked, lambda: sglang_row(sglang_asked)),
+        _guard("sglang contract", sglang_asked, lambda: contract_row(sglang_asked)),
+    ]
+    with tempfile.TemporaryDirectory(prefix="eagle3-gpu-check-") as tmp:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+        folder = tiny_deepseek_v3(Path(tmp) / "tiny-deepseek-v3")
+        truth_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        sequences = tiny_sequences(truth_model.config.vocab_size)
+        truth = ground_truth(truth_model, sequences, TINY_LAYER_IDS)
+        del truth_model
+        checks.append(_guard("transformers capture", True, lambda: transformers_row(folder, sequences, truth)))
+        tiny_tp = tp or 1
+        checks.append(_guard(f"sglang capture (tiny, tp={tiny_tp})", sglang_asked,
+                             lambda: sglang_tiny_row(folder, sequences, truth, tiny_tp, sglang_asked)))
+    if model is not None:
+        target_tp = tp or 8
+        checks.append(_guard(f"sglang capture (target, tp={target_tp})", True, lambda: sglang_target_row(model, target_tp)))
+    return checks
+
+
+def render(checks: list[Check]) -> str:
+    marks = [c.status + ("" if c.required or c.status == OK else " (not asked)") for c in checks]
+    width, sw = max(len(c.name) for c in checks), max(len(m) for m in marks)
+    lines = [f"{'check':<{width}}  {'status':<{sw}}  detail", f"{'-' * width}  {'-' * sw}  {'-' * 40}"]
+    for c, mark in zip(checks, marks):
+        lines.append(f"{c.name:<{width}}  {mark:<{sw}}  {c.detail}")
+    code = exit_code(checks)
+    lines.append("")
+    lines.append("result: " + ("everything asked for works" if code == 0 else "something asked for does not work")
+                 + f" (exit {code})")
+    return "\n".join(lines)
+
+
+def gpu_check(model: str | None = None, tp: int | None = None, as_json: bool = False) -> int:
+    checks = run_checks(model, tp)
+    code = exit_code(checks)
+    if as_json:
+        print(json.dumps({"exit_code": code, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        print(render(checks))
+    return code
