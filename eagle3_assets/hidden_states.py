@@ -48,8 +48,9 @@ def select_samples(merged: pl.DataFrame, max_tokens: int | None = None,
 
 
 def stored_samples(selected: pl.DataFrame) -> list[StoredSample]:
-    return [StoredSample(sid, split, ids, mask)
-            for sid, split, ids, mask in selected.select("sample_id", "split", "input_ids", "loss_mask").iter_rows()]
+    """The rows as the store takes them, each dataset its own shard group."""
+    return [StoredSample(sid, split, ids, mask, dataset) for sid, split, ids, mask, dataset
+            in selected.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()]
 
 
 def tokens_by_dataset(selected: pl.DataFrame, merged: pl.DataFrame) -> pl.DataFrame:

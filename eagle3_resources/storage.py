@@ -5,7 +5,7 @@
     <root>/completions/<dataset>.parquet           derived from the journal, one row per prompt
     <root>/token_ids/<dataset>.parquet
     <root>/merged_dataset/merged.parquet
-    <root>/hidden_states/shard-NNNNN.safetensors   shards of many samples + manifest.json (checksums)
+    <root>/hidden_states/<dataset>-NNNNN.safetensors  shards of many samples + manifest.json (checksums)
     <root>/eagle3_drafter/                          config.json + model.safetensors (SGLang format)
     <root>/standin/                                 the stand-in tokenizer and target, built once
     <root>/ledger/spend.sqlite                      the spend ledger every process shares (SQLite, WAL)

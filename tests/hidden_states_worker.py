@@ -32,7 +32,7 @@ def samples(vocab: int, n: int = 24, seed: int = 7) -> list[StoredSample]:
         length = rng.randint(8, 40)
         ids = [rng.randrange(vocab) for _ in range(length)]
         mask = [0] * (length // 2) + [1] * (length - length // 2)
-        out.append(StoredSample(f"W{i % 3}/{i:03d}", "eval" if i % 5 == 0 else "train", ids, mask))
+        out.append(StoredSample(f"W{i % 3}/{i:03d}", "eval" if i % 5 == 0 else "train", ids, mask, group=f"W{i % 3}"))
     return out
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
@@ -21,6 +22,7 @@ from eagle3_assets.checks.training import HIDDEN_STATE_CHECKS
 from eagle3_assets.hidden_states import select_samples
 from eagle3_resources.hidden_states.extract import (
     DiskSpaceError,
+    StaleShardsError,
     StoreSettings,
     batches,
     extract_to_store,
@@ -134,7 +136,7 @@ def test_bytes_per_token_within_two_percent_of_the_minimum(target_model, tmp_pat
     figures = store_figures(tmp_path)
     floor = min_bytes_per_token(target_model.config.hidden_size)
     assert figures["min_bytes_per_token"] == floor == 4 * 64 * 2
-    on_disk = sum(p.stat().st_size for p in tmp_path.glob("shard-*"))
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     assert figures["bytes"] == on_disk and figures["tokens"] == sum(len(s.input_ids) for s in samples)
     assert on_disk / figures["tokens"] <= floor * 1.02, figures  # ids, masks, offsets and headers included
     for name, entry in read_manifest(tmp_path)["shards"].items():
@@ -182,18 +184,37 @@ def test_untrusted_files_are_removed_and_redone(target_model, tmp_path):
     extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     sums = {n: e["sha256"] for n, e in read_manifest(tmp_path)["shards"].items()}
     manifest = read_manifest(tmp_path)
-    del manifest["shards"]["shard-00002.safetensors"]  # killed between rename and record
+    del manifest["shards"]["all-00002.safetensors"]  # killed between rename and record
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
-    (tmp_path / "shard-00004.safetensors").write_bytes(b"\0" * 100)  # truncated although listed
-    (tmp_path / "shard-00005.safetensors.tmp").write_bytes(b"half")  # killed mid-write
+    (tmp_path / "all-00004.safetensors").write_bytes(b"\0" * 100)  # truncated although listed
+    (tmp_path / "all-00005.safetensors.tmp").write_bytes(b"half")  # killed mid-write
     report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     assert report.shards_written == 2 and report.shards_skipped == 4
-    assert "shard-00005.safetensors.tmp" in report.removed_untrusted
+    assert "all-00005.safetensors.tmp" in report.removed_untrusted
     assert {n: e["sha256"] for n, e in read_manifest(tmp_path)["shards"].items()} == sums
     assert not list(tmp_path.glob("*.tmp"))
-    # A changed target identity trusts nothing.
-    again = extract_to_store(samples, backend, tmp_path, settings, identity={"other": True}, progress_every_s=3600)
-    assert again.shards_written == 6
+
+
+def test_shards_another_plan_would_discard_are_kept_unless_asked(target_model, tmp_path):
+    backend = TransformersHiddenStates(target_model)
+    samples = [replace(s, group=s.sample_id[:2]) for s in make_samples(6, target_model.config.vocab_size)]
+    settings = StoreSettings(shard_bytes=1, **ROOMY)
+    extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.safetensors")}
+    assert sorted(before) == [f"{g}-0000{i}.safetensors" for g in ("A1", "B1") for i in range(3)]
+    with pytest.raises(StaleShardsError, match="the target .* changed") as err:
+        extract_to_store(samples, backend, tmp_path, settings, identity={"other": True}, progress_every_s=3600)
+    assert "6 committed shard(s)" in str(err.value) and "discard_stale_shards" in str(err.value)
+    with pytest.raises(StaleShardsError, match="samples changed"):  # B1 lost a sample
+        extract_to_store(samples[:5], backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.safetensors")} == before  # nothing deleted
+    # A dataset added leaves the others' shards alone.
+    more = [*samples, replace(samples[0], sample_id="C1/new", group="C1")]
+    added = extract_to_store(more, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    assert added.shards_written == 1 and added.shards_skipped == 6
+    again = extract_to_store(samples, backend, tmp_path, replace(settings, discard_stale=True), identity={"other": True},
+                             progress_every_s=3600)
+    assert again.shards_written == 6 and sorted(p.name for p in tmp_path.glob("*.safetensors")) == sorted(before)
 
 
 class Failing:
@@ -218,7 +239,7 @@ def test_a_stop_commits_the_finished_shards_first(target_model, tmp_path):
     settings = StoreSettings(shard_bytes=1, batch_tokens=1, **ROOMY)
     with pytest.raises(KeyboardInterrupt):
         extract_to_store(samples, Failing(backend, 3, KeyboardInterrupt()), tmp_path, settings, identity={}, progress_every_s=3600)
-    assert sorted(read_manifest(tmp_path)["shards"]) == [f"shard-0000{i}.safetensors" for i in range(3)]
+    assert sorted(read_manifest(tmp_path)["shards"]) == [f"all-0000{i}.safetensors" for i in range(3)]
     report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     assert report.shards_skipped == 3 and report.shards_written == 5
 
@@ -332,13 +353,13 @@ def test_checks_pass_on_a_good_store_and_name_what_is_wrong(target_model, tmp_pa
 
     # A shard lost from disk's end: listed, but of another size.
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
-    with open(tmp_path / "shard-00003.safetensors", "ab") as f:
+    with open(tmp_path / "all-00003.safetensors", "ab") as f:
         f.write(b"\0")
     count = file_checks["record_count"](tmp_path, merged)
-    assert not count.passed and list(count.metadata["damaged"]) == ["shard-00003.safetensors"]
+    assert not count.passed and list(count.metadata["damaged"]) == ["all-00003.safetensors"]
     assert samples[3].sample_id in count.metadata["missing"]
     assert not file_checks["shapes"](tmp_path, merged).passed
-    with pytest.raises(ValueError, match="shard-00003.safetensors"):
+    with pytest.raises(ValueError, match="all-00003.safetensors"):
         HiddenStateStore(tmp_path)
 
 

@@ -51,6 +51,9 @@ class HiddenStatesConfig(dg.Config):
                                       "the data volume reports. For a volume shared with other writers, give what is yours")
     disk_margin_pct: float = Field(default=5.0, description="free space to leave beyond what the store needs, in percent of it")
     disk_reserve_gb: float = Field(default=1.0, description="and this many GB on top")
+    discard_stale_shards: bool = Field(default=False, description="delete committed shards this run's plan no longer "
+                                       "wants (another target, layer rule, `shard_gb` or selection) and compute their "
+                                       "samples again; off, such a run stops before deleting anything and says why")
 
 
 @dg.asset(
@@ -82,7 +85,7 @@ def hidden_states(
     settings = StoreSettings(
         shard_bytes=int(config.shard_gb * 1e9), batch_tokens=hidden_states_backend.batch_tokens, writers=config.writers,
         verify_on_resume=config.verify_on_resume, free_bytes=config.free_bytes, margin_pct=config.disk_margin_pct,
-        reserve_bytes=int(config.disk_reserve_gb * 1e9),
+        reserve_bytes=int(config.disk_reserve_gb * 1e9), discard_stale=config.discard_stale_shards,
     )
 
     def observe(figures: dict) -> None:  # live progress on the asset's page

@@ -32,6 +32,7 @@ from eagle3_resources.hidden_states.store import (
     plan_shards,
     read_manifest,
     remove_untrusted,
+    stale_shards,
     token_bytes,
     trusted_shards,
 )
@@ -59,6 +60,7 @@ class StoreSettings:
     free_bytes: int | None = None  # the volume's free space; None = ask the file system
     margin_pct: float = 5.0  # free space kept beyond what the store needs
     reserve_bytes: int = 1 * GiB  # and this much on top
+    discard_stale: bool = False  # delete committed shards the new plan does not want (else refuse)
 
 
 def human_bytes(n: float) -> str:
@@ -70,6 +72,19 @@ def human_bytes(n: float) -> str:
 
 class DiskSpaceError(RuntimeError):
     """The volume cannot hold what the extraction would write (raised before any byte is written)."""
+
+
+class StaleShardsError(RuntimeError):
+    """Committed shards would be deleted because the plan changed; refused unless asked for (GPU hours are at stake)."""
+
+
+def why_stale(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The likeliest reason committed shards no longer match the plan, in words."""
+    reasons = [what for key, what in (("identity", "the target (its config or weights) changed"),
+                                      ("aux_layer_ids", "the layer ids changed"),
+                                      ("shard_bytes", "the shard size (`shard_gb`) changed"))
+               if old.get(key) != new.get(key)]
+    return "; ".join(reasons) or "their samples changed (the merged set, `max_tokens` or `dataset_weights`)"
 
 
 @dataclass
@@ -169,6 +184,15 @@ def extract_to_store(
         "shards": {},
     }
     done = trusted_shards(root, old, plans, settings.verify_on_resume) if old else set()
+    stale = stale_shards(root, old, plans) if old else {}
+    if stale and not settings.discard_stale:
+        size = sum(e["bytes"] for e in stale.values())
+        raise StaleShardsError(
+            f"{len(stale)} committed shard(s) in {root} ({human_bytes(size)}, {sum(e['tokens'] for e in stale.values()):,} "
+            f"tokens, e.g. {', '.join(sorted(stale)[:3])}) do not match this run's plan: {why_stale(old, manifest)}. "
+            f"Nothing was deleted. Restore the previous settings to keep them, or set `discard_stale_shards: true` "
+            f"(the asset's config) to delete them and compute their samples again."
+        )
     manifest["shards"] = {name: old["shards"][name] for name in sorted(done)}
     pending = [p for p in plans if p.name not in done]
     total_tokens = sum(p.tokens for p in plans)

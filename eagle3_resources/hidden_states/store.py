@@ -3,7 +3,8 @@
 Layout under `root`:
     manifest.json               settings (H, layer ids and their convention, target) and every
                                 committed shard: its content key, sha256, bytes, samples, tokens
-    shard-00000.safetensors     one shard: the samples' rows concatenated along the token axis
+    <group>-00000.safetensors   one shard of one group (a dataset): its samples' rows concatenated
+                                along the token axis
         input_ids           [T] int32
         loss_mask           [T] int8
         aux_hidden_states   [T, 3H] bf16   (the EAGLE-3 layers, low -> high)
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,8 +52,8 @@ def token_bytes(hidden_size: int) -> int:
     return min_bytes_per_token(hidden_size) + ID_MASK_BYTES
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
+def shard_name(group: str, index: int) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', group)}-{index:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -62,50 +64,45 @@ class StoredSample:
     split: str
     input_ids: Sequence[int]
     loss_mask: Sequence[int]
+    group: str = "all"  # shards never mix groups: a dataset added or changed leaves the others' shards alone
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    index: int
+    name: str
     samples: tuple[int, ...]  # positions in the sample list, in order
     tokens: int
     key: str  # what the shard must contain: a committed shard with another key is redone
 
-    @property
-    def name(self) -> str:
-        return shard_name(self.index)
-
 
 def plan_shards(samples: Sequence[StoredSample], hidden_size: int, shard_bytes: int, identity: dict[str, Any]) -> list[ShardPlan]:
-    """Cut the samples, in order, into shards of about `shard_bytes` (a sample is never split).
+    """Cut each group's samples, in order, into shards of about `shard_bytes` (a sample is never split).
 
     Deterministic in its inputs, so a resumed run plans the same shards; `identity` (target, layer
     ids, ...) enters every key, so a changed target or layer rule never reuses an old shard.
     """
     per_token = token_bytes(hidden_size)
     prefix = json.dumps({"format": FORMAT, "hidden_size": hidden_size, **identity}, sort_keys=True).encode()
-    plans: list[ShardPlan] = []
-    current: list[int] = []
-    tokens = 0
-
-    def close() -> None:
-        nonlocal current, tokens
-        h = hashlib.sha256(prefix)
-        for i in current:
-            s = samples[i]
-            h.update(f"\0{s.sample_id}\0{s.split}\0".encode())
-            h.update(torch.tensor(list(s.input_ids), dtype=torch.int32).numpy().tobytes())
-            h.update(torch.tensor(list(s.loss_mask), dtype=torch.int8).numpy().tobytes())
-        plans.append(ShardPlan(len(plans), tuple(current), tokens, h.hexdigest()))
-        current, tokens = [], 0
-
+    groups: dict[str, list[int]] = {}
     for i, s in enumerate(samples):
-        if current and (tokens + len(s.input_ids)) * per_token > shard_bytes:
-            close()
-        current.append(i)
-        tokens += len(s.input_ids)
-    if current:
-        close()
+        groups.setdefault(s.group, []).append(i)
+    plans: list[ShardPlan] = []
+    for group, members in groups.items():
+        current: list[int] = []
+        tokens = count = 0
+        for i in [*members, None]:
+            if current and (i is None or (tokens + len(samples[i].input_ids)) * per_token > shard_bytes):
+                h = hashlib.sha256(prefix)
+                for j in current:
+                    s = samples[j]
+                    h.update(f"\0{s.sample_id}\0{s.split}\0".encode())
+                    h.update(torch.tensor(list(s.input_ids), dtype=torch.int32).numpy().tobytes())
+                    h.update(torch.tensor(list(s.loss_mask), dtype=torch.int8).numpy().tobytes())
+                plans.append(ShardPlan(shard_name(group, count), tuple(current), tokens, h.hexdigest()))
+                current, tokens, count = [], 0, count + 1
+            if i is not None:
+                current.append(i)
+                tokens += len(samples[i].input_ids)
     return plans
 
 
@@ -185,25 +182,36 @@ class ShardCommitter:
         return entry
 
 
+def intact(root: Path, entry: dict[str, Any], name: str, verify: bool) -> bool:
+    """The committed shard's file is there with its recorded size (and, with `verify`, its recorded sha256)."""
+    path = Path(root) / name
+    if not path.exists() or path.stat().st_size != entry["bytes"]:
+        return False
+    return not verify or file_sha256(path) == entry["sha256"]
+
+
 def trusted_shards(root: Path, manifest: dict[str, Any], plans: Iterable[ShardPlan], verify: bool) -> set[str]:
-    """The planned shards already committed with the planned content (size, and with `verify` the sha256, re-checked)."""
+    """The planned shards already committed with the planned content, intact on disk."""
     done = set()
     for plan in plans:
         entry = manifest.get("shards", {}).get(plan.name)
-        path = Path(root) / plan.name
-        if entry is None or entry["key"] != plan.key or not path.exists() or path.stat().st_size != entry["bytes"]:
-            continue
-        if verify and file_sha256(path) != entry["sha256"]:
-            continue
-        done.add(plan.name)
+        if entry is not None and entry["key"] == plan.key and intact(root, entry, plan.name, verify):
+            done.add(plan.name)
     return done
+
+
+def stale_shards(root: Path, manifest: dict[str, Any], plans: Iterable[ShardPlan]) -> dict[str, dict[str, Any]]:
+    """Committed, intact shards the plan does not want as they are (other samples, target, layers or size)."""
+    wanted = {p.name: p.key for p in plans}
+    return {name: entry for name, entry in manifest.get("shards", {}).items()
+            if wanted.get(name) != entry["key"] and intact(root, entry, name, verify=False)}
 
 
 def remove_untrusted(root: Path, manifest: dict[str, Any]) -> list[str]:
     """Delete temporary files and shard files the manifest does not list (a kill between rename and record)."""
     removed = []
     listed = set(manifest.get("shards", {}))
-    for path in sorted(Path(root).glob("shard-*")):
+    for path in sorted([*Path(root).glob("*.safetensors"), *Path(root).glob("*.tmp")]):
         if path.name not in listed:
             path.unlink()
             removed.append(path.name)
