@@ -67,6 +67,14 @@ def completions_resource() -> CompletionsResource:
     return CompletionsResource(**kwargs)
 
 
+def hidden_states_resource() -> HiddenStatesResource:
+    kwargs: dict = {"backend": os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")}
+    for field, var in (("batch_tokens", "EAGLE3_HIDDEN_STATES_BATCH_TOKENS"), ("sglang_tp_size", "EAGLE3_SGLANG_TP_SIZE")):
+        if os.environ.get(var):
+            kwargs[field] = dg.EnvVar.int(var)
+    return HiddenStatesResource(**kwargs)
+
+
 def resources() -> dict:
     data_dir = default_data_dir()
     standin = str(data_dir / "standin")
@@ -75,7 +83,7 @@ def resources() -> dict:
         "tokenizer": TokenizerResource(path=os.environ.get("EAGLE3_TOKENIZER_DIR") or None, standin_dir=standin),
         "target": TargetModelResource(path=os.environ.get("EAGLE3_TARGET_DIR") or None, standin_dir=standin),
         "completions_backend": completions_resource(),
-        "hidden_states_backend": HiddenStatesResource(backend=os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")),
+        "hidden_states_backend": hidden_states_resource(),
         "spend_policy": SpendPolicy(),  # every threshold from the environment, read at use time
         "alerts": AlertSink(webhook_url=_env_or_none("EAGLE3_ALERT_WEBHOOK_URL")),
     }

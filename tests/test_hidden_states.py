@@ -129,6 +129,24 @@ def test_a_padded_batch_gives_each_sample_its_own_states(target_model):
         torch.testing.assert_close(final, alone_final, rtol=1e-4, atol=1e-4)
 
 
+def test_a_multimodal_wrapper_is_looked_through(target_model):
+    """Kimi-K2.5's checkpoint keeps its DeepseekV3 under `language_model` beside a vision tower."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.vision_tower = torch.nn.Linear(2, 2)
+            self.language_model = lm
+
+    ids = list(range(300, 320))
+    wrapped = TransformersHiddenStates(Wrapper(target_model))
+    assert wrapped.num_layers == target_model.config.num_hidden_layers and wrapped.layer_ids == [1, 3, 4]
+    for got, want in zip(wrapped.extract(ids), TransformersHiddenStates(target_model).extract(ids)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="no decoder layers"):
+        TransformersHiddenStates(torch.nn.Linear(2, 2))
+
+
 def test_bytes_per_token_within_two_percent_of_the_minimum(target_model, tmp_path):
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(60, target_model.config.vocab_size, lengths=(180, 420, 250, 600, 90))

@@ -18,17 +18,24 @@ import torch
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 
 
+def text_causal_lm(model):
+    """The causal LM inside a multimodal wrapper (Kimi-K2.5 keeps its DeepseekV3 as `language_model`), or the model."""
+    for candidate in (model, getattr(model, "language_model", None), getattr(getattr(model, "model", None), "language_model", None)):
+        if candidate is not None and hasattr(getattr(candidate, "model", None), "layers"):
+            return candidate
+    raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers or .language_model.model.layers")
+
+
 class TransformersHiddenStates:
     name = "transformers"
 
     def __init__(self, model, layer_ids: list[int] | None = None):
-        self.model = model
-        base = model.model
-        self.layers = base.layers
+        self.model = text_causal_lm(model)
+        self.layers = self.model.model.layers
         self.num_layers = len(self.layers)
         self.layer_ids = list(layer_ids) if layer_ids is not None else eagle3_aux_layers(self.num_layers)
-        self.hidden_size = model.config.hidden_size
-        self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        self.hidden_size = self.model.config.hidden_size
+        self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
 
     @property
     def device(self) -> torch.device:
