@@ -262,6 +262,30 @@ def test_a_stop_commits_the_finished_shards_first(target_model, tmp_path):
     assert report.shards_skipped == 3 and report.shards_written == 5
 
 
+def test_a_failing_write_stops_the_extraction_and_keeps_what_was_committed(target_model, tmp_path, monkeypatch):
+    """A full disk mid-run (ENOSPC from the third shard's write): no more GPU time on shards that cannot be kept."""
+    import errno
+
+    from eagle3_resources.hidden_states import store as store_module
+
+    real_save, calls = store_module.save, []
+
+    def save_until_full(tensors, metadata=None):
+        calls.append(1)
+        if len(calls) >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(tensors, metadata=metadata)
+
+    monkeypatch.setattr(store_module, "save", save_until_full)
+    backend = Failing(TransformersHiddenStates(target_model), 10**6, RuntimeError())
+    samples = make_samples(12, target_model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=1, batch_tokens=1, writers=1, **ROOMY),
+                         identity={}, progress_every_s=3600)
+    assert sorted(read_manifest(tmp_path)["shards"]) == ["all-00000.safetensors", "all-00001.safetensors"]
+    assert 10**6 - backend.left < 12  # stopped before computing every shard
+
+
 def test_progress_reports_rate_bytes_and_eta(target_model, tmp_path):
     seen = []
     samples = make_samples(5, target_model.config.vocab_size)

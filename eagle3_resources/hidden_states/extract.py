@@ -212,7 +212,7 @@ def extract_to_store(
     report = ExtractionReport(len(plans), 0, len(done), 0, 0, 0, 0.0, removed_untrusted=removed)
     started = last = time.monotonic()
     slots = BoundedSemaphore(settings.writers + 1)  # finished shards waiting in memory, the one being filled included
-    futures: list[Future] = []
+    futures: dict[str, Future] = {}  # shard name -> its write
 
     def progress(final: bool = False) -> None:
         elapsed = max(1e-9, time.monotonic() - started)
@@ -237,6 +237,9 @@ def extract_to_store(
     with ThreadPoolExecutor(max_workers=max(1, settings.writers), thread_name_prefix="shard-writer") as pool:
         try:
             for plan in pending:
+                broken = next(((n, f) for n, f in futures.items() if f.done() and f.exception() is not None), None)
+                if broken is not None:  # a full disk or a failing volume: stop computing what cannot be kept
+                    raise RuntimeError(f"writing {broken[0]} failed: {broken[1].exception()}") from broken[1].exception()
                 rows = [samples[i] for i in plan.samples]
                 aux: list[torch.Tensor | None] = [None] * len(rows)
                 final: list[torch.Tensor | None] = [None] * len(rows)
@@ -256,14 +259,14 @@ def extract_to_store(
                         progress()
                 fut = pool.submit(committer.commit, plan, rows, aux, final)
                 fut.add_done_callback(lambda f, plan=plan: written(plan, f))
-                futures.append(fut)
+                futures[plan.name] = fut
                 report.samples_written += len(rows)
         finally:
-            for fut in futures:  # the finished shards are committed whatever stopped the loop
+            for fut in futures.values():  # the finished shards are committed whatever stopped the loop
                 fut.exception()
-    failed = [f.exception() for f in futures if f.exception() is not None]
+    failed = [(n, f.exception()) for n, f in futures.items() if f.exception() is not None]
     if failed:
-        raise RuntimeError(f"{len(failed)} shard(s) could not be written") from failed[0]
+        raise RuntimeError(f"{len(failed)} shard(s) could not be written, first {failed[0][0]}: {failed[0][1]}") from failed[0][1]
     report.seconds = time.monotonic() - started
     progress(final=True)
     return report
