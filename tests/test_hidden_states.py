@@ -161,7 +161,10 @@ def test_bytes_per_token_within_two_percent_of_the_minimum(target_model, tmp_pat
         assert file_sha256(tmp_path / name) == entry["sha256"]
 
 
-def test_random_reads_come_from_the_index_not_a_scan(target_model, tmp_path):
+def test_random_reads_come_from_the_index_not_a_scan(target_model, tmp_path, monkeypatch):
+    from eagle3_resources.hidden_states import store as store_module
+
+    monkeypatch.setattr(store_module, "OPEN_SHARDS", 2)  # more shards than a reader keeps mapped
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(12, target_model.config.vocab_size)
     extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=30_000, **ROOMY), identity={}, progress_every_s=3600)
@@ -174,6 +177,7 @@ def test_random_reads_come_from_the_index_not_a_scan(target_model, tmp_path):
         assert store[s.sample_id]["input_ids"].tolist() == list(s.input_ids)
         assert store.shapes(s.sample_id)["aux_hidden_states"] == (len(s.input_ids), 3 * 64)
     assert store.sample_ids("eval") == [s.sample_id for s in samples if s.split == "eval"]
+    assert len(store._handles) == 2
 
 
 def test_disk_check_refuses_before_writing_anything(target_model, tmp_path):

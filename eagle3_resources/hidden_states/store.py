@@ -26,6 +26,7 @@ import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ MANIFEST = "manifest.json"
 KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
 STATE_BYTES = 2  # bf16
 ID_MASK_BYTES = 4 + 1  # int32 id + int8 mask per token
+OPEN_SHARDS = 64  # a reader keeps this many shards mapped (a 10 TB store has thousands)
 
 
 def min_bytes_per_token(hidden_size: int) -> int:
@@ -229,7 +231,7 @@ class HiddenStateStore:
         self.hidden_size = int(self.manifest["hidden_size"])
         self.index: dict[str, tuple[str, int, int, str]] = {}  # id -> (shard, start, end, split)
         self.damaged: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}
+        self._handles: OrderedDict[str, Any] = OrderedDict()  # the most recently read shards, memory-mapped
         for name, entry in sorted(self.manifest.get("shards", {}).items()):
             try:
                 self._index_shard(name, entry)
@@ -250,8 +252,12 @@ class HiddenStateStore:
             self.index[sid] = (name, offsets[j], offsets[j + 1], split)
 
     def _open(self, name: str):
-        if name not in self._handles:
+        if name in self._handles:
+            self._handles.move_to_end(name)
+        else:
             self._handles[name] = safe_open(str(self.root / name), framework="pt")
+            if len(self._handles) > OPEN_SHARDS:
+                self._handles.popitem(last=False)
         return self._handles[name]
 
     def __contains__(self, sample_id: str) -> bool:
