@@ -23,8 +23,8 @@ REFERENCE_KEYS = {
 
 
 def tiny_drafter(vocab=1000, draft=64, H=32):
-    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=2,
-                        num_key_value_heads=2, head_dim=16, vocab_size=vocab, draft_vocab_size=draft)
+    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=8,
+                        num_key_value_heads=8, head_dim=4, vocab_size=vocab, draft_vocab_size=draft)
     torch.manual_seed(0)
     return Eagle3Drafter(cfg, torch.randn(vocab, H), torch.arange(0, 2 * draft, 2))
 
@@ -42,8 +42,52 @@ def test_export_has_exactly_the_sglang_keys(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == 1000 and cfg["draft_vocab_size"] == 64
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # vLLM: the inputs of the layers after
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
     assert check_checkpoint(out) == []
+
+
+# Written out from the models' own config.json files (text part), not derived from our code.
+TARGET_CONFIGS = {
+    "stand-in": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "vocab_size": 163840},
+    "Kimi-K2.5": {"hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "vocab_size": 163840},
+    "DeepSeek-V3": {"hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "vocab_size": 129280},
+    "2048-wide": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8, "vocab_size": 32000},
+    "Qwen3-8B": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "vocab_size": 151936},
+    "5120-wide": {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40, "vocab_size": 152064},
+}
+
+
+def kv_split_ok(heads: int, kv_heads: int, tp: int) -> bool:
+    """SGLang's QKVParallelLinear / vLLM's attention: heads divide by TP; KV heads divide by it, or it by them."""
+    return heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)
+
+
+def test_every_target_gets_a_drafter_that_loads_at_tp_1_2_4_8():
+    from eagle3_assets.drafter.model import default_learning_rate, loads_at_tp
+    from eagle3_assets.drafter.pipeline import drafter_config
+
+    for name, target in TARGET_CONFIGS.items():
+        cfg = drafter_config(target, target["hidden_size"], 32000, target["vocab_size"])
+        for tp in (1, 2, 4, 8):
+            assert kv_split_ok(cfg.num_attention_heads, cfg.num_key_value_heads, tp), (name, tp, cfg)
+            assert loads_at_tp(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+    kimi = drafter_config(TARGET_CONFIGS["Kimi-K2.5"], 7168, 32000, 163840)
+    assert (kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim) == (56, 8, 128)  # SpecForge's DeepSeek-V3 draft
+    assert not loads_at_tp(56, 7, 8) and not kv_split_ok(56, 7, 8)  # the old Kimi shape
+    assert default_learning_rate(7168) == 1e-4 and default_learning_rate(64) == 2e-3
+
+
+def test_layer_ids_are_written_in_each_servers_convention(tmp_path):
+    out = export_checkpoint(tiny_drafter(), tmp_path / "a", [2, 4, 6])  # not starting at 1: SGLang adds nothing
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 7] == cfg["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 29, 57]  # vLLM's ids copied from SGLang's: off by one
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert any("name different target layers" in p for p in check_checkpoint(out))
+    cfg.update(eagle_aux_hidden_state_layer_ids=[3, 5, 7], num_key_value_heads=7, num_attention_heads=56)
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert any("do not split at --tp [2, 4, 8]" in p for p in check_checkpoint(out))
 
 
 def test_key_check_catches_what_sglang_would_skip(tmp_path):

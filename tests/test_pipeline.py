@@ -63,6 +63,8 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
         assert len(set(f.keys())) == 15
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["vocab_size"] == 163840 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's key: inputs of the next layers
+    assert str(data_dir_with_standin) not in json.dumps(cfg)  # no machine path in a checkpoint that travels
     for ds in ("B6", "B7"):
         assert (data_dir_with_standin / "completions" / ds / "journal.jsonl").stat().st_size > 0
         assert (data_dir_with_standin / "token_ids" / f"{ds}.parquet").exists()

@@ -1,6 +1,8 @@
 """`eagle3_drafter`: a trained EAGLE-3 drafter in SGLang's `LlamaForCausalLMEagle3` format."""
 
 
+from typing import Optional
+
 import dagster as dg
 import polars as pl
 from pydantic import Field
@@ -26,7 +28,9 @@ class DrafterTrainConfig(dg.Config):
     ttt_steps: int = Field(default=7, description="training-time-test unroll length (SpecForge/EAGLE: 7)")
     step_decay: float = Field(default=0.8, description="loss weight of TTT step k is decay**k")
     epochs: int = Field(default=6, description="passes over the training split")
-    lr: float = Field(default=2e-3, description="AdamW peak learning rate (warmup, then cosine)")
+    lr: Optional[float] = Field(default=None, description="AdamW peak learning rate (warmup, then cosine); unset = by the "
+                                "drafter's width: 1e-4 from 4096 wide (SpecForge's 5e-5 to 1e-4 for 7168-wide drafters), "
+                                "3e-4 from 1024, 2e-3 for the narrow stand-in")
     sequences_per_step: int = Field(default=4, description="sequences per optimizer step")
     max_len: int = Field(default=512, description="train on each sample's last max_len tokens")
     seed: int = Field(default=0, description="initialisation and shuffling seed")

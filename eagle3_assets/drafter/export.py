@@ -4,7 +4,8 @@ SGLang silently skips weight names it does not know (`layers.0.*`, `input_norm.*
 then runs with random weights and an accept length of ~1.0, the history's "zero acceptance".
 So the export writes exactly the names SGLang's loader maps, and `check_checkpoint` verifies
 the written files key by key, shape by shape, before the asset reports success. vLLM loads the
-same checkpoint (it renames `midlayer.` to `layers.0.`).
+same checkpoint (it renames `midlayer.` to `layers.0.`) and reads its own layer-id key (see
+`vllm_layer_ids`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.model import (
+    TP_SIZES,
+    DrafterConfig,
+    Eagle3Drafter,
+    loads_at_tp,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 # The names SGLang's LlamaForCausalLMEagle3.load_weights maps (../shared/reference/eagle3.md).
@@ -45,7 +51,23 @@ SGLANG_EAGLE3_KEYS = frozenset(
 )
 
 
+def sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+    """`eagle_config.eagle_aux_hidden_state_layer_ids` as SGLang (0.5.23, after sglang#25454) reads it for our ids
+    (outputs of 0-based layers): a list starting with 1 gets SGLang's +1; any other list is read as layer inputs."""
+    from eagle3_resources.hidden_states.sglang_api import CaptureRule, capture_argument
+
+    return capture_argument(list(aux_layer_ids), max(aux_layer_ids) + 2, CaptureRule.PLUS_ONE_IF_FIRST_IS_1)
+
+
+def vllm_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+    """Top-level `eagle_aux_hidden_state_layer_ids` as vLLM reads it: the target captures `hidden_states + residual`
+    at the INPUT of each listed layer, with no offset added, so the output of layer i is id i + 1. (Without the key
+    vLLM uses (2, N//2, N-3), the same layers as our [1, N//2-1, N-4]; written anyway so a custom choice holds.)"""
+    return [i + 1 for i in aux_layer_ids]
+
+
 def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SGLang reads the ids under `eagle_config`, vLLM at the top level, each in its own convention."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -65,7 +87,8 @@ def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, A
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids),
         "torch_dtype": "bfloat16",
         **(extra or {}),
     }
@@ -117,8 +140,24 @@ def check_checkpoint(folder: Path) -> list[str]:
             problems.append(f"config.json lacks {key!r}")
     if cfg_json.get("architectures") != ["LlamaForCausalLMEagle3"]:
         problems.append(f"architectures is {cfg_json.get('architectures')}, not ['LlamaForCausalLMEagle3']")
-    if not (cfg_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+    sglang_ids = (cfg_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not sglang_ids:
         problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing")
+    vllm_ids = cfg_json.get("eagle_aux_hidden_state_layer_ids")
+    if sglang_ids and vllm_ids is not None:
+        from eagle3_resources.hidden_states.sglang_api import CaptureRule, layers_to_capture
+
+        # Both servers capture at layer inputs: SGLang after its own offset, vLLM as listed.
+        if layers_to_capture(list(sglang_ids), CaptureRule.PLUS_ONE_IF_FIRST_IS_1) != list(vllm_ids):
+            problems.append(f"SGLang's layer ids {sglang_ids} and vLLM's {vllm_ids} name different target layers")
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if not isinstance(cfg_json.get(key), int):
+            problems.append(f"config.json lacks {key!r}")
+    if not problems:
+        bad = [tp for tp in TP_SIZES if not loads_at_tp(cfg_json["num_attention_heads"], cfg_json["num_key_value_heads"], tp)]
+        if bad:
+            problems.append(f"{cfg_json['num_attention_heads']} heads / {cfg_json['num_key_value_heads']} KV heads "
+                            f"do not split at --tp {bad}")
     with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
         keys = set(f.keys())
         tensors = {k: f.get_tensor(k) for k in keys}

@@ -105,7 +105,8 @@ def train_drafter(
     checkpoint = export_checkpoint(
         model, out_dir, manifest["aux_layer_ids"],
         extra={"eagle3_pipeline": {"ttt_steps": settings.ttt_steps, "train_samples": len(train_samples),
-                                   "eval_accept_length": trained["accept_length"], "target": str(target_folder)}},
+                                   "eval_accept_length": trained["accept_length"],
+                                   "target": Path(target_folder).name}},  # a name, not this machine's path
     )
     return DrafterReport(
         checkpoint=checkpoint,

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from eagle3_assets.drafter.model import Eagle3Drafter
+from eagle3_assets.drafter.model import Eagle3Drafter, default_learning_rate
 
 
 @dataclass
@@ -34,7 +34,7 @@ class TrainSettings:
     ttt_steps: int = 7
     step_decay: float = 0.8
     epochs: int = 6
-    lr: float = 2e-3
+    lr: float | None = None  # None: default_learning_rate(drafter width)
     warmup_steps: int = 20
     sequences_per_step: int = 4
     max_len: int = 512
@@ -156,7 +156,9 @@ def train(
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    lr = settings.lr if settings.lr is not None else default_learning_rate(model.cfg.hidden_size)
+    log(f"drafter: peak learning rate {lr:g}" + ("" if settings.lr is not None else f" (default for width {model.cfg.hidden_size})"))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(train_samples) / settings.sequences_per_step)
     total_steps = steps_per_epoch * settings.epochs
 
