@@ -1,6 +1,7 @@
 """`eagle3_drafter`: a trained EAGLE-3 drafter in SGLang's `LlamaForCausalLMEagle3` format."""
 
 
+from pathlib import Path
 from typing import Optional
 
 import dagster as dg
@@ -15,8 +16,10 @@ from eagle3_assets.checks.training import (
     drafter_keys,
 )
 from eagle3_assets.drafter.export import check_checkpoint
+from eagle3_assets.drafter.launch import run_torchrun
 from eagle3_assets.drafter.pipeline import DrafterReport, train_drafter
 from eagle3_assets.drafter.train import TrainSettings
+from eagle3_assets.drafter.train_cli import report_from_json, write_spec
 from eagle3_assets.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -31,14 +34,41 @@ class DrafterTrainConfig(dg.Config):
     lr: Optional[float] = Field(default=None, description="AdamW peak learning rate (warmup, then cosine); unset = by the "
                                 "drafter's width: 1e-4 from 4096 wide (SpecForge's 5e-5 to 1e-4 for 7168-wide drafters), "
                                 "3e-4 from 1024, 2e-3 for the narrow stand-in")
-    sequences_per_step: int = Field(default=4, description="sequences per optimizer step")
-    max_len: int = Field(default=512, description="train on each sample's last max_len tokens")
+    batch_tokens: int = Field(default=2048, description="tokens per optimizer step (whole windows, at least one); the "
+                              "global batch, whatever the number of processes")
+    max_len: int = Field(default=4096, description="longest window trained at once; a longer sample is cut into "
+                         "consecutive windows (every token is trained; the count of cut samples is in the metadata)")
     seed: int = Field(default=0, description="initialisation and shuffling seed")
     min_accept_length: float = Field(default=1.5, description="the accept_length check warns below this")
+    checkpoint_every: int = Field(default=50, description="optimizer steps between training checkpoints (weights, "
+                                  "optimizer, scheduler, data position, RNG) in `eagle3_drafter.training/`; a stopped "
+                                  "or killed run resumes from the last one")
+    device: str = Field(default="auto", description="`auto` = CUDA when present (bf16 autocast, fp32 master weights), "
+                        "else the CPU; or `cpu`, `cuda`")
+    processes: int = Field(default=1, description="data-parallel processes (torchrun + DDP, one per GPU; gloo on the "
+                           "CPU); 8 on an 8-GPU host")
+    online: bool = Field(default=False, description="compute the target's hidden states inside the training loop "
+                         "(transformers, the `target` resource) instead of reading the store: no disk needed, for a "
+                         "target that fits beside the trainer")
+    init_from: Optional[str] = Field(default=None, description="warm start from this SGLang-format drafter folder "
+                                     "(its weights and draft vocabulary)")
 
     def settings(self) -> TrainSettings:
         return TrainSettings(ttt_steps=self.ttt_steps, step_decay=self.step_decay, epochs=self.epochs, lr=self.lr,
-                             sequences_per_step=self.sequences_per_step, max_len=self.max_len, seed=self.seed)
+                             batch_tokens=self.batch_tokens, max_len=self.max_len, seed=self.seed,
+                             checkpoint_every=self.checkpoint_every)
+
+
+def train_in_processes(context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore, folder: Path) -> DrafterReport:
+    """torchrun with `config.processes` ranks; the step's stop stops them all."""
+    out = store.layout.drafter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = write_spec(Path(str(out) + ".spec.json"), hidden_root=None if config.online else store.layout.hidden_states(),
+                      merged_path=store.layout.merged_dataset(), target_folder=folder, out_dir=out,
+                      settings=config.settings(), draft_vocab_size=config.draft_vocab_size,
+                      report_path=Path(str(out) + ".report.json"), device=config.device, online=config.online,
+                      init_from=Path(config.init_from) if config.init_from else None)
+    return report_from_json(run_torchrun(spec, config.processes, context.log.info))
 
 
 def training_plot(report: DrafterReport):
@@ -129,10 +159,22 @@ def eagle3_drafter(
     tokenizer: TokenizerResource, target: TargetModelResource,
 ) -> dg.MaterializeResult:
     merged = pl.read_parquet(store.layout.merged_dataset())
-    report = train_drafter(
-        store.layout.hidden_states(), merged, target.folder(tokenizer, context.log.info), store.layout.drafter(),
-        config.settings(), config.draft_vocab_size, context.log.info,
-    )
+    folder = target.folder(tokenizer, context.log.info)
+    if config.processes > 1:
+        report = train_in_processes(context, config, store, folder)
+    else:
+        backend = None
+        if config.online:
+            from eagle3_resources.hidden_states.transformers_backend import (
+                TransformersHiddenStates,
+            )
+
+            backend = TransformersHiddenStates(target.load_model(tokenizer, context.log.info))
+        report = train_drafter(
+            None if config.online else store.layout.hidden_states(), merged, folder, store.layout.drafter(),
+            config.settings(), config.draft_vocab_size, context.log.info, device=config.device, online_backend=backend,
+            init_from=Path(config.init_from) if config.init_from else None,
+        )
     problems = check_checkpoint(report.checkpoint)
     outcomes = {
         "sglang_keys": drafter_keys(report.checkpoint),

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,10 @@ def check_checkpoint(folder: Path) -> list[str]:
         problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing")
     vllm_ids = cfg_json.get("eagle_aux_hidden_state_layer_ids")
     if sglang_ids and vllm_ids is not None:
-        from eagle3_resources.hidden_states.sglang_api import CaptureRule, layers_to_capture
+        from eagle3_resources.hidden_states.sglang_api import (
+            CaptureRule,
+            layers_to_capture,
+        )
 
         # Both servers capture at layer inputs: SGLang after its own offset, vLLM as listed.
         if layers_to_capture(list(sglang_ids), CaptureRule.PLUS_ONE_IF_FIRST_IS_1) != list(vllm_ids):
@@ -203,3 +207,42 @@ def export_checkpoint(model: Eagle3Drafter, out_dir: Path, aux_layer_ids: list[i
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+@dataclass
+class DrafterCheckpoint:
+    """An exported drafter read back, to warm-start training from it."""
+
+    folder: Path
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        d2t = self.tensors["d2t"].long()
+        return d2t + torch.arange(len(d2t))
+
+    def load_into(self, model: Eagle3Drafter) -> None:
+        """Copy every weight; a shape that differs (another target width, another vocabulary) is an error, not a skip."""
+        own = model.state_dict()
+        missing = []
+        for name, t in self.tensors.items():
+            if name in ("d2t", "t2d"):
+                continue
+            if name not in own:
+                missing.append(name)
+                continue
+            if tuple(own[name].shape) != tuple(t.shape):
+                raise ValueError(f"{self.folder}: {name} is {tuple(t.shape)}, the drafter being trained has {tuple(own[name].shape)}")
+            own[name].copy_(t.to(own[name].dtype))
+        if missing:
+            raise ValueError(f"{self.folder}: weights the drafter does not have: {missing}")
+
+
+def read_checkpoint(folder: Path) -> DrafterCheckpoint:
+    problems = check_checkpoint(folder)
+    if problems:
+        raise ValueError(f"{folder} is not a drafter this project can warm-start from: {problems[0]}")
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return DrafterCheckpoint(Path(folder), json.loads((Path(folder) / "config.json").read_text()), tensors)

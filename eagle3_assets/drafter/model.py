@@ -170,6 +170,10 @@ class Eagle3Drafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
 
+    def forward(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """`unroll`, as a module call: DistributedDataParallel syncs gradients of what goes through `forward`."""
+        return self.unroll(aux, tokens, positions, steps)
+
     def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Draft logits of TTT steps 0..steps-1 for one sequence.
 

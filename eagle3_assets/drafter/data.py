@@ -1,0 +1,136 @@
+"""Training data for the drafter, read on demand: memory stays bounded whatever the dataset size.
+
+A sample longer than `max_len` is cut into consecutive windows of at most `max_len` tokens, each
+keeping its true positions, so no token is dropped (the drafter attends within its window; the
+target's aux states carry the longer context). A window is loaded, with its teacher computed from
+the stored final hidden states, only when a step needs it. Windows are packed into optimizer
+steps by a token budget, in an order that depends only on the seed and the epoch: a resumed run
+sees exactly the batches an uninterrupted one would.
+
+The source of a sample's tensors is either the hidden-state store (offline) or the target itself,
+run inside the loop (online, `OnlineSource`): the same dict either way.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One training window on the training device."""
+
+    tokens: torch.Tensor  # [L] target ids
+    positions: torch.Tensor  # [L] positions in the original sequence
+    mask: torch.Tensor  # [L] 1 where the token is a completion token
+    aux: torch.Tensor  # [L, 3H_t] float32
+    teacher_p: torch.Tensor  # [L, V_draft] target distribution over the draft vocabulary
+    teacher_argmax: torch.Tensor  # [L] the target's argmax over its full vocabulary
+
+
+class SampleSource(Protocol):
+    def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Window:
+    sample_id: str
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    windows: list[Window]
+    samples: int
+    tokens: int
+    split_samples: int  # samples longer than max_len, cut into several windows (nothing dropped)
+
+
+def plan_windows(lengths: Sequence[tuple[str, int]], max_len: int) -> WindowPlan:
+    """Consecutive windows of at most `max_len` tokens covering every sample whole."""
+    if max_len < 4:
+        raise ValueError(f"max_len {max_len} is too short for training-time test")
+    out, split = [], 0
+    for sample_id, n in lengths:
+        split += n > max_len
+        out.extend(Window(sample_id, a, min(n, a + max_len)) for a in range(0, n, max_len))
+    return WindowPlan(out, len(lengths), sum(n for _, n in lengths), split)
+
+
+def plan_steps(windows: Sequence[Window], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Window indices per optimizer step for one epoch: shuffled by (seed, epoch), packed up to `batch_tokens`."""
+    order = list(range(len(windows)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    steps: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        if steps and tokens + windows[i].tokens <= batch_tokens:
+            steps[-1].append(i)
+            tokens += windows[i].tokens
+        else:
+            steps.append([i])
+            tokens = windows[i].tokens
+    return steps
+
+
+def load_window(source: SampleSource, window: Window, head: torch.Tensor, draft_ids: torch.Tensor,
+                device: torch.device, chunk: int = 1024) -> Sample:
+    """One window's tensors on `device`, with the teacher (the target's distribution over the draft vocabulary and
+    its argmax over the full vocabulary) computed from the final hidden states, a chunk at a time."""
+    data = source[window.sample_id]
+    a, b = window.start, window.end
+    final = data["final_hidden_state"][a:b].to(device, head.dtype)
+    argmax, draft_logits = [], []
+    for i in range(0, final.shape[0], chunk):  # the full-vocabulary logits never all at once
+        logits = (final[i : i + chunk] @ head.T).float()
+        argmax.append(logits.argmax(-1))
+        draft_logits.append(logits[:, draft_ids])
+    return Sample(
+        tokens=data["input_ids"][a:b].long().to(device),
+        positions=torch.arange(a, b, device=device),
+        mask=data["loss_mask"][a:b].long().to(device),
+        aux=data["aux_hidden_states"][a:b].to(device, torch.float32),
+        teacher_p=torch.softmax(torch.cat(draft_logits), -1),
+        teacher_argmax=torch.cat(argmax),
+    )
+
+
+def iter_windows(source: SampleSource, windows: Sequence[Window], head: torch.Tensor, draft_ids: torch.Tensor,
+                 device: torch.device) -> Iterator[Sample]:
+    for w in windows:
+        yield load_window(source, w, head, draft_ids, device)
+
+
+class OnlineSource:
+    """The target computes each sample's hidden states when the loop asks (no store: for a target that fits beside
+    the trainer). The last sample is kept, since a long sample's windows are asked for one after another."""
+
+    def __init__(self, backend, rows: Mapping[str, tuple[Sequence[int], Sequence[int]]]):
+        self.backend = backend
+        self.rows = rows
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
+        if self._last is not None and self._last[0] == sample_id:
+            return self._last[1]
+        ids, mask = self.rows[sample_id]
+        aux, final = self.backend.extract(list(ids))
+        data = {"input_ids": torch.as_tensor(list(ids), dtype=torch.int32),
+                "loss_mask": torch.as_tensor(list(mask), dtype=torch.int8),
+                # bf16, as the store keeps them: online and offline training see the same numbers
+                "aux_hidden_states": aux.to("cpu", torch.bfloat16), "final_hidden_state": final.to("cpu", torch.bfloat16)}
+        self._last = (sample_id, data)
+        return data
+
+    def length(self, sample_id: str) -> int:
+        return len(self.rows[sample_id][0])
