@@ -144,7 +144,7 @@ def completions(
     tok = tokenizer.load()
     kind = completions_backend.backend_kind()
     settings = config.settings(kind)
-    backend = completions_backend.make_backend(tok, lambda: target.load_model(tokenizer, context.log.info))
+    backend = completions_backend.make_backend(tok, lambda: target.load_model(tokenizer, context.log.info), context.log.info)
     sheet = config.price_sheet(kind, getattr(backend, "account", None), settings)
     pricing = sheet.pricing() if sheet else Pricing(source="free backend")
     if sheet:

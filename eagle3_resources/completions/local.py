@@ -14,7 +14,9 @@ that token finite.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from eagle3_resources.completions.types import (
@@ -25,6 +27,7 @@ from eagle3_resources.completions.types import (
     RequestFeed,
     SamplingSettings,
 )
+from eagle3_resources.cpu import apply_torch_threads, use_torch_threads
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, PAD, THINK_END
 
@@ -95,10 +98,11 @@ def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[in
 class TransformersBackend:
     name = "local"
 
-    def __init__(self, model, tokenizer: KimiTokenizer, batch_size: int = 8):
+    def __init__(self, model, tokenizer: KimiTokenizer, batch_size: int = 8, log: Callable[[str], None] | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.log = log or logging.getLogger(__name__).info
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "model_type": self.model.config.model_type, "batch_size": self.batch_size}
@@ -106,6 +110,7 @@ class TransformersBackend:
     def _generate(self, batch: list[CompletionRequest], settings: SamplingSettings, seed: int) -> list[list[int]]:
         import torch
 
+        use_torch_threads()  # generation runs in asyncio.to_thread's workers: torch's count is per thread
         pad = self.tokenizer.token_id(PAD)
         width = max(len(r.prompt_ids) for r in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -132,6 +137,7 @@ class TransformersBackend:
 
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
+        await asyncio.to_thread(apply_torch_threads, "local completions", self.log)  # the load now, not at start-up
         batch_no = 0
         while True:
             batch: list[Attempt] = []

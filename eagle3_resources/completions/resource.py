@@ -52,10 +52,11 @@ class CompletionsResource(dg.ConfigurableResource):
                 "openrouter_base_url": source(self.openrouter_base_url, "OPENROUTER_BASE_URL"),
                 "sglang_url": source(self.sglang_url, "EAGLE3_SGLANG_URL")}
 
-    def make_backend(self, tokenizer: KimiTokenizer, load_model: Callable[[], object]) -> CompletionBackend:
+    def make_backend(self, tokenizer: KimiTokenizer, load_model: Callable[[], object],
+                     log: Optional[Callable[[str], None]] = None) -> CompletionBackend:
         kind = self.backend_kind()
         if kind is BackendKind.LOCAL:
-            return TransformersBackend(load_model(), tokenizer, batch_size=self.local_batch_size)
+            return TransformersBackend(load_model(), tokenizer, batch_size=self.local_batch_size, log=log)
         if kind is BackendKind.OPENROUTER:
             key = setting(self.openrouter_api_key, "OPENROUTER_API_KEY")
             if not key:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import BOS, EOS, IM_END, PAD, THINK_END
@@ -164,6 +165,7 @@ def build_standin_target(
 ) -> Path:
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
+    apply_torch_threads("the stand-in target's fit", log)
     torch.manual_seed(SEED)
     model = DeepseekV3ForCausalLM(standin_config(tokenizer))
     seqs = fitting_sequences(tokenizer, texts)

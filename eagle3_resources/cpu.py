@@ -1,0 +1,235 @@
+"""How many CPU threads torch may use: the CPUs actually free, decided at the start of each stage.
+
+torch starts as many intra-op threads as the machine has cores. Every parallel op then waits for
+its slowest thread, so when other processes keep those cores busy each op waits for a thread the
+kernel has descheduled: on a shared 2-core machine (load 7-10) the stand-in target's fit ran 40
+times slower than idle. The rule (measured with `benchmarks/cpu_threads_under_load.py`):
+
+    usable  = CPUs in this process's affinity mask, capped by the cgroup CPU quota (rounded up:
+              a quota throttles all threads together, so it causes no stragglers)
+    free    = affinity CPUs - CPUs kept busy by other processes (a short /proc/stat sample over
+              the affinity CPUs, this process's own CPU time taken out, niced processes not
+              counted; without /proc/stat the 1-minute load average)
+    threads = clamp(floor(free + 0.25), 1, usable): a thread per CPU at least 3/4 free
+
+`EAGLE3_TORCH_THREADS=N` (a positive integer) overrides it; `auto` or unset keeps the rule.
+
+torch's thread count belongs to the thread that sets it (OpenMP keeps it per thread, and a thread
+that has already run a parallel op keeps its count when another thread changes it), so
+`apply_torch_threads` sets it in the calling thread and `use_torch_threads` repeats the choice in
+a worker thread (the local completions backend generates in `asyncio.to_thread`'s pool).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "EAGLE3_TORCH_THREADS"
+SAMPLE_S = 0.5  # how long /proc/stat is watched before a stage starts
+# A CPU counts for a thread when at least 3/4 of it is free: a thread too many costs far more
+# (several times slower, measured) than a thread too few (at most the parallel gain, under 2x on
+# the stand-in's small ops).
+FREE_ENOUGH = 0.25
+
+_lock = threading.Lock()
+_chosen: int | None = None  # the last count applied in this process
+_interop_done = False
+
+
+@dataclass(frozen=True)
+class CpuPicture:
+    """What the rule looks at: all inputs of `choose_threads`, measured or faked."""
+
+    affinity: int  # CPUs this process may run on
+    quota: float | None  # cgroup CPU quota in CPUs (None: no quota)
+    others_busy: float | None  # CPUs kept busy by other processes (None: not measured)
+    how: str = "/proc/stat"  # where others_busy came from
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+
+
+def parse_override(raw: str | None) -> int | None:
+    """`EAGLE3_TORCH_THREADS`: a positive integer, or unset / empty / `auto` for the automatic rule."""
+    if raw is None or raw.strip() == "" or raw.strip().lower() == "auto":
+        return None
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV}={raw!r} is not valid: give a positive integer number of torch CPU threads, "
+                         "or `auto` (or leave it unset) for the count chosen from the free CPUs")
+    return n
+
+
+def choose_threads(picture: CpuPicture, override: str | None = None) -> ThreadChoice:
+    """The rule, as a pure function of what was measured and `EAGLE3_TORCH_THREADS`'s raw value."""
+    usable = max(1, picture.affinity)
+    where = f"{picture.affinity} CPU{'s' if picture.affinity != 1 else ''}"
+    if picture.quota is not None:
+        usable = max(1, min(usable, math.ceil(picture.quota - 1e-9)))
+        where += f", cgroup quota {picture.quota:g}"
+    n = parse_override(override)
+    if n is not None:
+        return ThreadChoice(n, f"{ENV}={n}; {where}")
+    free = float(picture.affinity)
+    if picture.others_busy is None:
+        load = "load of other processes unknown"
+    else:
+        free -= picture.others_busy
+        load = f"{picture.others_busy:.1f} busy with other processes ({picture.how})"
+    threads = max(1, min(usable, math.floor(free + FREE_ENOUGH)))
+    return ThreadChoice(threads, f"{where}, {load}; {ENV} unset")
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+def affinity_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _quota_of(cgroup_dir: Path) -> float | None:
+    try:  # cgroup v2: "max 100000" or "200000 100000"
+        quota, period = (cgroup_dir / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota = int((cgroup_dir / "cpu.cfs_quota_us").read_text())
+        period = int((cgroup_dir / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def cgroup_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The tightest CPU quota (in CPUs) on this process's cgroup and its parents; None without one."""
+    dirs: list[Path] = []
+    try:
+        for line in proc_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2 unified
+                bases = [root, root / "unified"]
+            elif "cpu" in controllers.split(","):
+                bases = [root / "cpu", root / controllers]
+            else:
+                continue
+            rel = Path(path.lstrip("/"))
+            for base in bases:
+                for p in [rel, *rel.parents]:
+                    dirs.append(base / p)
+    except (OSError, ValueError):
+        pass
+    dirs += [root, root / "cpu"]
+    quotas = [q for q in (_quota_of(d) for d in dict.fromkeys(dirs)) if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _proc_stat(cpus: Sequence[int], count_nice: bool, stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) jiffies summed over `cpus`; None when /proc/stat does not list them."""
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = total = 0
+    seen = 0
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name not in wanted:
+            continue
+        f = [int(x) for x in rest.split()[:8]] + [0] * 8
+        user, nice, system, idle, iowait, irq, softirq, steal = f[:8]
+        # Niced processes yield to this one (weight 15 against 1024 at nice 19): not counted unless
+        # this process is niced itself. Steal is time the hypervisor gave to someone else.
+        b = user + system + irq + softirq + steal + (nice if count_nice else 0)
+        busy += b
+        total += user + nice + system + idle + iowait + irq + softirq + steal
+        seen += 1
+    return (busy, total) if seen else None
+
+
+def others_busy(cpus: Sequence[int], sample_s: float = SAMPLE_S) -> tuple[float | None, str]:
+    """CPUs (of `cpus`) kept busy by other processes over a `sample_s` look, and how it was measured."""
+    try:
+        count_nice = os.nice(0) > 0
+    except OSError:
+        count_nice = True
+    before = _proc_stat(cpus, count_nice)
+    if before is not None:
+        own0, wall0 = time.process_time(), time.monotonic()
+        time.sleep(sample_s)
+        after = _proc_stat(cpus, count_nice)
+        own = (time.process_time() - own0) / max(1e-6, time.monotonic() - wall0)
+        if after is not None and after[1] > before[1]:
+            busy = (after[0] - before[0]) / (after[1] - before[1]) * len(cpus)
+            return max(0.0, busy - own), f"/proc/stat, {sample_s:g} s"
+    try:
+        return max(0.0, os.getloadavg()[0]), "1-min load average"
+    except (AttributeError, OSError):
+        return None, "unmeasured"
+
+
+def measure(sample_s: float = SAMPLE_S) -> CpuPicture:
+    cpus = affinity_cpus()
+    busy, how = others_busy(cpus, sample_s)
+    return CpuPicture(affinity=len(cpus), quota=cgroup_quota(), others_busy=busy, how=how)
+
+
+def decide(sample_s: float = SAMPLE_S) -> ThreadChoice:
+    """The count for now; no sampling when `EAGLE3_TORCH_THREADS` is set (a bad value raises here)."""
+    override = os.environ.get(ENV)
+    if parse_override(override) is not None:
+        cpus = affinity_cpus()
+        return choose_threads(CpuPicture(len(cpus), cgroup_quota(), None, "not measured"), override)
+    return choose_threads(measure(sample_s), override)
+
+
+# --- applying ------------------------------------------------------------------------------
+
+def apply_torch_threads(stage: str, log: Callable[[str], None] = print, sample_s: float = SAMPLE_S) -> int:
+    """Decide torch's CPU thread count now (the load changes between stages), set it in this thread
+    and log the choice; inter-op threads are set once per process, while torch still allows it."""
+    global _chosen, _interop_done
+    import torch
+
+    choice = decide(sample_s)
+    with _lock:
+        torch.set_num_threads(choice.threads)
+        _chosen = choice.threads
+        interop = ""
+        if not _interop_done:
+            _interop_done = True
+            try:
+                torch.set_num_interop_threads(choice.threads)
+            except RuntimeError:  # inter-op work already started (or set elsewhere): torch refuses
+                interop = f"; inter-op threads stay {torch.get_num_interop_threads()}"
+    log(f"torch threads for {stage}: {choice.threads} ({choice.reason}{interop})")
+    return choice.threads
+
+
+def use_torch_threads() -> int:
+    """In a worker thread: the count `apply_torch_threads` last chose (decided now if it never ran)."""
+    global _chosen
+    import torch
+
+    with _lock:
+        if _chosen is None:
+            _chosen = decide().threads
+        n = _chosen
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
