@@ -264,7 +264,7 @@ def speculative_generate(target, drafter: ChainDrafter, prompt_ids: Sequence[int
         accepted.append(n)
         output, done = _finish(output + new, max_new_tokens, eos)
         if not done:
-            drafter.extend(aux[-n-1:], new)
+            drafter.extend(aux[: n + 1], new)
             bonus = new[-1]
     return SpecRun(output, accepted, draft_steps, time.perf_counter() - started)
 

@@ -1,0 +1,236 @@
+"""Real speculative decoding on the stand-in target: lossless, counted right, rolled back right."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.drafter.pipeline import drafter_config
+from eagle3_assets.drafter.speculative import (
+    Eagle3ChainDrafter,
+    accept_lengths,
+    evaluate_speculative,
+    greedy_generate,
+    position_acceptance,
+    speculative_generate,
+)
+from eagle3_assets.drafter.target_weights import load_embed_and_head
+from eagle3_assets.drafter.vocab import build_draft_vocab, effective_draft_vocab_size
+from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
+         "Speculative decoding drafts several tokens", "1, 2, 3, 4, 5,"]
+K = 3
+NO_EOS: tuple[int, ...] = ()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok, target_model) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randint(0, target_model.config.vocab_size - 300, (2, 9), generator=g).tolist()
+    return [tok.encode(t) for t in TEXTS] + rand
+
+
+@pytest.fixture(scope="module")
+def references(target_model, prompts) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's greedy continuation, long enough for any test here to draft from."""
+    return {tuple(p): greedy_generate(target_model, p, 40, NO_EOS)[0] for p in prompts}
+
+
+@pytest.fixture(scope="module")
+def untrained(target_resource, tokenizer_resource, target_model, references) -> Eagle3Drafter:
+    """A random drafter for the stand-in, built as pipeline.py builds one."""
+    folder = target_resource.folder(tokenizer_resource, log=lambda m: None)
+    target_config = json.loads((folder / "config.json").read_text())
+    embed, _ = load_embed_and_head(folder)
+    counts = Counter(t for ref in references.values() for t in ref)
+    size = effective_draft_vocab_size(256, len(counts))
+    draft_ids = build_draft_vocab(counts, size, embed.shape[0])
+    cfg = drafter_config(target_config, target_config["hidden_size"], size, embed.shape[0])
+    torch.manual_seed(0)
+    return Eagle3Drafter(cfg, embed, draft_ids)
+
+
+class ScriptedDrafter:
+    """Proposes from the target's known greedy continuation, each draft position right or wrong by script."""
+
+    def __init__(self, references, right: list[bool]):
+        self.references, self.right = references, right
+
+    def begin(self, prompt_ids):
+        self.ref, self.prompt_len, self.positions = self.references[tuple(prompt_ids)], len(prompt_ids), 0
+
+    def extend(self, aux, next_tokens):
+        self.positions += len(next_tokens)
+
+    def propose(self, k):
+        known = self.positions - self.prompt_len + 1  # greedy tokens verified beyond the prompt, the bonus included
+        out = []
+        for j in range(k):
+            t = self.ref[known + j]
+            out.append(t if self.right[j % len(self.right)] else (t + 1) % 163840)
+        return out
+
+
+def oracle(references):
+    return ScriptedDrafter(references, [True])
+
+
+def adversary(references):
+    return ScriptedDrafter(references, [False])
+
+
+def forward_log(model):
+    """Record (cached positions, fed tokens) of every target forward."""
+    log = []
+
+    def hook(_module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        log.append((cache.get_seq_length() if cache is not None else 0, kwargs["input_ids"].shape[1]))
+
+    return log, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_untrained_drafter_is_lossless(target_model, untrained, prompts):
+    report = evaluate_speculative(target_model, untrained, prompts, draft_steps=K, max_new_tokens=24, proxy=True,
+                                  eos_token_ids=NO_EOS)
+    totals = report.totals()
+    assert report.lossless is True and totals["mismatched_prompts"] == 0 and totals["tokens"] == 24 * len(prompts)
+    assert 1.0 <= totals["accept_length_per_round"] <= K + 1
+    meta = report.to_metadata()
+    json.dumps(meta)
+    assert meta["proxy"] is True and meta["label"].startswith("proxy") and len(meta["per_prompt"]) == len(prompts)
+    assert meta["simulated"] is None and meta["spec_tokens_per_s"] > 0 and meta["greedy_tokens_per_s"] > 0
+
+
+def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(target_model, prompts, references):
+    rounds = 5
+    log, handle = forward_log(target_model)
+    try:
+        report = evaluate_speculative(target_model, oracle(references), prompts, draft_steps=K,
+                                      max_new_tokens=1 + rounds * (K + 1), proxy=True, eos_token_ids=NO_EOS,
+                                      compare_greedy=False)
+    finally:
+        handle.remove()
+    for p, result in zip(prompts, report.prompts):
+        run = result.spec
+        assert run.output_ids == references[tuple(p)][: 1 + rounds * (K + 1)]
+        assert run.accepted == [K] * rounds
+        assert accept_lengths(run.tokens, run.accepted) == {
+            "accept_length_sglang": (1 + rounds * (K + 1)) / rounds, "accept_length_per_round": K + 1,
+            "accept_length_vllm": K + 1}
+        assert position_acceptance(run.accepted, K) == [1.0] * K
+    assert len(log) == len(prompts) * (1 + rounds)  # one prefill + one verify per round, nothing else
+    assert report.totals()["accept_length_per_round"] == K + 1
+
+    # A budget that ends mid-round: the last round is cut, the output still exact.
+    run = speculative_generate(target_model, oracle(references), prompts[0], K, 23, NO_EOS)
+    assert run.output_ids == references[tuple(prompts[0])][:23] and run.accepted == [K] * 6
+
+
+def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, references):
+    report = evaluate_speculative(target_model, adversary(references), prompts[:3], draft_steps=K, max_new_tokens=12,
+                                  proxy=True, eos_token_ids=NO_EOS)
+    assert report.lossless is True
+    for result in report.prompts:
+        assert result.spec.accepted == [0] * 11
+        lengths = accept_lengths(result.spec.tokens, result.spec.accepted)
+        assert lengths["accept_length_per_round"] == 1.0 and lengths["accept_length_vllm"] == 1.0
+        assert lengths["accept_length_sglang"] == 12 / 11
+    assert report.totals()["position_acceptance"] == [0.0, None, None]
+
+
+def test_accept_length_definitions_on_a_hand_checked_case():
+    # Rounds accept 3, 0 and 2 drafts of k=3: 4 + 1 + 3 = 8 tokens from rounds, + 1 from the prefill.
+    assert accept_lengths(9, [3, 0, 2]) == {"accept_length_sglang": 3.0, "accept_length_per_round": 8 / 3,
+                                            "accept_length_vllm": 1 + 5 / 3}
+    # Position 1: reached 3 times, accepted twice; 2: reached twice (3, 2), accepted twice; 3: reached twice, once.
+    assert position_acceptance([3, 0, 2], 3) == [2 / 3, 1.0, 0.5]
+    assert accept_lengths(1, []) == {"accept_length_sglang": None, "accept_length_per_round": None,
+                                     "accept_length_vllm": None}
+
+
+def test_a_rejected_middle_draft_rolls_back_target_and_drafter(target_model, prompts, references):
+    """Drafts right, wrong, right: one accepted per round; the cache keeps exactly the verified positions."""
+    log, handle = forward_log(target_model)
+    try:
+        for p in prompts[:3]:
+            log.clear()
+            drafter = ScriptedDrafter(references, [True, False, True])
+            run = speculative_generate(target_model, drafter, p, K, 20, NO_EOS)
+            assert run.output_ids == references[tuple(p)][:20]
+            assert run.accepted[:-1] == [1] * (len(run.accepted) - 1)
+            # Before each verify the target has cached every verified token but the bonus it is fed now.
+            assert log[0] == (0, len(p))
+            cached = [c for c, _ in log[1:]]
+            assert cached[0] == len(p) and all(b - a == n + 1 for a, b, n in zip(cached, cached[1:], run.accepted))
+            assert all(fed == K + 1 for _, fed in log[1:])
+    finally:
+        handle.remove()
+
+
+class SpyChain(Eagle3ChainDrafter):
+    """The real drafter, checking its cache holds exactly the verified positions when it drafts."""
+
+    def begin(self, prompt_ids):
+        super().begin(prompt_ids)
+        self.prompt_len, self.cached, self.aux = len(prompt_ids), [], []
+
+    def extend(self, aux, next_tokens):
+        super().extend(aux, next_tokens)
+        self.aux.append(aux)
+
+    def propose(self, k):
+        self.cached.append(self.state.keys.shape[1])
+        return super().propose(k)
+
+
+def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, untrained, prompts):
+    spy = SpyChain(untrained)
+    p = prompts[1]
+    run = speculative_generate(target_model, spy, p, K, 30, NO_EOS)
+    assert run.output_ids == greedy_generate(target_model, p, 30, NO_EOS)[0]
+    # Before round r the drafter has step-0 keys for the prompt and every verified token but the bonus.
+    assert spy.cached[0] == len(p)
+    assert all(b - a == n + 1 for a, b, n in zip(spy.cached, spy.cached[1:], run.accepted))
+    # The aux it was fed (prefill + verify forwards) equals what the extraction backend stores for training.
+    fed = torch.cat(spy.aux)
+    expected, _ = TransformersHiddenStates(target_model).extract(list(p) + run.output_ids)
+    torch.testing.assert_close(fed, expected[: fed.shape[0]], rtol=1e-4, atol=1e-4)
+
+
+def test_incremental_chain_computes_what_ttt_trains():
+    """Teacher-forced, the incremental drafter's chain logits equal `unroll`'s at the chain's root."""
+    cfg = DrafterConfig(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=500, draft_vocab_size=64)
+    torch.manual_seed(1)
+    model = Eagle3Drafter(cfg, torch.randn(500, 32), torch.arange(0, 128, 2)).eval()
+    L, steps = 20, 4
+    aux, tokens = torch.randn(L, 96), torch.randint(0, 500, (L,))
+    with torch.no_grad():
+        trained = model.unroll(aux, tokens, torch.arange(L), steps)
+    for root in (0, 7, L - steps - 1):
+        chain = Eagle3ChainDrafter(model)
+        chain.begin(tokens[: root + 1].tolist())
+        cut = root // 2 + 1  # two extends, as after a prefill and a verify round
+        chain.extend(aux[:cut], tokens[1 : cut + 1].tolist())
+        if cut <= root:
+            chain.extend(aux[cut : root + 1], tokens[cut + 1 : root + 2].tolist())
+        _, logits = chain.chain(steps, forced=tokens[root + 2 : root + 1 + steps].tolist())
+        for i in range(steps):
+            torch.testing.assert_close(logits[i], trained[i][root], rtol=1e-5, atol=1e-5)
+
+
+def test_eos_stops_both_decoders_at_the_same_token(target_model, untrained, prompts, references):
+    p = prompts[0]
+    eos = references[tuple(p)][5]
+    greedy, _ = greedy_generate(target_model, p, 40, [eos])
+    assert greedy[-1] == eos and eos not in greedy[:-1]
+    run = speculative_generate(target_model, Eagle3ChainDrafter(untrained), p, K, 40, [eos])
+    assert run.output_ids == greedy
+    run = speculative_generate(target_model, oracle(references), p, K, 40, [eos])
+    assert run.output_ids == greedy
