@@ -11,6 +11,7 @@ times slower than idle. The rule (measured with `benchmarks/cpu_threads_under_lo
               the affinity CPUs, this process's own CPU time taken out, niced processes not
               counted; without /proc/stat the 1-minute load average)
     threads = clamp(floor(free + 0.25), 1, usable): a thread per CPU at least 3/4 free
+              (free and usable divided first among torchrun's LOCAL_WORLD_SIZE processes)
 
 `EAGLE3_TORCH_THREADS=N` (a positive integer) overrides it; `auto` or unset keeps the rule.
 
@@ -50,6 +51,7 @@ class CpuPicture:
     quota: float | None  # cgroup CPU quota in CPUs (None: no quota)
     others_busy: float | None  # CPUs kept busy by other processes (None: not measured)
     how: str = "/proc/stat"  # where others_busy came from
+    processes: int = 1  # processes of this job sharing these CPUs (torchrun's LOCAL_WORLD_SIZE)
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,13 @@ def choose_threads(picture: CpuPicture, override: str | None = None) -> ThreadCh
     else:
         free -= picture.others_busy
         load = f"{picture.others_busy:.1f} busy with other processes ({picture.how})"
+    shared = ""
+    if picture.processes > 1:  # torchrun's processes start together: none sees the others' load yet
+        free /= picture.processes
+        usable = max(1, usable // picture.processes)
+        shared = f", shared by {picture.processes} processes (LOCAL_WORLD_SIZE)"
     threads = max(1, min(usable, math.floor(free + FREE_ENOUGH)))
-    return ThreadChoice(threads, f"{where}, {load}; {ENV} unset")
+    return ThreadChoice(threads, f"{where}, {load}{shared}; {ENV} unset")
 
 
 # --- measuring -----------------------------------------------------------------------------
@@ -183,10 +190,18 @@ def others_busy(cpus: Sequence[int], sample_s: float = SAMPLE_S) -> tuple[float 
         return None, "unmeasured"
 
 
+def local_processes() -> int:
+    """This job's processes on this machine: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def measure(sample_s: float = SAMPLE_S) -> CpuPicture:
     cpus = affinity_cpus()
     busy, how = others_busy(cpus, sample_s)
-    return CpuPicture(affinity=len(cpus), quota=cgroup_quota(), others_busy=busy, how=how)
+    return CpuPicture(affinity=len(cpus), quota=cgroup_quota(), others_busy=busy, how=how, processes=local_processes())
 
 
 def decide(sample_s: float = SAMPLE_S) -> ThreadChoice:

@@ -47,6 +47,12 @@ def test_rule(affinity, quota, busy, expected):
     assert f"{affinity} CPU" in choice.reason and "EAGLE3_TORCH_THREADS unset" in choice.reason
 
 
+@pytest.mark.parametrize("affinity, busy, processes, expected", [(16, 0.0, 4, 4), (16, 4.0, 4, 3), (16, 0.0, 3, 5), (2, 0.0, 4, 1)])
+def test_torchrun_processes_share_the_cpus(affinity, busy, processes, expected):
+    choice = choose_threads(CpuPicture(affinity, None, busy, processes=processes))
+    assert choice.threads == expected and f"shared by {processes} processes" in choice.reason
+
+
 def test_reason_says_what_it_saw():
     choice = choose_threads(CpuPicture(2, None, 1.94, "/proc/stat, 0.5 s"))
     assert choice.reason == "2 CPUs, 1.9 busy with other processes (/proc/stat, 0.5 s); EAGLE3_TORCH_THREADS unset"
@@ -124,8 +130,8 @@ print(json.dumps({"threads": n, "torch": torch.get_num_threads(), "log": lines,
 
 
 def probe(env: dict[str, str] | None = None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    env.pop(cpu.ENV, None) if env.get(cpu.ENV) is None else None
+    env = {**{k: v for k, v in os.environ.items() if k not in (cpu.ENV, "LOCAL_WORLD_SIZE")}, "PYTHONPATH": str(ROOT),
+           **(env or {})}
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
