@@ -31,8 +31,16 @@ Accept length, three definitions (all count in tokens per target verify forward)
   truncation). SpecForge's simulated figure (`train.evaluate`'s accept_length) counts the bonus
   too; its `sum_k prod_j acc_j` variant is a product of per-step accuracies, not a measurement.
 
+Real vs simulated: on the stand-in, with greedy data, the real per-round figure equals the
+teacher-forced hits walked the way decoding roots its rounds (from the prompt's end, advancing by
+accepted + 1), to the round; `train.evaluate` averages over *every* position instead, and reads
+higher (2.75 vs 2.41 there), because real rounds start right after a rejection.
+
 Losslessness holds up to floating-point ties: batched verify and one-token greedy decoding compute
-the same logits to ~1e-6, so an argmax can only flip on a near-exact tie (float32 on CPU: none seen).
+the same logits to ~1e-6 in float32, so an argmax can only flip on a near-exact tie (float32 on
+CPU: none seen). In bf16 on a GPU a rare flip is numerics, not a bug (SGLang shows the same).
+Throughput: on CPU a verify forward of k+1 tokens costs ~2x a one-token step for the stand-in, so
+its tokens/s say little about a GPU-served Kimi, whose decode steps are memory-bound.
 """
 
 from __future__ import annotations
@@ -112,7 +120,7 @@ class Eagle3ChainDrafter:
     """An `Eagle3Drafter` run incrementally, with its own KV cache over the verified context."""
 
     def __init__(self, drafter: Eagle3Drafter):
-        self.drafter = drafter.eval()
+        self.drafter = drafter  # no dropout or batch norm: its train/eval mode is left as the caller has it
         self.state: _DraftState | None = None
 
     @property
