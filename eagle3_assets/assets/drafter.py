@@ -13,11 +13,17 @@ from eagle3_assets.checks.outcome import check_specs, to_results
 from eagle3_assets.checks.training import (
     DRAFTER_CHECKS,
     drafter_accept_length,
+    drafter_beats_floor,
     drafter_keys,
 )
-from eagle3_assets.drafter.export import check_checkpoint
+from eagle3_assets.drafter.export import check_checkpoint, trained_layer_ids
 from eagle3_assets.drafter.launch import run_torchrun
 from eagle3_assets.drafter.pipeline import DrafterReport, train_drafter
+from eagle3_assets.drafter.quality import (
+    SpeculativeQuality,
+    measure_speculative,
+    target_weight_bytes,
+)
 from eagle3_assets.drafter.train import TrainSettings
 from eagle3_assets.drafter.train_cli import report_from_json, write_spec
 from eagle3_assets.metadata import json_value, markdown_table, path_value, png_markdown
@@ -39,7 +45,17 @@ class DrafterTrainConfig(dg.Config):
     max_len: int = Field(default=4096, description="longest window trained at once; a longer sample is cut into "
                          "consecutive windows (every token is trained; the count of cut samples is in the metadata)")
     seed: int = Field(default=0, description="initialisation and shuffling seed")
-    min_accept_length: float = Field(default=1.5, description="the accept_length check warns below this")
+    min_accept_length: float = Field(default=1.5, description="the accept_length check (simulated) warns below this")
+    spec_eval_prompts: int = Field(default=8, description="eval-split prompts decoded speculatively with the target "
+                                   "(transformers) and the trained and an untrained drafter; 0 = skip")
+    spec_eval_new_tokens: int = Field(default=48, description="tokens generated per prompt in that evaluation")
+    spec_draft_steps: int = Field(default=3, description="draft tokens per round (SGLang's --speculative-num-steps; "
+                                  "top-k 1, num-draft-tokens = steps + 1)")
+    spec_eval_max_target_gb: float = Field(default=40.0, description="skip the real decoding evaluation for a target "
+                                           "with more weights than this (measure it in SGLang instead: "
+                                           "benchmarks/serving_speculative.py)")
+    min_accept_gain: float = Field(default=0.1, description="the speculative_gain check fails unless the trained "
+                                   "drafter's real accept length beats the untrained one's by this much")
     checkpoint_every: int = Field(default=50, description="optimizer steps between training checkpoints (weights, "
                                   "optimizer, scheduler, data position, RNG) in `eagle3_drafter.training/`; a stopped "
                                   "or killed run resumes from the last one")
@@ -131,6 +147,52 @@ def history_plot(history: list[dict], report: DrafterReport):
     return fig
 
 
+def ttt_loss_plot(by_ttt: list[list[float]]):
+    """The loss of each TTT step over training: later draft steps start higher and should fall too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3))
+    if by_ttt:
+        for k in range(len(by_ttt[0])):
+            ax.plot([row[k] for row in by_ttt], lw=1, label=f"step {k + 1}")
+    ax.set_title("training loss per TTT draft step")
+    ax.set_xlabel("optimizer step")
+    ax.legend(fontsize=7, ncol=2)
+    plt.close(fig)
+    return fig
+
+
+def acceptance_plot(report: DrafterReport, quality: SpeculativeQuality):
+    """Per-position acceptance in real decoding, trained vs untrained; accept lengths real and simulated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t, u = quality.trained.totals(), quality.untrained.totals()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
+    pos = range(1, len(t["position_acceptance"]) + 1)
+    ax1.plot(pos, [a if a is not None else float("nan") for a in t["position_acceptance"]], marker="o", label="trained")
+    ax1.plot(pos, [a if a is not None else float("nan") for a in u["position_acceptance"]], marker="x", label="untrained")
+    ax1.set_title("real decoding: acceptance per draft position")
+    ax1.set_xlabel("draft position")
+    ax1.set_ylim(0, 1)
+    ax1.legend(fontsize=8)
+    names = ["real\n(SGLang def.)", "simulated\n(teacher-forced)"]
+    x = range(len(names))
+    ax2.bar([i - 0.2 for i in x], [t["accept_length_sglang"], report.trained["accept_length"]], width=0.4, label="trained")
+    ax2.bar([i + 0.2 for i in x], [u["accept_length_sglang"], report.untrained["accept_length"]], width=0.4, label="untrained")
+    ax2.set_xticks(list(x), names)
+    ax2.set_title(f"accept length ({quality.figures()['label']})")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
 def loss_plot(losses: list[float]):
     import matplotlib
 
@@ -176,9 +238,18 @@ def eagle3_drafter(
             init_from=Path(config.init_from) if config.init_from else None,
         )
     problems = check_checkpoint(report.checkpoint)
+    quality = None
+    if config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9:
+        quality = measure_speculative(
+            target.load_model(tokenizer, context.log.info), report.checkpoint, merged, prompts=config.spec_eval_prompts,
+            max_new_tokens=config.spec_eval_new_tokens, draft_steps=config.spec_draft_steps, seed=config.seed,
+            aux_layer_ids=trained_layer_ids(report.config),
+            proxy=target.path is None, log=context.log.info)
+    real = quality.figures() if quality else None
     outcomes = {
         "sglang_keys": drafter_keys(report.checkpoint),
         "accept_length": drafter_accept_length(report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length),
+        "speculative_gain": drafter_beats_floor(real, config.min_accept_gain),
     }
     per_step = pl.DataFrame({
         "draft_step": list(range(1, len(report.trained["acc"]) + 1)),
@@ -205,6 +276,20 @@ def eagle3_drafter(
             "final_loss": report.history.step_loss[-1],
             "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
             "loss_per_step": json_value(report.history.step_loss),
+            "loss_by_ttt_step": png_markdown(ttt_loss_plot(report.history.step_loss_by_ttt)),
+            **({"accept_length_real": real["accept_length_real"],
+                "accept_length_real_untrained": real["accept_length_real_untrained"],
+                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
+                "speculative_decoding": json_value({n: r.to_metadata() for n, r in
+                                                    (("trained", quality.trained), ("untrained", quality.untrained))}),
+                "real_vs_simulated": png_markdown(acceptance_plot(report, quality))} if quality else {}),
+            "train_tokens": report.train_tokens,
+            "samples_cut_into_windows": report.split_samples,
+            "train_windows": report.windows,
+            "learning_rate": report.history.lr,
+            "train_device": report.history.device,
+            "train_processes": report.history.world_size,
+            **({"resumed_from_step": report.history.resumed_from_step} if report.history.resumed_from_step else {}),
             "train_samples": report.train_samples,
             "eval_samples": report.eval_samples,
             "draft_vocab_size": report.draft_vocab_size,

@@ -116,6 +116,21 @@ def drafter_accept_length(trained: float, untrained: float, threshold: float = M
                         {"accept_length": trained, "untrained": untrained, "threshold": threshold})
 
 
+def drafter_beats_floor(figures: dict | None, margin: float = 0.1) -> CheckOutcome:
+    """In real speculative decoding with the target (greedy, chain drafting), the trained drafter's accept length
+    (SGLang's definition) beats an untrained drafter's by at least the margin, and the output equals the target's own
+    greedy decoding. When it fails: if not lossless, the decoding loop or the target's dtype is at fault (report it);
+    else the drafter learned too little: more data or epochs, or check the layer ids against the store's."""
+    if figures is None:
+        return CheckOutcome(True, "not measured: the target is too large to decode here (use "
+                            "benchmarks/serving_speculative.py on the GPU host)", {"measured": False})
+    gain = figures["accept_length_real"] - figures["accept_length_real_untrained"]
+    ok = figures["lossless"] and gain >= margin
+    return CheckOutcome(ok, f"{figures['label']}: accept length {figures['accept_length_real']} vs untrained "
+                        f"{figures['accept_length_real_untrained']} (gain {gain:+.3f}, margin {margin}); "
+                        f"{'lossless' if figures['lossless'] else 'NOT lossless'}", {**figures, "margin": margin})
+
+
 MERGED_CHECKS: Checks = {"dataset_mix": (dataset_mix, "WARN"), "token_totals": (token_totals, "ERROR")}
 HIDDEN_STATE_CHECKS: Checks = {
     "shapes": (hidden_state_shapes, "ERROR"),
@@ -123,4 +138,5 @@ HIDDEN_STATE_CHECKS: Checks = {
     "record_count": (hidden_state_count, "ERROR"),
     "finite": (hidden_state_finite, "ERROR"),
 }
-DRAFTER_CHECKS: Checks = {"sglang_keys": (drafter_keys, "ERROR"), "accept_length": (drafter_accept_length, "WARN")}
+DRAFTER_CHECKS: Checks = {"sglang_keys": (drafter_keys, "ERROR"), "accept_length": (drafter_accept_length, "WARN"),
+                          "speculative_gain": (drafter_beats_floor, "ERROR")}

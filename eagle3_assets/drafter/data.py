@@ -14,7 +14,7 @@ run inside the loop (online, `OnlineSource`): the same dict either way.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,32 +83,55 @@ def plan_steps(windows: Sequence[Window], batch_tokens: int, seed: int, epoch: i
     return steps
 
 
-def load_window(source: SampleSource, window: Window, head: torch.Tensor, draft_ids: torch.Tensor,
-                device: torch.device, chunk: int = 1024) -> Sample:
-    """One window's tensors on `device`, with the teacher (the target's distribution over the draft vocabulary and
-    its argmax over the full vocabulary) computed from the final hidden states, a chunk at a time."""
+class Teacher:
+    """The target's next-token distribution over the draft vocabulary, and its argmax over the full vocabulary,
+    from the stored final hidden states.
+
+    The argmax needs the full-vocabulary logits (163,840 x H multiply-adds per token for Kimi), the
+    costliest part of a CPU step, and it never changes: it is computed once per window and kept
+    (int32, 4 bytes a token) up to `cache_tokens`; the draft-vocabulary distribution is recomputed
+    each time (H x draft vocabulary per token), so memory stays bounded.
+    """
+
+    def __init__(self, head: torch.Tensor, draft_ids: torch.Tensor, device: torch.device,
+                 cache_tokens: int = 50_000_000, chunk: int = 1024):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.head = head.to(device, dtype)
+        self.head_draft = self.head[draft_ids.to(device)]
+        self.device, self.dtype, self.chunk = device, dtype, chunk
+        self.cache: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.cache_tokens, self.cached_tokens = cache_tokens, 0
+
+    def argmax(self, key: tuple[str, int, int], final: torch.Tensor) -> torch.Tensor:
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit.to(self.device, torch.long)
+        out = torch.cat([(final[i : i + self.chunk] @ self.head.T).argmax(-1)  # never all logits at once
+                         for i in range(0, final.shape[0], self.chunk)])
+        if self.cached_tokens + out.numel() <= self.cache_tokens:
+            self.cache[key] = out.to(torch.int32)
+            self.cached_tokens += out.numel()
+        return out
+
+    def __call__(self, key: tuple[str, int, int], final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        final = final.to(self.device, self.dtype)
+        p = torch.softmax((final @ self.head_draft.T).float(), -1)
+        return p, self.argmax(key, final)
+
+
+def load_window(source: SampleSource, window: Window, teacher: Teacher, device: torch.device) -> Sample:
+    """One window's tensors on `device`, with its teacher."""
     data = source[window.sample_id]
     a, b = window.start, window.end
-    final = data["final_hidden_state"][a:b].to(device, head.dtype)
-    argmax, draft_logits = [], []
-    for i in range(0, final.shape[0], chunk):  # the full-vocabulary logits never all at once
-        logits = (final[i : i + chunk] @ head.T).float()
-        argmax.append(logits.argmax(-1))
-        draft_logits.append(logits[:, draft_ids])
+    teacher_p, argmax = teacher((window.sample_id, a, b), data["final_hidden_state"][a:b])
     return Sample(
         tokens=data["input_ids"][a:b].long().to(device),
         positions=torch.arange(a, b, device=device),
         mask=data["loss_mask"][a:b].long().to(device),
         aux=data["aux_hidden_states"][a:b].to(device, torch.float32),
-        teacher_p=torch.softmax(torch.cat(draft_logits), -1),
-        teacher_argmax=torch.cat(argmax),
+        teacher_p=teacher_p,
+        teacher_argmax=argmax,
     )
-
-
-def iter_windows(source: SampleSource, windows: Sequence[Window], head: torch.Tensor, draft_ids: torch.Tensor,
-                 device: torch.device) -> Iterator[Sample]:
-    for w in windows:
-        yield load_window(source, w, head, draft_ids, device)
 
 
 class OnlineSource:

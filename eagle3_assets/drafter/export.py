@@ -67,6 +67,11 @@ def vllm_layer_ids(aux_layer_ids: list[int]) -> list[int]:
     return [i + 1 for i in aux_layer_ids]
 
 
+def trained_layer_ids(config: dict[str, Any]) -> list[int]:
+    """The layers (outputs, 0-based) a checkpoint was trained on, from vLLM's key (layer inputs: id - 1)."""
+    return [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+
+
 def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """SGLang reads the ids under `eagle_config`, vLLM at the top level, each in its own convention."""
     return {

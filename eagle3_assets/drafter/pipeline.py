@@ -14,6 +14,7 @@ import torch
 from eagle3_assets.drafter.data import (
     OnlineSource,
     SampleSource,
+    Teacher,
     load_window,
     plan_windows,
 )
@@ -132,16 +133,17 @@ def train_drafter(
     if warm is not None:
         warm.load_into(model)
     model.to(dev)
-    head_dev = head.to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    teacher = Teacher(head, model.draft_ids, dev)  # shared by evaluation and training: each argmax computed once
 
     def eval_samples():
-        return (load_window(source, w, head_dev, model.draft_ids, dev) for w in eval_plan.windows)
+        return (load_window(source, w, teacher, dev) for w in eval_plan.windows)
 
     untrained = evaluate(model, eval_samples(), settings.ttt_steps) if dist.main else {}
     if dist.main:
         log(f"untrained drafter on {eval_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
     history = train(model, source, train_plan.windows, eval_plan.windows, settings, head=head, device=dev, log=log,
-                    checkpoint_dir=Path(str(out_dir) + ".training"), dist=dist, stop_after_steps=stop_after_steps)
+                    checkpoint_dir=Path(str(out_dir) + ".training"), dist=dist, stop_after_steps=stop_after_steps,
+                    teacher=teacher)
     if not dist.main or len(history.epochs) < settings.epochs:  # another rank, or stopped early
         return None
     trained = evaluate(model, eval_samples(), settings.ttt_steps)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from eagle3_assets.drafter.data import (
     Sample,
     SampleSource,
+    Teacher,
     Window,
     load_window,
     plan_steps,
@@ -232,6 +233,7 @@ def train(
     checkpoint_dir: Path | None = None,
     dist: Distributed | None = None,
     stop_after_steps: int | None = None,
+    teacher: Teacher | None = None,
 ) -> TrainHistory:
     """Train in place; resume from `checkpoint_dir` when it holds a checkpoint of this very run.
 
@@ -241,8 +243,8 @@ def train(
         raise ValueError("no training samples: every sample was dropped before the drafter stage")
     dist = dist or Distributed()
     model.to(device)
-    head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     draft_ids = model.draft_ids
+    teacher = teacher or Teacher(head, draft_ids, device)
     params = [p for p in model.parameters() if p.requires_grad]
     lr = settings.lr if settings.lr is not None else default_learning_rate(model.cfg.hidden_size)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -306,7 +308,7 @@ def train(
             work = mine or windows[:1]  # a rank without a window still joins the gradient all-reduce, with weight 0
             scale = (dist.world_size / n) if mine else 0.0
             for i, w in enumerate(work):
-                s = load_window(source, w, head, draft_ids, device)
+                s = load_window(source, w, teacher, device)
                 sync = nullcontext() if (i == len(work) - 1 or dist.world_size == 1) else run.no_sync()
                 with sync, autocast(device):
                     loss, per_step = sample_loss(model, run, s, settings)
@@ -338,7 +340,7 @@ def train(
                 return history
         metrics = {}
         if eval_windows and dist.main:
-            metrics = evaluate(model, (load_window(source, w, head, draft_ids, device) for w in eval_windows), settings.ttt_steps)
+            metrics = evaluate(model, (load_window(source, w, teacher, device) for w in eval_windows), settings.ttt_steps)
         metrics.update(epoch=epoch + 1, train_loss=history.step_loss[-1], seconds=round(time.monotonic() - started, 1))
         history.epochs.append(metrics)
         if dist.main:

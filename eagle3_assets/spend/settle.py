@@ -19,7 +19,6 @@ from eagle3_assets.spend import ledger as L
 from eagle3_assets.spend.writer import LedgerWriter
 from eagle3_resources.completions.openrouter_account import GenerationBill
 
-
 Lookup = Callable[[str], Awaitable[Optional[GenerationBill]]]  # generation id -> its bill, None while unknown
 
 
