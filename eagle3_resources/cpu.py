@@ -2,8 +2,13 @@
 
 torch starts as many intra-op threads as the machine has cores. Every parallel op then waits for
 its slowest thread, so when other processes keep those cores busy each op waits for a thread the
-kernel has descheduled: on a shared 2-core machine (load 7-10) the stand-in target's fit ran 40
-times slower than idle. The rule (measured with `benchmarks/cpu_threads_under_load.py`):
+kernel has descheduled (and OpenMP's waiting threads spin, taking CPU from the one still working):
+on a shared 2-core machine (load 7-10) the stand-in target's fit ran 40 times slower than idle.
+`benchmarks/cpu_threads_under_load.py` (the fit's own code, stand-in config) on a 2-core machine
+whose 2 CPUs other processes kept busy: 8.5 s a step with torch's default 2 threads, 1.1 s with 1
+(7.7x); with 6 more busy loops, 50.5 s against 6.0 s (8.5x); idle, 0.27 s with 2 threads against
+0.40 s with 1. A thread too few costs the parallel gain (1.45x idle), a thread too many 7-20x
+(one 30%-busy loop beside a busy machine: 13-20 s a step against 0.6 s), hence the rule:
 
     usable  = CPUs in this process's affinity mask, capped by the cgroup CPU quota (rounded up:
               a quota throttles all threads together, so it causes no stragglers)
@@ -34,8 +39,7 @@ from pathlib import Path
 ENV = "EAGLE3_TORCH_THREADS"
 SAMPLE_S = 0.5  # how long /proc/stat is watched before a stage starts
 # A CPU counts for a thread when at least 3/4 of it is free: a thread too many costs far more
-# (several times slower, measured) than a thread too few (at most the parallel gain, under 2x on
-# the stand-in's small ops).
+# (7-20x slower, measured) than a thread too few (the parallel gain: 1.45x on an idle 2-core box).
 FREE_ENOUGH = 0.25
 
 _lock = threading.Lock()
