@@ -1,0 +1,185 @@
+"""Device check: drafter training speed and what real speculative decoding buys, on one GPU (or the CPU).
+
+    python benchmarks/drafter_device_check.py                         # a GPU: hidden 2048, 8 layers
+    python benchmarks/drafter_device_check.py --device cpu --hidden 64 --layers 4 --fit-steps 30 \\
+        --prompts 16 --new-tokens 24 --epochs 2                       # a quick run on a laptop
+
+Needs torch, transformers and safetensors only (no Dagster, polars or sglang), so it runs on a
+bare GPU machine from a plain checkout. Steps:
+1. a DeepseekV3-layout target (MLA + MoE, as Kimi-K2.5) with random weights, fitted briefly on
+   text from a random sparse Markov chain so that its greedy continuations are learnable;
+2. training data: the target's own greedy completions of chain prompts (what an EAGLE-3 drafter
+   is trained on), their hidden states captured by the transformers backend, kept in memory;
+3. the drafter trained with this project's trainer (TTT, bf16 autocast on CUDA): tokens/s;
+4. real speculative decoding on held-out prompts at batch 1 (k = 3 draft tokens, top-1, the
+   target verifying): accept length by SGLang's definition, per-position acceptance, lossless
+   against greedy decoding, and the wall-clock speed-up over greedy; the untrained drafter's
+   figures beside them as the floor.
+Figures go to stdout and, as JSON, to `$OUT/drafter_device_check.json` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3_assets.drafter.data import Teacher, plan_windows  # noqa: E402
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
+from eagle3_assets.drafter.speculative import evaluate_speculative  # noqa: E402
+from eagle3_assets.drafter.train import TrainSettings, train  # noqa: E402
+from eagle3_assets.drafter.vocab import build_draft_vocab, count_loss_tokens  # noqa: E402
+from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates  # noqa: E402
+
+
+def markov_chain(vocab: int, branching: int, seed: int) -> torch.Tensor:
+    """Each token's few likely successors: text a small model can learn, and a drafter can predict."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (vocab, branching), generator=g)
+
+
+def chain_text(chain: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        t = rng.randrange(1, chain.shape[0])
+        row = [t]
+        for _ in range(length - 1):
+            t = int(chain[t, 0 if rng.random() < 0.7 else rng.randrange(chain.shape[1])])
+            row.append(t)
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def build_target(args, device: torch.device):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    heads = max(4, args.hidden // 128)
+    cfg = DeepseekV3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        moe_intermediate_size=max(32, args.hidden // 4), num_hidden_layers=args.layers, num_attention_heads=heads,
+        num_key_value_heads=heads, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=1, topk_group=1, q_lora_rank=max(32, args.hidden // 4), kv_lora_rank=max(16, args.hidden // 8),
+        qk_nope_head_dim=max(8, args.hidden // heads // 2), qk_rope_head_dim=max(8, args.hidden // heads // 4),
+        v_head_dim=max(16, args.hidden // heads // 2), max_position_embeddings=4096, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(cfg).to(device)
+
+
+def fit(model, text: torch.Tensor, steps: int, device: torch.device, log) -> float:
+    """A brief LM fit (AdamW, bf16 autocast on CUDA) so the target's greedy text follows the chain."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if model.config.hidden_size <= 256 else 1e-3)
+    model.train()
+    started, loss = time.monotonic(), float("nan")
+    for step in range(steps):
+        batch = text[torch.randint(0, text.shape[0], (16,))].to(device)
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        with ctx:
+            loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"target fit step {step + 1}/{steps}: loss {loss.item():.3f}")
+    model.eval()
+    return time.monotonic() - started
+
+
+@torch.no_grad()
+def greedy_completions(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[:, prompts.shape[1]:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8, help="at least 8 (three distinct EAGLE-3 layers)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--fit-steps", type=int, default=300)
+    p.add_argument("--train-samples", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--completion-len", type=int, default=192)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=24, help="held-out prompts for speculative decoding")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--draft-steps", type=int, default=3)
+    a = p.parse_args()
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    figures: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "hidden": a.hidden, "layers": a.layers, "vocab": a.vocab}
+    log = lambda m: print(m, flush=True)  # noqa: E731
+
+    chain = markov_chain(a.vocab, 4, seed=1)
+    target = build_target(a, device)
+    figures["target_fit_s"] = round(fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps,
+                                        device, log), 1)
+    if device.type == "cuda":
+        target = target.to(torch.bfloat16)
+
+    # Training data: the target's greedy completions of chain prompts, and their hidden states.
+    prompts = chain_text(chain, a.train_samples + a.prompts, a.prompt_len, 3).to(device)
+    started = time.monotonic()
+    completions = torch.cat([greedy_completions(target, prompts[i : i + 64], a.completion_len)
+                             for i in range(0, a.train_samples, 64)])
+    backend = TransformersHiddenStates(target)
+    source: dict[str, dict[str, torch.Tensor]] = {}
+    for i in range(a.train_samples):
+        ids = torch.cat([prompts[i], completions[i]]).tolist()
+        aux, final = backend.extract(ids)
+        source[f"s{i}"] = {"input_ids": torch.tensor(ids, dtype=torch.int32),
+                           "loss_mask": torch.tensor([0] * a.prompt_len + [1] * a.completion_len, dtype=torch.int8),
+                           "aux_hidden_states": aux.to("cpu", torch.bfloat16), "final_hidden_state": final.to("cpu", torch.bfloat16)}
+    figures["data_s"] = round(time.monotonic() - started, 1)
+
+    counts = count_loss_tokens((d["input_ids"], d["loss_mask"]) for d in source.values())
+    draft_ids = build_draft_vocab(counts, min(8192, max(64, len(counts))), a.vocab)
+    heads, kv_heads, head_dim = default_shape(a.hidden)
+    cfg = DrafterConfig(hidden_size=a.hidden, target_hidden_size=a.hidden, intermediate_size=2 * a.hidden,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=a.vocab,
+                        draft_vocab_size=len(draft_ids), max_position_embeddings=4096)
+    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    head = target.get_output_embeddings().weight.detach().float().cpu()
+    torch.manual_seed(0)
+    untrained = Eagle3Drafter(cfg, embed, draft_ids)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg, embed, draft_ids)
+    plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 2048)
+    settings = TrainSettings(ttt_steps=7, epochs=a.epochs, batch_tokens=2048, max_len=2048, checkpoint_every=0, warmup_steps=10)
+    history = train(drafter, source, plan.windows, [], settings, head=head, device=device, log=log,
+                    teacher=Teacher(head, draft_ids, device))
+    figures["train_tokens"] = plan.tokens * a.epochs
+    figures["train_s"] = round(history.seconds, 1)
+    figures["train_tokens_per_s"] = round(plan.tokens * a.epochs / history.seconds, 1)
+    figures["final_loss"] = history.step_loss[-1]
+
+    held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
+    for name, model in (("trained", drafter), ("untrained", untrained)):
+        model = model.to(device).float().eval()
+        report = evaluate_speculative(target, model, held_out, draft_steps=a.draft_steps, max_new_tokens=a.new_tokens,
+                                      proxy=True, eos_token_ids=())
+        t = report.totals()
+        figures[name] = {k: t[k] for k in ("accept_length_sglang", "accept_length_per_round", "accept_length_vllm",
+                                           "position_acceptance", "spec_tokens_per_s", "greedy_tokens_per_s", "speedup",
+                                           "lossless", "mismatched_prompts")}
+        log(f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
+            f"{t['position_acceptance']}, speculative {t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} "
+            f"tokens/s = x{t['speedup']}, lossless {t['lossless']}")
+    print(json.dumps(figures, indent=2))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "drafter_device_check.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
