@@ -7,8 +7,9 @@ on a shared 2-core machine (load 7-10) the stand-in target's fit ran 40 times sl
 `benchmarks/cpu_threads_under_load.py` (the fit's own code, stand-in config) on a 2-core machine
 whose 2 CPUs other processes kept busy: 8.5 s a step with torch's default 2 threads, 1.1 s with 1
 (7.7x); with 6 more busy loops, 50.5 s against 6.0 s (8.5x); idle, 0.27 s with 2 threads against
-0.40 s with 1. A thread too few costs the parallel gain (1.45x idle), a thread too many 7-20x
-(one 30%-busy loop beside a busy machine: 13-20 s a step against 0.6 s), hence the rule:
+0.40 s with 1; beside one loop busy 30% of the time, 0.44 s against 0.43 s (the gain is gone);
+that loop on a busy machine, 13-20 s against 0.6 s. A thread too few costs at most the parallel
+gain (1.45x idle), a thread too many 7-20x, hence the rule:
 
     usable  = CPUs in this process's affinity mask, capped by the cgroup CPU quota (rounded up:
               a quota throttles all threads together, so it causes no stragglers)
