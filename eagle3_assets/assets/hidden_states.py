@@ -18,6 +18,7 @@ from eagle3_assets.hidden_states import (
     tokens_picture,
 )
 from eagle3_assets.metadata import json_value, markdown_table, path_value, png_markdown
+from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.hidden_states.extract import (
     StoreSettings,
     extract_to_store,
@@ -92,6 +93,7 @@ def hidden_states(
         context.log_event(dg.AssetObservation(asset_key=context.assets_def.key, description=f"progress of run {context.run_id[:8]}",
                                               metadata={k: v for k, v in figures.items() if v is not None}))
 
+    apply_torch_threads("hidden-state extraction", context.log.info)
     backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
     try:
         report = extract_to_store(stored_samples(selected), backend, root, settings, identity=target_identity(folder),

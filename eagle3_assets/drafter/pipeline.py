@@ -34,6 +34,7 @@ from eagle3_assets.drafter.vocab import (
     count_loss_tokens,
     effective_draft_vocab_size,
 )
+from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.hidden_states.store import HiddenStateStore
 
 
@@ -95,6 +96,8 @@ def train_drafter(
     """
     dist = dist or Distributed()
     dev = training_device(device)
+    if dev.type == "cpu":
+        apply_torch_threads("drafter training", log)
     target_config = json.loads((Path(target_folder) / "config.json").read_text())
     target_config = target_config.get("text_config", target_config)
     embed, head = load_embed_and_head(Path(target_folder))
