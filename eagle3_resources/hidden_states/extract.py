@@ -212,7 +212,7 @@ def extract_to_store(
     report = ExtractionReport(len(plans), 0, len(done), 0, 0, 0, 0.0, removed_untrusted=removed)
     started = last = time.monotonic()
     slots = BoundedSemaphore(settings.writers + 1)  # finished shards waiting in memory, the one being filled included
-    futures: dict[str, Future] = {}  # shard name -> its write
+    futures: list[Future] = []
 
     def progress(final: bool = False) -> None:
         elapsed = max(1e-9, time.monotonic() - started)
@@ -228,18 +228,21 @@ def extract_to_store(
         if on_progress is not None:
             on_progress(figures)
 
-    def written(plan: ShardPlan, fut: Future) -> None:
+    failures: list[tuple[str, BaseException]] = []  # appended by writer threads
+
+    def written(name: str, fut: Future) -> None:
         slots.release()
         if fut.exception() is None:
             report.shards_written += 1
             report.bytes_written += fut.result()["bytes"]
+        else:
+            failures.append((name, fut.exception()))
 
     with ThreadPoolExecutor(max_workers=max(1, settings.writers), thread_name_prefix="shard-writer") as pool:
         try:
             for plan in pending:
-                broken = next(((n, f) for n, f in futures.items() if f.done() and f.exception() is not None), None)
-                if broken is not None:  # a full disk or a failing volume: stop computing what cannot be kept
-                    raise RuntimeError(f"writing {broken[0]} failed: {broken[1].exception()}") from broken[1].exception()
+                if failures:  # a full disk or a failing volume: stop computing what cannot be kept
+                    raise RuntimeError(f"writing {failures[0][0]} failed: {failures[0][1]}") from failures[0][1]
                 rows = [samples[i] for i in plan.samples]
                 aux: list[torch.Tensor | None] = [None] * len(rows)
                 final: list[torch.Tensor | None] = [None] * len(rows)
@@ -258,15 +261,14 @@ def extract_to_store(
                         last = time.monotonic()
                         progress()
                 fut = pool.submit(committer.commit, plan, rows, aux, final)
-                fut.add_done_callback(lambda f, plan=plan: written(plan, f))
-                futures[plan.name] = fut
+                fut.add_done_callback(lambda f, name=plan.name: written(name, f))
+                futures.append(fut)
                 report.samples_written += len(rows)
         finally:
-            for fut in futures.values():  # the finished shards are committed whatever stopped the loop
+            for fut in futures:  # the finished shards are committed whatever stopped the loop
                 fut.exception()
-    failed = [(n, f.exception()) for n, f in futures.items() if f.exception() is not None]
-    if failed:
-        raise RuntimeError(f"{len(failed)} shard(s) could not be written, first {failed[0][0]}: {failed[0][1]}") from failed[0][1]
+    if failures:
+        raise RuntimeError(f"{len(failures)} shard(s) could not be written, first {failures[0][0]}: {failures[0][1]}") from failures[0][1]
     report.seconds = time.monotonic() - started
     progress(final=True)
     return report
