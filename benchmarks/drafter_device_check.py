@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hidden_states_throughput import random_deepseek_v3  # noqa: E402  (the same mid-size target)
 
 from eagle3_assets.drafter.data import Teacher, plan_windows  # noqa: E402
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
@@ -57,22 +60,6 @@ def chain_text(chain: torch.Tensor, n: int, length: int, seed: int) -> torch.Ten
             row.append(t)
         rows.append(row)
     return torch.tensor(rows)
-
-
-def build_target(args, device: torch.device):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    heads = max(4, args.hidden // 128)
-    cfg = DeepseekV3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        moe_intermediate_size=max(32, args.hidden // 4), num_hidden_layers=args.layers, num_attention_heads=heads,
-        num_key_value_heads=heads, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        n_group=1, topk_group=1, q_lora_rank=max(32, args.hidden // 4), kv_lora_rank=max(16, args.hidden // 8),
-        qk_nope_head_dim=max(8, args.hidden // heads // 2), qk_rope_head_dim=max(8, args.hidden // heads // 4),
-        v_head_dim=max(16, args.hidden // heads // 2), max_position_embeddings=4096, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(cfg).to(device)
 
 
 def fit(model, text: torch.Tensor, steps: int, device: torch.device, log) -> float:
@@ -122,7 +109,7 @@ def main() -> None:
     log = lambda m: print(m, flush=True)  # noqa: E731
 
     chain = markov_chain(a.vocab, 4, seed=1)
-    target = build_target(a, device)
+    target = random_deepseek_v3(a.hidden, a.layers, a.vocab).to(device)
     figures["target_fit_s"] = round(fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps,
                                         device, log), 1)
     if device.type == "cuda":

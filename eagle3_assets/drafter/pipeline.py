@@ -53,7 +53,6 @@ class DrafterReport:
     train_tokens: int = 0
     split_samples: int = 0  # samples longer than max_len, trained as several windows
     windows: int = 0
-    model: Eagle3Drafter | None = None  # the trained drafter (for the speculative evaluation)
 
 
 def drafter_config(target_config: dict[str, Any], hidden_size: int, draft_vocab_size: int, vocab_size: int) -> DrafterConfig:
@@ -171,7 +170,6 @@ def train_drafter(
         train_tokens=train_plan.tokens,
         split_samples=train_plan.split_samples,
         windows=len(train_plan.windows),
-        model=model,
     )
 
 
