@@ -9,12 +9,11 @@ peak RSS and the ratio. Training streams windows from the store, so the ratio sh
 1; a trainer that loads every sample first (this project's until issue 11) grows with N: its
 resident sample tensors alone are printed as the peer figure ("all samples in memory").
 
-Measured on the 2-core machine (2026-12-03): the peak still grows, 0.86 GB at 1x to 1.75 GB at 4x,
-so the goal is not met yet. What is known: reading every sample through the store's index adds
-no anonymous memory; training on one window repeated also grows (about 3 MB a step, to a
-plateau); glibc's `MALLOC_MMAP_THRESHOLD_=65536` (`--malloc-mmap-threshold`) halves the anonymous
-memory of such a run but not the 4x/1x ratio of the peak, part of which is the store's
-memory-mapped pages (counted in RSS, reclaimable). See the issue 11 note.
+Peak RSS is the kernel's `ru_maxrss`; beside it, the peaks of its two parts, sampled every 50 ms
+from /proc/self/status: anonymous memory (the process's own: tensors, allocator, Python) and
+file-backed pages (mapped files). The store is read with positional reads, not mapped, so its
+pages stay out of the process (a mapped store grew RssFile by the pages read: 208 MiB at 1x,
+434 MiB at 4x, ratio of the peaks 1.21 before the change). Figures: README, "The drafter".
 """
 
 from __future__ import annotations
@@ -38,13 +37,23 @@ from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_sto
 from eagle3_resources.hidden_states.store import StoredSample  # noqa: E402
 
 PEAK = """
-import resource, runpy, sys
+import resource, runpy, sys, threading, time
+peaks = {"RssAnon": 0, "RssFile": 0}
+def sample():
+    while True:
+        for line in open("/proc/self/status"):
+            key = line.split(":")[0]
+            if key in peaks:
+                peaks[key] = max(peaks[key], int(line.split()[1]))
+        time.sleep(0.05)
+threading.Thread(target=sample, daemon=True).start()
 sys.argv = ["train_cli", "--spec", sys.argv[1]]
 try:
     runpy.run_module("eagle3_assets.drafter.train_cli", run_name="__main__")
 except SystemExit:
     pass
-print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+time.sleep(0.1)
+print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, peaks["RssAnon"], peaks["RssFile"], flush=True)
 """
 
 
@@ -94,15 +103,15 @@ def dataset(root: Path, n: int, tokens: int, hidden: int, vocab: int) -> tuple[P
     return root / "merged.parquet", root / "hidden_states"
 
 
-def peak_rss_mb(spec: Path, mmap_threshold: int | None) -> float:
+def peak_rss_mb(spec: Path) -> tuple[float, float, float]:
+    """(peak RSS, peak anonymous, peak file-backed), MiB, of one training process."""
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}
-    if mmap_threshold:  # glibc: allocations above this always come from (and return to) mmap
-        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     out = subprocess.run([sys.executable, "-c", PEAK, str(spec)], cwd=REPO, capture_output=True, text=True, env=env)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("PEAK_RSS_KB")]
     if out.returncode != 0 or not line:
         raise RuntimeError(out.stdout[-3000:] + out.stderr[-3000:])
-    return int(line[0].split()[1]) / 1024
+    rss, anon, file = (int(x) / 1024 for x in line[0].split()[1:])
+    return rss, anon, file
 
 
 def main() -> None:
@@ -111,9 +120,6 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=600)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=4000)
-    p.add_argument("--malloc-mmap-threshold", type=int, default=None, help="set glibc's MALLOC_MMAP_THRESHOLD_ in the "
-                   "training process (e.g. 65536): without it glibc keeps freed tensor memory on its heap, and the "
-                   "peak grows with the run's length even though no sample is held")
     a = p.parse_args()
     settings = TrainSettings(ttt_steps=3, epochs=1, batch_tokens=2400, max_len=1024, checkpoint_every=0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +133,7 @@ def main() -> None:
             spec = write_spec(root / "spec.json", hidden_root=store, merged_path=merged, target_folder=folder,
                               out_dir=root / "drafter", settings=settings, draft_vocab_size=512,
                               report_path=root / "report.json", device="cpu")
-            rss = peak_rss_mb(spec, a.malloc_mmap_threshold)
+            rss, anon, file = peak_rss_mb(spec)
             report = json.loads((root / "report.json").read_text())
             tokens = factor * a.samples * a.tokens
             # What the old trainer kept resident: per token aux fp32 (3H) + teacher over the draft vocabulary (fp32) + ids.
@@ -135,6 +141,7 @@ def main() -> None:
             results[factor] = rss
             print(f"{factor}x: {factor * a.samples} samples, {tokens:,} tokens, store "
                   f"{sum(f.stat().st_size for f in store.glob('*.safetensors')) / 2**20:,.0f} MiB: peak RSS {rss:,.0f} MiB "
+                  f"(anonymous {anon:,.0f}, file-backed {file:,.0f}) "
                   f"(all samples in memory, the peer: {resident:,.0f} MiB of tensors alone)")
         print(f"peak RSS 4x / 1x: {results[4] / results[1]:.3f}   (streaming: about 1)")
 

@@ -164,7 +164,7 @@ def test_bytes_per_token_within_two_percent_of_the_minimum(target_model, tmp_pat
 def test_random_reads_come_from_the_index_not_a_scan(target_model, tmp_path, monkeypatch):
     from eagle3_resources.hidden_states import store as store_module
 
-    monkeypatch.setattr(store_module, "OPEN_SHARDS", 2)  # more shards than a reader keeps mapped
+    monkeypatch.setattr(store_module, "OPEN_SHARDS", 2)  # more shards than a reader keeps open
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(12, target_model.config.vocab_size)
     extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=30_000, **ROOMY), identity={}, progress_every_s=3600)

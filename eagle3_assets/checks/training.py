@@ -53,13 +53,14 @@ def hidden_state_shapes(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     for name in store.manifest["shards"]:
         if name in store.damaged:
             continue
-        f = store._open(name)
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in (*KEYS, "offsets")}
-        T = shapes["input_ids"][0]
+        f = store.shard(name)
+        shapes = {k: f.shape(k) if k in f.tensors else None for k in (*KEYS, "offsets")}
+        T = (shapes["input_ids"] or (0,))[0]
         want = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden_states": (T, 3 * H), "final_hidden_state": (T, H),
                 "offsets": shapes["offsets"]}
-        if shapes != want or int(f.get_slice("offsets")[-1:][0]) != T:
-            bad.append({"shard": name, "shapes": {k: list(v) for k, v in shapes.items()}})
+        n = (shapes["offsets"] or (0,))[0]
+        if shapes != want or n == 0 or int(f.rows("offsets", n - 1, n)[0]) != T:
+            bad.append({"shard": name, "shapes": {k: list(v) if v else None for k, v in shapes.items()}})
     wrong_length = [sid for sid, n in selected.select("sample_id", "n_tokens").rows()
                     if sid in store and store.shapes(sid)["input_ids"][0] != n]
     return CheckOutcome(not bad and not wrong_length,

@@ -17,14 +17,22 @@ the only other bytes. A shard is trusted only once the manifest lists it (writte
 shard's fsync and rename), so a process killed at any moment leaves nothing half-written that a
 resume would use. Imports torch and safetensors only: benchmarks and GPU hosts read it without
 Dagster or polars.
+
+Reads are positional (`os.preadv` of one sample's rows into a fresh tensor), not memory-mapped: a
+mapped shard keeps every page a reader touched in its resident set, so a trainer streaming a
+large store would grow by the store's size (the pages are reclaimable, but counted against the
+process and its container). A read costs the sample's bytes, and the kernel's page cache is the
+only cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -33,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save
 
 FORMAT = "eagle3-hidden-states-shards/1"
@@ -41,7 +48,7 @@ MANIFEST = "manifest.json"
 KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
 STATE_BYTES = 2  # bf16
 ID_MASK_BYTES = 4 + 1  # int32 id + int8 mask per token
-OPEN_SHARDS = 64  # a reader keeps this many shards mapped (a 10 TB store has thousands)
+OPEN_SHARDS = 64  # a reader keeps this many shard files open (a 10 TB store has thousands)
 
 
 def min_bytes_per_token(hidden_size: int) -> int:
@@ -220,8 +227,65 @@ def remove_untrusted(root: Path, manifest: dict[str, Any]) -> list[str]:
     return removed
 
 
+class ShardFile:
+    """One shard, read by position: its safetensors header parsed once, then any row range of a tensor read with
+    `os.preadv` into a tensor of its own (no mapping; see the module's docstring)."""
+
+    DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+              "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, -1
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(self.fd).st_size
+            if size < 8:
+                raise ValueError(f"{size} bytes: not a safetensors file")
+            (n,) = struct.unpack("<Q", self._read(0, 8))
+            if n + 8 > size:
+                raise ValueError(f"header of {n:,} bytes in a file of {size:,}")
+            header = json.loads(self._read(8, n))
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            for key, t in header.items():
+                dtype, shape, (a, b) = self.DTYPES[t["dtype"]], tuple(t["shape"]), t["data_offsets"]
+                if b - a != math.prod(shape) * dtype.itemsize or 8 + n + b > size:
+                    raise ValueError(f"tensor {key} {shape} {t['dtype']} does not fit its bytes {a}:{b}")
+                self.tensors[key] = (dtype, shape, 8 + n + a)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, offset: int, n: int, into: torch.Tensor | None = None) -> bytes | torch.Tensor:
+        out = torch.empty(n, dtype=torch.uint8) if into is None else into
+        view, done = memoryview(out.numpy()), 0
+        while done < n:  # preadv may return less than asked (signals, some filesystems)
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got == 0:
+                raise ValueError(f"{self.path}: ends at byte {offset + done:,}, {n - done:,} bytes short")
+            done += got
+        return out.numpy().tobytes() if into is None else out
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors[key][1]
+
+    def rows(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Rows a:b of tensor `key`, as a new tensor."""
+        dtype, shape, start = self.tensors[key]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        buf = self._read(start + a * row, (b - a) * row, torch.empty((b - a) * row, dtype=torch.uint8))
+        return buf.view(dtype).reshape(b - a, *shape[1:])
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    __del__ = close  # a store dropped without close() gives its descriptors back
+
+
 class HiddenStateStore:
-    """Read access: `store[sample_id]` returns one sample's tensors by index lookup and slices of memory-mapped shards."""
+    """Read access: `store[sample_id]` returns one sample's tensors by index lookup and one positional read per key."""
 
     def __init__(self, root: Path, *, tolerate_damage: bool = False):
         """Index every committed shard. A shard whose file is missing, of another size than recorded or unreadable
@@ -231,7 +295,7 @@ class HiddenStateStore:
         self.hidden_size = int(self.manifest["hidden_size"])
         self.index: dict[str, tuple[str, int, int, str]] = {}  # id -> (shard, start, end, split)
         self.damaged: dict[str, str] = {}
-        self._handles: OrderedDict[str, Any] = OrderedDict()  # the most recently read shards, memory-mapped
+        self._handles: OrderedDict[str, ShardFile] = OrderedDict()  # the most recently read shards, open
         for name, entry in sorted(self.manifest.get("shards", {}).items()):
             try:
                 self._index_shard(name, entry)
@@ -244,21 +308,26 @@ class HiddenStateStore:
         size = (self.root / name).stat().st_size
         if size != entry["bytes"]:
             raise ValueError(f"{size:,} bytes on disk, {entry['bytes']:,} recorded")
-        f = self._open(name)
-        meta = json.loads(f.metadata()["eagle3"])
+        f = self.shard(name)
+        meta = json.loads(f.metadata["eagle3"])
         ids, splits = meta["sample_ids"], meta["splits"]
-        offsets = f.get_tensor("offsets").tolist()
+        offsets = f.rows("offsets", 0, f.shape("offsets")[0]).tolist()
         for j, (sid, split) in enumerate(zip(ids, splits)):
             self.index[sid] = (name, offsets[j], offsets[j + 1], split)
 
-    def _open(self, name: str):
+    def shard(self, name: str) -> ShardFile:
+        """The open shard `name` (one of at most OPEN_SHARDS kept open, least recently read closed first)."""
         if name in self._handles:
             self._handles.move_to_end(name)
         else:
-            self._handles[name] = safe_open(str(self.root / name), framework="pt")
+            self._handles[name] = ShardFile(self.root / name)
             if len(self._handles) > OPEN_SHARDS:
-                self._handles.popitem(last=False)
+                self._handles.popitem(last=False)[1].close()
         return self._handles[name]
+
+    def close(self) -> None:
+        while self._handles:
+            self._handles.popitem()[1].close()
 
     def __contains__(self, sample_id: str) -> bool:
         return sample_id in self.index
@@ -272,10 +341,10 @@ class HiddenStateStore:
     def shapes(self, sample_id: str) -> dict[str, tuple[int, ...]]:
         """Each key's shape for one sample, from the header alone."""
         name, a, b, _ = self.index[sample_id]
-        f = self._open(name)
-        return {k: (b - a, *tuple(f.get_slice(k).get_shape())[1:]) for k in KEYS}
+        f = self.shard(name)
+        return {k: (b - a, *f.shape(k)[1:]) for k in KEYS}
 
     def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
         name, a, b, _ = self.index[sample_id]
-        f = self._open(name)
-        return {k: f.get_slice(k)[a:b] for k in KEYS}
+        f = self.shard(name)
+        return {k: f.rows(k, a, b) for k in KEYS}
