@@ -125,3 +125,63 @@ def test_ttt_step_k_at_t_sees_nothing_after_its_own_input():
             changed = model.unroll(aux2, tokens3, pos, steps)
             for j in range(k + 1):  # steps 0..k at position t only read tokens up to t+1+j <= t+1+k
                 torch.testing.assert_close(changed[j][t], base[j][t])
+
+
+def _reference_ttt_attention(q, k0, v0, chain_k, chain_v, scale):
+    """Written out: every score materialized, query t sees k0[:t+1] and chain_k[i][t] for each i."""
+    h, L, d = q.shape
+    scores = torch.full((h, L, L + len(chain_k)), float("-inf"), dtype=q.dtype)
+    for t in range(L):
+        scores[:, t, : t + 1] = torch.einsum("hd,hjd->hj", q[:, t], k0[:, : t + 1]) * scale
+        for i, k in enumerate(chain_k):
+            scores[:, t, L + i] = (q[:, t] * k[:, t]).sum(-1) * scale
+    p = torch.softmax(scores, -1)
+    out = p[..., :L] @ v0
+    for i, v in enumerate(chain_v):
+        out = out + p[..., L + i : L + i + 1] * v
+    return out
+
+
+def test_fused_ttt_attention_equals_the_written_out_softmax_and_its_gradients():
+    from eagle3_assets.drafter.model import ttt_attention
+
+    g = torch.Generator().manual_seed(3)
+    h, L, d, scale = 4, 23, 8, 8 ** -0.5
+    for steps, spread in ((0, 1.0), (1, 1.0), (3, 1.0), (6, 1.0), (3, 12.0), (3, 0.05)):
+        # spread 12: scores of hundreds, where one side's sum swamps the other's; 0.05: nearly uniform
+        q, k0, v0 = (torch.randn(h, L, d, generator=g, dtype=torch.float64) * s for s in (spread, spread, 1.0))
+        chain_k = [torch.randn(h, L, d, generator=g, dtype=torch.float64) * spread for _ in range(steps)]
+        chain_v = [torch.randn(h, L, d, generator=g, dtype=torch.float64) for _ in range(steps)]
+        leaves = [q, k0, v0, *chain_k, *chain_v]
+        for x in leaves:
+            x.requires_grad_(True)
+        weights = torch.randn(h, L, d, generator=g, dtype=torch.float64)
+        got = ttt_attention(q, k0, v0, chain_k, chain_v, scale)
+        want = _reference_ttt_attention(q, k0, v0, chain_k, chain_v, scale)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        grads_got = torch.autograd.grad((got * weights).sum(), leaves)
+        grads_want = torch.autograd.grad((want * weights).sum(), leaves)
+        for a, b in zip(grads_got, grads_want):
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    # bf16, as under CUDA autocast: the sink's constant is rounded to bf16, and the merge stays as close to
+    # the exact softmax (on the same bf16 inputs) as the written-out attention computed in bf16 is
+    q, k0, v0, *chain = (torch.randn(h, L, d, generator=g).mul(3).bfloat16() for _ in range(7))
+    exact = _reference_ttt_attention(q.float(), k0.float(), v0.float(), [x.float() for x in chain[:2]],
+                                     [x.float() for x in chain[2:]], scale)
+    in_bf16 = _reference_ttt_attention(q, k0, v0, chain[:2], chain[2:], scale).float()
+    got = ttt_attention(q, k0, v0, chain[:2], chain[2:], scale).float()
+    assert (got - exact).abs().max() <= 2 * (in_bf16 - exact).abs().max()
+
+
+def test_tiled_vocab_argmax_equals_argmax_over_all_logits_ties_included():
+    from eagle3_assets.drafter.data import vocab_argmax
+
+    g = torch.Generator().manual_seed(1)
+    head = torch.randn(1000, 16, generator=g)
+    head[700] = head[300]  # the same logit in two tiles: the lower id wins, as argmax picks it
+    head[301] = head[300]  # and twice in one tile
+    x = torch.cat([torch.randn(37, 16, generator=g), head[300:301] * 5])
+    want = (x @ head.T).argmax(-1)
+    assert want[-1] == 300
+    for rows, cols in ((8, 64), (512, 4096), (5, 300), (1, 1000)):
+        assert torch.equal(vocab_argmax(x, head, rows, cols), want)

@@ -18,6 +18,7 @@ keys an inference-time chain rooted at t would have in its KV cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -86,6 +87,53 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+SINK_CHANNELS = 8  # extra head channels carrying the sink (8 keeps GPU flash kernels' head-dim multiple of 8)
+
+
+def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of [h, L, d] tensors by a fused kernel. 4-D on purpose: given 3-D tensors, torch's
+    CPU dispatch falls back to the math kernel, which materializes the scores (6x slower at L = 2048)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: Sequence[torch.Tensor],
+                  chain_v: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """Attention of one TTT step: query t sees the step-0 keys at positions <= t (causal) and, from each
+    earlier chain step i >= 1, only its own position's key chain_k[i][t]. q, k0, v0, chain_* are [h, L, d].
+
+    Never materializes the [h, L, L] scores (at Kimi width, 56 heads x 4096^2 fp32 is 3.7 GB a step, kept
+    for backward): the causal part is one fused `scaled_dot_product_attention` and the chain part is
+    [h, L, steps]. They are merged exactly through a sink: a key prepended to the causal keys whose
+    score is a constant sigma (carried by an extra channel of q) and whose value is a one-hot extra
+    channel. The fused call then returns A = Z_c out_c / (Z_c + e^sigma) and u = e^sigma / (Z_c +
+    e^sigma), and with the chain's own sum Z_d out_d and r = Z_d e^-sigma, the softmax over all keys is
+    (A + u r out_d) / ((1 - u) + u r), for any sigma. sigma ~ log Z_d keeps every term near 1 (so bf16
+    is enough); it is a constant, so gradients flow through A, u, Z_d and out_d as they should.
+    A dummy query row keeps the causal square aligned (query t sees the sink and keys 0..t).
+    """
+    if not chain_k:
+        return fused_causal(q, k0, v0, scale)
+    h, L, d = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)  # the merge in fp32 at least
+    chain_scores = torch.stack([(q * k).sum(-1) for k in chain_k], -1).to(acc) * scale  # [h, L, steps]
+    lse_d = torch.logsumexp(chain_scores, -1)  # log Z_d
+    out_d = (torch.softmax(chain_scores, -1).to(q.dtype)[..., None] * torch.stack(list(chain_v), -2)).sum(-2)
+    carried = (lse_d.detach() / scale).to(q.dtype)  # what the kernel will see, rounded to q's dtype
+    sigma = carried.to(acc) * scale
+
+    extra = q.new_zeros(h, L + 1, SINK_CHANNELS)
+    q_x, k_x, v_x = extra.clone(), extra.clone(), extra.clone()
+    q_x[:, 1:, 0] = carried
+    k_x[:, 0, 0] = 1
+    v_x[:, 0, 0] = 1
+    pad = q.new_zeros(h, 1, d)
+    out = fused_causal(torch.cat([torch.cat([pad, q], 1), q_x], -1), torch.cat([torch.cat([pad, k0], 1), k_x], -1),
+                       torch.cat([torch.cat([pad, v0], 1), v_x], -1), scale)[:, 1:]
+    a, u = out[..., :d].to(acc), out[..., d].to(acc)
+    ur = u * torch.exp(lse_d - sigma)
+    return ((a + ur[..., None] * out_d.to(acc)) / ((1 - u) + ur)[..., None]).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -108,14 +156,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
         cache.append((k, v))
         k0, v0 = cache[0]
-        scale = 1.0 / math.sqrt(d)
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        scores = [(q @ k0.transpose(1, 2) * scale).masked_fill(~causal, float("-inf"))]  # [h, L, L]
-        scores += [((q * ki).sum(-1, keepdim=True) * scale) for ki, _ in cache[1:]]  # [h, L, 1] each
-        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
-        out = probs[..., :L] @ v0
-        for i, (_, vi) in enumerate(cache[1:]):
-            out = out + probs[..., L + i : L + i + 1] * vi
+        out = ttt_attention(q, k0, v0, [c[0] for c in cache[1:]], [c[1] for c in cache[1:]], 1.0 / math.sqrt(d))
         return self.o_proj(out.transpose(0, 1).reshape(L, h * d))
 
 
