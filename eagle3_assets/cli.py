@@ -6,7 +6,8 @@
     eagle3 prompts [--real] [--datasets B1,B3] [--sources DIR]
                                     build raw_prompts only (nothing is spent) and print each dataset's
                                     import: rows, rejects, duplicates, filtered, selected
-    eagle3 dev [--port 3000]        the Dagster UI and daemon (`dagster dev`) on 127.0.0.1
+    eagle3 dev [--port 3000]        the Dagster UI and daemon (`dagster dev`) on 127.0.0.1; the UI alone
+                                    when another daemon serves the instance (one daemon per instance)
     eagle3 dagster ARGS...          any `dagster` command with this project's DAGSTER_HOME,
                                     e.g. `eagle3 dagster job launch -j eagle3_pipeline`
     eagle3 hold [show|lift]         the credit sensor's spending hold: why it stands, what is unsettled; lift it
@@ -18,7 +19,9 @@
                                     what this host can do for hidden states: CUDA, sglang and its API
                                     contract, short captures checked against ground truth (gpu_check.py)
 
-The instance lives in `var/dagster` (git-ignored) unless DAGSTER_HOME is already set.
+The instance lives in `var/dagster` (git-ignored, SQLite) unless DAGSTER_HOME is already set; with
+EAGLE3_POSTGRES_URL set, in that PostgreSQL database, configured from `var/dagster-postgres`
+(eagle3_assets/instance.py).
 """
 
 from __future__ import annotations
@@ -32,66 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_assets.instance import DAEMON_LIVE_S, dagster_home
 from eagle3_resources.storage import PROJECT_ROOT, default_data_dir
-
-DEFAULT_DAGSTER_HOME = PROJECT_ROOT / "var" / "dagster"
-INSTANCE_YAML = """\
-# Written by `eagle3` on first use; edit freely.
-telemetry:
-  enabled: false
-concurrency:
-  runs:
-    max_concurrent_runs: 4
-    # One queued run per dataset at a time: a second waits in the queue. A backfill from the UI
-    # tags its runs with a partition range instead (start = end for one dataset), hence the second
-    # limit. What these cannot see (a range run beside a `dagster/partition` run of the same
-    # dataset, runs executed in-process such as `dagster asset materialize`) meets the completions
-    # asset's lock, which fails a second spending run on the same dataset at once.
-    tag_concurrency_limits:
-      - key: dagster/partition
-        value:
-          applyLimitPerUniqueValue: true
-        limit: 1
-      - key: dagster/asset_partition_range_start
-        value:
-          applyLimitPerUniqueValue: true
-        limit: 1
-  pools:
-    # Steps in a pool (hidden_states and eagle3_drafter are in "gpu") run one at a time.
-    default_limit: 1
-# A run no process owns must never hold its dataset's queue slot: the daemon ends runs stuck
-# CANCELING (a terminate that reached no process) and runs that never started.
-run_monitoring:
-  enabled: true
-  start_timeout_seconds: 300
-  cancel_timeout_seconds: 120
-  poll_interval_seconds: 30
-"""
-
-
-def dagster_home() -> Path:
-    home = Path(os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME).resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    if not (home / "dagster.yaml").exists():
-        (home / "dagster.yaml").write_text(INSTANCE_YAML)
-    os.environ["DAGSTER_HOME"] = str(home)
-    show_pools()
-    return home
-
-
-GPU_POOL = "gpu"
-
-
-def show_pools() -> None:
-    """Give the `gpu` pool its limit explicitly: the UI's Concurrency page lists only pools with a stored limit,
-    and says "No pool limits" for one that only `default_limit` governs."""
-    import dagster as dg
-
-    with dg.DagsterInstance.get() as instance:
-        storage = instance.event_log_storage
-        if storage.supports_global_concurrency_limits and GPU_POOL not in storage.get_concurrency_keys():
-            limit = (instance.get_settings("concurrency").get("pools") or {}).get("default_limit") or 1
-            storage.set_concurrency_slots(GPU_POOL, int(limit))
 
 
 def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
@@ -201,7 +146,7 @@ def _print_ledger(ledger) -> None:
     from eagle3_assets.spend import ledger as L
 
     figs = ledger.figures()
-    print(f"ledger {ledger.path}: billed ${figs.total.settled_usd:.4f} in all, ${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
+    print(f"ledger {ledger.location}: billed ${figs.total.settled_usd:.4f} in all, ${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
           f"in flight {figs.live} (worst ${figs.total.live_usd:.4f})")
     stuck = figs.unsettled + figs.unidentified
     print(f"unsettled: {stuck} attempt(s) started without a bill, worst case ${figs.total.stuck_usd:.4f} "
@@ -283,6 +228,25 @@ def _import_job():
     return defs.get_job_def("import_prompts")
 
 
+def dev_command(port: int, workspace: str) -> int:
+    """`dagster dev` (UI + daemon), or the UI alone when another daemon already serves this instance.
+
+    Dagster runs one daemon per instance: two dequeue the same queued run, and a run launched twice
+    is executed twice or failed (measured on PostgreSQL, tests/test_postgres.py). A team's second
+    `eagle3 dev` on a shared instance therefore gets the UI; the first one's daemon runs everything.
+    """
+    from eagle3_assets.instance import live_daemon_age
+
+    bin_dir = Path(sys.executable).parent
+    age = live_daemon_age()
+    if age is None:
+        return run_in_group([str(bin_dir / "dagster"), "dev", "-w", workspace, "-h", "127.0.0.1", "-p", str(port)])
+    print(f"a daemon already serves this instance (its last heartbeat {age:.0f} s ago): starting the UI only, as "
+          "Dagster runs one daemon per instance. If that daemon has stopped, run `eagle3 dev` again once its "
+          f"heartbeat is older than {DAEMON_LIVE_S:.0f} s.", flush=True)
+    return run_in_group([str(bin_dir / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)])
+
+
 def run_in_group(cmd: list[str]) -> int:
     """Run a long-lived command (dagster dev) in its own process group; stop the whole group.
 
@@ -323,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                            "EAGLE3_SOURCES_DIR, else the Hugging Face Hub")
     p_dev = sub.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1")
     p_dev.add_argument("--port", type=int, default=3000)
+    p_dev.add_argument("--workspace", default="workspace.yaml",
+                       help="the workspace file, relative to the project (default: workspace.yaml, this project's code)")
     p_dg = sub.add_parser("dagster", help="any dagster command with this project's DAGSTER_HOME")
     p_dg.add_argument("args", nargs=argparse.REMAINDER)
     p_hold = sub.add_parser("hold", help="show or lift the spending hold")
@@ -363,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return status_command(args.json)
     dagster = str(Path(sys.executable).with_name("dagster"))
     if args.command == "dev":
-        return run_in_group([dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(args.port)])
+        return dev_command(args.port, args.workspace)
     if args.command == "dagster":
         return subprocess.call([dagster, *args.args])
     print(f"export DAGSTER_HOME={home}\nexport EAGLE3_DATA_DIR={default_data_dir()}")

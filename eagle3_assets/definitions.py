@@ -21,6 +21,9 @@ systems (README: "Pointing it at real systems"):
     EAGLE3_UNSETTLED_HORIZON_S   how long a started generation without a bill is looked up (default 900)
     EAGLE3_LEDGER_TOLERANCE_USD  account-vs-ledger drift that is alerted (default 1.0)
     EAGLE3_ALERT_WEBHOOK_URL     a Slack-compatible webhook for alerts (default: the run log only)
+    EAGLE3_LEDGER_URL            the spend ledger in this PostgreSQL database (several hosts); unset: SQLite in the data root
+    EAGLE3_EXECUTOR              k8s: each step its own Kubernetes Job, sized by its stage's tag
+                                 (eagle3_assets/deploy/k8s.py, with the EAGLE3_K8S_* pod settings); unset: Dagster's default
 
 The completions backend and the spend policy read their variables when they are used, not only
 here: a launchpad that configures one field of them keeps the others from the environment.
@@ -34,6 +37,7 @@ import dagster as dg
 
 from eagle3_assets.assets import PIPELINE_ASSETS
 from eagle3_assets.assets.spend import spend
+from eagle3_assets.deploy.k8s import step_executor
 from eagle3_assets.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
 from eagle3_assets.quality import pipeline_status, status_board
 from eagle3_assets.schedules import missing_partitions_nightly
@@ -95,4 +99,5 @@ defs = dg.Definitions(
     sensors=[credit_sensor, run_failure_alert, check_failure_alert, status_board],
     schedules=[missing_partitions_nightly],
     resources=resources(),
+    executor=step_executor(),
 )

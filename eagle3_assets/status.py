@@ -348,7 +348,7 @@ def _gather_money(ledger, status: Status) -> None:
 
     figs = ledger.figures(now=status.at)
     money = Money(
-        ledger=str(ledger.path), day=figs.day, billed_usd=L.usd(figs.total.settled_usd), today_usd=L.usd(figs.today.settled_usd),
+        ledger=ledger.location, day=figs.day, billed_usd=L.usd(figs.total.settled_usd), today_usd=L.usd(figs.today.settled_usd),
         in_flight=figs.live, in_flight_worst_usd=L.usd(figs.total.live_usd), unsettled=figs.unsettled,
         unidentified=figs.unidentified, unsettled_worst_usd=L.usd(figs.total.stuck_usd),
         expired_worst_usd=L.usd(figs.total.expired_usd),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import free_port, port_open, stop_group, wait_for
 
-from eagle3_assets.cli import INSTANCE_YAML
+from eagle3_assets.instance import INSTANCE_YAML
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")

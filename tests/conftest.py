@@ -6,6 +6,7 @@ files, and every server a test talks to runs on 127.0.0.1 inside the test proces
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -58,3 +59,33 @@ def data_dir_with_standin(tmp_path, standin_dir, target_model) -> Path:
 def ledger(tmp_path) -> SpendLedger:
     """A fresh spend ledger (the shared one a data root would hold) for tests that drive run_completions directly."""
     return SpendLedger(tmp_path / "ledger" / "spend.sqlite")
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session, started on first use (tests/postgres_server.py) and stopped by its pid."""
+    from postgres_server import PostgresServer
+
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server, request) -> str:
+    """A fresh database of the session's server for this test; its URL."""
+    slug = "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:40]
+    name = f"t_{slug}_{hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]}"  # unique within 63 characters
+    return postgres_server.create_database(name)
+
+
+@pytest.fixture
+def ledger_in(request, monkeypatch) -> str:
+    """Where open_ledger puts the spend ledger, by indirect parameter: "sqlite" (the data root's file, the default) or
+    "postgres" (EAGLE3_LEDGER_URL: a fresh database of the session's server). Subprocesses inherit it."""
+    where = getattr(request, "param", "sqlite")
+    if where == "postgres":
+        monkeypatch.setenv("EAGLE3_LEDGER_URL", request.getfixturevalue("postgres_url"))
+    else:
+        monkeypatch.delenv("EAGLE3_LEDGER_URL", raising=False)
+    return where

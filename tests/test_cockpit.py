@@ -13,8 +13,8 @@ from test_operator_controls import KEY, resources_for
 from eagle3_assets import completions as completions_logic
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.cli import dagster_home
 from eagle3_assets.definitions import defs
+from eagle3_assets.instance import dagster_home
 from eagle3_assets.quality import status_board
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.status import run_progress

@@ -120,7 +120,8 @@ def worker(tmp_path, fake, tok, data_dir, run_id, datasets, *, name, **kw):
 
 
 @pytest.mark.timeout(600)
-def test_two_processes_started_together_on_one_total_cap_stay_within_it(tmp_path, tok, serve):
+@pytest.mark.parametrize("ledger_in", ["sqlite", "postgres"], indirect=True)
+def test_two_processes_started_together_on_one_total_cap_stay_within_it(tmp_path, tok, serve, ledger_in):
     fake = serve(latency_s=0.3, chunk_latency_s=0.02)
     data = tmp_path / "data"
     cap = 0.01  # about 31 answers, or 9 worst cases of 400 completion tokens
@@ -137,6 +138,7 @@ def test_two_processes_started_together_on_one_total_cap_stay_within_it(tmp_path
     assert all(o["sent"] > 0 for o in outs)  # both really spent, at the same time
     assert all("total dollar cap" in (o["stopped_by"] or "") for o in outs)
     ledger = open_ledger(DataLayout(data))
+    assert (data / "ledger").exists() == (ledger_in == "sqlite")  # the processes shared the server's ledger, not a file
     assert ledger.figures().total.settled_usd == pytest.approx(fake.billing.total_usd, rel=1e-9)
     assert bills_not_in_ledger(fake, ledger) == []
 
@@ -263,8 +265,10 @@ def test_a_never_found_generation_stays_unsettled_and_blocks_its_prompt_until_th
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("kill_after_s", [0.2, 0.7, 1.5, 3.0, 6.0, 10.0])
-def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_answer_twice(tmp_path, tok, serve, kill_after_s):
+@pytest.mark.parametrize(("ledger_in", "kill_after_s"), [*(("sqlite", s) for s in (0.2, 0.7, 1.5, 3.0, 6.0, 10.0)),
+                                                         ("postgres", 0.7), ("postgres", 3.0)], indirect=["ledger_in"])
+def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_answer_twice(tmp_path, tok, serve, ledger_in,
+                                                                                        kill_after_s):
     fake = serve(latency_s=0.2, chunk_latency_s=0.05, mean_reasoning_words=30)
     data = tmp_path / "data"
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -279,6 +283,7 @@ def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_ans
         stop_group(proc)
     time.sleep(0.5)  # the fake bills the streams it sees cut
     ledger = open_ledger(DataLayout(data))
+    assert (data / "ledger").exists() == (ledger_in == "sqlite")
     killed_bills = len(fake.billing.bills)
 
     # Resume under the same run id: the run cap spans both processes.

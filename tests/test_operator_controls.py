@@ -33,8 +33,8 @@ from eagle3_assets.checks.training import (
     hidden_state_finite,
     token_totals,
 )
-from eagle3_assets.cli import dagster_home
 from eagle3_assets.completions import COMPLETION_COLUMNS, final_results, partition_lock
+from eagle3_assets.instance import dagster_home
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.sensors import check_failure_alert, newly_resolved, run_failure_alert
@@ -298,9 +298,16 @@ def test_schedule_requests_exactly_the_missing_partitions():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("hold_mode", ["drain", "cancel"])
-def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_standin, tok, monkeypatch, hold_mode):
+@pytest.mark.parametrize(("storage", "hold_mode"), [("sqlite", "drain"), ("sqlite", "cancel"), ("postgres", "cancel")])
+def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_standin, tok, monkeypatch, request, storage,
+                                                   hold_mode):
     from dagster_graphql import DagsterGraphQLClient
+
+    # With storage "postgres" the instance (runs, sensor ticks, the queue) is in a real PostgreSQL server.
+    if storage == "postgres":
+        monkeypatch.setenv("EAGLE3_POSTGRES_URL", request.getfixturevalue("postgres_url"))
+    else:
+        monkeypatch.delenv("EAGLE3_POSTGRES_URL", raising=False)
 
     # Credit for about 10 answers; the sensor must hold spending once less than $0.0040 remains.
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, credit_usd=0.006, latency_s=0.4, chunk_latency_s=0.1,
@@ -381,6 +388,14 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
         if hold_mode == "drain":  # nothing was cancelled, so no prompt was paid twice
             assert all(len(fake.billing.bills_for(b["messages"])) == 1 for b in fake.billing.requests)
         assert bills_not_in_ledger(fake, ledger) == []
+        if storage == "postgres":  # the runs and the sensor's ticks are in the server, read without Dagster
+            import psycopg2
+
+            with psycopg2.connect(os.environ["EAGLE3_POSTGRES_URL"]) as conn, conn.cursor() as cur:
+                cur.execute("select status from runs where run_id = %s", (run_id,))
+                assert cur.fetchone() == ("CANCELED",)
+                cur.execute("select count(*) from job_ticks where type = 'SENSOR' and tick_body like '%credit_sensor%'")
+                assert cur.fetchone()[0] > 0
 
 
 def test_check_alert_cursor_waits_for_an_older_execution_still_in_flight():

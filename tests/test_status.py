@@ -32,7 +32,7 @@ from dagster._core.storage.tags import (
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.assets.token_ids import token_ids
-from eagle3_assets.cli import INSTANCE_YAML
+from eagle3_assets.instance import INSTANCE_YAML
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.spend import SpendLedger, SpendPolicy, open_ledger, set_hold
 from eagle3_assets.spend import ledger as L

@@ -23,6 +23,7 @@ from eagle3_assets.completions import (
     partition_lock,
     run_completions,
 )
+from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.metadata import json_value, markdown_table, path_value
 from eagle3_assets.pilot import pilot_outcome, pilot_passed
 from eagle3_assets.registry import dataset_partitions, dataset_spec
@@ -121,6 +122,7 @@ CHECKS = {**COMPLETION_CHECKS, PILOT_CHECK: (pilot_outcome, "ERROR")}
     backfill_policy=dg.BackfillPolicy.single_run(),
     group_name="completions",
     kinds={"parquet"},
+    op_tags={K8S_CONFIG_TAG: api_pod_config()},  # a small CPU pod under the k8s executor
     description="Completions from the configured backend (local transformers, OpenRouter or SGLang). A pilot batch "
     "is checked (shape, billed counts, prices) and the rest's cost projected before it is sent; every attempt is "
     "reserved and settled in the spend ledger shared by every run; every result is journaled on arrival; "

@@ -16,6 +16,7 @@ from eagle3_assets.checks.training import (
     drafter_beats_floor,
     drafter_keys,
 )
+from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.drafter.export import check_checkpoint, trained_layer_ids
 from eagle3_assets.drafter.launch import run_torchrun
 from eagle3_assets.drafter.pipeline import DrafterReport, train_drafter
@@ -212,6 +213,7 @@ def loss_plot(losses: list[float]):
     deps=[hidden_states],
     group_name="training",
     pool="gpu",
+    op_tags={K8S_CONFIG_TAG: gpu_node_config()},  # a whole GPU node under the k8s executor
     kinds={"pytorch", "safetensors"},
     description="One-layer EAGLE-3 drafter trained with training-time test on the stored hidden states; exported "
     "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",

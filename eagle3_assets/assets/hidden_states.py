@@ -9,6 +9,7 @@ from pydantic import Field
 from eagle3_assets.assets.merged_dataset import merged_dataset
 from eagle3_assets.checks.outcome import check_specs, to_results
 from eagle3_assets.checks.training import HIDDEN_STATE_CHECKS, hidden_state_finite
+from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.hidden_states import (
     sample_preview,
     select_samples,
@@ -62,6 +63,7 @@ class HiddenStatesConfig(dg.Config):
     deps=[merged_dataset],
     group_name="training",
     pool="gpu",
+    op_tags={K8S_CONFIG_TAG: gpu_node_config()},  # a whole GPU node under the k8s executor
     kinds={"pytorch", "safetensors"},
     description="Aux hidden states of layers [1, N//2-1, N-4] (outputs, 0-based) and the post-norm final hidden "
     "state of the merged samples, in shards of many samples (bf16 states, int32 ids, int8 loss mask) with a manifest "

@@ -8,6 +8,7 @@ from pydantic import Field
 from eagle3_assets.assets.token_ids import token_ids
 from eagle3_assets.checks.outcome import check_specs, run_checks
 from eagle3_assets.checks.training import MERGED_CHECKS
+from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.merge import merge_token_ids
 from eagle3_assets.metadata import markdown_table, path_value, png_markdown
 from eagle3_assets.registry import DATASETS
@@ -40,6 +41,7 @@ def mix_plot(accounting: pl.DataFrame):
     deps=[dg.AssetDep(token_ids, partition_mapping=dg.AllPartitionMapping())],
     group_name="training",
     kinds={"polars", "parquet"},
+    op_tags={K8S_CONFIG_TAG: api_pod_config()},  # a small CPU pod under the k8s executor
     description="All datasets' token ids: failed and truncated samples dropped, exact duplicates removed, a "
     "deterministic train/eval split. Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
 )

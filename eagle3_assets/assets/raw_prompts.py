@@ -13,6 +13,7 @@ from pydantic import Field
 
 from eagle3_assets.assets.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.checks.prompts import PROMPT_CHECKS, reject_rate
+from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.importers.build import build_prompt_sets
 from eagle3_assets.importers.importer import PromptLength
 from eagle3_assets.metadata import json_value, markdown_table, path_value
@@ -58,6 +59,7 @@ def _built_keys(store: DataStore):
     backfill_policy=dg.BackfillPolicy.single_run(),
     group_name="prompts",
     kinds={"parquet"},
+    op_tags={K8S_CONFIG_TAG: api_pod_config()},  # a small CPU pod under the k8s executor
     description="Prompts of one dataset, from its sample file in data/ or imported from its public source "
     "(data/datasets.yaml), validated, filtered, sampled with a seed and de-duplicated across datasets. A malformed "
     "line of a sample file fails the partition with the file, the line and what is wrong; a source row that does not "

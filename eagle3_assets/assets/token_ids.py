@@ -9,6 +9,7 @@ from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.checks.outcome import per_dataset
 from eagle3_assets.checks.tokens import TOKEN_CHECKS
+from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.metadata import markdown_table, path_value, png_markdown
 from eagle3_assets.registry import dataset_partitions
 from eagle3_assets.token_ids import build_token_ids, token_ids_summary
@@ -56,6 +57,7 @@ class TokenIdsConfig(dg.Config):
     backfill_policy=dg.BackfillPolicy.single_run(),
     group_name="token_ids",
     kinds={"parquet"},
+    op_tags={K8S_CONFIG_TAG: api_pod_config()},  # a small CPU pod under the k8s executor
     description="Prompt ids (chat template) + completion ids (reasoning, `</think>`, content, `<|im_end|>`) and a loss "
     "mask over the completion; backend ids kept where returned and checked against the text.",
 )

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from eagle3_assets.spend.caps import Caps, Pricing, tighter
+from eagle3_assets.spend.database import LEDGER_URL_ENV
 from eagle3_assets.spend.hold import (
     ACTIVE_STATUSES,
     cancel_spending,
@@ -38,12 +39,15 @@ _lock = threading.Lock()
 
 
 def open_ledger(layout: DataLayout) -> SpendLedger:
-    """The data root's ledger (one connection per process; created, with old journals imported, on first use)."""
-    path = layout.ledger()
-    key = (os.getpid(), str(Path(path).resolve()))
+    """The ledger every spending process shares (one connection per process; created, with old journals imported, on
+    first use): the PostgreSQL database of EAGLE3_LEDGER_URL when set (processes on several hosts), else the SQLite
+    file under the data root (one host)."""
+    url = os.environ.get(LEDGER_URL_ENV, "").strip()
+    where = url or str(Path(layout.ledger()).resolve())
+    key = (os.getpid(), where)
     with _lock:
         if key not in _ledgers:
-            _ledgers[key] = SpendLedger(path, legacy_journals=layout.all_completion_journals)
+            _ledgers[key] = SpendLedger(where, legacy_journals=layout.all_completion_journals)
         return _ledgers[key]
 
 

@@ -1,11 +1,13 @@
-"""The spend ledger: one SQLite database under the data root, shared by every process that spends.
+"""The spend ledger: one database shared by every process that spends. By default an SQLite file under
+the data root; with EAGLE3_LEDGER_URL, a PostgreSQL database that processes on several hosts share
+(eagle3_assets/spend/database.py).
 
-Why SQLite in WAL mode: transactions across the processes of one host with no server to run;
-indexed reads, so the credit sensor's figures cost the same whatever the history (scope rows are
+Why SQLite in WAL mode by default: transactions across the processes of one host with no server to
+run; indexed reads, so the credit sensor's figures cost the same whatever the history (scope rows are
 kept up to date in the same transactions as the attempts); and durability against kill -9 without
 an fsync per write (a committed transaction is in the OS page cache; with `synchronous=NORMAL`
 WAL fsyncs at checkpoints, so only a power cut can lose the last moments). WAL does not work over
-network filesystems: hosts that share a data root need the ledger in a database server instead.
+network filesystems: hosts that share a data root need the ledger in PostgreSQL instead.
 
 Every attempt of every request is one row, reserved at its worst case (prompt + `max_tokens` at
 the highest price the routing allows) BEFORE it is sent, in the same transaction that checks the
@@ -28,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3_assets.spend.caps import Caps
+from eagle3_assets.spend.database import Connection, connect
 
 # The partial index's own condition, repeated in queries on unfinished attempts: SQLite uses a partial
 # index only where the query's WHERE visibly implies the index's (a sensor tick must not scan history).
@@ -187,7 +189,7 @@ def _scope_keys(run_id: str, dataset: str, day: str) -> tuple[str, str, str, str
     return ("total", f"day:{day}", f"run:{run_id}", f"dataset:{dataset}")
 
 
-def _read_scope(conn: sqlite3.Connection, key: str) -> Scope:
+def _read_scope(conn: Connection, key: str) -> Scope:
     row = conn.execute(
         "select settled_usd, live_usd, stuck_usd, expired_usd, settled_tokens, live_tokens, stuck_tokens, attempts "
         "from scopes where scope = ?", (key,)).fetchone()
@@ -197,7 +199,7 @@ def _read_scope(conn: sqlite3.Connection, key: str) -> Scope:
 _batch = threading.local()  # a group commit's pending scope sums (see `batched_scopes`)
 
 
-def _bump(conn: sqlite3.Connection, keys: tuple[str, ...], **deltas: float) -> None:
+def _bump(conn: Connection, keys: tuple[str, ...], **deltas: float) -> None:
     """Add to columns of several scope rows (created on first use); inside `batched_scopes`, once per transaction."""
     pending = getattr(_batch, "op", None)
     if pending is not None:
@@ -209,8 +211,8 @@ def _bump(conn: sqlite3.Connection, keys: tuple[str, ...], **deltas: float) -> N
     _apply(conn, {k: deltas for k in keys})
 
 
-def _apply(conn: sqlite3.Connection, sums: dict[str, dict[str, float]]) -> None:
-    conn.executemany("insert or ignore into scopes(scope) values (?)", [(k,) for k in sums])
+def _apply(conn: Connection, sums: dict[str, dict[str, float]]) -> None:
+    conn.executemany("insert into scopes(scope) values (?) on conflict do nothing", [(k,) for k in sums])
     for key, deltas in sums.items():
         sets = ", ".join(f"{col} = {col} + ?" for col in deltas)
         conn.execute(f"update scopes set {sets} where scope = ?", (*deltas.values(), key))
@@ -223,7 +225,7 @@ class ScopeBatch:
     an operation that reads scopes (`reserve`: caps) runs after `flush()`, unbatched, so it sees every
     sum before it. `close()` writes what is left."""
 
-    def __init__(self, conn: sqlite3.Connection):
+    def __init__(self, conn: Connection):
         self.conn = conn
         self.total: dict[str, dict[str, float]] = {}
         _batch.op = {}
@@ -258,42 +260,38 @@ class ScopeBatch:
 class SpendLedger:
     """The ledger database. Thread-safe: one connection, one lock; every change is one transaction."""
 
-    def __init__(self, path: str | os.PathLike[str], *, legacy_journals: Callable[[], list[Path]] | None = None):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
-        self._conn.execute("pragma journal_mode = wal")
-        self._conn.execute("pragma synchronous = normal")
-        self._conn.execute("pragma busy_timeout = 60000")
+    def __init__(self, where: str | os.PathLike[str], *, legacy_journals: Callable[[], list[Path]] | None = None):
+        """`where`: the SQLite file's path, or a PostgreSQL URL (postgresql://user:password@host:port/database)."""
+        self._db = connect(where)
+        self.location = self._db.location  # for people: the file, or the URL without its password
         self._lock = threading.RLock()
         self._create(legacy_journals)
 
     def _create(self, legacy_journals: Callable[[], list[Path]] | None) -> None:
-        with self._lock:
+        with self.transaction() as conn:  # under the write lock: processes starting together create it once
             for statement in SCHEMA.split(";"):
                 if statement.strip():
-                    self._conn.execute(statement)
-            with self.transaction() as conn:
-                done = conn.execute("select value from meta where key = 'legacy_import'").fetchone()
-                if done is None:
-                    imported = import_journals(conn, legacy_journals() if legacy_journals else [])
-                    conn.execute("insert into meta values ('legacy_import', ?)", (json.dumps(imported),))
+                    conn.execute(self._db.schema(statement))
+            done = conn.execute("select value from meta where key = 'legacy_import'").fetchone()
+            if done is None:
+                imported = import_journals(conn, legacy_journals() if legacy_journals else [])
+                conn.execute("insert into meta values ('legacy_import', ?)", (json.dumps(imported),))
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE: the write lock is taken up front, across processes)."""
+    def transaction(self) -> Iterator[Connection]:
+        """One write transaction, the database's write lock taken up front (across processes and hosts)."""
         with self._lock:
-            self._conn.execute("begin immediate")
+            self._db.begin()
             try:
-                yield self._conn
+                yield self._db
             except BaseException:
-                self._conn.execute("rollback")
+                self._db.execute("rollback")
                 raise
-            self._conn.execute("commit")
+            self._db.execute("commit")
 
     def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            return fn(self._conn, *args, **kwargs)
+            return fn(self._db, *args, **kwargs)
 
     def write(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with self.transaction() as conn:
@@ -301,7 +299,7 @@ class SpendLedger:
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            self._db.close()
 
     # -- convenience for callers outside a request loop (sensor, CLI, tests) -------------------
 
@@ -315,7 +313,7 @@ class SpendLedger:
 # -- operations: each takes a connection inside a transaction ---------------------------------
 
 
-def reserve(conn: sqlite3.Connection, wants: list[Want], *, run_id: str, dataset: str, owner: str, caps: Caps,
+def reserve(conn: Connection, wants: list[Want], *, run_id: str, dataset: str, owner: str, caps: Caps,
             now: float) -> tuple[list[str], Block | None]:  # reads scopes: run unbatched (reserve.reads_scopes)
     """Reserve the longest prefix of `wants` that fits every cap; returns their attempt ids and what blocked the rest.
 
@@ -369,18 +367,18 @@ def _does_not_fit(want: Want, caps: Caps, total: Scope, today: Scope, run: Scope
     return None
 
 
-def _row(conn: sqlite3.Connection, attempt_id: str) -> Optional[sqlite3.Row]:
+def _row(conn: Connection, attempt_id: str) -> Optional[tuple]:
     return conn.execute("select state, reserved_usd, reserved_tokens, run_id, dataset, day from attempts where attempt_id = ?",
                         (attempt_id,)).fetchone()
 
 
-def opened(conn: sqlite3.Connection, attempt_id: str, generation_id: str) -> None:
+def opened(conn: Connection, attempt_id: str, generation_id: str) -> None:
     """The response's headers named the generation: from now on it can be looked up."""
     conn.execute("update attempts set state = case when state = 'reserved' then 'open' else state end, generation_id = ? "
                  "where attempt_id = ?", (generation_id, attempt_id))
 
 
-def settle(conn: sqlite3.Connection, attempt_id: str, *, cost_usd: float, prompt_tokens: int | None,
+def settle(conn: Connection, attempt_id: str, *, cost_usd: float, prompt_tokens: int | None,
            completion_tokens: int | None, source: str, now: float, generation_id: str | None = None,
            state: str = "settled", finish_reason: str | None = None, provider: str | None = None) -> bool:
     """Record what an attempt cost (idempotent: a settled attempt stays as it is). False if nothing changed."""
@@ -404,13 +402,13 @@ def settle(conn: sqlite3.Connection, attempt_id: str, *, cost_usd: float, prompt
     return True
 
 
-def release(conn: sqlite3.Connection, attempt_id: str, why: str, now: float) -> bool:
+def release(conn: Connection, attempt_id: str, why: str, now: float) -> bool:
     """Nothing was generated (refused, never sent): the reservation is given back, $0."""
     return settle(conn, attempt_id, cost_usd=0.0, prompt_tokens=None, completion_tokens=None, source=why, now=now,
                   state="released")
 
 
-def unsettle(conn: sqlite3.Connection, attempt_id: str, generation_id: str | None, why: str, now: float) -> str | None:
+def unsettle(conn: Connection, attempt_id: str, generation_id: str | None, why: str, now: float) -> str | None:
     """A live attempt ended without a bill: stuck until a look-up finds it (or, without an id, the horizon)."""
     row = _row(conn, attempt_id)
     if row is None or row[0] not in LIVE:
@@ -424,13 +422,16 @@ def unsettle(conn: sqlite3.Connection, attempt_id: str, generation_id: str | Non
     return state
 
 
-def looked_up_in_vain(conn: sqlite3.Connection, attempt_id: str, now: float) -> None:
+def looked_up_in_vain(conn: Connection, attempt_id: str, now: float) -> None:
     """Not found yet: look again later, backing off (0.5 s doubling, at most a minute)."""
-    conn.execute("update attempts set lookups = lookups + 1, next_lookup_at = ? + min(?, 0.5 * (1 << min(lookups, 8))) "
-                 "where attempt_id = ?", (now, LOOKUP_BACKOFF_CAP_S, attempt_id))
+    row = conn.execute("select lookups from attempts where attempt_id = ?", (attempt_id,)).fetchone()
+    if row is None:
+        return
+    delay = min(LOOKUP_BACKOFF_CAP_S, 0.5 * 2 ** min(row[0], 8))
+    conn.execute("update attempts set lookups = lookups + 1, next_lookup_at = ? where attempt_id = ?", (now + delay, attempt_id))
 
 
-def expire(conn: sqlite3.Connection, now: float, horizon_s: float) -> list[tuple[str, str, str]]:
+def expire(conn: Connection, now: float, horizon_s: float) -> list[tuple[str, str, str]]:
     """Stuck attempts older than the horizon give up their reservation: (attempt, dataset, prompt) each."""
     rows = conn.execute(f"select attempt_id, dataset, prompt_id, reserved_usd, reserved_tokens, run_id, day from attempts "
                         f"where {UNFINISHED} and state in ('unsettled', 'unidentified') and ended_at < ?", (now - horizon_s,)).fetchall()
@@ -441,7 +442,7 @@ def expire(conn: sqlite3.Connection, now: float, horizon_s: float) -> list[tuple
     return [(r[0], r[1], r[2]) for r in rows]
 
 
-def due_lookups(conn: sqlite3.Connection, now: float, limit: int, attempt_ids: list[str] | None = None) -> list[tuple[str, str]]:
+def due_lookups(conn: Connection, now: float, limit: int, attempt_ids: list[str] | None = None) -> list[tuple[str, str]]:
     """(attempt id, generation id) of unsettled attempts whose next look-up is due, oldest first."""
     if attempt_ids is not None:
         marks = ",".join("?" * len(attempt_ids))
@@ -451,20 +452,20 @@ def due_lookups(conn: sqlite3.Connection, now: float, limit: int, attempt_ids: l
                         "order by next_lookup_at limit ?", (now, limit)).fetchall()
 
 
-def blocked_prompts(conn: sqlite3.Connection, dataset: str) -> dict[str, str]:
+def blocked_prompts(conn: Connection, dataset: str) -> dict[str, str]:
     """prompt id -> state, for prompts of a dataset with an attempt not yet final (never to be sent twice)."""
     return dict(conn.execute("select prompt_id, state from attempts where dataset = ? and state in "
                              "('reserved', 'open', 'unsettled', 'unidentified')", (dataset,)).fetchall())
 
 
-def unsettled_ids(conn: sqlite3.Connection, dataset: str, max_lookups: int = 3) -> list[str]:
+def unsettled_ids(conn: Connection, dataset: str, max_lookups: int = 3) -> list[str]:
     """A dataset's unsettled attempts not yet looked up `max_lookups` times (worth waiting for; older ones are left to
     the backoff, so a generation that is never found does not delay every later run of its dataset)."""
     return [r[0] for r in conn.execute(f"select attempt_id from attempts where {UNFINISHED} and dataset = ? and state = 'unsettled' "
                                        "and lookups < ?", (dataset, max_lookups))]
 
 
-def lost_answers(conn: sqlite3.Connection, dataset: str) -> list[dict[str, Any]]:
+def lost_answers(conn: Connection, dataset: str) -> list[dict[str, Any]]:
     """Finished generations a look-up found billed whose answer never reached the journal (a kill, a cut stream)."""
     cur = conn.execute("select attempt_id, prompt_id, generation_id, cost_usd, prompt_tokens, completion_tokens, finish_reason, "
                        "provider "
@@ -474,21 +475,21 @@ def lost_answers(conn: sqlite3.Connection, dataset: str) -> list[dict[str, Any]]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
-def mark_recovered(conn: sqlite3.Connection, attempt_ids: list[str], recovered: bool) -> None:
+def mark_recovered(conn: Connection, attempt_ids: list[str], recovered: bool) -> None:
     conn.executemany("update attempts set recovered = ? where attempt_id = ?", [(int(recovered), a) for a in attempt_ids])
 
 
-def live_attempts(conn: sqlite3.Connection, dataset: str) -> list[tuple[str, str, str | None, float]]:
+def live_attempts(conn: Connection, dataset: str) -> list[tuple[str, str, str | None, float]]:
     """(attempt, prompt, generation id, reserved_usd) of a dataset's live attempts."""
     return conn.execute(f"select attempt_id, prompt_id, generation_id, reserved_usd from attempts "
                         f"where {UNFINISHED} and dataset = ? and state in ('reserved', 'open')", (dataset,)).fetchall()
 
 
-def datasets_with_live_attempts(conn: sqlite3.Connection) -> list[str]:
+def datasets_with_live_attempts(conn: Connection) -> list[str]:
     return [r[0] for r in conn.execute(f"select distinct dataset from attempts where {UNFINISHED} and state in ('reserved', 'open')")]
 
 
-def figures(conn: sqlite3.Connection, run_ids: list[str], now: float) -> Figures:
+def figures(conn: Connection, run_ids: list[str], now: float) -> Figures:
     day = utc_day(now)
     counts = dict(conn.execute("select state, count(*) from attempts where state in ('reserved', 'open', 'unsettled', "
                                "'unidentified') group by state").fetchall())
@@ -500,11 +501,11 @@ def figures(conn: sqlite3.Connection, run_ids: list[str], now: float) -> Figures
     )
 
 
-def scope(conn: sqlite3.Connection, key: str) -> Scope:
+def scope(conn: Connection, key: str) -> Scope:
     return _read_scope(conn, key)
 
 
-def stuck_attempts(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, Any]]:
+def stuck_attempts(conn: Connection, limit: int = 20) -> list[dict[str, Any]]:
     cur = conn.execute(f"select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
                        f"where {UNFINISHED} and state in ('unsettled', 'unidentified') order by ended_at limit ?", (limit,))
     cols = [c[0] for c in cur.description]
@@ -514,22 +515,23 @@ def stuck_attempts(conn: sqlite3.Connection, limit: int = 20) -> list[dict[str, 
 # -- the hold: one row, read by every admission ----------------------------------------------
 
 
-def get_hold(conn: sqlite3.Connection) -> Optional[dict[str, Any]]:
+def get_hold(conn: Connection) -> Optional[dict[str, Any]]:
     row = conn.execute("select since, reasons, figures, thresholds from hold where id = 1").fetchone()
     if row is None:
         return None
     return {"since": row[0], "reasons": json.loads(row[1]), "figures": json.loads(row[2]), "thresholds": json.loads(row[3])}
 
 
-def set_hold(conn: sqlite3.Connection, reasons: list[str], figs: dict[str, Any], thresholds: dict[str, Any], now: float) -> dict[str, Any]:
+def set_hold(conn: Connection, reasons: list[str], figs: dict[str, Any], thresholds: dict[str, Any], now: float) -> dict[str, Any]:
     hold = {"since": now, "reasons": reasons, "figures": figs, "thresholds": thresholds}
-    conn.execute("insert or replace into hold(id, since, reasons, figures, thresholds) values (1, ?, ?, ?, ?)",
+    conn.execute("insert into hold(id, since, reasons, figures, thresholds) values (1, ?, ?, ?, ?) on conflict (id) do update "
+                 "set since = excluded.since, reasons = excluded.reasons, figures = excluded.figures, thresholds = excluded.thresholds",
                  (now, json.dumps(reasons), json.dumps(figs, default=str), json.dumps(thresholds)))
     conn.execute("insert into hold_log values (?, 'set', ?)", (now, json.dumps(hold, default=str)))
     return hold
 
 
-def lift_hold(conn: sqlite3.Connection, now: float, why: str) -> Optional[dict[str, Any]]:
+def lift_hold(conn: Connection, now: float, why: str) -> Optional[dict[str, Any]]:
     hold = get_hold(conn)
     if hold is not None:
         conn.execute("delete from hold where id = 1")
@@ -540,7 +542,7 @@ def lift_hold(conn: sqlite3.Connection, now: float, why: str) -> Optional[dict[s
 # -- the ledger's first use on a data root that already has journals --------------------------
 
 
-def import_journals(conn: sqlite3.Connection, journals: list[Path]) -> dict[str, Any]:
+def import_journals(conn: Connection, journals: list[Path]) -> dict[str, Any]:
     """Bills recorded in journals written before the ledger existed, as settled attempts (once)."""
     from eagle3_resources.journal import read_journal
 
@@ -556,9 +558,9 @@ def import_journals(conn: sqlite3.Connection, journals: list[Path]) -> dict[str,
             t = float(r.get("t") or 0.0)
             attempt_id = f"import:{dataset}:{i}"
             run_id, day = r.get("run_id") or "", utc_day(t)
-            conn.execute("insert or ignore into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
+            conn.execute("insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
                          "reserved_usd, reserved_tokens, state, generation_id, cost_usd, completion_tokens, source, settled_at) "
-                         "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?)",
+                         "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?) on conflict do nothing",
                          (attempt_id, run_id, dataset, r.get("prompt_id") or "", day, t, r.get("generation_id"), cost, tokens, t))
             _bump(conn, _scope_keys(run_id, dataset, day), settled_usd=cost, settled_tokens=tokens, attempts=1)
             imported["bills"] += 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 import time
 from collections.abc import Mapping
 from datetime import UTC
@@ -18,6 +17,7 @@ from typing import Any
 
 import dagster as dg
 
+from eagle3_assets.spend.database import Connection
 from eagle3_assets.spend.ledger import Figures, Scope, scope, usd
 
 HEARTBEAT_S = 900.0
@@ -34,7 +34,7 @@ def dataset_scopes(ledger, datasets: list[str]) -> dict[str, Scope]:
     return out
 
 
-def settled_series(conn: sqlite3.Connection) -> list[tuple[str, float, float]]:
+def settled_series(conn: Connection) -> list[tuple[str, float, float]]:
     """(dataset, settled_at, cost) of every billed attempt, in time order."""
     return conn.execute("select dataset, settled_at, cost_usd from attempts where settled_at is not null and cost_usd > 0 "
                         "order by settled_at").fetchall()

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import sqlite3
 import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
+from eagle3_assets.spend.database import DATABASE_ERRORS
 from eagle3_assets.spend.ledger import ScopeBatch, SpendLedger
 
 Done = Optional[Callable[[bool, Any], None]]
@@ -77,7 +77,7 @@ class LedgerWriter:
                             outcomes.append((done, False, e))
                 finally:
                     scopes.close()
-        except sqlite3.Error as e:  # the commit itself failed (disk full, locked too long): every operation failed
+        except DATABASE_ERRORS as e:  # the commit itself failed (disk full, locked too long, server gone): every operation failed
             outcomes = [(done, False, e) for _, _, _, done in batch]
         for done, ok, value in outcomes:
             if not ok and done is None:

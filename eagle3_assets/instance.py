@@ -1,0 +1,140 @@
+"""The Dagster instance `eagle3` runs against: embedded SQLite by default, PostgreSQL for a team.
+
+    EAGLE3_POSTGRES_URL   postgresql://user:password@host:5432/dagster: runs, event log, schedules and
+                          concurrency slots in that database (dagster-postgres, the `postgres` extra);
+                          unset: SQLite files under DAGSTER_HOME
+
+The default home is `var/dagster` (SQLite) or `var/dagster-postgres` (PostgreSQL), so switching one
+variable never points an instance's dagster.yaml at the other storage. A home whose dagster.yaml says
+otherwise than the variable is refused with both named. `deploy/dagster.yaml` is the PostgreSQL file,
+checked in for hosts that set DAGSTER_HOME themselves (tests/test_postgres.py keeps it identical).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from eagle3_resources.storage import PROJECT_ROOT
+
+POSTGRES_URL_ENV = "EAGLE3_POSTGRES_URL"
+DEFAULT_DAGSTER_HOME = PROJECT_ROOT / "var" / "dagster"
+DEFAULT_POSTGRES_DAGSTER_HOME = PROJECT_ROOT / "var" / "dagster-postgres"
+GPU_POOL = "gpu"
+# Dagster's daemons heartbeat every 30 s (dagster._daemon.controller): a heartbeat younger than three
+# intervals means a daemon is serving the instance.
+DAEMON_LIVE_S = 90.0
+# Drivers dagster-postgres works with: psycopg2 (its dependency). Under SQLAlchemy 2.1 a bare postgresql://
+# means psycopg 3, which dagster-postgres neither installs nor handles (it reads psycopg2's `pgcode`), so the
+# `postgres` extra keeps SQLAlchemy below 2.1 and an explicit driver other than psycopg2 is refused here.
+POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg2")
+
+SETTINGS_YAML = """\
+telemetry:
+  enabled: false
+concurrency:
+  runs:
+    max_concurrent_runs: 4
+    # One queued run per dataset at a time: a second waits in the queue. A backfill from the UI
+    # tags its runs with a partition range instead (start = end for one dataset), hence the second
+    # limit. What these cannot see (a range run beside a `dagster/partition` run of the same
+    # dataset, runs executed in-process such as `dagster asset materialize`) meets the completions
+    # asset's lock, which fails a second spending run on the same dataset at once.
+    tag_concurrency_limits:
+      - key: dagster/partition
+        value:
+          applyLimitPerUniqueValue: true
+        limit: 1
+      - key: dagster/asset_partition_range_start
+        value:
+          applyLimitPerUniqueValue: true
+        limit: 1
+  pools:
+    # Steps in a pool (hidden_states and eagle3_drafter are in "gpu") run one at a time.
+    default_limit: 1
+# A run no process owns must never hold its dataset's queue slot: the daemon ends runs stuck
+# CANCELING (a terminate that reached no process) and runs that never started.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 300
+  cancel_timeout_seconds: 120
+  poll_interval_seconds: 30
+"""
+
+INSTANCE_YAML = "# Written by `eagle3` on first use; edit freely.\n" + SETTINGS_YAML
+
+POSTGRES_INSTANCE_YAML = f"""\
+# The team's instance: runs, event log, schedules and concurrency slots in PostgreSQL, so the UI, the
+# daemon and every run worker (on this host or others) share one queue, one set of pool slots and one
+# history. The URL is read from the environment when the instance loads: no password in this file.
+# Written by `eagle3` when {POSTGRES_URL_ENV} is set; also deploy/dagster.yaml.
+storage:
+  postgres:
+    postgres_url:
+      env: {POSTGRES_URL_ENV}
+""" + SETTINGS_YAML
+
+
+def postgres_url() -> str | None:
+    """EAGLE3_POSTGRES_URL, checked: a PostgreSQL URL with a driver dagster-postgres works with; None when unset."""
+    url = os.environ.get(POSTGRES_URL_ENV, "").strip()
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in POSTGRES_SCHEMES or not parts.hostname or not parts.path.strip("/"):
+        raise SystemExit(f"{POSTGRES_URL_ENV}: expected postgresql://user:password@host:port/database "
+                         f"(scheme one of {', '.join(POSTGRES_SCHEMES)}), got scheme {parts.scheme!r}, "
+                         f"host {parts.hostname!r}, database {parts.path.strip('/')!r}")
+    return url
+
+
+def uses_postgres(yaml_text: str) -> bool:
+    import yaml
+
+    return "postgres" in ((yaml.safe_load(yaml_text) or {}).get("storage") or {})
+
+
+def dagster_home() -> Path:
+    """DAGSTER_HOME (set from the default if unset), its dagster.yaml written on first use, the gpu pool shown."""
+    url = postgres_url()
+    default = DEFAULT_POSTGRES_DAGSTER_HOME if url else DEFAULT_DAGSTER_HOME
+    home = Path(os.environ.get("DAGSTER_HOME") or default).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "dagster.yaml"
+    if not config.exists():
+        config.write_text(POSTGRES_INSTANCE_YAML if url else INSTANCE_YAML)
+    elif uses_postgres(config.read_text()) != bool(url):
+        kept = "PostgreSQL" if url is None else "SQLite"
+        raise SystemExit(f"{config} keeps the instance in {kept}, but {POSTGRES_URL_ENV} is "
+                         f"{'unset' if url is None else 'set'}: point DAGSTER_HOME at another folder, "
+                         f"or {'set' if url is None else 'unset'} {POSTGRES_URL_ENV}")
+    os.environ["DAGSTER_HOME"] = str(home)
+    show_pools()
+    return home
+
+
+def show_pools() -> None:
+    """Give the `gpu` pool its limit explicitly: the UI's Concurrency page lists only pools with a stored limit,
+    and says "No pool limits" for one that only `default_limit` governs."""
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        storage = instance.event_log_storage
+        if storage.supports_global_concurrency_limits and GPU_POOL not in storage.get_concurrency_keys():
+            limit = (instance.get_settings("concurrency").get("pools") or {}).get("default_limit") or 1
+            storage.set_concurrency_slots(GPU_POOL, int(limit))
+
+
+def live_daemon_age(now: float | None = None) -> float | None:
+    """Seconds since the instance's newest daemon heartbeat, if a daemon is serving it (DAEMON_LIVE_S); else None."""
+    import time
+
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        beats = instance.get_daemon_heartbeats()
+    if not beats:
+        return None
+    age = (time.time() if now is None else now) - max(beat.timestamp for beat in beats.values())
+    return age if age < DAEMON_LIVE_S else None
