@@ -290,6 +290,16 @@ def bench_server(url: str, prompts: list[list[int]], batch_sizes: list[int], max
 
 # -------------------------------------------------------------------------------------------------- server life
 
+def signals_for_servers() -> None:
+    """The servers this script starts must stop on SIGTERM. A blocked signal mask and ignored dispositions survive
+    fork and exec, so a parent that blocked SIGTERM (the full test suite's process did, measured: each stop then waited its
+    grace before SIGKILL) would hand them down to every rank: clear both here, before any server starts."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def start_server(cmd: list[str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
@@ -412,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[label], requests[label] = bench_server(url, prompts, label=label, **run)
     else:
         url = f"http://{args.host}:{args.port}"
+        signals_for_servers()
         for label, cmd in commands(args).items():
             log = args.output.with_name(f"{args.output.stem}.{label}.log")
             print(f"[{label}] {shlex.join(cmd)}\n[{label}] log: {log}", flush=True)

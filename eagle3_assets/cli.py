@@ -235,12 +235,15 @@ def dev_command(port: int, workspace: str) -> int:
     is executed twice or failed (measured on PostgreSQL, tests/test_postgres.py). A team's second
     `eagle3 dev` on a shared instance therefore gets the UI; the first one's daemon runs everything.
     """
-    from eagle3_assets.instance import live_daemon_age
+    from eagle3_assets.instance import forget_daemon, live_daemon_age
 
     bin_dir = Path(sys.executable).parent
     age = live_daemon_age()
     if age is None:
-        return run_in_group([str(bin_dir / "dagster"), "dev", "-w", workspace, "-h", "127.0.0.1", "-p", str(port)])
+        try:
+            return run_in_group([str(bin_dir / "dagster"), "dev", "-w", workspace, "-h", "127.0.0.1", "-p", str(port)])
+        finally:
+            forget_daemon()  # stopped (its process group is gone): a restart need not wait for the heartbeat to age
     print(f"a daemon already serves this instance (its last heartbeat {age:.0f} s ago): starting the UI only, as "
           "Dagster runs one daemon per instance. If that daemon has stopped, run `eagle3 dev` again once its "
           f"heartbeat is older than {DAEMON_LIVE_S:.0f} s.", flush=True)

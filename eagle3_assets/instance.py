@@ -138,3 +138,12 @@ def live_daemon_age(now: float | None = None) -> float | None:
         return None
     age = (time.time() if now is None else now) - max(beat.timestamp for beat in beats.values())
     return age if age < DAEMON_LIVE_S else None
+
+
+def forget_daemon() -> None:
+    """After our own daemon stopped (`eagle3 dev` started it as the instance's only one): drop its heartbeats, so
+    that the next `eagle3 dev` starts a daemon at once instead of taking them for a live one for DAEMON_LIVE_S."""
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        instance.run_storage.wipe_daemon_heartbeats()

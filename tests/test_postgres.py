@@ -187,6 +187,12 @@ def test_two_eagle3_dev_on_one_instance_run_one_daemon_that_keeps_the_dataset_qu
         wait_for(all_done, 600, "the six runs to succeed", every=1)
         assert all(proc.poll() is None for proc in devs), "an `eagle3 dev` stopped early"
         assert len(daemons_of(home)) == 1
+        # Stopping the UI-only one leaves the daemon's heartbeats; stopping the daemon's drops them, so that the
+        # next `eagle3 dev` starts a daemon at once.
+        stop_group(devs[1])
+        assert query(postgres_url, "select count(*) from daemon_heartbeats") != [(0,)]
+        stop_group(devs[0])
+        assert query(postgres_url, "select count(*) from daemon_heartbeats") == [(0,)] and daemons_of(home) == []
     finally:
         for proc in devs:
             stop_group(proc)

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -327,7 +328,9 @@ def running(pid: int) -> bool:
 
 def test_launch_mode_starts_and_stops_each_server_as_a_process_group(tmp_path):
     """No --url: both commands run one after the other (here with a stand-in for `python -m sglang.launch_server`
-    via --python), each waited for on /health, benchmarked, and stopped with every process of its group."""
+    via --python), each waited for on /health, benchmarked, and stopped with every process of its group: within
+    seconds even when the benchmark inherits a blocked SIGTERM (as it did from the whole suite's process), which
+    without the script's reset the servers would inherit too and each stop would wait out its 60 s grace."""
     launcher = tmp_path / "python"
     launcher.write_text(f"#!{sys.executable}\n" + FAKE_LAUNCHER)
     launcher.chmod(0o755)
@@ -341,6 +344,7 @@ def test_launch_mode_starts_and_stops_each_server_as_a_process_group(tmp_path):
          "--port", str(port), "--dataset", str(dataset), "--num-prompts", "4", "--batch-sizes", "1,4", "--max-new-tokens", "32",
          "--warmup", "0", "--output", str(out)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "FAKE_LAUNCHES": str(launches)},
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}),
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     runs = [json.loads(line) for line in launches.read_text().splitlines()]
