@@ -130,3 +130,37 @@ def test_open_ledger_follows_the_environment_and_the_writer_commits_in_postgres(
                     on_commit=lambda ok, value: done.append(value))
     assert done == [True] * 50 + [False]  # a no-op settle of an unknown attempt returns False, committed
     assert ledger.figures().total.attempts == 50
+
+
+def test_a_connection_the_server_dropped_is_made_again(postgres_url):
+    """A long-lived process (the code server's credit sensor) keeps its ledger across a server restart or an idle
+    drop: the next statement reconnects. A transaction that loses its connection fails, and nothing of it commits."""
+    ledger = SpendLedger(postgres_url)
+
+    def drop() -> None:
+        with psycopg2.connect(postgres_url) as conn, conn.cursor() as cur:
+            cur.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name like "
+                        "'eagle3 spend ledger%' and datname = current_database() and pid <> pg_backend_pid()")
+            assert cur.fetchall() == [(True,)]
+
+    try:
+        first = ledger._db.conn.get_backend_pid()
+        drop()
+        assert ledger.figures().total.attempts == 0  # a read, on a new connection
+        assert ledger._db.conn.get_backend_pid() != first
+        drop()
+        ids, _ = ledger.write(L.reserve, [L.Want("p", 1, 0.001, 10)], run_id="r", dataset="B6", owner="h:1", caps=Caps(),
+                              now=1_800_000_000.0)
+        assert len(ids) == 1 and ledger.figures().total.attempts == 1  # a write transaction, begun on a new connection
+
+        def dropped_midway(conn):
+            L.opened(conn, ids[0], "gen-1")
+            drop()
+            L.opened(conn, ids[0], "gen-2")  # the connection is gone: the transaction fails
+
+        with pytest.raises(psycopg2.OperationalError):
+            ledger.write(dropped_midway)
+        assert ledger.read(lambda conn: conn.execute("select state, generation_id from attempts").fetchall()) == [
+            ("reserved", None)]
+    finally:
+        ledger.close()

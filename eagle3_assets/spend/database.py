@@ -73,6 +73,12 @@ class SqliteDatabase:
     def begin(self) -> None:
         self.conn.execute("begin immediate")  # the write lock up front, across processes
 
+    def commit(self) -> None:
+        self.conn.execute("commit")
+
+    def rollback(self) -> None:
+        self.conn.execute("rollback")
+
     def schema(self, ddl: str) -> str:
         return ddl
 
@@ -81,11 +87,14 @@ class SqliteDatabase:
 
 
 class PostgresDatabase:
-    """One psycopg2 connection (autocommit, explicit transactions) with the ledger's schema on its search path."""
+    """One psycopg2 connection (autocommit, explicit transactions) with the ledger's schema on its search path.
+
+    A connection lost between statements (the server restarted, a proxy dropped it while idle) is made again
+    for the next statement, so a long-lived process (the code server's credit sensor) recovers by itself; one
+    lost inside a transaction fails that transaction, which nothing then commits.
+    """
 
     def __init__(self, url: str, schema: str = POSTGRES_SCHEMA):
-        import psycopg2  # the `postgres` extra
-
         parts = urlsplit(url)
         netloc = parts.hostname or ""
         if parts.port:
@@ -93,26 +102,47 @@ class PostgresDatabase:
         if parts.username:
             netloc = f"{parts.username}@{netloc}"
         self.location = urlunsplit((parts.scheme, netloc, parts.path, "", ""))  # without the password
-        self.schema_name = schema
         # psycopg2 takes libpq's URL: the SQLAlchemy driver suffix (postgresql+psycopg2://) is not libpq's.
-        dsn = url.replace("postgresql+psycopg2://", "postgresql://", 1)
-        self.conn = psycopg2.connect(dsn, application_name=f"eagle3 spend ledger pid {os.getpid()}")
-        self.conn.autocommit = True
+        self._dsn = url.replace("postgresql+psycopg2://", "postgresql://", 1)
+        self.schema_name = schema
         self._lock_key = f"eagle3 spend ledger {schema}"
-        self.begin()
+        self._in_transaction = False
+        self._connect()
+        self.begin()  # under the write lock: processes starting together create the schema once
         try:
             self.execute(f'create schema if not exists "{schema}"')
-        finally:
-            self.execute("commit")
-        self.execute(f'set search_path to "{schema}"')
+        except BaseException:
+            self.rollback()
+            raise
+        self.commit()
 
-    def execute(self, sql: str, params: Any = ()) -> Any:
+    def _connect(self) -> None:
+        import psycopg2  # the `postgres` extra
+
+        self.conn = psycopg2.connect(self._dsn, application_name=f"eagle3 spend ledger pid {os.getpid()}")
+        self.conn.autocommit = True
+        self._run(f'set search_path to "{self.schema_name}"')
+
+    def _run(self, sql: str, params: Any = ()) -> Any:
         cur = self.conn.cursor()
         if params:
             cur.execute(_pyformat(sql), tuple(params))
         else:
             cur.execute(sql)
         return cur
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        import psycopg2
+
+        if self.conn.closed and not self._in_transaction:
+            self._connect()
+        try:
+            return self._run(sql, params)
+        except psycopg2.OperationalError:
+            if self._in_transaction or not self.conn.closed:
+                raise
+            self._connect()  # dropped between statements: this statement once more, on a new connection
+            return self._run(sql, params)
 
     def executemany(self, sql: str, rows: Any) -> Any:
         cur = self.conn.cursor()
@@ -121,8 +151,26 @@ class PostgresDatabase:
 
     def begin(self) -> None:
         self.execute("begin")
-        # Every writer of this ledger, on any host, queues here: BEGIN IMMEDIATE's guarantee.
-        self.execute("select pg_advisory_xact_lock(hashtext(?))", (self._lock_key,))
+        self._in_transaction = True
+        try:
+            # Every writer of this ledger, on any host, queues here: BEGIN IMMEDIATE's guarantee.
+            self.execute("select pg_advisory_xact_lock(hashtext(?))", (self._lock_key,))
+        except BaseException:
+            self.rollback()
+            raise
+
+    def commit(self) -> None:
+        try:
+            self._run("commit")
+        finally:
+            self._in_transaction = False
+
+    def rollback(self) -> None:
+        try:
+            if not self.conn.closed:
+                self._run("rollback")
+        finally:
+            self._in_transaction = False
 
     def schema(self, ddl: str) -> str:
         ddl = re.sub(r"\breal\b", "double precision", ddl)

@@ -285,9 +285,9 @@ class SpendLedger:
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("rollback")
+                self._db.rollback()
                 raise
-            self._db.execute("commit")
+            self._db.commit()
 
     def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with self._lock:
