@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from eagle3_assets.spend.database import POSTGRES_SCHEMES
 from eagle3_resources.storage import PROJECT_ROOT
 
 POSTGRES_URL_ENV = "EAGLE3_POSTGRES_URL"
@@ -25,10 +26,6 @@ GPU_POOL = "gpu"
 # Dagster's daemons heartbeat every 30 s (dagster._daemon.controller): a heartbeat younger than three
 # intervals means a daemon is serving the instance.
 DAEMON_LIVE_S = 90.0
-# Drivers dagster-postgres works with: psycopg2 (its dependency). Under SQLAlchemy 2.1 a bare postgresql://
-# means psycopg 3, which dagster-postgres neither installs nor handles (it reads psycopg2's `pgcode`), so the
-# `postgres` extra keeps SQLAlchemy below 2.1 and an explicit driver other than psycopg2 is refused here.
-POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg2")
 
 SETTINGS_YAML = """\
 telemetry:

@@ -25,6 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 LEDGER_URL_ENV = "EAGLE3_LEDGER_URL"
 POSTGRES_SCHEMA = "eagle3_spend"
+# URL schemes of PostgreSQL with psycopg2, the driver dagster-postgres uses (the instance's URL is checked against them too).
+POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg2")
 
 try:  # what a failed statement or commit raises, whichever database the ledger is in
     import psycopg2
@@ -191,7 +193,7 @@ Database = SqliteDatabase | PostgresDatabase
 
 
 def is_database_url(where: str | os.PathLike[str]) -> bool:
-    return isinstance(where, str) and urlsplit(where).scheme in ("postgresql", "postgres", "postgresql+psycopg2")
+    return isinstance(where, str) and urlsplit(where).scheme in POSTGRES_SCHEMES
 
 
 def connect(where: str | os.PathLike[str]) -> Database:
