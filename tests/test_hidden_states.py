@@ -272,15 +272,15 @@ def test_a_failing_write_stops_the_extraction_and_keeps_what_was_committed(targe
 
     from eagle3_resources.hidden_states import store as store_module
 
-    real_save, calls = store_module.save, []
+    real_write, calls = store_module.write_file, []
 
-    def save_until_full(tensors, metadata=None):
+    def write_until_full(path, data, size=None, **kw):
         calls.append(1)
         if len(calls) >= 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(tensors, metadata=metadata)
+        return real_write(path, data, size, **kw)
 
-    monkeypatch.setattr(store_module, "save", save_until_full)
+    monkeypatch.setattr(store_module, "write_file", write_until_full)
     backend = Failing(TransformersHiddenStates(target_model), 10**6, RuntimeError())
     samples = make_samples(12, target_model.config.vocab_size)
     with pytest.raises(RuntimeError, match="No space left on device"):

@@ -2,21 +2,28 @@
 
 The loop plans the shards first (so a resumed run plans the same ones), skips those already
 committed, checks the disk before the first byte, and runs each pending shard's samples through
-the backend in batches sized by a token budget. A finished shard goes to background writer threads
-while the next batches run; at most `writers + 1` finished shards wait in memory. Whatever stops
-the loop (an error, Dagster's terminate, Ctrl-C), the shards already finished are committed before
-it returns. Imports torch and safetensors only.
+the backend in batches sized by a token budget. Whatever stops the loop (an error, Dagster's
+terminate, Ctrl-C), the shards already finished are committed before it returns. Imports torch only.
+
+Nothing on the compute stream waits for the host. Each shard is built in place as its safetensors
+image in a host buffer (`ShardImage`, `writers + 1` of them, allocated once per `HostBuffers` and
+page-locked when the states come from a GPU). A batch's states are copied straight to their rows'
+offsets; on a GPU with `non_blocking` on a side stream that first waits for the forward, so the next
+batch's forward runs while they cross, and an event marks the shard's last copy. The finiteness
+check runs where the states are (one fp32 sum per sample, copied with the states: a sum is finite
+unless some element is not, and a non-finite sum is re-checked exactly on the host copy). A writer
+thread waits for the event, then writes, hashes, fsyncs and records the shard (store.write_file).
 """
 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from threading import BoundedSemaphore
 from typing import Any, Protocol
 
 import torch
@@ -26,12 +33,16 @@ from eagle3_resources.hidden_states.store import (
     FORMAT,
     MANIFEST,
     ShardCommitter,
+    ShardImage,
     ShardPlan,
     StoredSample,
+    host_buffer,
     min_bytes_per_token,
+    padded_size,
     plan_shards,
     read_manifest,
     remove_untrusted,
+    shard_layout,
     stale_shards,
     token_bytes,
     trusted_shards,
@@ -55,12 +66,121 @@ class HiddenStatesBackend(Protocol):
 class StoreSettings:
     shard_bytes: int = 1 * GiB  # a shard's size; 1-2 GB keeps file counts low and resume loss small
     batch_tokens: int = 8192  # padded tokens per backend call (longest sample x samples in the batch)
-    writers: int = 2  # background threads serializing and writing finished shards
+    writers: int = 4  # background threads writing finished shards (one shard each); writers + 1 host buffers
+    direct_io: bool = True  # O_DIRECT writes where the file system takes them (no page-cache copy), else buffered
     verify_on_resume: bool = False  # re-hash committed shards before trusting them (reads them all)
     free_bytes: int | None = None  # the volume's free space; None = ask the file system
     margin_pct: float = 5.0  # free space kept beyond what the store needs
     reserve_bytes: int = 1 * GiB  # and this much on top
     discard_stale: bool = False  # delete committed shards the new plan does not want (else refuse)
+
+
+class HostBuffers:
+    """`count` reusable host buffers for shard images, handed out one at a time and given back by the writers.
+
+    Allocated on first use (page-locked with `pin`) and kept: a benchmark or a long run pays for them once.
+    A buffer too small for a shard is replaced by one that fits.
+    """
+
+    def __init__(self, count: int, *, pin: bool = False):
+        self.count, self.pin = count, pin
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int) -> ShardImage:
+        nbytes = padded_size(nbytes)
+        with self._cond:
+            while not self._free and self._made >= self.count:
+                self._cond.wait()  # every buffer is being filled or written: the writers set the pace
+            if self._free:
+                buffer = self._free.pop()
+            else:
+                self._made += 1
+                buffer = None
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = host_buffer(nbytes, pin=self.pin)
+        return ShardImage(buffer)
+
+    def give(self, image: ShardImage) -> None:
+        with self._cond:
+            self._free.append(image.buffer)
+            self._cond.notify()
+
+
+class Stager:
+    """Copies a batch's states into a shard image where the forward does not wait for them.
+
+    States on the host are copied right away. States on a GPU are copied with `non_blocking` on a side
+    stream that first waits for the compute stream; the source tensors are kept until the shard's
+    event has completed (the caching allocator must not hand their memory to the next forward early).
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def stage(self, pending: PendingShard, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """items: (position of the sample in the shard, aux [L, 3H], final [L, H])."""
+        if not items:
+            return
+        device = items[0][1].device
+        offsets = pending.image.layout.row_offsets
+        # The finiteness check where the states are: one fp32 sum per sample, a few bytes to copy back.
+        sums = torch.stack([a.sum(dtype=torch.float32) + f.sum(dtype=torch.float32) for _, a, f in items])
+        if device.type != "cuda":
+            for j, a, f in items:
+                pending.image.aux[offsets[j]:offsets[j + 1]].copy_(a)
+                pending.image.final[offsets[j]:offsets[j + 1]].copy_(f)
+            pending.sums.append(([j for j, _, _ in items], sums))
+            return
+        stream = self.stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for j, a, f in items:
+                pending.image.aux[offsets[j]:offsets[j + 1]].copy_(a, non_blocking=True)
+                pending.image.final[offsets[j]:offsets[j + 1]].copy_(f, non_blocking=True)
+            host_sums = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host_sums.copy_(sums, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        pending.keep.append((items, sums))  # alive until the event: nothing reuses their memory mid-copy
+        pending.events.append(event)
+        pending.sums.append(([j for j, _, _ in items], host_sums))
+
+
+@dataclass
+class PendingShard:
+    """A shard whose image is being filled (or its copies are still in flight)."""
+
+    image: ShardImage
+    rows: list[StoredSample]
+    sums: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # (sample positions, their fp32 sums)
+    events: list[Any] = field(default_factory=list)  # CUDA events, one per staged batch
+    keep: list[Any] = field(default_factory=list)  # device tensors in flight
+
+    def wait(self) -> None:
+        """Block this (writer) thread until every copy into the image has landed."""
+        for event in self.events:
+            event.synchronize()
+        self.keep.clear()
+
+    def non_finite(self) -> list[str]:
+        """Samples with a NaN or an infinity in their stored (bf16) states; call after `wait`."""
+        bad = []
+        offsets = self.image.layout.row_offsets
+        for positions, sums in self.sums:
+            for j, ok in zip(positions, torch.isfinite(sums).tolist()):
+                a, b = offsets[j], offsets[j + 1]
+                # A non-finite sum is rare: confirm it exactly (fp32 overflow of a huge but finite sum is not a NaN),
+                # and on the stored bf16 rows (an fp32 state beyond bf16's range becomes an infinity there).
+                if not ok and not (torch.isfinite(self.image.aux[a:b]).all() and torch.isfinite(self.image.final[a:b]).all()):
+                    bad.append(self.rows[j].sample_id)
+        return bad
 
 
 def human_bytes(n: float) -> str:
@@ -158,10 +278,14 @@ def extract_to_store(
     log: Callable[[str], None] = print,
     progress_every_s: float = 10.0,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    buffers: HostBuffers | None = None,
+    null_sink: bool = False,
 ) -> ExtractionReport:
     """Fill `root` with the shards of `samples`; return what this call did.
 
     `identity` names the target (it enters every shard's key); `notes` are recorded in the manifest only.
+    `buffers`: host buffers to reuse (a benchmark's rounds); by default `writers + 1`, page-locked when the
+    backend is on a GPU. `null_sink` (benchmarks only): the whole capture but the write; nothing is recorded.
     """
     root = Path(root)
     H = backend.hidden_size
@@ -211,7 +335,10 @@ def extract_to_store(
 
     report = ExtractionReport(len(plans), 0, len(done), 0, 0, 0, 0.0, removed_untrusted=removed)
     started = last = time.monotonic()
-    slots = BoundedSemaphore(settings.writers + 1)  # finished shards waiting in memory, the one being filled included
+    if buffers is None:
+        device = getattr(backend, "device", None)
+        buffers = HostBuffers(settings.writers + 1, pin=isinstance(device, torch.device) and device.type == "cuda")
+    stager = Stager()
     futures: list[Future] = []
 
     def progress(final: bool = False) -> None:
@@ -229,13 +356,26 @@ def extract_to_store(
             on_progress(figures)
 
     failures: list[tuple[str, BaseException]] = []  # appended by writer threads
+    lock = threading.Lock()
+
+    def write(pending: PendingShard) -> int:
+        """A writer thread: wait for the shard's copies, check it, write and record it; give its buffer back."""
+        try:
+            pending.wait()
+            bad = pending.non_finite()
+            size = pending.image.layout.size
+            if not null_sink:
+                size = committer.commit(pending.image, direct=settings.direct_io)["bytes"]
+            with lock:
+                report.nan_samples.extend(bad)
+                report.shards_written += 1
+                report.bytes_written += size
+            return size
+        finally:
+            buffers.give(pending.image)
 
     def written(name: str, fut: Future) -> None:
-        slots.release()
-        if fut.exception() is None:
-            report.shards_written += 1
-            report.bytes_written += fut.result()["bytes"]
-        else:
+        if fut.exception() is not None:
             failures.append((name, fut.exception()))
 
     with ThreadPoolExecutor(max_workers=max(1, settings.writers), thread_name_prefix="shard-writer") as pool:
@@ -244,23 +384,27 @@ def extract_to_store(
                 if failures:  # a full disk or a failing volume: stop computing what cannot be kept
                     raise RuntimeError(f"writing {failures[0][0]} failed: {failures[0][1]}") from failures[0][1]
                 rows = [samples[i] for i in plan.samples]
-                aux: list[torch.Tensor | None] = [None] * len(rows)
-                final: list[torch.Tensor | None] = [None] * len(rows)
-                slots.acquire()
-                for batch in batches([len(r.input_ids) for r in rows], settings.batch_tokens):
-                    outputs = backend.extract_batch([list(rows[j].input_ids) for j in batch])
-                    for j, (a, f) in zip(batch, outputs):
-                        if a.shape[0] != len(rows[j].input_ids) or f.shape[0] != a.shape[0]:
-                            raise RuntimeError(f"{backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
-                                               f"which has {len(rows[j].input_ids)} tokens")
-                        aux[j], final[j] = a.to("cpu", torch.bfloat16), f.to("cpu", torch.bfloat16)
-                        if not (torch.isfinite(aux[j]).all() and torch.isfinite(final[j]).all()):
-                            report.nan_samples.append(rows[j].sample_id)
-                        report.tokens_written += a.shape[0]
-                    if time.monotonic() - last >= progress_every_s:
-                        last = time.monotonic()
-                        progress()
-                fut = pool.submit(committer.commit, plan, rows, aux, final)
+                layout = shard_layout(plan, rows, H)
+                image = buffers.take(layout.size)  # waits while every buffer is being written
+                shard = PendingShard(image, rows)
+                try:
+                    image.start(plan, rows, H, layout)
+                    for batch in batches([len(r.input_ids) for r in rows], settings.batch_tokens):
+                        outputs = backend.extract_batch([list(rows[j].input_ids) for j in batch])
+                        for j, (a, f) in zip(batch, outputs):
+                            if a.shape[0] != len(rows[j].input_ids) or f.shape[0] != a.shape[0]:
+                                raise RuntimeError(f"{backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
+                                                   f"which has {len(rows[j].input_ids)} tokens")
+                            report.tokens_written += a.shape[0]
+                        stager.stage(shard, [(j, a, f) for j, (a, f) in zip(batch, outputs)])
+                        if time.monotonic() - last >= progress_every_s:
+                            last = time.monotonic()
+                            progress()
+                except BaseException:
+                    shard.wait()  # copies in flight into the buffer land before it is reused
+                    buffers.give(image)
+                    raise
+                fut = pool.submit(write, shard)
                 fut.add_done_callback(lambda f, name=plan.name: written(name, f))
                 futures.append(fut)
                 report.samples_written += len(rows)

@@ -23,10 +23,18 @@ mapped shard keeps every page a reader touched in its resident set, so a trainer
 large store would grow by the store's size (the pages are reclaimable, but counted against the
 process and its container). A read costs the sample's bytes, and the kernel's page cache is the
 only cache.
+
+Writing: the file's layout (`ShardLayout`) is known when the shard is planned, since its token count
+is, so a shard is built in place as its own safetensors image in one host buffer (`ShardImage`): the
+header first, then the states copied straight to their rows' offsets as batches finish. A writer
+thread then writes that buffer in large sequential chunks (O_DIRECT where the file system takes it),
+hashing each chunk right after its write, and fsyncs, renames and records it. No serialized copy
+and no concatenation: the bytes on disk are the bytes the copies put in the buffer.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -41,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save
 
 FORMAT = "eagle3-hidden-states-shards/1"
 MANIFEST = "manifest.json"
@@ -49,6 +56,8 @@ KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
 STATE_BYTES = 2  # bf16
 ID_MASK_BYTES = 4 + 1  # int32 id + int8 mask per token
 OPEN_SHARDS = 64  # a reader keeps this many shard files open (a 10 TB store has thousands)
+ALIGN = 4096  # the tensors start at a page boundary, so O_DIRECT can write the image as it is
+WRITE_CHUNK = 16 * 2**20  # one write (and one hash update) per 16 MiB: large sequential writes
 
 
 def min_bytes_per_token(hidden_size: int) -> int:
@@ -115,17 +124,158 @@ def plan_shards(samples: Sequence[StoredSample], hidden_size: int, shard_bytes: 
     return plans
 
 
-def shard_tensors(rows: list[StoredSample], aux: list[torch.Tensor], final: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where every byte of a shard's safetensors file goes, from its plan alone (before any state exists).
+
+    Tensors in the order aux, final, offsets, input_ids, loss_mask: each starts at a multiple of its
+    own item size, and the header is padded with spaces (as safetensors itself pads) so that the
+    data starts at a multiple of ALIGN.
+    """
+
+    header: bytes  # the 8-byte little-endian length and the JSON header, padded
+    size: int  # the whole file
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]]  # key -> (dtype, shape, byte offset in the file)
+    row_offsets: tuple[int, ...]  # sample j is rows row_offsets[j]:row_offsets[j + 1]
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8"}
+
+
+def shard_layout(plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int) -> ShardLayout:
+    T, H = plan.tokens, hidden_size
     lengths = [len(r.input_ids) for r in rows]
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return {
-        "input_ids": torch.tensor([t for r in rows for t in r.input_ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for r in rows for m in r.loss_mask], dtype=torch.int8),
-        "aux_hidden_states": torch.cat([a.to("cpu", torch.bfloat16) for a in aux]).contiguous(),
-        "final_hidden_state": torch.cat([f.to("cpu", torch.bfloat16) for f in final]).contiguous(),
-        "offsets": offsets,
-    }
+    if sum(lengths) != T:
+        raise ValueError(f"{plan.name}: the plan has {T} tokens, its samples {sum(lengths)}")
+    specs = [("aux_hidden_states", torch.bfloat16, (T, 3 * H)), ("final_hidden_state", torch.bfloat16, (T, H)),
+             ("offsets", torch.int64, (len(rows) + 1,)), ("input_ids", torch.int32, (T,)), ("loss_mask", torch.int8, (T,))]
+    # One metadata entry, its JSON written by us: the file's bytes, and so its checksum, are the same in every process.
+    header: dict[str, Any] = {"__metadata__": {"eagle3": json.dumps({
+        "format": FORMAT, "key": plan.key, "sample_ids": [r.sample_id for r in rows], "splits": [r.split for r in rows]})}}
+    at, spans = 0, []
+    for key, dtype, shape in specs:
+        n = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        spans.append((key, dtype, shape, at))
+        at += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    padded = -(-(8 + len(text)) // ALIGN) * ALIGN - 8
+    text += b" " * (padded - len(text))
+    data_start = 8 + len(text)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return ShardLayout(struct.pack("<Q", len(text)) + text, data_start + at,
+                       {key: (dtype, shape, data_start + off) for key, dtype, shape, off in spans}, tuple(offsets))
+
+
+def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory starting at an ALIGN boundary (O_DIRECT needs it); page-locked with `pin` (CUDA copies)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+class ShardImage:
+    """One shard's file, built in a reusable host buffer: header, ids, masks and offsets written at once,
+    the states copied in by the capture (`aux[a:b]`, `final[a:b]` are views of the buffer)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer  # uint8, ALIGN-aligned, reused shard after shard
+        self.plan: ShardPlan | None = None
+        self.layout: ShardLayout | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    def view(self, key: str) -> torch.Tensor:
+        dtype, shape, start = self.layout.tensors[key]
+        n = math.prod(shape) * dtype.itemsize
+        return self.buffer[start:start + n].view(dtype).view(shape)
+
+    def start(self, plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int, layout: ShardLayout | None = None) -> None:
+        """Lay out `plan` in the buffer and write everything but the states."""
+        layout = layout or shard_layout(plan, rows, hidden_size)
+        if padded_size(layout.size) > self.capacity:
+            raise ValueError(f"{plan.name} needs {layout.size:,} bytes, the buffer has {self.capacity:,}")
+        self.plan, self.layout = plan, layout
+        self.buffer[:len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        self.view("offsets").copy_(torch.tensor(layout.row_offsets, dtype=torch.int64))
+        ids, mask = self.view("input_ids"), self.view("loss_mask")
+        for j, r in enumerate(rows):
+            a, b = layout.row_offsets[j], layout.row_offsets[j + 1]
+            ids[a:b] = torch.as_tensor(r.input_ids, dtype=torch.int32)
+            mask[a:b] = torch.as_tensor(r.loss_mask, dtype=torch.int8)
+        self.aux, self.final = self.view("aux_hidden_states"), self.view("final_hidden_state")
+
+    def memory(self) -> memoryview:
+        """The whole buffer: the file is its first `layout.size` bytes."""
+        return memoryview(self.buffer.numpy())
+
+
+def padded_size(size: int) -> int:
+    """`size` rounded up to ALIGN: an O_DIRECT write of the file's tail writes this much, then the file is truncated."""
+    return -(-size // ALIGN) * ALIGN
+
+
+def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError as e:  # tmpfs and some network file systems refuse O_DIRECT
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def write_file(path: Path, data: memoryview, size: int | None = None, *, direct: bool = True,
+               chunk: int = WRITE_CHUNK) -> tuple[str, bool]:
+    """Write data[:size] to `path` in `chunk`-sized sequential writes, hash each chunk right after its write
+    (hashlib releases the GIL, so several writers hash in parallel), fsync; return (sha256, whether O_DIRECT was used).
+
+    With `direct`, the file is opened O_DIRECT when the file system allows it and `data` starts at an ALIGN
+    boundary and extends to `padded_size(size)` (a ShardImage's buffer does): the tail is written padded,
+    then the file truncated to `size`. A refused O_DIRECT write goes on with buffered writes.
+    """
+    n = len(data) if size is None else size
+    h = hashlib.sha256()
+    aligned = direct and chunk % ALIGN == 0 and len(data) >= padded_size(n) and _address(data) % ALIGN == 0
+    fd, direct = _open_for_write(path, aligned)
+    try:
+        done = 0
+        while done < n:
+            end = min(n, done + chunk)
+            if direct:
+                try:
+                    wrote = os.pwrite(fd, data[done:padded_size(end)], done)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    wrote = 0
+                if wrote == 0 or (wrote % ALIGN and done + wrote < n):  # refused or short: buffered from here on
+                    os.close(fd)
+                    fd, direct = os.open(path, os.O_WRONLY), False
+            else:
+                wrote = os.pwrite(fd, data[done:end], done)
+            good = min(wrote, n - done)
+            h.update(data[done:done + good])
+            done += good
+        if os.fstat(fd).st_size != n:  # O_DIRECT wrote the tail padded
+            os.ftruncate(fd, n)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return h.hexdigest(), direct
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    if view.readonly or not len(view):
+        return -1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -167,24 +317,16 @@ class ShardCommitter:
         with self._lock:
             write_json_atomic(self.root / MANIFEST, self.manifest)
 
-    def commit(self, plan: ShardPlan, rows: list[StoredSample], aux: list[torch.Tensor], final: list[torch.Tensor]) -> dict[str, Any]:
-        """Serialize, fsync, rename, then list the shard in the manifest: only then is it trusted."""
-        tensors = shard_tensors(rows, aux, final)
-        # One metadata entry: safetensors keeps metadata in a hash map whose order, and so the file's
-        # bytes and checksum, would otherwise differ from one process to the next.
-        meta = {"eagle3": json.dumps({"format": FORMAT, "key": plan.key, "sample_ids": [r.sample_id for r in rows],
-                                      "splits": [r.split for r in rows]})}
-        data = save(tensors, metadata=meta)
+    def commit(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
+        """Write the image, fsync, rename, then list the shard in the manifest: only then is it trusted."""
+        plan = image.plan
         path = self.root / plan.name
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        digest, _ = write_file(tmp, image.memory(), image.layout.size, direct=direct)
         os.replace(tmp, path)
         _fsync_dir(self.root)
-        entry = {"key": plan.key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                 "samples": len(rows), "tokens": plan.tokens}
+        entry = {"key": plan.key, "sha256": digest, "bytes": image.layout.size,
+                 "samples": len(image.layout.row_offsets) - 1, "tokens": plan.tokens}
         with self._lock:
             self.manifest["shards"][plan.name] = entry
             write_json_atomic(self.root / MANIFEST, self.manifest)

@@ -54,7 +54,10 @@ class TransformersHiddenStates:
         for row, s in enumerate(sequences):
             ids[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
             mask[row, : len(s)] = 1
-        return ids.to(self.device), mask.to(self.device)
+        device = self.device
+        if device.type == "cuda":  # a blocking copy from pageable memory would wait for the previous batch's forward
+            return ids.pin_memory().to(device, non_blocking=True), mask.pin_memory().to(device, non_blocking=True)
+        return ids.to(device), mask.to(device)
 
     @torch.inference_mode()
     def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
