@@ -1,7 +1,9 @@
-"""Admission: every attempt of every request is reserved in the shared ledger before it is sent.
+"""Admission: every attempt of every request is reserved in the shared ledger just before it is sent.
 
 `Admission` is the feed a completion backend pulls from (`RequestFeed`). Workers ask for a first
-attempt (`take`) or a further one (`retry`); one admission task serves all who are waiting with
+attempt (`take`) or a further one (`retry`) once they may send it: a backend waits for its pacing (a
+concurrency slot, the provider's requests per second) before asking, so no reservation holds a cap's
+headroom while it waits. One admission task serves all who are waiting with
 one ledger transaction, which checks the hold and every cap against settled + reserved spend of
 every process and reserves the longest prefix that fits. When a request does not fit:
 - if it cannot fit even once everything live has settled, the cap is *reached*: admission stops
@@ -11,9 +13,13 @@ every process and reserves the longest prefix that fits. When a request does not
   dataset or by the credit sensor) and tries again.
 The hold stops admission the same way (drained or cancelled by `hold_mode`).
 
-Each sent attempt then ends in the ledger as billed (settled from the response's `usage.cost`),
-released (nothing was generated), unsettled (a generation id but no bill: looked up later) or
-unidentified (sent, cut short before any id). A retry after an unsettled attempt waits for its
+The send of each attempt is marked in the ledger (`sending`: committed, so in the OS, before a byte
+leaves the process; marks of concurrent sends share the writer's group commits). Each attempt then
+ends in the ledger as billed (settled from the response's `usage.cost`), released (nothing was
+generated, or never sent), unsettled (a generation id but no bill: looked up later) or
+unidentified (sent, cut short before any id). After a kill, recovery (the next run of the dataset,
+the credit sensor) releases at once every reservation whose send was never marked: only attempts
+that may have reached the provider stay held. A retry after an unsettled attempt waits for its
 bill (up to `unsettled_wait_s`), and is not sent at all after an unidentified one, unless
 `resend_unsettled`: a prompt is never knowingly paid twice.
 """
@@ -23,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
 from eagle3_assets.spend import ledger as L
@@ -122,8 +128,15 @@ class Admission:
         """
         return await self._ask(None, wait)
 
-    async def retry(self, previous: Attempt, why: str) -> Attempt | Refusal:
-        """The next attempt of the request `previous` belongs to (which must have ended)."""
+    @property
+    def remaining(self) -> int:
+        """Requests whose first attempt has not been admitted yet (a backend need not pace for more than these)."""
+        return len(self.pending)
+
+    async def retry(self, previous: Attempt, why: str, pace: Optional[Callable[[], Awaitable[Any]]] = None) -> Attempt | Refusal:
+        """The next attempt of the request `previous` belongs to (which must have ended).
+
+        `pace`: the backend's wait before a send, awaited once the retry is allowed and before it is reserved."""
         if previous.outcome == "unsettled" and not self.resend_unsettled:
             found = await self._wait_for_bill(previous)
             if not found:
@@ -132,6 +145,8 @@ class Admission:
         elif previous.outcome == "unidentified" and not self.resend_unsettled:
             return Refusal("deferred", f"{why}; the attempt was cut short before its generation id arrived: it cannot be "
                            "looked up, so the prompt is not sent again before the horizon passes")
+        if pace is not None:
+            await pace()
         nxt = await self._ask(previous)
         if nxt is None:
             return Refusal("aborted", f"{why}; not retried: {self.stopped_by}")
@@ -264,6 +279,12 @@ class Admission:
         self._bind()
 
     # -- the money side of each attempt ---------------------------------------------------------
+
+    async def sending(self, attempt: Attempt) -> None:
+        """Mark the attempt sent, committed before the caller sends a byte; raises if the ledger cannot record it
+        (the attempt must then not be sent). Awaits one group commit of the writer, shared by concurrent sends."""
+        await self.writer.call(L.sending, attempt.attempt_id, time.time())
+        attempt.sent = True
 
     def started(self, attempt: Attempt, generation_id: str) -> None:
         if attempt.generation_id == generation_id:

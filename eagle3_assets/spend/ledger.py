@@ -10,13 +10,16 @@ WAL fsyncs at checkpoints, so only a power cut can lose the last moments). WAL d
 network filesystems: hosts that share a data root need the ledger in PostgreSQL instead.
 
 Every attempt of every request is one row, reserved at its worst case (prompt + `max_tokens` at
-the highest price the routing allows) BEFORE it is sent, in the same transaction that checks the
-caps against settled + reserved spend of every process:
+the highest price the routing allows) just before it is sent (after any pacing wait), in the same
+transaction that checks the caps against settled + reserved spend of every process. Its send is then
+marked (`sent_at`, committed before a byte leaves the process): after a crash, a reservation without
+the mark was never sent and is released at once; one with it may have been billed and is kept.
 
     reserved --(response headers: generation id)--> open --(bill)--> settled
        |   \--(nothing was generated: refused, not sent)--> released ($0)
        |    \--(cut short with a generation id, no bill)--> unsettled --(look-up finds it)--> settled
-       |     \--(cut short before any id; its process died)--> unidentified
+       |     \--(marked sent, cut short before any id; its process died)--> unidentified
+       |      \--(not marked sent; its process died)--> released ($0)
        \--------------------------- unsettled / unidentified --(horizon passes)--> expired
 
 reserved and open are *live* (a process is waiting on them); unsettled and unidentified are
@@ -77,7 +80,8 @@ create table if not exists attempts (
     recovered integer,
     lookups integer not null default 0,
     next_lookup_at real,
-    note text
+    note text,
+    sent_at real
 );
 create index if not exists attempts_unfinished on attempts(state, dataset)
     where state in ('reserved', 'open', 'unsettled', 'unidentified');
@@ -272,6 +276,7 @@ class SpendLedger:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(self._db.schema(statement))
+            _add_sent_at(conn, self._db.schema)
             done = conn.execute("select value from meta where key = 'legacy_import'").fetchone()
             if done is None:
                 imported = import_journals(conn, legacy_journals() if legacy_journals else [])
@@ -308,6 +313,16 @@ class SpendLedger:
 
     def hold(self) -> Optional[dict[str, Any]]:
         return self.read(get_hold)
+
+
+def _add_sent_at(conn: Connection, schema: Callable[[str], str]) -> None:
+    """A ledger written before sends were marked gets the column; its unfinished attempts count as sent (a process of
+    that version may have sent them), so recovery never releases what may have been billed."""
+    columns = {c[0] for c in conn.execute("select * from attempts limit 0").description}
+    if "sent_at" in columns:
+        return
+    conn.execute(schema("alter table attempts add column sent_at real"))
+    conn.execute(f"update attempts set sent_at = reserved_at where {UNFINISHED}")
 
 
 # -- operations: each takes a connection inside a transaction ---------------------------------
@@ -370,6 +385,11 @@ def _does_not_fit(want: Want, caps: Caps, total: Scope, today: Scope, run: Scope
 def _row(conn: Connection, attempt_id: str) -> Optional[tuple]:
     return conn.execute("select state, reserved_usd, reserved_tokens, run_id, dataset, day from attempts where attempt_id = ?",
                         (attempt_id,)).fetchone()
+
+
+def sending(conn: Connection, attempt_id: str, now: float) -> None:
+    """The attempt is about to leave the process (committed before its first byte is sent): it may be billed from now on."""
+    conn.execute("update attempts set sent_at = ? where attempt_id = ? and sent_at is null", (now, attempt_id))
 
 
 def opened(conn: Connection, attempt_id: str, generation_id: str) -> None:
@@ -479,9 +499,9 @@ def mark_recovered(conn: Connection, attempt_ids: list[str], recovered: bool) ->
     conn.executemany("update attempts set recovered = ? where attempt_id = ?", [(int(recovered), a) for a in attempt_ids])
 
 
-def live_attempts(conn: Connection, dataset: str) -> list[tuple[str, str, str | None, float]]:
-    """(attempt, prompt, generation id, reserved_usd) of a dataset's live attempts."""
-    return conn.execute(f"select attempt_id, prompt_id, generation_id, reserved_usd from attempts "
+def live_attempts(conn: Connection, dataset: str) -> list[tuple[str, str, str | None, float, float | None]]:
+    """(attempt, prompt, generation id, reserved_usd, sent_at) of a dataset's live attempts."""
+    return conn.execute(f"select attempt_id, prompt_id, generation_id, reserved_usd, sent_at from attempts "
                         f"where {UNFINISHED} and dataset = ? and state in ('reserved', 'open')", (dataset,)).fetchall()
 
 

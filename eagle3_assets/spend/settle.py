@@ -98,7 +98,9 @@ def recover_dataset(conn: Any, dataset: str, records: list[dict[str, Any]], *, f
 
     The journal is written before the ledger (its records reach the OS at once), so it knows what a
     process killed a moment later did not get into the ledger: a result with its bill settles the
-    attempt; a generation id makes it unsettled (to be looked up); with neither it is unidentified.
+    attempt; a generation id makes it unsettled (to be looked up); with neither it is unidentified if
+    its send was marked (it may have reached the provider), and released if not: the mark is committed
+    before a byte leaves, so an attempt without it was never sent and cannot be billed.
     """
     results: dict[str, dict[str, Any]] = {}
     generations: dict[str, str] = {}
@@ -111,8 +113,9 @@ def recover_dataset(conn: Any, dataset: str, records: list[dict[str, Any]], *, f
         if r.get("generation_id"):
             generations[attempt_id] = r["generation_id"]
     counts = {"settled_from_journal": 0, "unsettled": 0, "unidentified": 0, "released": 0}
-    for attempt_id, _prompt, generation_id, _reserved in L.live_attempts(conn, dataset):
+    for attempt_id, _prompt, generation_id, _reserved, sent_at in L.live_attempts(conn, dataset):
         result = results.get(attempt_id)
+        generation_id = generation_id or generations.get(attempt_id)
         if result is not None:
             L.settle(conn, attempt_id, cost_usd=float(result.get("cost_usd") or 0.0), prompt_tokens=result.get("prompt_tokens"),
                      completion_tokens=result.get("completion_tokens"), source="journal", now=now,
@@ -121,8 +124,10 @@ def recover_dataset(conn: Any, dataset: str, records: list[dict[str, Any]], *, f
         elif free:
             L.release(conn, attempt_id, "its process ended (free backend: nothing to settle)", now)
             counts["released"] += 1
+        elif sent_at is None and generation_id is None:
+            L.release(conn, attempt_id, "never sent: its process ended before sending it", now)
+            counts["released"] += 1
         else:
-            state = L.unsettle(conn, attempt_id, generation_id or generations.get(attempt_id),
-                               "its process ended before it was settled (killed?)", now)
+            state = L.unsettle(conn, attempt_id, generation_id, "its process ended before it was settled (killed?)", now)
             counts[state or "released"] += 1
     return counts

@@ -1,11 +1,13 @@
 """The ledger from an event loop: operations run on one thread, as many per transaction as are waiting.
 
-At a thousand requests a second each attempt is three ledger writes (reserve, generation id,
-bill). One transaction per write would cost the loop ~0.2 ms each; here the loop only queues
+At a thousand requests a second each attempt is four ledger writes (reserve, send mark, generation
+id, bill). One transaction per write would cost the loop ~0.2 ms each; here the loop only queues
 them, and the writer thread commits whatever has queued while the previous commit ran (group
 commit), each operation in its own savepoint so one failure spoils nothing else. A queued write
 reaches the database within milliseconds; the journal, written synchronously first, covers that
-window after a kill -9 (see settle.recover_dataset).
+window after a kill -9 (see settle.recover_dataset). The two writes a crash must find are awaited
+(`call`): the reservation, and the send mark, committed before the request's first byte leaves
+(concurrent sends share a commit, so the wait is one commit, not one per request).
 """
 
 from __future__ import annotations

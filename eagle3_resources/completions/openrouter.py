@@ -5,9 +5,11 @@ is journaled before the body is read, and cancelling a stream stops generation (
 where the provider supports it. Non-streaming is a setting.
 
 Before fanning out, the key is read (`/api/v1/key`, unbilled): a revoked key stops the run before
-a single paid request. Every attempt, first or retry, is admitted by the feed (the spend ledger:
-caps and hold) and ends there as billed (the response's `usage.cost`), released (nothing was
-generated) or unsettled (a generation id without a bill: looked up before the prompt is sent again).
+a single paid request. Every attempt, first or retry, waits for its pacing (a place in flight, the
+requests-per-second turn), is then admitted by the feed (the spend ledger: caps and hold), its send
+marked there (committed before the first byte leaves), and ends as billed (the response's
+`usage.cost`), released (nothing was generated) or unsettled (a generation id without a bill:
+looked up before the prompt is sent again).
 
 Outcomes (../shared/reference/openrouter-api.md):
 - run-fatal: 401 (bad key), 402 without Retry-After (no credits / key limit), 404 (no endpoint
@@ -222,9 +224,12 @@ class OpenRouterBackend:
         req = attempt.request
         body = request_body(req, settings, stream=self.stream)
         headers_seen = False
+        try:  # committed before a byte leaves: after a crash, only attempts marked sent can have been billed
+            await feed.sending(attempt)
+        except Exception as e:
+            raise _Retry(f"not sent: the spend ledger did not record the send ({type(e).__name__}: {e})", "ledger",
+                         generated=False) from None
         try:
-            await self.rate.acquire()
-            attempt.sent = True
             async with client.stream("POST", "/chat/completions", json=body, headers={ATTEMPT_HEADER: attempt.attempt_id}) as resp:
                 headers_seen = True
                 gen_id = resp.headers.get("x-generation-id")
@@ -286,48 +291,66 @@ class OpenRouterBackend:
                          generated=generated)
         raise _Final(state.result("failed", text, str(status)))
 
+    async def _pace(self) -> float:
+        """Wait until a request may go: a place in flight (held until its attempt ends), then its requests-per-second
+        turn (returned, for `RateLimiter.refund`). Attempts are reserved after this, never while waiting here."""
+        assert self.limiter is not None
+        await self.limiter.enter()
+        try:
+            return await self.rate.acquire()
+        except BaseException:
+            await self.limiter.leave()
+            raise
+
     async def _complete(self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings,
                         state: RequestState) -> CompletionResult:
+        """One request: its first attempt was taken after `_pace` (`_PacedFeed`); each retry is paced before it is reserved."""
         assert self.limiter is not None
+        place = _Place(self, held=True)  # the first attempt's place in flight, taken by _PacedFeed.take
         attempt = state.attempt
         last_error, last_code, paced = "", "", 0
-        while True:
-            if self.fatal:
-                feed.unbilled(attempt, generated=False, why=f"not sent: {self.fatal}")
-                return state.aborted(f"not sent: {self.fatal}")
-            state.attempts += 1
-            retry_after = None
-            try:
-                async with self.limiter.slot():
-                    result = await self._attempt(client, feed, attempt, settings, state)
-                await self.limiter.succeeded()
-                return result
-            except _Final as e:
-                feed.unbilled(attempt, generated=False, why=str(e.result.error))
-                if e.fatal:
-                    self.fatal = self.fatal or e.fatal
-                e.result.attempt_id = attempt.attempt_id
-                return e.result
-            except _Retry as e:
-                last_error, last_code, retry_after = str(e), e.code, e.retry_after
-                feed.unbilled(attempt, generated=e.generated, why=last_error)
-                if e.throttle:
-                    self.limiter.throttled()
-                if e.paced and paced < MAX_PACED_429:  # the provider said when to come back: not a failure
-                    paced += 1
-                    state.attempts -= 1
-                    retry_after = max(retry_after or 0.0, self.rate.reset_at - time.time())
-            except StreamError as e:
-                last_error, last_code = str(e), e.code
-                feed.unbilled(attempt, generated=None, why=last_error)
-            if state.attempts >= self.max_attempts:
-                return state.result("deferred", f"gave up after {state.attempts} attempts: {last_error}; sent again by the "
-                                    "next materialization", last_code)
-            await asyncio.sleep(backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after))
-            nxt = await feed.retry(attempt, last_error)
-            if isinstance(nxt, Refusal):
-                return state.result(nxt.status, nxt.reason, last_code or "not_retried")
-            attempt = state.attempt = nxt
+        try:
+            while True:
+                if self.fatal:
+                    feed.unbilled(attempt, generated=False, why=f"not sent: {self.fatal}")
+                    return state.aborted(f"not sent: {self.fatal}")
+                state.attempts += 1
+                retry_after = None
+                try:
+                    try:
+                        result = await self._attempt(client, feed, attempt, settings, state)
+                    finally:
+                        await place.give_back()
+                    await self.limiter.succeeded()
+                    return result
+                except _Final as e:
+                    feed.unbilled(attempt, generated=False, why=str(e.result.error))
+                    if e.fatal:
+                        self.fatal = self.fatal or e.fatal
+                    e.result.attempt_id = attempt.attempt_id
+                    return e.result
+                except _Retry as e:
+                    last_error, last_code, retry_after = str(e), e.code, e.retry_after
+                    feed.unbilled(attempt, generated=e.generated, why=last_error)
+                    if e.throttle:
+                        self.limiter.throttled()
+                    if e.paced and paced < MAX_PACED_429:  # the provider said when to come back: not a failure
+                        paced += 1
+                        state.attempts -= 1
+                        retry_after = max(retry_after or 0.0, self.rate.reset_at - time.time())
+                except StreamError as e:
+                    last_error, last_code = str(e), e.code
+                    feed.unbilled(attempt, generated=None, why=last_error)
+                if state.attempts >= self.max_attempts:
+                    return state.result("deferred", f"gave up after {state.attempts} attempts: {last_error}; sent again by "
+                                        "the next materialization", last_code)
+                await asyncio.sleep(backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after))
+                nxt = await feed.retry(attempt, last_error, pace=place.take)
+                if isinstance(nxt, Refusal):
+                    return state.result(nxt.status, nxt.reason, last_code or "not_retried")
+                attempt = state.attempt = nxt
+        finally:
+            await place.give_back()
 
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         if self.preflight:
@@ -336,8 +359,56 @@ class OpenRouterBackend:
         self.limiter = AdaptiveLimiter(self.concurrency)
         async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
             await run_workers(
-                feed, self.concurrency, lambda state: self._complete(client, feed, settings, state), emit,
+                _PacedFeed(feed, self), self.concurrency, lambda state: self._complete(client, feed, settings, state), emit,
                 stop=lambda: self.fatal is not None,
             )
         if self.fatal:
             raise RunFatalError(f"OpenRouter refused the run: {self.fatal}")
+
+
+class _Place:
+    """A request's place in flight (the concurrency gate's), held from its pacing until its attempt has ended."""
+
+    def __init__(self, backend: OpenRouterBackend, held: bool = False):
+        self.backend, self.held = backend, held
+
+    async def take(self) -> None:
+        await self.backend._pace()
+        self.held = True
+
+    async def give_back(self) -> None:
+        if self.held:
+            assert self.backend.limiter is not None
+            await self.backend.limiter.leave()  # (nothing can interrupt it once the gate's lock is held)
+            self.held = False
+
+
+class _PacedFeed:
+    """The feed as the workers see it: a request's first attempt is asked for (reserved) only once its pacing lets it go,
+    so no reservation waits for a place in flight or a requests-per-second turn; a kill then leaves reserved only what
+    was about to be sent."""
+
+    def __init__(self, feed: RequestFeed, backend: OpenRouterBackend):
+        self._feed, self._backend = feed, backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._feed, name)
+
+    async def take(self, wait: bool = True) -> Attempt | None:
+        if getattr(self._feed, "remaining", None) == 0:  # nothing left to take: no turn to wait for
+            attempt = await self._feed.take(wait)
+            if attempt is not None:  # requests came back meanwhile (a cancelled worker's): paced after all
+                await self._backend._pace()
+            return attempt
+        token = await self._backend._pace()
+        assert self._backend.limiter is not None
+        try:
+            attempt = await self._feed.take(wait)
+        except BaseException:
+            self._backend.rate.refund(token)
+            await self._backend.limiter.leave()
+            raise
+        if attempt is None:  # the turn goes to a request that has one
+            self._backend.rate.refund(token)
+            await self._backend.limiter.leave()
+        return attempt

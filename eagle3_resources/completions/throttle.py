@@ -33,15 +33,22 @@ class AdaptiveLimiter:
 
     @asynccontextmanager
     async def slot(self):
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.active < self.limit)
-            self.active += 1
+        await self.enter()
         try:
             yield
         finally:
-            async with self._cond:
-                self.active -= 1
-                self._cond.notify(1)
+            await self.leave()
+
+    async def enter(self) -> None:
+        """Wait for room and take a place in flight (give it back with `leave`)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.active < self.limit)
+            self.active += 1
+
+    async def leave(self) -> None:
+        async with self._cond:
+            self.active -= 1
+            self._cond.notify(1)
 
     def throttled(self) -> None:
         """The API pushed back (429 / 503 / in-flight 402)."""
@@ -122,9 +129,10 @@ class RateLimiter:
             self.allowance = min(self.allowance, remaining_n) if self.reset_at else remaining_n
         self.limit, self.reset_at = limit_n, reset_at
 
-    async def acquire(self) -> None:
+    async def acquire(self) -> float:
+        """Wait for a request's turn; returns its token (the end of the window it counts in) for `refund`."""
         if self.limit is None:
-            return
+            return 0.0
         loop = asyncio.get_running_loop()
         if self._lock is None or self._lock_loop is not loop:
             self._lock, self._lock_loop = asyncio.Lock(), loop
@@ -138,9 +146,14 @@ class RateLimiter:
                     self.allowance = self.limit
                 if self.allowance > 0:
                     self.allowance -= 1
-                    return
+                    return self.reset_at
                 self.waits += 1
                 await asyncio.sleep(max(0.0, self.reset_at - now) + 0.005)
+
+    def refund(self, token: float) -> None:
+        """A turn taken and not used (nothing was left to send): back to the window, if it is still the current one."""
+        if self.limit is not None and token and token == self.reset_at and time.time() < self.reset_at:
+            self.allowance = min(self.limit, self.allowance + 1)
 
     def describe(self) -> dict:
         return {"limit": self.limit, "window_s": self.window_s, "waits": self.waits} if self.learnt else {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -110,13 +110,13 @@ class RunFatalError(RuntimeError):
 
 @dataclass
 class Attempt:
-    """One admitted try at a request: reserved in the spend ledger before it is sent."""
+    """One admitted try at a request: reserved in the spend ledger just before it is sent, its send marked there first."""
 
     request: CompletionRequest
     attempt_id: str
     number: int
     generation_id: str | None = None
-    sent: bool = False  # bytes may have left: from here on, it may be billed
+    sent: bool = False  # its send is marked (the ledger's `sending`): bytes may have left, from here on it may be billed
     outcome: str | None = None  # settled | released | unsettled | unidentified, once it has ended
 
 
@@ -132,14 +132,18 @@ class RequestFeed(Protocol):
     """Admission and the money side of every attempt (eagle3_assets.spend.admission.Admission).
 
     A backend takes a request's first attempt with `take`, and every further attempt with `retry`
-    (which passes admission, the caps and the hold again); each attempt it sends ends with exactly
-    one of `billed` (the response carried its cost) or `unbilled` (no bill: `generated=False` when
-    nothing can have been generated, None when unknown).
+    (which passes admission, the caps and the hold again), each once it is ready to send (after its
+    pacing: the reservation is taken just before the send); a paid backend awaits `sending` before
+    the first byte of an attempt leaves (a crash then releases only what was never sent). Each
+    attempt ends with exactly one of `billed` (the response carried its cost) or `unbilled` (no
+    bill: `generated=False` when nothing can have been generated, None when unknown).
     """
 
     async def take(self, wait: bool = True) -> Attempt | None: ...
 
-    async def retry(self, previous: Attempt, why: str) -> Attempt | Refusal: ...
+    async def retry(self, previous: Attempt, why: str, pace: Optional[Callable[[], Awaitable[Any]]] = None) -> Attempt | Refusal: ...
+
+    async def sending(self, attempt: Attempt) -> None: ...
 
     def started(self, attempt: Attempt, generation_id: str) -> None: ...
 
