@@ -1,7 +1,7 @@
 """A process that buys completions for synthetic datasets, as a run would: the money tests start several and kill some.
 
     python tests/spend_worker.py --url URL --key K --tokenizer DIR --data DIR --run-id R --datasets A,B
-        [--prompts 40] [--run-usd X] [--total-usd Y] [--start-at EPOCH] [--concurrency 16] [--max-tokens 400]
+        [--prompts 40] [--run-usd X] [--total-usd Y] [--start-at EPOCH] [--concurrency 16] [--max-tokens 400] [--stream 0]
 
 Each dataset's prompts are rendered with the project's chat format (what a real run sends), completed through
 `run_completions` with the data root's shared ledger, journaled under DIR/completions/<dataset>/journal.jsonl.
@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--stream", type=int, default=1, help="0: non-streaming requests (no generation id before the answer)")
     a = p.parse_args()
     tok = load_tokenizer(Path(a.tokenizer))
     layout = DataLayout(a.data)
@@ -61,7 +62,8 @@ def main() -> None:
     requests = {d: synthetic(tok, d, a.prompts) for d in a.datasets.split(",")}
     time.sleep(max(0.0, a.start_at - time.time()))  # several workers start together
     for dataset, reqs in requests.items():
-        backend = OpenRouterBackend(a.url, a.key, concurrency=a.concurrency, backoff_base_s=0.05, backoff_cap_s=0.5)
+        backend = OpenRouterBackend(a.url, a.key, concurrency=a.concurrency, backoff_base_s=0.05, backoff_cap_s=0.5,
+                                    stream=bool(a.stream))
         run = run_completions(dataset, reqs, backend, SamplingSettings(max_tokens=a.max_tokens), layout.completions_journal(dataset),
                               ledger=ledger, caps=caps, pricing=PRICING, run_id=a.run_id, log=lambda m: print(m, file=sys.stderr),
                               settle_window_s=5.0)

@@ -46,7 +46,8 @@ What it does, each a setting (`FakeSettings`; every one is also a CLI flag):
   `/api/v1/generation?id=` (404 for `generation_404_s` after the bill), and
   `/api/v1/generation/content?id=` (a finished answer's stored prompt and completion; 404 with
   `store_content` off, as when the account's input/output logging is off).
-Every request body is kept in `billing.requests`, with its `X-Eagle3-Attempt` header and
+`/_fake/stats` says what it has received, is generating (with the attempt ids) and has answered, for
+a test that drives it in another process. Every request body is kept in `billing.requests`, with its `X-Eagle3-Attempt` header and
 prompt key (`json.dumps(messages, sort_keys=True)`) in `billing.request_info`; everything billed
 is in `billing.bills` (each bill with its attempt and prompt key too) and printed as JSON lines
 with `--log-billing`.
@@ -224,6 +225,7 @@ class FakeOpenRouter:
         self.app.router.add_get("/api/v1/generation/content", self.generation_content)
         self.app.router.add_get("/api/v1/models", self.models)
         self.app.router.add_get("/api/v1/models/{author}/{slug}/endpoints", self.model_endpoints)
+        self.app.router.add_get("/_fake/stats", self.stats)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -528,6 +530,18 @@ class FakeOpenRouter:
             if isinstance(e, asyncio.CancelledError):
                 raise
         return resp
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """Chat requests received, those generating now (their X-Eagle3-Attempt), answers by status, bills by kind."""
+        statuses: dict[str, int] = {}
+        for status in self.billing.statuses:
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+        kinds: dict[str, int] = {}
+        for bill in self.billing.bills:
+            kinds[bill.kind] = kinds.get(bill.kind, 0) + 1
+        generating = [self._gens[g].attempt for g in list(self.inflight_worst) if g in self._gens]
+        return web.json_response({"received": len(self.billing.requests), "generating": generating, "answered": statuses,
+                                  "bills": kinds})
 
     # -- catalogue ---------------------------------------------------------------------------
 
