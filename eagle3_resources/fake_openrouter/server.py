@@ -47,10 +47,10 @@ What it does, each a setting (`FakeSettings`; every one is also a CLI flag):
   `/api/v1/generation/content?id=` (a finished answer's stored prompt and completion; 404 with
   `store_content` off, as when the account's input/output logging is off).
 `/_fake/stats` says what it has received, is generating (with the attempt ids) and has answered, for
-a test that drives it in another process. Every request body is kept in `billing.requests`, with its `X-Eagle3-Attempt` header and
-prompt key (`json.dumps(messages, sort_keys=True)`) in `billing.request_info`; everything billed
-is in `billing.bills` (each bill with its attempt and prompt key too) and printed as JSON lines
-with `--log-billing`.
+a test that drives it in another process. Every request body is kept in `billing.requests`, with
+its `X-Eagle3-Attempt` header and prompt key (`json.dumps(messages, sort_keys=True)`) in
+`billing.request_info`; everything billed is in `billing.bills` (each bill with its attempt and
+prompt key too) and printed as JSON lines with `--log-billing`.
 """
 
 from __future__ import annotations
