@@ -192,6 +192,12 @@ def ledger_command(action: str, wait_s: float) -> int:
 
     ledger = _ledger()
     if action == "settle":
+        from eagle3_assets.completions import recover_idle_datasets
+        from eagle3_resources.storage import DataLayout
+
+        # Attempts of processes that ended (killed): never sent ones released, the others held and looked up below.
+        for dataset, counts in recover_idle_datasets(DataLayout(default_data_dir()), ledger).items():
+            print(f"{dataset}: attempts left by a process that ended, put right: {counts}")
         policy = SpendPolicy()
         endpoint = policy.account_endpoint()
         if endpoint is None:
@@ -296,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p_dg.add_argument("args", nargs=argparse.REMAINDER)
     p_hold = sub.add_parser("hold", help="show or lift the spending hold")
     p_hold.add_argument("action", choices=["show", "lift"], nargs="?", default="show")
-    p_ledger = sub.add_parser("ledger", help="the spend ledger; `settle` looks up unsettled bills now")
+    p_ledger = sub.add_parser("ledger", help="the spend ledger; `settle` puts right what killed processes left "
+                              "(never-sent reservations released) and looks up unsettled bills now")
     p_ledger.add_argument("action", choices=["show", "settle"], nargs="?", default="show")
     p_ledger.add_argument("--wait", type=float, default=0.0, help="with settle: keep looking up for this many seconds")
     p_status = sub.add_parser("status", help="each dataset's stages, runs in progress, money and the hold")

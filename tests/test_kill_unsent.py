@@ -131,10 +131,12 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
     assert max(collections.Counter(b["prompt_key"] for b in generated.values()).values()) == 1
 
 
+@pytest.mark.parametrize("by", ["sensor", "cli"])
 @pytest.mark.parametrize("ledger_in", ["sqlite", "postgres"], indirect=True)
-def test_recovery_releases_reservations_never_marked_sent(tmp_path, ledger_in):
-    """What the credit sensor does for a dataset whose process died: the reservations it never marked sent are released
-    at once; the one it marked sent (no generation id) is held to the horizon, the one with an id is looked up."""
+def test_recovery_releases_reservations_never_marked_sent(tmp_path, ledger_in, by):
+    """What the credit sensor and `eagle3 ledger settle` do for a dataset whose process died: the reservations it never
+    marked sent are released at once; the one it marked sent (no generation id) is held to the horizon, the one with an
+    id is looked up."""
     layout = DataLayout(tmp_path / "data")
     ledger = open_ledger(layout)
     worst = [0.001 * (i + 1) for i in range(6)]
@@ -145,9 +147,15 @@ def test_recovery_releases_reservations_never_marked_sent(tmp_path, ledger_in):
     ledger.write(L.sending, ids[1], time.time())
     ledger.write(L.opened, ids[1], "gen-1")
 
-    recovered = recover_idle_datasets(layout, ledger)
-
-    assert recovered == {"K": {"settled_from_journal": 0, "unsettled": 1, "unidentified": 1, "released": 4}}
+    counts = {"settled_from_journal": 0, "unsettled": 1, "unidentified": 1, "released": 4}
+    if by == "sensor":
+        assert recover_idle_datasets(layout, ledger) == {"K": counts}
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # nothing to look up: recovery only
+        env["EAGLE3_DATA_DIR"] = str(layout.root)
+        done = subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "ledger", "settle"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert f"K: attempts left by a process that ended, put right: {counts}" in done.stdout, done.stdout + done.stderr
     states = {r["attempt_id"]: r["state"] for r in ledger_rows(ledger)}
     assert [states[a] for a in ids] == ["unidentified", "unsettled"] + ["released"] * 4
     for scope in ("total", "run:r", "dataset:K"):
