@@ -16,6 +16,7 @@ Figures: README, "The drafter".
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -80,7 +81,10 @@ def main() -> None:
     p.add_argument("--lengths", default="354,2048")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the figures here, as JSON")
     a = p.parse_args()
+    figures = {"device": a.device, "shape": a.shape, "heads": SHAPES[a.shape][0],
+               "head_dim": SHAPES[a.shape][1], "steps": a.steps, "lengths": {}}
     h, d = SHAPES[a.shape]
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     print(f"{a.device}, {a.shape} ({h} heads x {d}), {dtype}, {a.steps} TTT steps, forward + backward, best of {a.repeats}"
@@ -94,6 +98,13 @@ def main() -> None:
         peak = f", CUDA peak {pf:,.0f} vs {pw:,.0f} MiB" if a.device == "cuda" else ""
         print(f"L {L:>5}: fused {tf * 1e3:8.1f} ms, {sf:7,.0f} MiB kept for backward | written out (peer) {tw * 1e3:8.1f} ms, "
               f"{sw:7,.0f} MiB | {tw / tf:5.2f}x faster, {sw / sf:5.1f}x less kept{peak}")
+        figures["lengths"][L] = {"fused_ms": round(tf * 1e3, 2), "written_out_ms": round(tw * 1e3, 2),
+                                 "fused_saved_mib": round(sf, 1), "written_out_saved_mib": round(sw, 1),
+                                 "fused_cuda_peak_mib": None if pf != pf else round(pf, 1),
+                                 "written_out_cuda_peak_mib": None if pw != pw else round(pw, 1)}
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=2) + "\n")
+
 
 if __name__ == "__main__":
     main()

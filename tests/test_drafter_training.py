@@ -154,6 +154,12 @@ def test_two_gloo_processes_train_like_one_with_the_same_global_batch(training_d
     # Same windows per step, gradients averaged by DDP: equal up to float summation order (stated tolerance 1e-4).
     torch.testing.assert_close(torch.tensor(r2["history"]["step_loss"]), torch.tensor(r1["history"]["step_loss"]),
                                rtol=1e-4, atol=1e-5)
+    # Per optimizer step, the gradient before clipping (its global norm): the two ranks' averaged gradient must be the
+    # one-process gradient of the same global batch. AdamW's update is nearly blind to a constant gradient factor, so a
+    # rank scaling its loss wrongly (halved, doubled) shows here and not in the weights below.
+    g1, g2 = torch.tensor(r1["history"]["grad_norm"]), torch.tensor(r2["history"]["grad_norm"])
+    assert len(g1) == len(r1["history"]["step_loss"]) and bool((g1 > 0).all())
+    torch.testing.assert_close(g2, g1, rtol=1e-4, atol=0)
     a, b = weights(one), weights(two)
     for k in a:
         torch.testing.assert_close(b[k].float(), a[k].float(), rtol=2e-2, atol=1e-3, msg=k)  # bf16 export

@@ -296,6 +296,9 @@ def eagle3_drafter(
             "eval_samples": report.eval_samples,
             "draft_vocab_size": report.draft_vocab_size,
             "train_seconds": round(report.history.seconds, 1),
+            "train_tokens_per_s": report.history.tokens_per_s,  # all processes, training steps only
+            "train_gflop_per_token": round(report.history.flops_per_token / 1e9, 4),  # model.train_flops_per_token
+            **({"train_mfu": report.history.mfu} if report.history.mfu is not None else {}),  # per GPU, of its bf16 peak
             "sglang_key_check": "ok" if not problems else "; ".join(problems),
             "config": json_value(report.config),
             "path": path_value(report.checkpoint),

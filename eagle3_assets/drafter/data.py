@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from eagle3_assets.drafter.model import DocLayout
+
 
 @dataclass
 class Sample:
@@ -31,6 +33,49 @@ class Sample:
     aux: torch.Tensor  # [L, 3H_t] float32
     teacher_p: torch.Tensor  # [L, V_draft] target distribution over the draft vocabulary
     teacher_argmax: torch.Tensor  # [L] the target's argmax over its full vocabulary
+
+
+@dataclass
+class PackedBatch:
+    """The windows of one training step (of one rank) packed into one sequence of T tokens."""
+
+    tokens: torch.Tensor  # [T] target ids
+    positions: torch.Tensor  # [T] positions in the original sequences
+    mask: torch.Tensor  # [T] 1 where the token is a completion token
+    aux: torch.Tensor  # [T, 3H_t] bf16 as stored (fp32 on the CPU, which trains in fp32)
+    final: torch.Tensor  # [T, H_t] the target's final hidden states, bf16 as stored
+    layout: DocLayout
+    keys: list[tuple[str, int, int]]  # each window's (sample id, start, end): the teacher's cache keys
+
+    def to(self, device: torch.device) -> PackedBatch:
+        """On `device`; from pinned memory without blocking the host on CUDA."""
+        nb = device.type == "cuda"
+        return PackedBatch(*(t.to(device, non_blocking=nb) for t in (self.tokens, self.positions, self.mask, self.aux,
+                                                                      self.final)),
+                           layout=self.layout.to(device, non_blocking=nb), keys=self.keys)
+
+
+def pack_windows(source: SampleSource, windows: Sequence[Window], aux_dtype: torch.dtype, pin: bool,
+                 waste: float = 1.1) -> PackedBatch:
+    """Read and pack windows on the host (a sample cut into several of them is read once); `pin` puts the
+    result in page-locked memory for a non-blocking copy to the GPU. `waste`: see `DocLayout` (on the GPU,
+    fewer, padded attention calls pay; on the CPU a call costs nothing but its work)."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "positions", "mask", "aux", "final")}
+    last: tuple[str, dict[str, torch.Tensor]] | None = None
+    for w in windows:
+        if last is None or last[0] != w.sample_id:
+            last = (w.sample_id, source[w.sample_id])
+        data, a, b = last[1], w.start, w.end
+        parts["tokens"].append(data["input_ids"][a:b].long())
+        parts["positions"].append(torch.arange(a, b))
+        parts["mask"].append(data["loss_mask"][a:b].long())
+        parts["aux"].append(data["aux_hidden_states"][a:b].to(aux_dtype))
+        parts["final"].append(data["final_hidden_state"][a:b])
+    out = {k: torch.cat(v) for k, v in parts.items()}
+    if pin:
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return PackedBatch(**out, layout=DocLayout([w.tokens for w in windows], waste=waste, pin=pin),
+                       keys=[(w.sample_id, w.start, w.end) for w in windows])
 
 
 class SampleSource(Protocol):
@@ -135,6 +180,16 @@ class Teacher:
         final = final.to(self.device, self.dtype)
         p = torch.softmax((final @ self.head_draft.T).float(), -1)
         return p, self.argmax(key, final)
+
+
+    def packed(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distribution [T, V_draft] fp32, argmax [T]) of a packed batch on the device: one matmul for the
+        distribution, the argmax per window (cached)."""
+        final = batch.final.to(self.device, self.dtype)
+        p = torch.softmax((final @ self.head_draft.T).float(), -1)
+        a = batch.layout.starts
+        arg = [self.argmax(key, final[s : s + n]) for key, s, n in zip(batch.keys, a, batch.layout.lengths)]
+        return p, torch.cat(arg)
 
 
 def load_window(source: SampleSource, window: Window, teacher: Teacher, device: torch.device) -> Sample:

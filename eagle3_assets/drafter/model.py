@@ -77,42 +77,150 @@ def default_learning_rate(hidden_size: int) -> float:
     return 2e-3
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half layout) of x [..., L, D] at `positions` [L]."""
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout) of x [..., L, D] at `positions` [L] (or at the angles
+    `rope_angles` gave for them)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    cos, sin = cos_sin if cos_sin is not None else rope_angles(positions, d, theta)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def rope_angles(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [L, d] fp32 of the rotary angles at `positions`: computed once per TTT step, used by q and k."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos(), angles.sin()
+
+
+def rms_norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` with the weight in x's dtype: under bf16 autocast an fp32 weight against a bf16 input misses
+    the fused kernel ("Mismatch dtype between input and weight"); a no-op cast in fp32."""
+    return F.rms_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.eps)
+
+
+class DocLayout:
+    """Documents (training windows) packed into one sequence of T = sum(lengths) tokens.
+
+    Attention stays inside a document. Documents are grouped by length (longest first; a document joins
+    a group while padding every member to the group's longest costs at most `waste` x the group's own
+    causal work) and each group is one fused causal call over [docs, heads, longest, d], its documents
+    padded at the END: under a causal mask no real query ever sees a padded key, so padding changes
+    nothing. One document (or none given) is the plain, unpadded call. Built on the host from the
+    lengths alone (no device value is read); `to` moves the index tensors (non_blocking from pinned
+    memory on CUDA).
+    """
+
+    def __init__(self, lengths: Sequence[int], waste: float = 2.0, pin: bool = False):
+        self.lengths = tuple(int(n) for n in lengths)
+        T = sum(self.lengths)
+        starts = [0]
+        for n in self.lengths[:-1]:
+            starts.append(starts[-1] + n)
+        self.starts = tuple(starts)
+        doc = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths, dtype=torch.long))
+        self.doc_id = doc  # [T] the document of each token
+        self.end = torch.tensor(starts, dtype=torch.long)[doc] + torch.tensor(self.lengths, dtype=torch.long)[doc]  # [T]
+        order = sorted(range(len(self.lengths)), key=lambda i: -self.lengths[i])
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            if g is not None:
+                longest = self.lengths[g[0]]
+                work = sum(self.lengths[j] ** 2 for j in g) + self.lengths[i] ** 2
+                if (len(g) + 1) * longest**2 <= waste * work:
+                    g.append(i)
+                    continue
+            groups.append([i])
+        self.groups: list[tuple[int, int, torch.Tensor]] = []  # (docs, longest, gather index [docs * longest] into T + 1)
+        back = torch.empty(T, dtype=torch.long)
+        offset = 0
+        for g in groups:
+            longest = self.lengths[g[0]]
+            idx = torch.full((len(g), longest), T, dtype=torch.long)  # T: the zero row appended for padding
+            for r, i in enumerate(g):
+                a, n = self.starts[i], self.lengths[i]
+                idx[r, :n] = torch.arange(a, a + n)
+                back[a : a + n] = offset + r * longest + torch.arange(n)
+            offset += len(g) * longest
+            self.groups.append((len(g), longest, idx.reshape(-1)))
+        self.back = back  # [T] where each token's row sits in the groups' outputs, concatenated
+        if pin:
+            self._map(lambda t: t.pin_memory())
+
+    @property
+    def single(self) -> bool:
+        return len(self.lengths) <= 1
+
+    def _map(self, fn) -> DocLayout:
+        self.doc_id, self.end, self.back = fn(self.doc_id), fn(self.end), fn(self.back)
+        self.groups = [(n, longest, fn(idx)) for n, longest, idx in self.groups]
+        return self
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> DocLayout:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def padded_cost(self) -> int:
+        """Query-key pairs the grouped calls compute (the useful causal work is about sum(L^2) / 2)."""
+        return sum(n * longest * longest for n, longest, _ in self.groups)
 
 
 SINK_CHANNELS = 8  # extra head channels carrying the sink (8 keeps GPU flash kernels' head-dim multiple of 8)
 
 
-def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of [h, L, d] tensors by a fused kernel. 4-D on purpose: given 3-D tensors, torch's
-    CPU dispatch falls back to the math kernel, which materializes the scores (6x slower at L = 2048)."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 layout: DocLayout | None = None, sink: bool = False) -> torch.Tensor:
+    """Causal attention of [h, L, D] tensors by a fused kernel, inside each document of `layout`.
+
+    4-D on purpose: given 3-D tensors, torch's CPU dispatch falls back to the math kernel, which
+    materializes the scores (6x slower at L = 2048). `sink`: a key/value row is put before each
+    document (key and value one-hot in channel D - SINK_CHANNELS, which the caller reserved) with a
+    dummy query row, so query t sees the sink and its document's keys up to t; the sink rows are
+    dropped from the output.
+    """
+    h, L, D = q.shape
+
+    def call(qq, kk, vv):  # [n, h, l, D]
+        if sink:
+            row = qq.new_zeros(qq.shape[0], h, 1, D)
+            one = row.clone()
+            one[..., D - SINK_CHANNELS] = 1
+            qq, kk, vv = torch.cat([row, qq], 2), torch.cat([one, kk], 2), torch.cat([one, vv], 2)
+        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale)
+        return out[:, :, 1:] if sink else out
+
+    if layout is None or layout.single:
+        return call(q[None], k[None], v[None])[0]
+    pad = q.new_zeros(h, 1, D)
+    qp, kp, vp = torch.cat([q, pad], 1), torch.cat([k, pad], 1), torch.cat([v, pad], 1)
+    outs = []
+    for n, longest, idx in layout.groups:
+        def gather(x):
+            return x.index_select(1, idx).view(h, n, longest, D).transpose(0, 1)
+        outs.append(call(gather(qp), gather(kp), gather(vp)).transpose(0, 1).reshape(h, n * longest, D))
+    return torch.cat(outs, 1).index_select(1, layout.back)
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: Sequence[torch.Tensor],
-                  chain_v: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
-    """Attention of one TTT step: query t sees the step-0 keys at positions <= t (causal) and, from each
-    earlier chain step i >= 1, only its own position's key chain_k[i][t]. q, k0, v0, chain_* are [h, L, d].
+                  chain_v: Sequence[torch.Tensor], scale: float, layout: DocLayout | None = None) -> torch.Tensor:
+    """Attention of one TTT step: query t sees the step-0 keys at positions <= t of its document (causal)
+    and, from each earlier chain step i >= 1, only its own position's key chain_k[i][t]. q, k0, v0,
+    chain_* are [h, L, d]; `layout` the documents packed in L (None: one).
 
     Never materializes the [h, L, L] scores (at Kimi width, 56 heads x 4096^2 fp32 is 3.7 GB a step, kept
-    for backward): the causal part is one fused `scaled_dot_product_attention` and the chain part is
-    [h, L, steps]. They are merged exactly through a sink: a key prepended to the causal keys whose
-    score is a constant sigma (carried by an extra channel of q) and whose value is a one-hot extra
-    channel. The fused call then returns A = Z_c out_c / (Z_c + e^sigma) and u = e^sigma / (Z_c +
-    e^sigma), and with the chain's own sum Z_d out_d and r = Z_d e^-sigma, the softmax over all keys is
-    (A + u r out_d) / ((1 - u) + u r), for any sigma. sigma ~ log Z_d keeps every term near 1 (so bf16
-    is enough); it is a constant, so gradients flow through A, u, Z_d and out_d as they should.
-    A dummy query row keeps the causal square aligned (query t sees the sink and keys 0..t).
+    for backward): the causal part is one fused `scaled_dot_product_attention` per document group and
+    the chain part is [h, L, steps]. They are merged exactly through a sink: a key prepended to the
+    causal keys whose score is a constant sigma (carried by an extra channel of q) and whose value is a
+    one-hot extra channel. The fused call then returns A = Z_c out_c / (Z_c + e^sigma) and u = e^sigma /
+    (Z_c + e^sigma), and with the chain's own sum Z_d out_d and r = Z_d e^-sigma, the softmax over all
+    keys is (A + u r out_d) / ((1 - u) + u r), for any sigma. sigma ~ log Z_d keeps every term near 1
+    (so bf16 is enough); it is a constant, so gradients flow through A, u, Z_d and out_d as they should.
     """
     if not chain_k:
-        return fused_causal(q, k0, v0, scale)
+        return fused_causal(q, k0, v0, scale, layout)
     h, L, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # the merge in fp32 at least
     chain_scores = torch.stack([(q * k).sum(-1) for k in chain_k], -1).to(acc) * scale  # [h, L, steps]
@@ -121,14 +229,10 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: 
     carried = (lse_d.detach() / scale).to(q.dtype)  # what the kernel will see, rounded to q's dtype
     sigma = carried.to(acc) * scale
 
-    extra = q.new_zeros(h, L + 1, SINK_CHANNELS)
-    q_x, k_x, v_x = extra.clone(), extra.clone(), extra.clone()
-    q_x[:, 1:, 0] = carried
-    k_x[:, 0, 0] = 1
-    v_x[:, 0, 0] = 1
-    pad = q.new_zeros(h, 1, d)
-    out = fused_causal(torch.cat([torch.cat([pad, q], 1), q_x], -1), torch.cat([torch.cat([pad, k0], 1), k_x], -1),
-                       torch.cat([torch.cat([pad, v0], 1), v_x], -1), scale)[:, 1:]
+    zeros = q.new_zeros(h, L, SINK_CHANNELS)
+    q_x = torch.cat([carried[..., None], zeros[..., 1:]], -1)
+    out = fused_causal(torch.cat([q, q_x], -1), torch.cat([k0, zeros], -1), torch.cat([v0, zeros], -1), scale,
+                       layout, sink=True)
     a, u = out[..., :d].to(acc), out[..., d].to(acc)
     ur = u * torch.exp(lse_d - sigma)
     return ((a + ur[..., None] * out_d.to(acc)) / ((1 - u) + ur)[..., None]).to(q.dtype)
@@ -144,19 +248,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                layout: DocLayout | None = None) -> torch.Tensor:
         """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's."""
         cfg = self.cfg
         L = x.shape[0]
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = rope(self.q_proj(x).view(L, h, d).transpose(0, 1), positions, cfg.rope_theta)  # [h, L, d]
-        k = rope(self.k_proj(x).view(L, kv, d).transpose(0, 1), positions, cfg.rope_theta)
+        cos_sin = rope_angles(positions, d, cfg.rope_theta)
+        q = rope(self.q_proj(x).view(L, h, d).transpose(0, 1), positions, cfg.rope_theta, cos_sin)  # [h, L, d]
+        k = rope(self.k_proj(x).view(L, kv, d).transpose(0, 1), positions, cfg.rope_theta, cos_sin)
         v = self.v_proj(x).view(L, kv, d).transpose(0, 1)
         if kv != h:
             k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
         cache.append((k, v))
         k0, v0 = cache[0]
-        out = ttt_attention(q, k0, v0, [c[0] for c in cache[1:]], [c[1] for c in cache[1:]], 1.0 / math.sqrt(d))
+        out = ttt_attention(q, k0, v0, [c[0] for c in cache[1:]], [c[1] for c in cache[1:]], 1.0 / math.sqrt(d),
+                            layout)
         return self.o_proj(out.transpose(0, 1).reshape(L, h * d))
 
 
@@ -180,11 +287,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, cache):
+    def forward(self, embeds, hidden, positions, cache, layout: DocLayout | None = None):
         residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
-        residual = self.self_attn(x, positions, cache) + residual
-        return self.mlp(self.post_attention_layernorm(residual)) + residual
+        x = torch.cat([rms_norm(self.input_layernorm, embeds.to(hidden.dtype)), rms_norm(self.hidden_norm, hidden)], -1)
+        residual = self.self_attn(x, positions, cache, layout) + residual
+        return self.mlp(rms_norm(self.post_attention_layernorm, residual)) + residual
 
 
 class Eagle3Drafter(nn.Module):
@@ -211,26 +318,50 @@ class Eagle3Drafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
 
-    def forward(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
+                layout: DocLayout | None = None) -> list[torch.Tensor]:
         """`unroll`, as a module call: DistributedDataParallel syncs gradients of what goes through `forward`."""
-        return self.unroll(aux, tokens, positions, steps)
+        return self.unroll(aux, tokens, positions, steps, layout)
 
-    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Draft logits of TTT steps 0..steps-1 for one sequence.
+    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
+               layout: DocLayout | None = None) -> list[torch.Tensor]:
+        """Draft logits of TTT steps 0..steps-1 for one sequence, or for several packed into one (`layout`).
 
         aux [L, 3H_t] target aux hidden states; tokens [L] the sequence; step k at position t
         reads token t+1+k (teacher forcing) and returns logits over the draft vocabulary for the
-        token at t+2+k. Positions whose inputs would run past the end are fed padding (id 0)
-        and must be masked by the caller.
+        token at t+2+k. Positions whose inputs would run past the end of their document are fed
+        padding (id 0) and must be masked by the caller.
         """
         L = tokens.shape[0]
         hidden = self.fc(aux)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []
+        t = torch.arange(L, device=tokens.device)
+        end = layout.end if layout is not None else torch.full_like(t, L)
         for k in range(steps):
-            nxt = torch.zeros(L, dtype=torch.long, device=tokens.device)
-            if L - 1 - k > 0:
-                nxt[: L - 1 - k] = tokens[1 + k :]
-            hidden = self.midlayer(self.embed(nxt), hidden, positions + k, cache)
-            logits.append(self.lm_head(self.norm(hidden)))
+            src = t + 1 + k
+            nxt = torch.where(src < end, tokens[src.clamp(max=L - 1)], 0) if L else tokens
+            hidden = self.midlayer(self.embed(nxt), hidden, positions + k, cache, layout)
+            logits.append(self.lm_head(rms_norm(self.norm, hidden)))
         return logits
+
+
+def train_flops_per_token(cfg: DrafterConfig, ttt_steps: int, mean_window: float) -> dict[str, float]:
+    """Model FLOPs per trained token of one TTT unroll, forward and backward (the MFU numerator).
+
+    Matmuls (2 FLOPs per multiply-add): forward fc 3H_t x H, then per TTT step q/k/v on 2H, o, the
+    gated MLP (3 x H x I) and lm_head H x V_draft; backward twice each forward matmul (input and weight
+    gradients) except fc, whose input (the target's states) needs no gradient. Attention per step k,
+    useful work only: a query averages (L + 1) / 2 causal keys in a window of L tokens plus k chain keys,
+    4 x heads x head_dim FLOPs per query-key pair forward (QK^T and PV), 2.5x that backward (FlashAttention's
+    convention). Not counted: the frozen embedding, norms, elementwise work, the teacher (the target's
+    head) and padding. Returns {"linear", "attention", "total"}.
+    """
+    H, Ht, I, V = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_step = 2 * H * (qd + 2 * kvd) + qd * H + 3 * H * I + H * V  # multiply-adds
+    fc = 3 * Ht * H
+    linear = 2 * (fc + ttt_steps * per_step) + 2 * 2 * (ttt_steps * per_step) + 2 * fc
+    pairs = sum((mean_window + 1) / 2 + k for k in range(ttt_steps))
+    attention = 4 * qd * pairs * (1 + 2.5)
+    return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}

@@ -6,8 +6,13 @@ carry no loss. Loss: soft cross-entropy per TTT step, step k weighted `decay**k`
 SpecForge/EAGLE). Only positions predicting a completion token (loss mask) count.
 
 Device: CUDA when present, with bf16 autocast over fp32 master weights (the optimizer and its
-state stay fp32); the CPU otherwise, in fp32. Data: windows streamed from a source (see
-`data.py`), packed into optimizer steps by a token budget. Checkpoints: every
+state stay fp32; norms run in the activations' dtype, the frozen embedding is bf16); the CPU
+otherwise, in fp32. Data: windows streamed from a source (see `data.py`), grouped into optimizer
+steps by a token budget; a step's windows are packed into one sequence (attention stays inside each
+window) and trained by ONE forward and backward per rank, read and packed ahead on a background
+thread (pinned, copied without blocking on CUDA). Nothing in a step reads a device value on the host:
+losses and the gradient norm stay on the device and are read every `LOG_EVERY` steps with one
+`tolist()`. Fused AdamW. The loss never holds fp32 [tokens, vocab] tensors for backward (`loss.py`). Checkpoints: every
 `checkpoint_every` steps and at the end, the trainable weights, the optimizer, the scheduler,
 the position in the data and the RNG, written atomically; a run that finds one resumes from it
 and ends where an uninterrupted run ends. Data parallel: under `torchrun`, DDP (gloo on CPU,
@@ -31,7 +36,9 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,16 +47,21 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_assets.drafter.data import (
+    PackedBatch,
     Sample,
     SampleSource,
     Teacher,
     Window,
     load_window,
+    pack_windows,
     plan_steps,
 )
-from eagle3_assets.drafter.model import Eagle3Drafter, default_learning_rate
+from eagle3_assets.drafter.loss import soft_cross_entropy
+from eagle3_assets.drafter.model import Eagle3Drafter, default_learning_rate, train_flops_per_token
 
 CHECKPOINT_FILE = "training_state.pt"
+LOG_EVERY = 32  # optimizer steps between reads of the device-side metrics (each read waits for the device)
+PREFETCH_STEPS = 2  # steps packed ahead by the data thread
 
 
 @dataclass
@@ -63,18 +75,25 @@ class TrainSettings:
     max_len: int = 4096  # longer samples are cut into windows of this many tokens
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps between training checkpoints (and one at the end)
+    compile: bool | None = None  # torch.compile the MLP block; None: on CUDA only (never needed for correctness)
 
 
 @dataclass
 class TrainHistory:
     step_loss: list[float] = field(default_factory=list)
     step_loss_by_ttt: list[list[float]] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)  # per step, before clipping
     epochs: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     resumed_from_step: int | None = None
     lr: float = 0.0
     device: str = "cpu"
     world_size: int = 1
+    tokens: int = 0  # trained tokens (all ranks)
+    tokens_per_s: float = 0.0  # all ranks' tokens over this process's training time (evaluation excluded)
+    flops_per_token: float = 0.0  # `model.train_flops_per_token` at the mean window length
+    compiled: bool = False  # the MLP ran under torch.compile
+    mfu: float | None = None  # per device: tokens_per_s / world_size x flops_per_token / the device's bf16 peak (known CUDA devices)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,19 +113,28 @@ def step_weights(model: Eagle3Drafter, s: Sample, k: int) -> tuple[torch.Tensor,
     return weights.float(), j, in_range & (s.mask[target_tok] == 1)
 
 
-def sample_loss(model: Eagle3Drafter, run, s: Sample, settings: TrainSettings) -> tuple[torch.Tensor, list[float]]:
-    """`run` is the module to call (the drafter, or its DDP wrapper, whose call syncs gradients)."""
-    logits = run(s.aux, s.tokens, s.positions, settings.ttt_steps)
-    denom = max(1.0, float(s.mask.sum()))
-    total = torch.zeros((), device=s.tokens.device)
+def packed_loss(model: Eagle3Drafter, run, batch: PackedBatch, teacher_p: torch.Tensor, teacher_argmax: torch.Tensor,
+                settings: TrainSettings, windows_in_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-TTT-step losses [steps]) of a packed batch: each window's TTT-weighted soft cross-entropy over
+    its completion tokens, divided by its completion tokens (at least 1) and by the step's window count, summed.
+    `run` is the module to call (the drafter, or its DDP wrapper, whose call syncs gradients). Device tensors only.
+    """
+    logits = run(batch.aux, batch.tokens, batch.positions, settings.ttt_steps, batch.layout)
+    T = batch.tokens.shape[0]
+    layout, mask = batch.layout, batch.mask
+    t = torch.arange(T, device=mask.device)
+    per_doc = torch.zeros(len(layout.lengths), device=mask.device).index_add_(0, layout.doc_id, mask.float())
+    per_token = 1.0 / (per_doc.clamp(min=1)[layout.doc_id] * windows_in_step)
+    total = torch.zeros((), device=mask.device)
     per_step = []
     for k, lg in enumerate(logits):
-        w, j, _ = step_weights(model, s, k)
-        ce = -(s.teacher_p[j] * F.log_softmax(lg.float(), -1)).sum(-1)
-        loss_k = (w * ce).sum() / denom
-        per_step.append(loss_k.item())
+        target_tok = t + 2 + k  # step k at t predicts token t+2+k against the target's distribution at t+1+k
+        j = (t + 1 + k).clamp(max=T - 1)
+        w = (target_tok < layout.end) & (mask[target_tok.clamp(max=T - 1)] == 1) & model.t2d[teacher_argmax[j]]
+        loss_k = soft_cross_entropy(lg, teacher_p, j, w * per_token)
+        per_step.append(loss_k)
         total = total + settings.step_decay**k * loss_k
-    return total, per_step
+    return total, torch.stack(per_step).detach()
 
 
 @torch.no_grad()
@@ -208,16 +236,61 @@ class Distributed:
     def main(self) -> bool:
         return self.rank == 0
 
-    def all_sum(self, values: list[float], device: torch.device) -> list[float]:
-        if self.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t)
-        return t.tolist()
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Summed over the ranks, on the device (NCCL queues it on the stream: no host wait)."""
+        if self.world_size > 1:
+            torch.distributed.all_reduce(values)
+        return values
 
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
+
+
+def prefetched(make: Callable[[list[int]], PackedBatch], steps: Sequence[list[int]], depth: int) -> Iterator[PackedBatch]:
+    """`make(step)` for each step in order, computed `depth` steps ahead on one background thread."""
+    with ThreadPoolExecutor(1, thread_name_prefix="drafter-data") as pool:
+        pending = deque(pool.submit(make, s) for s in steps[:depth])
+        nxt = depth
+        try:
+            while pending:
+                batch = pending.popleft().result()
+                if nxt < len(steps):
+                    pending.append(pool.submit(make, steps[nxt]))
+                    nxt += 1
+                yield batch
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """Dense bf16 peak of a known CUDA device (spec sheets), for MFU; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def compile_mlp(model: Eagle3Drafter, device: torch.device, log: Callable[[str], None]) -> bool:
+    """torch.compile the decoder layer's MLP (fuses silu * up over [tokens, intermediate]); a compile that fails
+    on a small input leaves the eager module (the trainer must never depend on it)."""
+    mlp = model.midlayer.mlp
+    try:
+        mlp.compile(dynamic=True)
+        x = torch.randn(16, model.cfg.hidden_size, device=device, requires_grad=True)
+        with autocast(device):
+            mlp(x).float().sum().backward()
+        mlp.zero_grad(set_to_none=True)
+        return True
+    except Exception as e:  # noqa: BLE001 - any compiler failure means: run eager
+        mlp._compiled_call_impl = None
+        mlp.zero_grad(set_to_none=True)
+        log(f"drafter: torch.compile of the MLP failed ({type(e).__name__}: {e}); training eager")
+        return False
 
 
 def train(
@@ -234,20 +307,25 @@ def train(
     dist: Distributed | None = None,
     stop_after_steps: int | None = None,
     teacher: Teacher | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> TrainHistory:
     """Train in place; resume from `checkpoint_dir` when it holds a checkpoint of this very run.
 
     `stop_after_steps` ends the loop early (after saving a checkpoint), as a kill would, for tests.
+    `on_step(global_step, tokens so far)` is called after each optimizer step (benchmarks time steps with it).
     """
     if not train_windows:
         raise ValueError("no training samples: every sample was dropped before the drafter stage")
     dist = dist or Distributed()
     model.to(device)
+    cuda = device.type == "cuda"
+    if cuda:  # frozen: bf16 halves it (4.7 -> 2.3 GB at Kimi size) and feeds the bf16 norms directly
+        model.embed_weight = model.embed_weight.to(torch.bfloat16)
     draft_ids = model.draft_ids
     teacher = teacher or Teacher(head, draft_ids, device)
     params = [p for p in model.parameters() if p.requires_grad]
     lr = settings.lr if settings.lr is not None else default_learning_rate(model.cfg.hidden_size)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     plans = [plan_steps(train_windows, settings.batch_tokens, settings.seed, e) for e in range(settings.epochs)]
     total_steps = sum(len(p) for p in plans)
 
@@ -277,12 +355,40 @@ def train(
     log(f"drafter: {total_steps} optimizer steps over {settings.epochs} epochs on {device}"
         f"{f' x {dist.world_size} processes' if dist.world_size > 1 else ''}, peak learning rate {lr:g}"
         + ("" if settings.lr is not None else f" (default for width {model.cfg.hidden_size})"))
+    if settings.compile if settings.compile is not None else cuda:
+        history.compiled = compile_mlp(model, device, log)
 
     run = model
     if dist.world_size > 1:
         run = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
 
+    mean_window = sum(w.tokens for w in train_windows) / len(train_windows)
+    flops_per_token = train_flops_per_token(model.cfg, settings.ttt_steps, mean_window)["total"]
+    peak = peak_tflops(device)
+    pending: list[torch.Tensor] = []  # per step [loss, loss_0..loss_{k-1}, grad norm], on the device
+    train_seconds = 0.0  # this process's time in the step loop (evaluation excluded)
+    tokens_done = 0
+
+    def flush() -> None:
+        """One read of the device for the steps since the last one."""
+        if pending:
+            for row in torch.stack(pending).tolist():
+                history.step_loss.append(round(row[0], 6))
+                history.step_loss_by_ttt.append([round(x, 6) for x in row[1:-1]])
+                history.grad_norm.append(round(row[-1], 6))
+            pending.clear()
+        history.tokens += tokens_done - history_tokens_base[0]
+        history_tokens_base[0] = tokens_done
+        if train_seconds > 0:
+            rate = tokens_done / train_seconds
+            history.tokens_per_s = round(rate, 1)
+            history.flops_per_token = flops_per_token
+            history.mfu = round(rate / dist.world_size * flops_per_token / (peak * 1e12), 4) if peak else None
+
+    history_tokens_base = [0]
+
     def checkpoint() -> None:
+        flush()
         if ckpt is not None and dist.main:
             save_training_state(ckpt, {
                 "fingerprint": fingerprint, "model": trainable_state(model), "optimizer": opt.state_dict(),
@@ -291,61 +397,81 @@ def train(
             })
         dist.barrier()
 
+    aux_dtype = torch.bfloat16 if cuda else torch.float32
+
+    def make(step: list[int]) -> PackedBatch:
+        windows = [train_windows[i] for i in step]
+        mine = windows[dist.rank :: dist.world_size]
+        return pack_windows(source, mine or windows[:1], aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
+
     started = time.monotonic() - history.seconds
-    run_started = last_log = time.monotonic()
-    first_step, tokens_done = global_step, 0
+    last_log = time.monotonic()
+    first_step = global_step
     model.train()
     while epoch < settings.epochs:
         steps = plans[epoch]
-        while step_in_epoch < len(steps):
-            windows = [train_windows[i] for i in steps[step_in_epoch]]
-            mine = windows[dist.rank :: dist.world_size]
-            n = len(windows)
-            tokens_done += sum(w.tokens for w in windows)
-            opt.zero_grad(set_to_none=True)
-            local_loss, local_steps = 0.0, [0.0] * settings.ttt_steps
-            # Each window's loss / n, times world_size since DDP averages over ranks: the one-process step's gradient.
-            work = mine or windows[:1]  # a rank without a window still joins the gradient all-reduce, with weight 0
-            scale = (dist.world_size / n) if mine else 0.0
-            for i, w in enumerate(work):
-                s = load_window(source, w, teacher, device)
-                sync = nullcontext() if (i == len(work) - 1 or dist.world_size == 1) else run.no_sync()
-                with sync, autocast(device):
-                    loss, per_step = sample_loss(model, run, s, settings)
-                    (loss * scale).backward()
-                if mine:
-                    local_loss += loss.item() / n
-                    local_steps = [a + b / n for a, b in zip(local_steps, per_step)]
-            summed = dist.all_sum([local_loss, *local_steps], device)
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            sched.step()
-            step_in_epoch += 1
-            global_step += 1
-            history.step_loss.append(round(summed[0], 6))
-            history.step_loss_by_ttt.append([round(x, 6) for x in summed[1:]])
-            if time.monotonic() - last_log >= 10 and dist.main:
-                last_log = time.monotonic()
-                elapsed = max(1e-9, time.monotonic() - run_started)
-                rate = (global_step - first_step) / elapsed
-                eta = (total_steps - global_step) / rate if rate > 0 else float("nan")
-                log(f"drafter step {global_step}/{total_steps}: loss {summed[0]:.4f}, {tokens_done / elapsed:,.0f} tokens/s "
-                    f"({dist.world_size} process(es)), ETA {eta:,.0f} s")
-            if settings.checkpoint_every and global_step % settings.checkpoint_every == 0:
-                history.seconds = time.monotonic() - started
-                checkpoint()
-            if stop_after_steps is not None and global_step >= stop_after_steps:
-                history.seconds = time.monotonic() - started
-                checkpoint()
-                return history
+        batches = prefetched(make, steps[step_in_epoch:], PREFETCH_STEPS)
+        loop_started = time.monotonic()
+        try:
+            while step_in_epoch < len(steps):
+                windows = [train_windows[i] for i in steps[step_in_epoch]]
+                mine = bool(windows[dist.rank :: dist.world_size])  # a rank without a window joins with weight 0
+                n = len(windows)
+                tokens_done += sum(w.tokens for w in windows)
+                batch = next(batches).to(device)
+                opt.zero_grad(set_to_none=True)
+                with autocast(device):
+                    teacher_p, teacher_argmax = teacher.packed(batch)
+                    loss, per_step = packed_loss(model, run, batch, teacher_p, teacher_argmax, settings, n)
+                    # DDP averages over the ranks: times world_size, the one-process step's gradient
+                    (loss * (dist.world_size if mine else 0.0)).backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+                sched.step()
+                metrics = torch.cat([loss.detach()[None], per_step]).float() * (1.0 if mine else 0.0)
+                pending.append(torch.cat([dist.all_sum(metrics), grad_norm.detach().float()[None]]))
+                step_in_epoch += 1
+                global_step += 1
+                if on_step is not None:
+                    on_step(global_step, tokens_done)
+                if len(pending) >= LOG_EVERY:
+                    train_seconds += time.monotonic() - loop_started
+                    loop_started = time.monotonic()
+                    flush()
+                    if time.monotonic() - last_log >= 10 and dist.main:
+                        last_log = time.monotonic()
+                        rate = (global_step - first_step) / max(1e-9, train_seconds)
+                        eta = (total_steps - global_step) / rate if rate > 0 else float("nan")
+                        log(f"drafter step {global_step}/{total_steps}: loss {history.step_loss[-1]:.4f}, "
+                            f"{history.tokens_per_s:,.0f} tokens/s ({dist.world_size} process(es))"
+                            + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "") + f", ETA {eta:,.0f} s")
+                stop = stop_after_steps is not None and global_step >= stop_after_steps
+                if (settings.checkpoint_every and global_step % settings.checkpoint_every == 0) or stop:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    train_seconds += time.monotonic() - loop_started
+                    history.seconds = time.monotonic() - started
+                    checkpoint()
+                    loop_started = time.monotonic()
+                if stop:
+                    return history
+        finally:
+            batches.close()
+        if cuda:
+            torch.cuda.synchronize(device)
+        train_seconds += time.monotonic() - loop_started
+        flush()
         metrics = {}
         if eval_windows and dist.main:
             metrics = evaluate(model, (load_window(source, w, teacher, device) for w in eval_windows), settings.ttt_steps)
-        metrics.update(epoch=epoch + 1, train_loss=history.step_loss[-1], seconds=round(time.monotonic() - started, 1))
+        metrics.update(epoch=epoch + 1, train_loss=history.step_loss[-1], seconds=round(time.monotonic() - started, 1),
+                       tokens_per_s=history.tokens_per_s)
         history.epochs.append(metrics)
         if dist.main:
             log(f"drafter epoch {epoch + 1}/{settings.epochs}: loss {metrics['train_loss']:.4f}, "
-                f"eval acc {metrics.get('acc')}, accept length {metrics.get('accept_length')} ({metrics['seconds']}s)")
+                f"eval acc {metrics.get('acc')}, accept length {metrics.get('accept_length')} ({metrics['seconds']}s, "
+                f"{history.tokens_per_s:,.0f} training tokens/s"
+                + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "") + ")")
         epoch, step_in_epoch = epoch + 1, 0
     history.seconds = time.monotonic() - started
     checkpoint()

@@ -1,0 +1,138 @@
+"""Benchmark: drafter training tokens/s and MFU on synthetic data, at any width, on the CPU or one GPU.
+
+    .venv/bin/python benchmarks/drafter_training_speed.py --device cpu --hidden 256 --steps 6
+    python benchmarks/drafter_training_speed.py --device cuda --hidden 7168 --intermediate 18432 --draft-vocab 32000 \\
+        --target-vocab 163840 --batch-tokens 4096 --steps 8          # a Kimi-K2.5-wide drafter on one GPU
+
+Random bf16 aux and final hidden states (the trainer's speed does not depend on what they mean) in
+samples of mixed lengths, trained by this project's `train` (TTT 7 steps) for a few optimizer steps.
+The teacher's full-vocabulary argmax is computed for every window before the clock starts, as it is
+cached from the second epoch of a real run on. The first `--warmup` steps (allocator, cuBLAS,
+torch.compile) are not timed: tokens/s is over the rest, MFU against the FLOPs-per-token formula of
+`model.train_flops_per_token` and the `--peak-tflops` given (H200 bf16 dense: 989; `mfu_at_790`
+uses the 790 of the issue's own figures). Prints one JSON line (and writes it to `--json`); needs
+torch only (and this project's drafter modules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3_assets.drafter.data import Teacher, plan_windows  # noqa: E402
+from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
+from eagle3_assets.drafter.train import TrainSettings, train  # noqa: E402
+
+
+def synthetic_source(samples: int, min_len: int, max_len: int, hidden: int, vocab: int, seed: int,
+                     device: torch.device) -> dict:
+    """Samples as the store hands them over (CPU, bf16 states); drawn on `device` (fast on a GPU)."""
+    rng = random.Random(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for i in range(samples):
+        n = rng.randint(min_len, max_len)
+        prompt = n // 4
+        out[f"s{i}"] = {"input_ids": torch.randint(0, vocab, (n,), generator=g, device=device, dtype=torch.int32).cpu(),
+                        "loss_mask": torch.tensor([0] * prompt + [1] * (n - prompt), dtype=torch.int8),
+                        "aux_hidden_states": torch.randn(n, 3 * hidden, generator=g, device=device,
+                                                         dtype=torch.bfloat16).cpu(),
+                        "final_hidden_state": torch.randn(n, hidden, generator=g, device=device, dtype=torch.bfloat16).cpu()}
+    return out
+
+
+def measure(*, device: str, hidden: int, intermediate: int | None, draft_vocab: int, target_vocab: int, batch_tokens: int,
+            steps: int, warmup: int, min_len: int, max_len: int, window: int, peak_tflops: float, compile: bool | None,
+            log=print) -> dict:
+    dev = torch.device(device)
+    heads, kv, head_dim = default_shape(hidden)
+    cfg = DrafterConfig(hidden_size=hidden, target_hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=target_vocab,
+                        draft_vocab_size=draft_vocab, max_position_embeddings=max(4096, window))
+    # Enough samples for warm-up + timed steps (one epoch).
+    avg = (min_len + max_len) / 2
+    n = int((steps + warmup + 1) * batch_tokens / avg) + 2
+    source = synthetic_source(n, min_len, max_len, hidden, target_vocab, seed=0, device=dev)
+    # the target's embedding and head (163,840 x 7168 for Kimi) drawn where they will live
+    embed = torch.randn(target_vocab, hidden, generator=torch.Generator(device=dev).manual_seed(1), device=dev) * 0.02
+    head = torch.randn(target_vocab, hidden, generator=torch.Generator(device=dev).manual_seed(2), device=dev) * 0.02
+    draft_ids = torch.randperm(target_vocab, generator=torch.Generator().manual_seed(3))[:draft_vocab].sort().values
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg, embed, draft_ids)
+    del embed
+    plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], window)
+    teacher = Teacher(head, draft_ids, dev)
+    for w in plan.windows:  # the argmax cache a real run has from its second epoch on
+        teacher.argmax((w.sample_id, w.start, w.end),
+                       source[w.sample_id]["final_hidden_state"][w.start : w.end].to(dev, teacher.dtype))
+    extra = {} if compile is None else {"compile": compile}
+    settings = TrainSettings(ttt_steps=7, epochs=1, batch_tokens=batch_tokens, max_len=window, checkpoint_every=0,
+                             warmup_steps=2, **extra)
+    marks: list[tuple[float, int]] = []
+
+    def on_step(step: int, tokens: int) -> None:
+        if step in (warmup, warmup + steps):  # the clock's two ends wait for the device; the steps between run free
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            marks.append((time.perf_counter(), tokens))
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    history = train(model, source, plan.windows, [], settings, head=head, device=dev, log=log,
+                    teacher=teacher, stop_after_steps=steps + warmup, on_step=on_step)
+    if len(marks) < 2:
+        raise RuntimeError(f"too few samples for {steps} + {warmup} steps")
+    seconds = marks[1][0] - marks[0][0]
+    tokens = marks[1][1] - marks[0][1]
+    from eagle3_assets.drafter.model import train_flops_per_token
+
+    fpt = train_flops_per_token(cfg, ttt_steps=7, mean_window=sum(w.tokens for w in plan.windows) / len(plan.windows))["total"]
+    rate = tokens / seconds
+    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "hidden": hidden,
+            "intermediate": cfg.intermediate_size, "heads": heads, "kv_heads": kv, "draft_vocab": draft_vocab,
+            "target_vocab": target_vocab, "batch_tokens": batch_tokens, "timed_steps": steps,
+            "windows": len(plan.windows), "mean_window": round(sum(w.tokens for w in plan.windows) / len(plan.windows), 1),
+            "tokens_per_s": round(rate, 1), "gflop_per_token": round(fpt / 1e9, 3),
+            "tflops": round(rate * fpt / 1e12, 2), "mfu": round(rate * fpt / (peak_tflops * 1e12), 4),
+            "peak_tflops": peak_tflops, "mfu_at_790": round(rate * fpt / 790e12, 4), "seconds": round(seconds, 2),
+            "compile": history.compiled, "final_loss": history.step_loss[-1] if history.step_loss else None,
+            "peak_gpu_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20) if dev.type == "cuda" else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=None, help="default 2 x hidden")
+    p.add_argument("--draft-vocab", type=int, default=2048)
+    p.add_argument("--target-vocab", type=int, default=8192)
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--min-len", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=768)
+    p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    a = p.parse_args()
+    compile_ = {"auto": None, "on": True, "off": False}[a.compile]
+    figures = measure(device=a.device, hidden=a.hidden, intermediate=a.intermediate, draft_vocab=a.draft_vocab,
+                      target_vocab=a.target_vocab, batch_tokens=a.batch_tokens, steps=a.steps, warmup=a.warmup,
+                      min_len=a.min_len, max_len=a.max_len, window=a.window, peak_tflops=a.peak_tflops, compile=compile_,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(figures))
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The drafter's packed training step: windows packed into one sequence attend only inside themselves, the
+chunked soft cross-entropy equals the autograd form, the FLOPs formula equals a counted forward and backward,
+and a training step reads nothing back from the device."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from eagle3_assets.drafter.data import Teacher, plan_windows
+from eagle3_assets.drafter.loss import soft_cross_entropy
+from eagle3_assets.drafter.model import (
+    DocLayout,
+    DrafterConfig,
+    Eagle3Drafter,
+    train_flops_per_token,
+    ttt_attention,
+)
+from eagle3_assets.drafter.train import TrainSettings, train
+
+LENGTHS = [7, 1, 12, 7, 3, 12, 2]
+
+
+def tiny_drafter(vocab=300, draft=40, H=32, dtype=torch.float64) -> Eagle3Drafter:
+    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=vocab, draft_vocab_size=draft)
+    torch.manual_seed(0)
+    return Eagle3Drafter(cfg, torch.randn(vocab, H), torch.arange(0, 2 * draft, 2)).to(dtype)
+
+
+def written_out_packed(q, k0, v0, chain_k, chain_v, scale, lengths):
+    """Every score materialized: query t sees the step-0 keys of its own document at positions <= t, and
+    chain_k[i][t] for each i."""
+    h, L, d = q.shape
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    t = torch.arange(L)
+    allowed = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None])
+    scores = torch.einsum("htd,hsd->hts", q, k0) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    chain = [(q * k).sum(-1, keepdim=True) * scale for k in chain_k]
+    p = torch.softmax(torch.cat([scores, *chain], -1), -1)
+    out = p[..., :L] @ v0
+    for i, v in enumerate(chain_v):
+        out = out + p[..., L + i : L + i + 1] * v
+    return out
+
+
+def test_packed_ttt_attention_equals_a_written_out_document_mask_and_its_gradients():
+    g = torch.Generator().manual_seed(5)
+    h, d, scale = 3, 8, 8 ** -0.5
+    L = sum(LENGTHS)
+    for waste in (1.0, 2.0, 100.0):  # every document alone, some grouped, all in one padded group
+        layout = DocLayout(LENGTHS, waste=waste)
+        for steps in (0, 1, 4):
+            q, k0, v0 = (torch.randn(h, L, d, generator=g, dtype=torch.float64) for _ in range(3))
+            chain_k = [torch.randn(h, L, d, generator=g, dtype=torch.float64) for _ in range(steps)]
+            chain_v = [torch.randn(h, L, d, generator=g, dtype=torch.float64) for _ in range(steps)]
+            leaves = [q, k0, v0, *chain_k, *chain_v]
+            for x in leaves:
+                x.requires_grad_(True)
+            got = ttt_attention(q, k0, v0, chain_k, chain_v, scale, layout)
+            want = written_out_packed(q, k0, v0, chain_k, chain_v, scale, LENGTHS)
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+            w = torch.randn(h, L, d, generator=g, dtype=torch.float64)
+            for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
+                torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    assert len(DocLayout(LENGTHS, waste=1.0).groups) == 5  # equal lengths share a call even without waste
+    assert len(DocLayout(LENGTHS, waste=100.0).groups) == 1
+
+
+def test_a_packed_unroll_equals_each_window_unrolled_alone():
+    model = tiny_drafter()
+    g = torch.Generator().manual_seed(2)
+    L, steps = sum(LENGTHS), 4
+    aux = torch.randn(L, 96, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 300, (L,), generator=g)
+    positions = torch.cat([torch.arange(n) + 5 * i for i, n in enumerate(LENGTHS)])
+    with torch.no_grad():
+        packed = model.unroll(aux, tokens, positions, steps, DocLayout(LENGTHS, waste=2.0))
+        a = 0
+        for n in LENGTHS:
+            alone = model.unroll(aux[a : a + n], tokens[a : a + n], positions[a : a + n], steps)
+            for k in range(steps):
+                torch.testing.assert_close(packed[k][a : a + n], alone[k], rtol=1e-9, atol=1e-9)
+            a += n
+
+
+def test_chunked_soft_cross_entropy_equals_the_autograd_form():
+    g = torch.Generator().manual_seed(4)
+    N, V = 37, 50
+    target_p = torch.softmax(torch.randn(N + 3, V, generator=g, dtype=torch.float64) * 3, -1)
+    rows = torch.randint(0, N + 3, (N,), generator=g)
+    weight = torch.rand(N, generator=g, dtype=torch.float64) * (torch.rand(N, generator=g) > 0.3)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        z = (torch.randn(N, V, generator=g, dtype=torch.float64) * 4).to(dtype).requires_grad_(True)
+        want = (weight * -(target_p[rows] * torch.log_softmax(z.double(), -1)).sum(-1)).sum()
+        for chunk in (V, 7 * V, N * V, 10**9):  # one row per chunk, several, exactly all, more than all
+            got = soft_cross_entropy(z, target_p, rows, weight, chunk_elements=chunk)
+            torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+            (ga,) = torch.autograd.grad(got * 1.7, z)
+            (gb,) = torch.autograd.grad(want * 1.7, z, retain_graph=True)
+            torch.testing.assert_close(ga.double(), gb.double(), rtol=tol, atol=tol)
+
+
+def test_flops_formula_equals_the_counted_matmuls_of_a_forward_and_backward():
+    model = tiny_drafter(dtype=torch.float32)
+    cfg, steps, L = model.cfg, 3, 29
+    aux = torch.randn(L, 96)
+    tokens = torch.randint(0, 300, (L,))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        logits = model.unroll(aux, tokens, torch.arange(L), steps)
+        sum(lg.sum() for lg in logits).backward()
+    counts = counter.get_flop_counts()["Global"]
+    matmuls = sum(v for op, v in counts.items() if "mm" in str(op))
+    formula = train_flops_per_token(cfg, steps, L)
+    assert matmuls == formula["linear"] * L
+    # and the forward alone is a third of the non-fc work plus the fc once
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.unroll(aux, tokens, torch.arange(L), steps)
+    forward = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
+    fc = 2 * 3 * cfg.target_hidden_size * cfg.hidden_size * L
+    assert 3 * (forward - fc) + 2 * fc == matmuls
+    assert formula["total"] > formula["linear"] > 0 and formula["attention"] > 0
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts the ops that copy a tensor's value to the host (`.item()`, `float(t)`, `if t:` all land on
+    `aten._local_scalar_dense`): on CUDA each one waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_reads_nothing_back_from_the_device():
+    model = tiny_drafter(dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    source = {}
+    for i, n in enumerate([40, 13, 64, 25, 31, 50, 8, 64, 17, 29, 33, 60]):
+        source[f"s{i}"] = {"input_ids": torch.randint(0, 300, (n,), generator=g, dtype=torch.int32),
+                           "loss_mask": (torch.arange(n) >= n // 3).to(torch.int8),
+                           "aux_hidden_states": torch.randn(n, 96, generator=g).bfloat16(),
+                           "final_hidden_state": torch.randn(n, 32, generator=g).bfloat16()}
+    windows = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 48).windows
+    head = torch.randn(300, 32, generator=g)
+    settings = TrainSettings(ttt_steps=3, epochs=1, batch_tokens=100, max_len=48, checkpoint_every=0, warmup_steps=1)
+    reads = ScalarReads()
+    at_step: list[int] = []
+    with reads:
+        history = train(model, source, windows, [], settings, head=head, device=torch.device("cpu"), log=print,
+                        teacher=Teacher(head, model.draft_ids, torch.device("cpu")),
+                        on_step=lambda step, tokens: at_step.append(reads.count))
+    assert len(at_step) >= 5 and len(history.step_loss) == len(at_step) == len(history.grad_norm)
+    per_step = [b - a for a, b in zip(at_step, at_step[1:])]
+    assert per_step == [0] * len(per_step), f"host reads of device values per training step: {per_step}"
