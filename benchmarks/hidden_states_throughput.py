@@ -1,27 +1,38 @@
-"""Benchmark: hidden-state extraction tokens/s against a bare forward pass of the same model (the limit).
+"""Benchmark: hidden-state extraction against its two limits, the bare forward and the disk, measured in one run.
 
     python benchmarks/hidden_states_throughput.py                      # CPU: a stand-in-shaped DeepseekV3
     python benchmarks/hidden_states_throughput.py --model DIR          # any HF folder (e.g. the built stand-in)
-    python benchmarks/hidden_states_throughput.py --device cuda --hidden 2048 --layers 8   # a GPU host
+    python benchmarks/hidden_states_throughput.py --device cuda --hidden 2048 --layers 8 --json $OUT/extraction.json
 
-Both sides run the same model on the same device over the same batches (the store's own grouping
-by `--batch-tokens`, right-padded with an attention mask):
+Every round measures, alternating (the host may be shared), on the same batches (the store's own
+grouping by `--batch-tokens` within each shard, right-padded with an attention mask):
   bare forward   `model.model(ids, attention_mask)`, nothing kept: what any extraction must pay;
-  extraction     `extract_to_store`: hooks on the EAGLE-3 layers, per-sample slicing, bf16 copy
-                 to the host, the finite check, shards serialized, checksummed, fsynced and
-                 committed by background writers into a temporary directory on `--dir`'s disk.
-The ratio extraction / bare is the figure the goal (>= 0.8) is about. Without `--model` the target
-is a DeepseekV3 with random weights, of the stand-in's shape on CPU (hidden 64, 8 layers) or of
-the given `--hidden` / `--layers` (mid-size, MLA + MoE like Kimi-K2.5). Needs torch, transformers
-and safetensors only (no Dagster, no polars), so it runs as is on a bare GPU machine.
+  null sink      `extract_to_store(null_sink=True)`: hooks, the copies into the shard images (side
+                 stream on a GPU), the finiteness sums, the writer threads' wait; no write. Its ratio
+                 to the bare forward is the capture's own overhead (goal >= 0.95);
+  disk           fsync'd sequential 16 MiB writes of the store's size into `--dir` (buffered, O_DIRECT,
+                 and O_DIRECT from `--writers` threads at once); the best is the disk's bandwidth;
+  store writes   `extract_to_store` fed by a backend that returns ready states (no forward): the
+                 write path alone (copies, checks, image writes, hashing, fsync, rename, manifest);
+                 its GB/s against the disk's (goal >= 0.8);
+  extraction     `extract_to_store` for real, into a temporary store on `--dir`'s disk, in >= 20 shards
+                 (so the last shard's write, the only one nothing overlaps, is a small tail).
+The goal for the extraction: >= 0.9 x min(bare forward tok/s, disk GB/s / bytes per token).
+Without `--model` the target is a DeepseekV3 with random weights (MLA + MoE like Kimi-K2.5) of the
+stand-in's shape (hidden 64, 8 layers) or of `--hidden` / `--layers`. Needs torch, transformers and
+safetensors only (no Dagster, no polars), so it runs as is on a bare GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,12 +41,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout, installed or not
 
 from eagle3_resources.hidden_states.extract import (  # noqa: E402
+    HostBuffers,
     StoreSettings,
     batches,
     extract_to_store,
     store_figures,
 )
-from eagle3_resources.hidden_states.store import StoredSample  # noqa: E402
+from eagle3_resources.hidden_states.store import (  # noqa: E402
+    StoredSample,
+    host_buffer,
+    plan_shards,
+    shard_layout,
+    token_bytes,
+    write_file,
+)
 from eagle3_resources.hidden_states.transformers_backend import (  # noqa: E402
     TransformersHiddenStates,
 )
@@ -72,16 +91,71 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def bare_forward(backend: TransformersHiddenStates, samples: list[StoredSample], batch_tokens: int) -> float:
-    """Seconds for the same batches through the model, outputs dropped."""
+def bare_forward(backend: TransformersHiddenStates, shards: list[list[StoredSample]], batch_tokens: int) -> float:
+    """Seconds for the extraction's batches (formed within each shard, as `extract_to_store` forms them)
+    through the model, outputs dropped."""
     device = backend.device
     sync(device)
     start = time.perf_counter()
-    for group in batches([len(s.input_ids) for s in samples], batch_tokens):
-        ids, mask = backend.padded([list(samples[i].input_ids) for i in group])
-        backend.model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for rows in shards:
+        for group in batches([len(s.input_ids) for s in rows], batch_tokens):
+            ids, mask = backend.padded([list(rows[i].input_ids) for i in group])
+            backend.model.model(input_ids=ids, attention_mask=mask, use_cache=False)
     sync(device)
     return time.perf_counter() - start
+
+
+class ReadyStates:
+    """A backend with no forward: every batch gets rows of one preallocated pair of state tensors on the device
+    (finite random values), so `extract_to_store` runs its copy, check and write path as fast as it can."""
+
+    name = "ready-states"
+
+    def __init__(self, like: TransformersHiddenStates, longest: int):
+        self.layer_ids, self.num_layers, self.hidden_size = like.layer_ids, like.num_layers, like.hidden_size
+        self.device = like.device
+        g = torch.Generator().manual_seed(1)
+        H = self.hidden_size
+        self.aux = torch.randn(longest, 3 * H, generator=g).to(self.device, torch.bfloat16)
+        self.final = torch.randn(longest, H, generator=g).to(self.device, torch.bfloat16)
+
+    def describe(self) -> dict:
+        return {"backend": self.name}
+
+    def extract_batch(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.aux[:len(s)], self.final[:len(s)]) for s in seqs]
+
+
+def disk_write_s(root: Path, sizes: list[int], *, direct: bool, threads: int, buffer: torch.Tensor) -> tuple[float, bool]:
+    """Seconds to write files of `sizes` bytes (16 MiB sequential writes, fsync each) with `threads` writers at once."""
+    todo = list(enumerate(sizes))
+    used_direct = []
+    lock = threading.Lock()
+    memory = memoryview(buffer.numpy())
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, size = todo.pop(0)
+            _, d = write_file(root / f"disk-{i}.bin", memory, size, direct=direct, hashed=False)
+            used_direct.append(d)
+
+    start = time.perf_counter()
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    seconds = time.perf_counter() - start
+    for i in range(len(sizes)):
+        (root / f"disk-{i}.bin").unlink()
+    return seconds, all(used_direct)
+
+
+def spread(values: list[float]) -> dict:
+    return {"best": max(values), "median": statistics.median(values), "worst": min(values), "all": [round(v, 4) for v in values]}
 
 
 def main() -> None:
@@ -92,13 +166,16 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=163840)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--samples", type=int, default=None, help="default 480 on a GPU (~340k tokens), 48 on CPU")
     p.add_argument("--min-len", type=int, default=200)
     p.add_argument("--max-len", type=int, default=1200)
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--shard-gb", type=float, default=1.0)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each side; the best of each is reported")
-    p.add_argument("--dir", default=None, help="where the temporary store is written (default: the system temp dir)")
+    p.add_argument("--shard-gb", type=float, default=None, help="default: the store's size / 24 (>= 20 shards)")
+    p.add_argument("--writers", type=int, default=StoreSettings.writers)
+    p.add_argument("--buffered", action="store_true", help="no O_DIRECT for the store's writes")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each measurement; best and spread reported")
+    p.add_argument("--dir", default=None, help="where the temporary stores are written (default: the system temp dir)")
+    p.add_argument("--json", default=None, help="write the figures here (default: $OUT/extraction.json when $OUT is set)")
     a = p.parse_args()
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
@@ -113,31 +190,102 @@ def main() -> None:
         name = f"random DeepseekV3 hidden {a.hidden}, {a.layers} layers"
     model = model.to(device).eval()
     backend = TransformersHiddenStates(model)
-    samples = sequences(a.samples, a.min_len, a.max_len, model.config.vocab_size)
+    n_samples = a.samples if a.samples is not None else (480 if device.type == "cuda" else 48)
+    samples = sequences(n_samples, a.min_len, a.max_len, model.config.vocab_size)
     tokens = sum(len(s.input_ids) for s in samples)
-    settings = StoreSettings(shard_bytes=int(a.shard_gb * 1e9), batch_tokens=a.batch_tokens)
+    H = backend.hidden_size
+    per_token = token_bytes(H)
+    shard_bytes = int(a.shard_gb * 1e9) if a.shard_gb else max(1, tokens * per_token // 24)
+    settings = StoreSettings(shard_bytes=shard_bytes, batch_tokens=a.batch_tokens, writers=a.writers, direct_io=not a.buffered,
+                             free_bytes=10**15, reserve_bytes=0)
+    identity = {"bench": name}
+    plans = plan_shards(samples, H, shard_bytes, {**identity, "aux_layer_ids": backend.layer_ids})
+    layouts = [shard_layout(pl, [samples[i] for i in pl.samples], H) for pl in plans]
+    sizes = [lay.size for lay in layouts]
+    buffers = HostBuffers(a.writers + 1, pin=device.type == "cuda")
+    buffers.reserve(max(sizes))  # allocated (and page-locked) once, outside every timing
+    scratch = host_buffer(max(sizes) + 2**25, pin=False)  # the disk test's source: any bytes
+    scratch.random_(0, 256)
+    ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
     print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
-          f"{len(samples)} samples, {tokens:,} tokens, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}")
+          f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards of ~{shard_bytes / 1e6:,.0f} MB, "
+          f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}", flush=True)
 
-    bare_forward(backend, samples[:4], a.batch_tokens)  # warm-up: allocator, kernels, page cache
-    bare_s, extract_s, figures = [], [], {}
-    for _ in range(a.rounds):
-        bare_s.append(bare_forward(backend, samples, a.batch_tokens))
+    def extraction(be, null_sink: bool) -> tuple[float, dict]:
         with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
             sync(device)
             start = time.perf_counter()
-            extract_to_store(samples, backend, Path(tmp), settings, identity={"bench": name}, log=lambda m: None,
-                             progress_every_s=3600)
+            extract_to_store(samples, be, Path(tmp), settings, identity=identity, log=lambda m: None,
+                             progress_every_s=3600, buffers=buffers, null_sink=null_sink)
             sync(device)
-            extract_s.append(time.perf_counter() - start)
-            figures = store_figures(Path(tmp))
-    bare, extract = tokens / min(bare_s), tokens / min(extract_s)
-    print(f"bare forward   {bare:12,.0f} tok/s   (best of {a.rounds}: {min(bare_s):.2f} s)")
-    print(f"extraction     {extract:12,.0f} tok/s   (best of {a.rounds}: {min(extract_s):.2f} s, "
-          f"{figures['bytes'] / 1e6:,.1f} MB in {figures['shards']} shard(s))")
-    print(f"ratio extraction / bare forward: {extract / bare:.3f}   (goal >= 0.8)")
-    print(f"bytes per token {figures['bytes_per_token']:,.1f} vs minimum {figures['min_bytes_per_token']:,} "
-          f"((3 + 1) x H x 2): overhead {figures['overhead_pct']:.2f}%   (goal <= 2%)")
+            seconds = time.perf_counter() - start
+            return seconds, ({} if null_sink else store_figures(Path(tmp)))
+
+    shards = [[samples[i] for i in pl.samples] for pl in plans]
+    bare_forward(backend, [samples[:4]], a.batch_tokens)  # warm-up: allocator, kernels, page cache
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        extract_to_store(samples[:4], backend, Path(tmp), settings, identity=identity, log=lambda m: None,
+                         progress_every_s=3600, buffers=buffers, null_sink=True)
+    t = {k: [] for k in ("bare", "null", "ready", "extract", "disk_buffered", "disk_direct", "disk_direct_parallel")}
+    direct_ok, figures = False, {}
+    for r in range(a.rounds):
+        t["bare"].append(bare_forward(backend, shards, a.batch_tokens))
+        t["null"].append(extraction(backend, True)[0])
+        with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+            t["disk_buffered"].append(disk_write_s(Path(tmp), sizes, direct=False, threads=1, buffer=scratch)[0])
+            s, direct_ok = disk_write_s(Path(tmp), sizes, direct=True, threads=1, buffer=scratch)
+            t["disk_direct"].append(s)
+            t["disk_direct_parallel"].append(disk_write_s(Path(tmp), sizes, direct=True, threads=a.writers, buffer=scratch)[0])
+        t["ready"].append(extraction(ready, False)[0])
+        s, figures = extraction(backend, False)
+        t["extract"].append(s)
+        print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
+
+    total = figures["bytes"]
+    rate = {k: spread([tokens / s for s in v]) for k, v in t.items() if not k.startswith("disk")}
+    gbps = {k: spread([total / s / 1e9 for s in v]) for k, v in t.items()}
+    disk_kind = max((k for k in t if k.startswith("disk")), key=lambda k: gbps[k]["best"])
+    disk = gbps[disk_kind]["best"]
+    bare, null, extract = rate["bare"]["best"], rate["null"]["best"], rate["extract"]["best"]
+    store_gbps, extract_gbps = gbps["ready"]["best"], gbps["extract"]["best"]
+    bytes_per_token = total / tokens
+    limit = min(bare, disk * 1e9 / bytes_per_token)
+    out = {
+        "model": name, "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
+        "samples": len(samples), "tokens": tokens, "bytes": total, "bytes_per_token": round(bytes_per_token, 2),
+        "shards": figures["shards"], "shard_bytes": shard_bytes, "writers": a.writers, "o_direct": direct_ok and not a.buffered,
+        "rounds": a.rounds, "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_measured_as": disk_kind,
+        "ratio_null_sink_to_bare": null / bare, "ratio_extraction_to_bare": extract / bare,
+        "ratio_store_write_to_disk": store_gbps / disk, "ratio_extraction_write_to_disk": extract_gbps / disk,
+        "limit_tokens_per_s": limit, "ratio_extraction_to_limit": extract / limit,
+        "overhead_pct_bytes_per_token": figures["overhead_pct"],
+    }
+
+    def line(label: str, key: str) -> str:
+        r = rate[key]
+        return f"{label:<16}{r['best']:12,.0f} tok/s  (median {r['median']:,.0f}, worst {r['worst']:,.0f}; {gbps[key]['best']:.3f} GB/s)"
+
+    print(line("bare forward", "bare"))
+    print(line("null sink", "null"))
+    print(line("extraction", "extract"))
+    print(f"{'store writes':<16}{rate['ready']['best']:12,.0f} tok/s  ({store_gbps:.3f} GB/s, median {gbps['ready']['median']:.3f}: "
+          f"ready states, no forward)")
+    print("disk (fsync'd)  " + ", ".join(f"{k.removeprefix('disk_')} {gbps[k]['best']:.3f} GB/s" for k in t if k.startswith("disk"))
+          + f"  -> {disk:.3f} GB/s ({disk_kind}; O_DIRECT {'works' if direct_ok else 'refused here'})")
+    print(f"ratio null sink / bare forward:   {out['ratio_null_sink_to_bare']:.3f}   (goal >= 0.95: the capture's own overhead)")
+    print(f"ratio extraction / bare forward:  {out['ratio_extraction_to_bare']:.3f}")
+    print(f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; the extraction itself "
+          f"wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)")
+    print(f"extraction {extract:,.0f} tok/s vs 0.9 x min(bare {bare:,.0f}, disk {disk * 1e9 / bytes_per_token:,.0f}) = "
+          f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)")
+    print(f"bytes per token {bytes_per_token:,.1f} vs minimum {4 * H * 2:,} ((3 + 1) x H x 2): overhead "
+          f"{figures['overhead_pct']:.2f}%   (goal <= 2%), {figures['shards']} shards")
+    target = a.json or (str(Path(os.environ["OUT"]) / "extraction.json") if os.environ.get("OUT") else None)
+    if target:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"figures written to {target}")
 
 
 if __name__ == "__main__":

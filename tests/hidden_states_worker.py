@@ -1,15 +1,17 @@
 """A separate process that fills a hidden-state store, for the kill -9 test.
 
-    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS]
+    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS] [--slow-write SECONDS]
 
 Samples are drawn from a seeded generator, so every process extracts the same ones; torch runs on
 one thread so every process computes bit-identical states. `--slow` sleeps after each batch, so
-a test has time to kill the process between two shard commits.
+a test has time to kill the process between two shard commits; `--slow-write` writes shards in
+4 KiB chunks and sleeps after each, so a test can kill it in the middle of a shard's write.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle3_resources.hidden_states import store
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
 from eagle3_resources.hidden_states.store import StoredSample
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
@@ -49,12 +52,31 @@ class Slow:
         return out
 
 
+class SlowWrites:
+    """The store's `os`, with a pause after every positional write (the store writes with os.pwrite only)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def pwrite(self, fd, data, offset):
+        n = os.pwrite(fd, data, offset)
+        time.sleep(self.seconds)
+        return n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("root")
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--slow-write", type=float, default=0.0)
     args = parser.parse_args()
+    if args.slow_write:
+        store.WRITE_CHUNK = 4096
+        store.os = SlowWrites(args.slow_write)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     backend = TransformersHiddenStates(model)

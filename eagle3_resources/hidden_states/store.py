@@ -231,15 +231,17 @@ def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
 
 
 def write_file(path: Path, data: memoryview, size: int | None = None, *, direct: bool = True,
-               chunk: int = WRITE_CHUNK) -> tuple[str, bool]:
+               chunk: int | None = None, hashed: bool = True) -> tuple[str, bool]:
     """Write data[:size] to `path` in `chunk`-sized sequential writes, hash each chunk right after its write
     (hashlib releases the GIL, so several writers hash in parallel), fsync; return (sha256, whether O_DIRECT was used).
 
     With `direct`, the file is opened O_DIRECT when the file system allows it and `data` starts at an ALIGN
     boundary and extends to `padded_size(size)` (a ShardImage's buffer does): the tail is written padded,
     then the file truncated to `size`. A refused O_DIRECT write goes on with buffered writes.
+    `hashed=False` (the benchmark's raw disk figure) skips the hash and returns "" for it.
     """
     n = len(data) if size is None else size
+    chunk = chunk or WRITE_CHUNK
     h = hashlib.sha256()
     aligned = direct and chunk % ALIGN == 0 and len(data) >= padded_size(n) and _address(data) % ALIGN == 0
     fd, direct = _open_for_write(path, aligned)
@@ -260,14 +262,15 @@ def write_file(path: Path, data: memoryview, size: int | None = None, *, direct:
             else:
                 wrote = os.pwrite(fd, data[done:end], done)
             good = min(wrote, n - done)
-            h.update(data[done:done + good])
+            if hashed:
+                h.update(data[done:done + good])
             done += good
         if os.fstat(fd).st_size != n:  # O_DIRECT wrote the tail padded
             os.ftruncate(fd, n)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return h.hexdigest(), direct
+    return (h.hexdigest() if hashed else ""), direct
 
 
 def _address(view: memoryview) -> int:

@@ -1,0 +1,217 @@
+"""How a shard reaches the disk: its safetensors image built in place (read back by safetensors' own loader),
+the checksum taken while writing (against a hash of the file read back), a write interrupted by an exception
+or by SIGKILL (nothing listed, the resume redoes it), and the finiteness check that travels with the states."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from support import stop_group
+
+from eagle3_resources.hidden_states import store as store_module
+from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
+from eagle3_resources.hidden_states.store import (
+    ALIGN,
+    MANIFEST,
+    HiddenStateStore,
+    StoredSample,
+    file_sha256,
+    host_buffer,
+    read_manifest,
+    write_file,
+)
+from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+
+REPO = Path(__file__).resolve().parents[1]
+ROOMY = dict(free_bytes=10**12, reserve_bytes=0)
+
+
+def make_samples(n: int, vocab: int) -> list[StoredSample]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        L = (7, 30, 3, 51, 12)[i % 5]
+        ids = torch.randint(0, vocab, (L,), generator=g).tolist()
+        out.append(StoredSample(f"S/{i:03d}", "eval" if i % 3 == 0 else "train", ids, [i % 2] * (L // 2) + [1] * (L - L // 2)))
+    return out
+
+
+def test_a_shard_is_a_safetensors_file_holding_what_was_captured(target_model, tmp_path):
+    """safetensors' own loader reads every shard; each sample's rows are the backend's states for it alone, in bf16."""
+    backend = TransformersHiddenStates(target_model)
+    samples = make_samples(11, target_model.config.vocab_size)
+    extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=40_000, batch_tokens=64, **ROOMY),
+                     identity={}, progress_every_s=3600)
+    shards = read_manifest(tmp_path)["shards"]
+    assert len(shards) > 2
+    seen = set()
+    for name in shards:
+        tensors = load_file(tmp_path / name)
+        with safe_open(tmp_path / name, framework="pt") as f:
+            meta = json.loads(f.metadata()["eagle3"])
+        assert sorted(tensors) == ["aux_hidden_states", "final_hidden_state", "input_ids", "loss_mask", "offsets"]
+        offsets = tensors["offsets"].tolist()
+        for j, sid in enumerate(meta["sample_ids"]):
+            s = next(x for x in samples if x.sample_id == sid)
+            a, b = offsets[j], offsets[j + 1]
+            assert meta["splits"][j] == s.split
+            assert tensors["input_ids"][a:b].tolist() == list(s.input_ids)
+            assert tensors["loss_mask"][a:b].tolist() == list(s.loss_mask)
+            aux, final = backend.extract(list(s.input_ids))  # alone, unpadded: the captured states
+            assert tensors["aux_hidden_states"].dtype == torch.bfloat16
+            torch.testing.assert_close(tensors["aux_hidden_states"][a:b].float(), aux.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(tensors["final_hidden_state"][a:b].float(), final.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+            seen.add(sid)
+        assert offsets[-1] == tensors["input_ids"].shape[0] == tensors["aux_hidden_states"].shape[0]
+    assert seen == {s.sample_id for s in samples}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct):
+    """Chunks, an unaligned tail (written padded under O_DIRECT, then cut), the hash of exactly the file's bytes."""
+    size = 5 * ALIGN + 123
+    buffer = host_buffer(6 * ALIGN, pin=False)
+    buffer.random_(0, 256, generator=torch.Generator().manual_seed(5))
+    data = memoryview(buffer.numpy())
+    digest, used_direct = write_file(tmp_path / "f", data, size, direct=direct, chunk=2 * ALIGN)
+    on_disk = (tmp_path / "f").read_bytes()
+    assert on_disk == bytes(data[:size])
+    assert digest == hashlib.sha256(on_disk).hexdigest() == file_sha256(tmp_path / "f")
+    assert used_direct == (direct and hasattr(os, "O_DIRECT") and used_direct)  # O_DIRECT only when asked
+    # Buffered from a bytes object (not aligned, no room for padding): the same bytes, the same hash.
+    digest2, used2 = write_file(tmp_path / "g", memoryview(bytes(data[:size])), direct=direct, chunk=3 * ALIGN)
+    assert not used2 and digest2 == digest and (tmp_path / "g").read_bytes() == on_disk
+
+
+class FailingWrites:
+    """The store's `os` with its n-th positional write failing (an I/O error in the middle of a shard)."""
+
+    def __init__(self, fail_at: int):
+        self.left = fail_at
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def pwrite(self, fd, data, offset):
+        self.left -= 1
+        if self.left == 0:
+            os.pwrite(fd, data, offset)  # this chunk reached the file, then the device failed
+            raise OSError(5, "Input/output error")
+        return os.pwrite(fd, data, offset)
+
+
+def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target_model, tmp_path, monkeypatch):
+    backend = TransformersHiddenStates(target_model)
+    samples = make_samples(10, target_model.config.vocab_size)
+    settings = StoreSettings(shard_bytes=30_000, batch_tokens=64, writers=1, **ROOMY)
+    extract_to_store(samples, backend, tmp_path / "whole", settings, identity={}, progress_every_s=3600)
+    whole = {n: e["sha256"] for n, e in read_manifest(tmp_path / "whole")["shards"].items()}
+    assert len(whole) >= 3
+
+    monkeypatch.setattr(store_module, "WRITE_CHUNK", ALIGN)
+    first = (tmp_path / "whole" / sorted(whole)[0]).stat().st_size
+    monkeypatch.setattr(store_module, "os", FailingWrites(-(-first // ALIGN) + 2))  # the second shard's second chunk
+    root = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="Input/output error"):
+        extract_to_store(samples, backend, root, settings, identity={}, progress_every_s=3600)
+    listed = {n: e["sha256"] for n, e in read_manifest(root)["shards"].items()}
+    failed = sorted(whole)[1]
+    assert failed not in listed and 1 <= len(listed) < len(whole)
+    assert all(whole[n] == digest == file_sha256(root / n) for n, digest in listed.items())  # shards already finished were kept
+    partial = root / (failed + ".tmp")
+    assert partial.exists() and 0 < partial.stat().st_size  # half a shard on disk, under its temporary name
+    assert not (root / failed).exists()
+
+    monkeypatch.setattr(store_module, "os", os)
+    report = extract_to_store(samples, backend, root, settings, identity={}, progress_every_s=3600)
+    assert report.shards_skipped == len(listed) and report.shards_written == len(whole) - len(listed)
+    assert partial.name in report.removed_untrusted
+    assert {n: e["sha256"] for n, e in read_manifest(root)["shards"].items()} == whole
+    assert sorted(p.name for p in root.iterdir()) == sorted([*whole, MANIFEST])
+
+
+def worker(model_folder: Path, root: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "tests" / "hidden_states_worker.py"), str(model_folder), str(root), *extra],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.timeout(900)
+def test_kill_9_in_the_middle_of_a_shard_write(target_resource, tokenizer_resource, tmp_path):
+    """SIGKILL while a shard's bytes are going to disk: the shard is not listed, and the resume redoes it."""
+    folder = target_resource.folder(tokenizer_resource)
+    root = tmp_path / "killed"
+    proc = worker(folder, root, "--slow-write", "0.05")
+    try:
+        deadline, partial = time.monotonic() + 600, None
+        while time.monotonic() < deadline and partial is None:
+            m = root / MANIFEST
+            if m.exists() and json.loads(m.read_text())["shards"]:  # past the first commit, so a shard is mid-write
+                partial = next((p for p in root.glob("*.safetensors.tmp") if p.stat().st_size >= 2 * 4096), None)
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.02)
+        assert partial is not None, "no shard was caught mid-write"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        stop_group(proc)
+    listed = read_manifest(root)["shards"]
+    target = partial.name.removesuffix(".tmp")
+    assert target not in listed
+    for name, entry in listed.items():  # what is listed is whole
+        assert file_sha256(root / name) == entry["sha256"]
+
+    resumed = worker(folder, root)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    planned = read_manifest(root)["planned_shards"]
+    final = read_manifest(root)["shards"]
+    assert f"{len(planned) - len(listed)} written, {len(listed)} kept" in out
+    assert target in final and file_sha256(root / target) == final[target]["sha256"]
+    assert sorted(p.name for p in root.iterdir()) == sorted([*planned, MANIFEST])
+    assert len(HiddenStateStore(root)) == 24
+
+
+class Poisoned:
+    """Wraps a backend: NaN in one sample's aux, +inf in another's final, huge but finite values in a third."""
+
+    def __init__(self, inner, nan_id: list[int], inf_id: list[int], huge_id: list[int]):
+        self.inner, self.nan_id, self.inf_id, self.huge_id = inner, nan_id, inf_id, huge_id
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def extract_batch(self, sequences):
+        out = []
+        for s, (a, f) in zip(sequences, self.inner.extract_batch(sequences)):
+            a, f = a.clone(), f.clone()
+            if s == self.nan_id:
+                a[len(s) // 2, 5] = float("nan")
+            if s == self.inf_id:
+                f[-1, 0] = float("inf")
+            if s == self.huge_id:  # every row near bf16's largest finite value: an fp32 sum overflows, yet all is finite
+                a[:, :] = 3.0e38
+            out.append((a, f))
+        return out
+
+
+def test_non_finite_states_are_caught_where_they_are_computed(target_model, tmp_path):
+    samples = make_samples(9, target_model.config.vocab_size)
+    nan, inf, huge = samples[1], samples[4], samples[6]
+    backend = Poisoned(TransformersHiddenStates(target_model), list(nan.input_ids), list(inf.input_ids), list(huge.input_ids))
+    report = extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=20_000, batch_tokens=96, **ROOMY),
+                              identity={}, progress_every_s=3600)
+    assert sorted(report.nan_samples) == sorted([nan.sample_id, inf.sample_id])
+    store = HiddenStateStore(tmp_path)
+    assert store[huge.sample_id]["aux_hidden_states"].float().isfinite().all()  # stored as it came, and finite
+    assert not store[nan.sample_id]["aux_hidden_states"].float().isfinite().all()
