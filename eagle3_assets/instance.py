@@ -12,7 +12,10 @@ checked in for hosts that set DAGSTER_HOME themselves (tests/test_postgres.py ke
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,12 +26,17 @@ POSTGRES_URL_ENV = "EAGLE3_POSTGRES_URL"
 DEFAULT_DAGSTER_HOME = PROJECT_ROOT / "var" / "dagster"
 DEFAULT_POSTGRES_DAGSTER_HOME = PROJECT_ROOT / "var" / "dagster-postgres"
 GPU_POOL = "gpu"
+# Held while one `eagle3` makes the home, the instance's storage, the data root and the ledger usable (first_use).
+FIRST_USE_LOCK = ".eagle3-first-use.lock"
 # Dagster's daemons heartbeat every 30 s (dagster._daemon.controller): a heartbeat younger than three
 # intervals means a daemon is serving the instance.
 DAEMON_LIVE_S = 90.0
 
 SETTINGS_YAML = """\
 telemetry:
+  enabled: false
+# The UI opens on the project, not on Dagster's "Join the Dagster community" sign-up form.
+nux:
   enabled: false
 concurrency:
   runs:
@@ -93,22 +101,60 @@ def uses_postgres(yaml_text: str) -> bool:
 
 
 def dagster_home() -> Path:
-    """DAGSTER_HOME (set from the default if unset), its dagster.yaml written on first use, the gpu pool shown."""
+    """DAGSTER_HOME (set from the default if unset), its dagster.yaml written on first use, the gpu pool shown.
+
+    Everything a first command creates (dagster.yaml, the instance's tables, the data root, the spend
+    ledger) is made under an OS lock on a file in the home: Dagster's SQLite storage creates its tables
+    without one, and two commands started together on a new home failed with "table secondary_indexes
+    already exists". The first to arrive creates; the others wait, then find everything made.
+    """
     url = postgres_url()
     default = DEFAULT_POSTGRES_DAGSTER_HOME if url else DEFAULT_DAGSTER_HOME
     home = Path(os.environ.get("DAGSTER_HOME") or default).resolve()
     home.mkdir(parents=True, exist_ok=True)
-    config = home / "dagster.yaml"
-    if not config.exists():
-        config.write_text(POSTGRES_INSTANCE_YAML if url else INSTANCE_YAML)
-    elif uses_postgres(config.read_text()) != bool(url):
-        kept = "PostgreSQL" if url is None else "SQLite"
-        raise SystemExit(f"{config} keeps the instance in {kept}, but {POSTGRES_URL_ENV} is "
-                         f"{'unset' if url is None else 'set'}: point DAGSTER_HOME at another folder, "
-                         f"or {'set' if url is None else 'unset'} {POSTGRES_URL_ENV}")
-    os.environ["DAGSTER_HOME"] = str(home)
-    show_pools()
+    with first_use(home):
+        config = home / "dagster.yaml"
+        if not config.exists():
+            written = config.with_name(f".dagster.yaml.{os.getpid()}")  # whole or absent, for readers without the lock
+            written.write_text(POSTGRES_INSTANCE_YAML if url else INSTANCE_YAML)
+            os.replace(written, config)
+        elif uses_postgres(config.read_text()) != bool(url):
+            kept = "PostgreSQL" if url is None else "SQLite"
+            raise SystemExit(f"{config} keeps the instance in {kept}, but {POSTGRES_URL_ENV} is "
+                             f"{'unset' if url is None else 'set'}: point DAGSTER_HOME at another folder, "
+                             f"or {'set' if url is None else 'unset'} {POSTGRES_URL_ENV}")
+        os.environ["DAGSTER_HOME"] = str(home)
+        show_pools()  # DagsterInstance.get() creates (or migrates) the instance's storage
+        prepare_data_root()
     return home
+
+
+@contextmanager
+def first_use(home: Path) -> Iterator[None]:
+    """An exclusive flock on the home's lock file: one process at a time initialises this home (released on exit,
+    also when the process dies, since the OS drops a dead process's flocks)."""
+    with open(home / FIRST_USE_LOCK, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def prepare_data_root() -> None:
+    """The data root, and its SQLite spend ledger created (schema, old journals imported) before any run opens it.
+
+    A ledger in PostgreSQL (EAGLE3_LEDGER_URL) is left to its first user: its creation takes the database's own lock,
+    and a command that spends nothing should not need the database server.
+    """
+    from eagle3_assets.spend.database import LEDGER_URL_ENV
+    from eagle3_assets.spend.ledger import SpendLedger
+    from eagle3_resources.storage import DataLayout, default_data_dir
+
+    layout = DataLayout(default_data_dir())
+    layout.root.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get(LEDGER_URL_ENV, "").strip():
+        SpendLedger(layout.ledger(), legacy_journals=layout.all_completion_journals).close()
 
 
 def show_pools() -> None:

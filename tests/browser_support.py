@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from support import free_port, port_open, stop_group, wait_for
 
-from eagle3_assets.instance import INSTANCE_YAML
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -61,12 +60,10 @@ def chromium_page():
 def eagle3_dev(tmp_path: Path, data_dir: Path, **env_vars: str):
     """`eagle3 dev` (webserver and daemon) on 127.0.0.1:<free port> with a fresh DAGSTER_HOME; yields (base url, log path).
 
-    The instance is the one `eagle3` writes, with the community pop-up turned off so nothing covers the page.
+    The instance is the one `eagle3` writes on first use (its dagster.yaml turns Dagster's community sign-up form off).
     The server runs in its own process group, which is killed on exit.
     """
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text(INSTANCE_YAML + "nux:\n  enabled: false\n")
+    home = tmp_path / "dagster_home"  # made by `eagle3 dev`
     env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}
     env.update({"DAGSTER_HOME": str(home), "EAGLE3_DATA_DIR": str(data_dir), "EAGLE3_COMPLETIONS_BACKEND": "local",
                 "PYTHONUNBUFFERED": "1", **env_vars})
