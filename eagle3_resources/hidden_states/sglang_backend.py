@@ -5,7 +5,7 @@ like SpecForge's offline preparation, this runs SGLang's `ModelRunner` in-proces
 per tensor-parallel rank (spawned here, NCCL between them), each loading its shard of the target.
 Every batch goes to every rank; each runs the same batched prefill ("extend"); after the TP
 all-reduces the hidden states are replicated, so only rank 0 copies them to the host and sends
-them back.
+them back: straight from the GPU into shared memory, so the queue passes a handle, not a second copy.
 
 The capture happens inside SGLang: `enable_return_aux_hidden_states` with
 `speculative_algorithm="EAGLE3"` is SGLang's capture-only mode (no draft is loaded). It calls the
@@ -188,6 +188,22 @@ class RankEngine(Protocol):
     def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
 
 
+def shared_host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` as bf16 in new shared memory, copied once from wherever it is (rank 0's GPU).
+
+    A tensor already in shared memory crosses a torch.multiprocessing queue as a handle; any other
+    tensor is first copied into shared memory by the queue, a second full copy of the batch.
+    """
+    nbytes = t.numel() * 2
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        out = torch.empty(0, dtype=torch.bfloat16).set_(storage, 0, tuple(t.shape))
+    except (AttributeError, RuntimeError, TypeError):  # a torch without these internals: the same result, one copy more
+        out = torch.empty(t.shape, dtype=torch.bfloat16).share_memory_()
+    out.copy_(t)  # from a GPU this waits for the forward: the reply must not leave before its bytes have landed
+    return out
+
+
 def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEngine], requests, replies) -> None:
     """A rank process: build the engine, then run every batch until told to stop (None)."""
     try:
@@ -203,7 +219,10 @@ def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEng
         batch_id, sequences = message
         try:
             aux, final = engine.capture(sequences)
-            replies.put(Done(rank, batch_id, aux, final) if rank == 0 else Done(rank, batch_id))
+            if rank == 0:
+                replies.put(Done(rank, batch_id, shared_host_copy(aux), shared_host_copy(final)))
+            else:
+                replies.put(Done(rank, batch_id))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
             replies.put(Failed(rank, batch_id, traceback.format_exc()))
 
@@ -432,7 +451,7 @@ class SGLangRankEngine:
             aux, final = out.hidden_states, out.last_hidden_states
             if aux is None or final is None:
                 raise RuntimeError("SGLang returned no aux/last hidden states: is the capture-only mode on?")
-            return aux.to("cpu", torch.bfloat16), final.to("cpu", torch.bfloat16)
+            return aux, final  # on the GPU: _rank_main copies them once, into shared memory
         finally:
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
