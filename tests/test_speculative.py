@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
 
+from eagle3_assets.checks.training import drafter_beats_floor
+from eagle3_assets.drafter import speculative
 from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.drafter.pipeline import drafter_config
+from eagle3_assets.drafter.quality import SpeculativeQuality
 from eagle3_assets.drafter.speculative import (
     Eagle3ChainDrafter,
     accept_lengths,
@@ -234,3 +239,92 @@ def test_eos_stops_both_decoders_at_the_same_token(target_model, untrained, prom
     assert run.output_ids == greedy
     run = speculative_generate(target_model, oracle(references), p, K, 40, [eos])
     assert run.output_ids == greedy
+
+
+# -- losslessness: the reference is independent of the loop, and a lossy decode fails the asset's check ----------
+
+
+def uncached_greedy(model, prompt_ids, n, eos=()):
+    """The definition of greedy decoding: the full sequence through the model at every step, no cache at all."""
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            if ids[-1] in eos:
+                break
+    return ids[len(prompt_ids):]
+
+
+def test_the_greedy_reference_is_the_targets_own_decoding_without_any_cache(target_model, prompts, references):
+    """greedy_generate (transformers' generate) against a decode that re-reads the whole sequence at each token."""
+    for p in prompts:
+        assert greedy_generate(target_model, p, 24, NO_EOS)[0] == uncached_greedy(target_model, p, 24)
+    p = prompts[0]
+    eos = references[tuple(p)][5]
+    assert greedy_generate(target_model, p, 40, [eos])[0] == uncached_greedy(target_model, p, 40, [eos])
+
+
+@contextmanager
+def verify_forwards_corrupted(model):
+    """A target whose forward over several tokens after a cache (the verify shape) differs from its decoding one token
+    at a time, as a wrong attention mask for a multi-token step with a KV cache would make it: rows after the first get
+    their logits shifted by one token id."""
+
+    def hook(_module, _args, kwargs, out):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if kwargs["input_ids"].shape[1] > 1 and cache is not None and cache.get_seq_length() > 0:
+            out.logits[:, 1:] = out.logits[:, 1:].roll(1, -1)
+        return out
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def rejected_drafts_kept_in_the_cache():
+    """A loop that forgets to roll the target's cache back past the drafts it rejected."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculative._Target, "crop", lambda self, remove: None)
+        yield
+
+
+@contextmanager
+def drafts_accepted_unverified():
+    """A loop whose verify forward reads every draft as the target's own pick (`greedy` = the drafts)."""
+    forward = speculative._Target.forward
+
+    def lying(self, ids, aux, last_only):
+        logits, states = forward(self, ids, aux, last_only)
+        if not last_only:
+            logits[torch.arange(len(ids) - 1), torch.as_tensor(ids[1:])] = float("inf")
+        return logits, states
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculative._Target, "forward", lying)
+        yield
+
+
+@pytest.mark.parametrize("corruption", ["none", "target_verify", "cache_rollback", "unverified_drafts"])
+def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(target_model, untrained, prompts, references,
+                                                                       corruption):
+    """The asset's `speculative_gain` check, fed the figures the asset computes (SpeculativeQuality.figures), with
+    the margin at -inf so that losslessness alone decides. An honest decode passes; a corrupted target, or a loop
+    that keeps rejected drafts or accepts drafts unverified, fails it, for the trained (oracle) and untrained
+    (random) drafter alike."""
+    corrupt = {"none": nullcontext, "target_verify": lambda: verify_forwards_corrupted(target_model),
+               "cache_rollback": rejected_drafts_kept_in_the_cache, "unverified_drafts": drafts_accepted_unverified}[corruption]
+    chosen = prompts[:3]
+    with corrupt():
+        reports = [evaluate_speculative(target_model, drafter, chosen, draft_steps=K, max_new_tokens=16, proxy=True,
+                                        eos_token_ids=NO_EOS) for drafter in (ScriptedDrafter(references, [True, True, False]),
+                                                                              untrained)]
+    outcome = drafter_beats_floor(SpeculativeQuality(*reports).figures(), margin=-math.inf)
+    print(corruption, outcome.description)
+    if corruption == "none":
+        assert outcome.passed and outcome.metadata["lossless"] is True
+    else:
+        assert not outcome.passed and "NOT lossless" in outcome.description
+        assert outcome.metadata["lossless"] is False

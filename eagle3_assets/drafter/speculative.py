@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from transformers import GenerationConfig
 
 from eagle3_assets.drafter.model import Attention, DecoderLayer, Eagle3Drafter, rope
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
@@ -280,15 +281,19 @@ def speculative_generate(target, drafter: ChainDrafter, prompt_ids: Sequence[int
 @torch.inference_mode()
 def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_ids: Iterable[int] | int | None = None) -> tuple[list[int], float]:
-    """The target alone, one token per KV-cached forward: the reference output and its seconds."""
+    """The reference output and its seconds: transformers' own greedy decoding, `generate(do_sample=False)`.
+
+    Why not a loop over `_Target`: a reference sharing the speculative loop's cache wrapper shares its bugs (a
+    wrong cache argument, wrong logits rows), and both outputs would agree while neither is the target's decoding.
+    """
+    model, eos = text_causal_lm(target), sorted(_eos_ids(target, eos_token_ids))
+    ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    # eos [] rather than None: generate fills a None from the model's generation_config (its EOS ids).
+    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
     started = time.perf_counter()
-    tgt, eos = _Target(target, aux_layer_ids=[]), _eos_ids(target, eos_token_ids)
-    logits, _ = tgt.forward(prompt_ids, aux=False, last_only=True)
-    output, done = _finish([int(logits[-1].argmax())], max_new_tokens, eos)
-    while not done:
-        logits, _ = tgt.forward(output[-1:], aux=False, last_only=True)
-        output, done = _finish(output + [int(logits[-1].argmax())], max_new_tokens, eos)
-    return output, time.perf_counter() - started
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - started
 
 
 # --------------------------------------------------------------------------------------------
