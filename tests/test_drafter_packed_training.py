@@ -4,11 +4,12 @@ and a training step reads nothing back from the device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from eagle3_assets.drafter.data import Teacher, plan_windows
+from eagle3_assets.drafter.data import Teacher, plan_steps, plan_windows
 from eagle3_assets.drafter.loss import soft_cross_entropy
 from eagle3_assets.drafter.model import (
     DocLayout,
@@ -140,9 +141,10 @@ class ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_training_step_reads_nothing_back_from_the_device():
+def synthetic_run(seed: int = 0):
+    """A tiny drafter, samples of mixed lengths (cut into 48-token windows), the target's head."""
     model = tiny_drafter(dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     source = {}
     for i, n in enumerate([40, 13, 64, 25, 31, 50, 8, 64, 17, 29, 33, 60]):
         source[f"s{i}"] = {"input_ids": torch.randint(0, 300, (n,), generator=g, dtype=torch.int32),
@@ -152,6 +154,11 @@ def test_a_training_step_reads_nothing_back_from_the_device():
     windows = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 48).windows
     head = torch.randn(300, 32, generator=g)
     settings = TrainSettings(ttt_steps=3, epochs=1, batch_tokens=100, max_len=48, checkpoint_every=0, warmup_steps=1)
+    return model, source, windows, head, settings
+
+
+def test_a_training_step_reads_nothing_back_from_the_device():
+    model, source, windows, head, settings = synthetic_run()
     reads = ScalarReads()
     at_step: list[int] = []
     with reads:
@@ -161,3 +168,36 @@ def test_a_training_step_reads_nothing_back_from_the_device():
     assert len(at_step) >= 5 and len(history.step_loss) == len(at_step) == len(history.grad_norm)
     per_step = [b - a for a, b in zip(at_step, at_step[1:])]
     assert per_step == [0] * len(per_step), f"host reads of device values per training step: {per_step}"
+
+
+def test_the_first_steps_gradient_is_the_documented_loss_gradient():
+    """The gradient norm the trainer records for its first step (before clipping) against the loss written
+    out per window and per position from the module docstring: each window's TTT-weighted soft
+    cross-entropy over its completion positions, divided by its completion tokens, averaged over the
+    step's windows (so a trainer that scales its loss wrongly, on one process or several, fails here)."""
+    import copy
+
+    model, source, windows, head, settings = synthetic_run(seed=3)
+    reference = copy.deepcopy(model)
+    history = train(model, source, windows, [], settings, head=head, device=torch.device("cpu"), log=print,
+                    stop_after_steps=1)
+    step = [windows[i] for i in plan_steps(windows, settings.batch_tokens, settings.seed, 0)[0]]
+    assert len(step) > 1
+    head_draft = head[reference.draft_ids]
+    total = torch.zeros((), dtype=torch.float64)
+    for w in step:
+        d, a, b = source[w.sample_id], w.start, w.end
+        tokens, mask = d["input_ids"][a:b].long(), d["loss_mask"][a:b]
+        final = d["final_hidden_state"][a:b].float()
+        teacher_p, argmax = torch.softmax(final @ head_draft.T, -1), (final @ head.T).argmax(-1)
+        logits = reference.unroll(d["aux_hidden_states"][a:b].float(), tokens, torch.arange(a, b), settings.ttt_steps)
+        completion = max(1, int(mask.sum()))
+        for k, lg in enumerate(logits):
+            for t in range(b - a):  # step k at t predicts token t+2+k, taught by the target at t+1+k
+                if t + 2 + k < b - a and mask[t + 2 + k] == 1 and bool(reference.t2d[argmax[t + 1 + k]]):
+                    ce = -(teacher_p[t + 1 + k] * torch.log_softmax(lg[t], -1)).sum()
+                    total = total + settings.step_decay**k * ce.double() / completion / len(step)
+    grads = torch.autograd.grad(total, [p for p in reference.parameters() if p.requires_grad])
+    want = float(torch.sqrt(sum(g.double().square().sum() for g in grads)))
+    assert history.step_loss[0] == pytest.approx(float(total.detach()), rel=1e-5)
+    assert history.grad_norm[0] == pytest.approx(want, rel=1e-4)

@@ -375,7 +375,7 @@ def train(
             for row in torch.stack(pending).tolist():
                 history.step_loss.append(round(row[0], 6))
                 history.step_loss_by_ttt.append([round(x, 6) for x in row[1:-1]])
-                history.grad_norm.append(round(row[-1], 6))
+                history.grad_norm.append(float(f"{row[-1]:.7g}"))  # 7 significant digits, whatever its size
             pending.clear()
         history.tokens += tokens_done - history_tokens_base[0]
         history_tokens_base[0] = tokens_done
