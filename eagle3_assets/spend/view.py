@@ -64,16 +64,27 @@ def spend_figures(ledger: Figures, by_dataset: Mapping[str, Scope], account: dic
     for name, value in thresholds.items():
         if value is not None:
             out[f"threshold_{name}"] = value
-    out["spent_by_run_usd"] = {run: usd(s.committed_usd) for run, s in ledger.runs.items()}
+    # Billed, like every other `spent_` figure; what the run cap is checked against (billed + the worst case of what is
+    # in flight or unsettled) beside it.
+    out["spent_by_run_usd"] = {run: usd(s.settled_usd) for run, s in ledger.runs.items()}
+    out["committed_by_run_usd"] = {run: usd(s.committed_usd) for run, s in ledger.runs.items()}
     out["projected_pending_by_dataset_usd"] = {k: usd(v) for k, v in projected.items()}
     return out
 
 
 def fingerprint(figures: Mapping[str, Any]) -> str:
-    """What must change for a new observation: every figure to the cent, counts, the hold's text."""
+    """What must change for a new observation: every figure to the cent (those per run and per dataset too), counts,
+    the hold's text, which runs are spending and whether each has been billed yet.
+
+    The per-run figures once stayed out of it: a run that started, or spent its first dollars while the totals
+    moved by less than a cent, left the last observation showing it at $0 (docs/images/spend_while_running.png).
+    """
     def rounded(v):
+        if isinstance(v, dict):
+            return {k: rounded(x) for k, x in v.items()}
         return round(v, 2) if isinstance(v, float) else v
-    keep = {k: rounded(v) for k, v in figures.items() if not isinstance(v, dict)}
+    keep = {k: rounded(v) for k, v in figures.items()}
+    keep["runs_billed"] = {run: value > 0 for run, value in (figures.get("spent_by_run_usd") or {}).items()}
     return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
