@@ -89,3 +89,15 @@ def ledger_in(request, monkeypatch) -> str:
     else:
         monkeypatch.delenv("EAGLE3_LEDGER_URL", raising=False)
     return where
+
+
+@pytest.fixture(autouse=True)
+def ledger_invariants(monkeypatch):
+    """After every test: each spend ledger it opened in this process has scope figures equal to the sums over its
+    attempt rows, and agrees with the bills of every fake provider it started (tests/ledger_invariants.py)."""
+    from ledger_invariants import Watch
+
+    watch = Watch().install(monkeypatch)
+    yield watch
+    problems = watch.problems()
+    assert not problems, "the spend ledger disagrees with its own rows or the provider's bills:\n" + "\n".join(problems[:30])
