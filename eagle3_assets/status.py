@@ -21,6 +21,9 @@ Figures of a run over several datasets: a stage's metadata may hold the run's to
 partition's. Where the metadata has a per-dataset figure (`per_dataset`) it is used; otherwise a
 figure that is the same for every partition the run materialized is marked `shared` (printed with a
 `*`): it is the run's total over its datasets, not this dataset's.
+
+Dollars per dataset are the ledger's, never metadata's: its `dataset:<name>` scope (billed, every run,
+answers kept or not), so a run over several datasets shows each its own.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ PER_DATASET_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
 UNPARTITIONED: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "merged_dataset": [("rows", ("rows",)), ("tokens", ("tokens",))],
     "hidden_states": [("samples", ("samples",)), ("tokens", ("tokens",)), ("bytes", ("bytes", "bytes_written"))],
-    "eagle3_drafter": [("accept_length", ("accept_length",)), ("untrained", ("accept_length_untrained",)),
-                       ("final_loss", ("final_loss",))],
+    # The real accept length (lossless speculative decoding with the target) leads; the simulated one (teacher-forced
+    # on the eval split, `accept_length` in materializations before it was named so) is beside it, named.
+    "eagle3_drafter": [("accept_length", ("accept_length_real",)), ("untrained", ("accept_length_real_untrained",)),
+                       ("simulated", ("accept_length_simulated", "accept_length")), ("final_loss", ("final_loss",))],
 }
 IN_PROGRESS = [
     dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -359,6 +364,11 @@ def _gather_money(ledger, status: Status) -> None:
             money.per_dataset[ds] = {"billed_usd": L.usd(scope.settled_usd), "in_flight_worst_usd": L.usd(scope.live_usd),
                                      "unsettled_worst_usd": L.usd(scope.stuck_usd), "billed_tokens": scope.settled_tokens,
                                      "attempts": scope.attempts}
+    for row in status.datasets:  # each dataset's own dollars, from its ledger scope
+        stage = row.stages["completions"]
+        if stage.materialized:
+            stage.figures["usd"] = money.per_dataset.get(row.dataset, {}).get("billed_usd", 0.0)
+            stage.shared = [label for label in stage.shared if label != "usd"]
     hold = get_hold(ledger)
     if hold is not None:
         money.hold = {"since": hold["since"], "reasons": list(hold["reasons"]), "thresholds": hold.get("thresholds")}

@@ -51,7 +51,7 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
     finally:
         os.environ.pop("DAGSTER_HOME", None)
 
-    trained, untrained = meta["accept_length"].value, meta["accept_length_untrained"].value
+    trained, untrained = meta["accept_length_simulated"].value, meta["accept_length_simulated_untrained"].value
     print(f"accept length on the eval split: trained {trained}, untrained {untrained}")
     assert trained > untrained
     assert meta["sglang_key_check"].value == "ok"

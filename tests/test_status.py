@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import dagster as dg
 import polars as pl
@@ -32,7 +33,9 @@ from dagster._core.storage.tags import (
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.assets.token_ids import token_ids
+from eagle3_assets.assets.drafter import accept_length_metadata
 from eagle3_assets.instance import INSTANCE_YAML
+from eagle3_assets.quality import board_markdown, board_metadata
 from eagle3_assets.registry import DATASETS
 from eagle3_assets.spend import SpendLedger, SpendPolicy, open_ledger, set_hold
 from eagle3_assets.spend import ledger as L
@@ -184,11 +187,18 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
         _add_run(instance, dg.DagsterRunStatus.SUCCESS, **{PARTITION_NAME_TAG: "B7"})  # finished: not shown
         # A run over B1...B3 recorded one combined verdict with no partition (older instances): it failed for B2 only.
         # A later evaluation that names its partition (B1) is B1's latest.
-        _report_materialization(instance, queued.run_id, "completions", "B1", {"rows": 3})
+        # Its completions metadata hold the same dollars for B1 and B2 (what made `eagle3 status` star them as the run's
+        # total); the dollars shown are each dataset's own, from the ledger: B1 $0.25 billed, B2 nothing billed yet.
+        _report_materialization(instance, queued.run_id, "completions", "B1", {"rows": 3, "cost_usd": 0.25})
+        _report_materialization(instance, queued.run_id, "completions", "B2", {"rows": 4, "cost_usd": 0.25})
         _report_check(instance, queued.run_id, "completions", "error_rate", False, metadata={"failed_datasets": ["B2"]})
         _report_check(instance, queued.run_id, "completions", "complete", True)
         later = _add_run(instance, dg.DagsterRunStatus.SUCCESS, **{PARTITION_NAME_TAG: "B1"})
         _report_check(instance, later.run_id, "completions", "complete", False, partition="B1", severity="ERROR")
+        # The drafter: lossless speculative decoding measured 3.21, the teacher-forced simulation says 5.09.
+        _report_materialization(instance, later.run_id, "eagle3_drafter", None, {
+            "accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "accept_length_simulated": 5.09,
+            "accept_length_simulated_untrained": 1.8, "final_loss": 2.5})
         check_keys = [dg.AssetCheckKey(dg.AssetKey("completions"), n) for n in ("complete", "error_rate")]
         status = gather_status(instance, ledger, check_keys=check_keys, now=now + 90)
 
@@ -207,7 +217,11 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
     assert checks["B3"] == {"complete": True, "error_rate": True}
     assert checks["B4"] == {}
     b1 = status.datasets[list(DATASETS).index("B1")].stages["completions"]
-    assert b1.materialized and b1.figures == {"rows": 3, "tokens": None, "usd": None}
+    assert b1.materialized and b1.figures == {"rows": 3, "tokens": None, "usd": 0.25} and b1.shared == []
+    b2 = status.datasets[list(DATASETS).index("B2")].stages["completions"]
+    assert b2.figures == {"rows": 4, "tokens": None, "usd": 0.0} and b2.shared == []
+    drafter = next(s for s in status.stages if s.asset == "eagle3_drafter")
+    assert list(drafter.figures.items())[:3] == [("accept_length", 3.21), ("untrained", 1.52), ("simulated", 5.09)]
 
     text = render_text(status)
     print(text)
@@ -216,7 +230,15 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
     assert "SPENDING HELD since" in text and "daily spend $0.25 above max_day_usd $0.20" in text
     assert "billed $0.2500 in all" in text and "in flight 1 (worst $0.5000)" in text and "unsettled 1 (worst $0.1250)" in text
     b1_line = dataset_line(text, "B1")
-    assert " 3 " in b1_line and "1 ERROR" in b1_line
+    assert " 3 " in b1_line and "1 ERROR" in b1_line and " 0.2500 " in b1_line
+    assert " 0.0000 " in dataset_line(text, "B2") and "*" not in text  # each its own dollars, none a run total
+    drafter_line = next(line for line in text.splitlines() if line.startswith("eagle3_drafter"))
+    assert drafter_line.index("accept_length 3.21") < drafter_line.index("simulated 5.09")  # the real figure leads
+    board = board_markdown(status)  # `pipeline_status` in the UI
+    board_line = next(line for line in board.splitlines() if line.startswith("| eagle3_drafter"))
+    assert board_line.index("accept_length 3.21") < board_line.index("simulated 5.09")
+    board_meta = board_metadata(status)
+    assert (board_meta["drafter_accept_length"], board_meta["drafter_accept_length_simulated"]) == (3.21, 5.09)
     assert "failing: completions: ERROR complete" in text and "completions: WARN error_rate" in text
     assert render_text(status, colour=True).count("\033[") > 0
     doc = json.loads(json.dumps(as_json(status)))
@@ -268,7 +290,7 @@ def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(tmp_path, 
         assert {k: shown.figures[k] for k in ("rows", "tokens")} == expected[stage], stage
         assert sorted(c.label for c in shown.failing) == failing[stage], stage
         assert {c.name for c in shown.checks} == names[stage], stage
-    assert math.isclose(row.stages["completions"].figures["usd"], float(answers["cost_usd"].sum()), abs_tol=1e-6)
+    assert math.isclose(row.stages["completions"].figures["usd"], billed, abs_tol=1e-6)  # every bill of the dataset
     assert math.isclose(status.money.billed_usd, billed, abs_tol=1e-6) and billed > 0
     assert status.money.per_dataset[ds]["billed_usd"] == status.money.billed_usd
     for other in DATASETS:
@@ -330,3 +352,16 @@ def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, 
     print(text)
     for ds, frame in frames.items():
         assert dataset_line(text, ds).split()[2] == f"{frame.height:,}"
+
+
+def test_the_drafter_metadata_leads_with_the_real_accept_length():
+    """The drafter's materialization: lossless decoding's figure first, the simulated one beside it, named."""
+    report = SimpleNamespace(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
+    real = {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "greedy, 4 draft steps"}
+    meta = accept_length_metadata(report, real, {"accept_length": 4.9, "accept_length_real": 3.0})
+    assert list(meta)[:2] == ["accept_length_real", "accept_length_real_untrained"]
+    assert meta["accept_length_real"] == 3.21 and meta["accept_length_simulated"] == 5.09
+    assert meta["accept_length_real_change"] == 0.21 and meta["accept_length_simulated_change"] == 0.19
+    assert "accept_length" not in meta  # no unnamed figure
+    without = accept_length_metadata(report, None, None)  # a target too big to decode with here: simulated only, named
+    assert list(without) == ["accept_length_simulated", "accept_length_simulated_untrained"]

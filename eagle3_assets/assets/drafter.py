@@ -99,8 +99,8 @@ def training_plot(report: DrafterReport):
     ax1.set_title("training loss (TTT-weighted)")
     ax1.set_xlabel("optimizer step")
     steps = range(1, len(report.trained["acc"]) + 1)
-    ax2.plot(steps, report.trained["acc"], marker="o", label=f"trained (accept {report.trained['accept_length']:.2f})")
-    ax2.plot(steps, report.untrained["acc"], marker="x", label=f"untrained (accept {report.untrained['accept_length']:.2f})")
+    ax2.plot(steps, report.trained["acc"], marker="o", label=f"trained (simulated accept {report.trained['accept_length']:.2f})")
+    ax2.plot(steps, report.untrained["acc"], marker="x", label=f"untrained (simulated accept {report.untrained['accept_length']:.2f})")
     ax2.set_title(f"per-step accuracy on the {report.eval_split} split")
     ax2.set_xlabel("draft step")
     ax2.set_ylim(0, 1)
@@ -110,15 +110,18 @@ def training_plot(report: DrafterReport):
 
 
 def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int = 50) -> list[dict]:
-    """Earlier drafters' accept length and per-step acceptance, oldest first (from their materializations)."""
+    """Earlier drafters' accept length (simulated; real where measured) and per-step acceptance, oldest first."""
     records = instance.fetch_materializations(key, limit=limit).records
     out = []
     for record in reversed(records):
         meta = record.asset_materialization.metadata
-        if "accept_length" not in meta:
+        simulated = meta.get("accept_length_simulated", meta.get("accept_length"))  # `accept_length` in older ones
+        if simulated is None:
             continue
         steps = sorted((int(k.rsplit("_", 1)[1]), v.value) for k, v in meta.items() if k.startswith("acceptance_step_"))
-        out.append({"t": record.timestamp, "accept_length": meta["accept_length"].value, "acc": [v for _, v in steps]})
+        real = meta.get("accept_length_real")
+        out.append({"t": record.timestamp, "accept_length": simulated.value, "accept_length_real": real.value if real else None,
+                    "acc": [v for _, v in steps]})
     return out
 
 
@@ -208,6 +211,25 @@ def loss_plot(losses: list[float]):
     return fig
 
 
+def accept_length_metadata(report: DrafterReport, real: dict | None, previous: dict | None) -> dict:
+    """The accept lengths, the real one first: measured by lossless speculative decoding with the target (when the
+    target is small enough to run here), then the simulated one (teacher-forced on the eval split), named so."""
+    out: dict = {}
+    if real is not None:
+        out |= {"accept_length_real": real["accept_length_real"],
+                "accept_length_real_untrained": real["accept_length_real_untrained"],
+                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)"}
+        if previous and previous.get("accept_length_real") is not None:
+            out |= {"accept_length_real_previous": previous["accept_length_real"],
+                    "accept_length_real_change": round(real["accept_length_real"] - previous["accept_length_real"], 4)}
+    out |= {"accept_length_simulated": report.trained["accept_length"],
+            "accept_length_simulated_untrained": report.untrained["accept_length"]}
+    if previous:
+        out |= {"accept_length_simulated_previous": previous["accept_length"],
+                "accept_length_simulated_change": round(report.trained["accept_length"] - previous["accept_length"], 4)}
+    return out
+
+
 @dg.asset(
     check_specs=check_specs("eagle3_drafter", DRAFTER_CHECKS, blocking={"sglang_keys"}),
     deps=[hidden_states],
@@ -263,13 +285,9 @@ def eagle3_drafter(
     positions = {f"acceptance_step_{i}": round(a, 4) for i, a in enumerate(report.trained["acc"], start=1)}
     return dg.MaterializeResult(
         check_results=to_results(DRAFTER_CHECKS, outcomes),
-        metadata={
-            "accept_length": report.trained["accept_length"],
-            **({"accept_length_previous": previous["accept_length"],
-                "accept_length_change": round(report.trained["accept_length"] - previous["accept_length"], 4)} if previous else {}),
+        metadata=accept_length_metadata(report, real, previous) | {
             **positions,
             "quality_over_materializations": png_markdown(history_plot(history, report)),
-            "accept_length_untrained": report.untrained["accept_length"],
             "accept_length_product": report.trained["accept_length_product"],
             "eval_split": report.eval_split,
             "eval_positions": report.trained["positions"],
@@ -279,10 +297,7 @@ def eagle3_drafter(
             "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
             "loss_per_step": json_value(report.history.step_loss),
             "loss_by_ttt_step": png_markdown(ttt_loss_plot(report.history.step_loss_by_ttt)),
-            **({"accept_length_real": real["accept_length_real"],
-                "accept_length_real_untrained": real["accept_length_real_untrained"],
-                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
-                "speculative_decoding": json_value({n: r.to_metadata() for n, r in
+            **({"speculative_decoding": json_value({n: r.to_metadata() for n, r in
                                                     (("trained", quality.trained), ("untrained", quality.untrained))}),
                 "real_vs_simulated": png_markdown(acceptance_plot(report, quality))} if quality else {}),
             "train_tokens": report.train_tokens,
