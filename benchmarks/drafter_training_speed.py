@@ -101,8 +101,10 @@ def measure(*, device: str, hidden: int, intermediate: int | None, draft_vocab: 
             "target_vocab": target_vocab, "batch_tokens": batch_tokens, "timed_steps": steps,
             "windows": len(plan.windows), "mean_window": round(sum(w.tokens for w in plan.windows) / len(plan.windows), 1),
             "tokens_per_s": round(rate, 1), "gflop_per_token": round(fpt / 1e9, 3),
-            "tflops": round(rate * fpt / 1e12, 2), "mfu": round(rate * fpt / (peak_tflops * 1e12), 4),
-            "peak_tflops": peak_tflops, "mfu_at_790": round(rate * fpt / 790e12, 4), "seconds": round(seconds, 2),
+            "tflops": round(rate * fpt / 1e12, 2),
+            "mfu": round(rate * fpt / (peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
+            "peak_tflops": peak_tflops if dev.type == "cuda" else None,
+            "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None, "seconds": round(seconds, 2),
             "compile": history.compiled, "final_loss": history.step_loss[-1] if history.step_loss else None,
             "peak_gpu_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20) if dev.type == "cuda" else None}
 

@@ -281,7 +281,9 @@ def compile_mlp(model: Eagle3Drafter, device: torch.device, log: Callable[[str],
     mlp = model.midlayer.mlp
     try:
         mlp.compile(dynamic=True)
-        x = torch.randn(16, model.cfg.hidden_size, device=device, requires_grad=True)
+        # the dtype it will see in training (bf16 activations under CUDA autocast): no recompile at the first step
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        x = torch.randn(16, model.cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
         with autocast(device):
             mlp(x).float().sum().backward()
         mlp.zero_grad(set_to_none=True)

@@ -1,0 +1,139 @@
+"""The GPU half's device check: ONE script a GPU host runs (at most ~5 minutes with its defaults), ONE JSON.
+
+    python benchmarks/device_check.py                   # a GPU host: writes $OUT/device_check.json
+    .venv/bin/python benchmarks/device_check.py --device cpu --out /tmp/dc   # the same code paths, tiny, on a laptop
+
+Sections, each a subprocess of its own with a time cap (a section that fails or runs out of time is
+recorded with its error and output tail; the others still run, and the JSON is rewritten after each):
+- `train_2048`: drafter training tokens/s and MFU at width 2048 (16 heads, intermediate 4096, draft
+  vocabulary 8192), on steps of 16,384 tokens (`drafter_training_speed.py`);
+- `train_2048_today`: the same width on the step the issue measured (2,048 tokens of 256-token windows),
+  without torch.compile (beside `train_2048`, which has it: what compiling pays);
+- `train_kimi`: at Kimi-K2.5 width (hidden 7168, 56 / 8 heads, intermediate 18432, draft vocabulary 32000,
+  the 163,840-row embedding frozen), one 4,096-token step, with the peak GPU memory;
+- `ttt_attention`: the fused TTT attention against the written-out one at Kimi's head shape;
+- `extraction`: `hidden_states_throughput.py` (hidden-state capture against a bare forward and the disk);
+- `speculative`: `drafter_device_check.py`, a drafter trained on a fitted target's text, then real
+  speculative decoding (bf16, after a warm-up): accept length, and an `eager_proxy` speed that is NOT a
+  deployment figure.
+Needs torch, transformers and safetensors only (plus this project's modules that need neither Dagster nor
+polars). MFU is against the H200's dense bf16 peak (989 TFLOP/s); `mfu_at_790` against the issue's 790.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+KIMI = ["--hidden", "7168", "--intermediate", "18432", "--draft-vocab", "32000", "--target-vocab", "163840"]
+
+# name -> (script, GPU arguments, CPU quick arguments, cap in seconds on a GPU)
+SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
+    "train_2048": ("drafter_training_speed.py",
+                   ["--hidden", "2048", "--intermediate", "4096", "--draft-vocab", "8192", "--target-vocab", "32000",
+                    "--batch-tokens", "16384", "--steps", "8", "--warmup", "3", "--min-len", "256", "--max-len", "2048"],
+                   ["--hidden", "256", "--draft-vocab", "1024", "--target-vocab", "4096", "--batch-tokens", "1024",
+                    "--steps", "2", "--warmup", "1", "--min-len", "64", "--max-len", "256"], 50),
+    "train_2048_today": ("drafter_training_speed.py",
+                         ["--hidden", "2048", "--intermediate", "4096", "--draft-vocab", "8192", "--target-vocab", "32000",
+                          "--batch-tokens", "2048", "--steps", "20", "--warmup", "5", "--min-len", "256", "--max-len", "256",
+                          "--compile", "off"],
+                         ["--hidden", "256", "--draft-vocab", "1024", "--target-vocab", "4096", "--batch-tokens", "512",
+                          "--steps", "2", "--warmup", "1", "--min-len", "128", "--max-len", "128"], 35),
+    "train_kimi": ("drafter_training_speed.py",
+                   [*KIMI, "--batch-tokens", "4096", "--steps", "5", "--warmup", "2", "--min-len", "512", "--max-len", "2048"],
+                   ["--hidden", "512", "--intermediate", "1024", "--draft-vocab", "2048", "--target-vocab", "8192",
+                    "--batch-tokens", "1024", "--steps", "1", "--warmup", "1", "--min-len", "128", "--max-len", "512"], 100),
+    "ttt_attention": ("ttt_attention.py", ["--shape", "kimi", "--lengths", "1024,4096", "--repeats", "2"],
+                      ["--shape", "standin", "--lengths", "128", "--repeats", "1"], 30),
+    "extraction": ("hidden_states_throughput.py", ["--hidden", "2048", "--layers", "8"],
+                   ["--hidden", "64", "--layers", "8", "--samples", "8", "--rounds", "1"], 75),
+    "speculative": ("drafter_device_check.py", [],
+                    ["--hidden", "64", "--layers", "8", "--vocab", "2048", "--fit-steps", "3", "--train-samples", "8",
+                     "--prompt-len", "16", "--completion-len", "16", "--prompts", "1", "--new-tokens", "6",
+                     "--epochs", "1"], 120),
+}
+
+
+def run_section(name: str, script: str, args: list[str], device: str, cap: float, workdir: Path) -> dict:
+    path = workdir / f"{name}.json"
+    cmd = [sys.executable, str(HERE / script), "--device", device, *args, "--json", str(path)]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OUT": ""})
+    try:
+        out, _ = proc.communicate(timeout=cap)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    seconds = round(time.monotonic() - started, 1)
+    result: dict = {"seconds": seconds, "command": " ".join(cmd[1:])}
+    if path.exists() and not timed_out and proc.returncode == 0:
+        result["figures"] = json.loads(path.read_text())
+    else:
+        result["error"] = f"timed out after {cap:.0f} s" if timed_out else f"exit status {proc.returncode}"
+        result["output_tail"] = (out or "")[-3000:]
+    return result
+
+
+def environment() -> dict:
+    info: dict = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                    gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        info["error"] = repr(e)
+    return info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (the defaults) or cpu (a quick run of the same code paths)")
+    p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for device_check.json (default $OUT)")
+    p.add_argument("--only", default=None, help="comma-separated section names (default: all)")
+    p.add_argument("--budget-s", type=float, default=290.0, help="the whole run's wall-clock budget")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = a.only.split(",") if a.only else list(SECTIONS)
+    report: dict = {"device": a.device, "environment": environment(), "sections": {}}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
+        for name in names:
+            script, gpu_args, cpu_args, cap = SECTIONS[name]
+            left = a.budget_s - (time.monotonic() - started)
+            if left < 10:
+                report["sections"][name] = {"error": "skipped: the run's time budget was spent"}
+                continue
+            limit = min(cap, left) if a.device == "cuda" else max(cap, 600)  # the CPU quick mode is slow, not capped
+            print(f"[device_check] {name} (at most {limit:.0f} s)", flush=True)
+            report["sections"][name] = res = run_section(name, script, gpu_args if a.device == "cuda" else cpu_args,
+                                                         a.device, limit, Path(tmp))
+            print(f"[device_check] {name}: {res.get('error') or 'ok'} in {res['seconds']} s", flush=True)
+            report["seconds"] = round(time.monotonic() - started, 1)
+            (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["seconds"] = round(time.monotonic() - started, 1)
+    (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    summary = {n: {k: s.get("figures", {}).get(k) for k in ("tokens_per_s", "mfu", "peak_gpu_mib")} if n.startswith("train")
+               else ("ok" if "figures" in s else s.get("error")) for n, s in report["sections"].items()}
+    print(json.dumps({"seconds": report["seconds"], "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
