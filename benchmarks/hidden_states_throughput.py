@@ -10,8 +10,9 @@ grouping by `--batch-tokens` within each shard, right-padded with an attention m
   null sink      `extract_to_store(null_sink=True)`: hooks, the copies into the shard images (side
                  stream on a GPU), the finiteness sums, the writer threads' wait; no write. Its ratio
                  to the bare forward is the capture's own overhead (goal >= 0.95);
-  disk           fsync'd sequential 16 MiB writes of the store's size into `--dir` (buffered, O_DIRECT,
-                 and O_DIRECT from `--writers` threads at once); the best is the disk's bandwidth;
+  disk           fsync'd sequential 16 MiB writes of the store's size, in files of its shards' sizes, into
+                 `--dir`: buffered from one thread, and O_DIRECT from `--writers` threads at once (buffered
+                 where O_DIRECT is refused); the better is the disk's bandwidth;
   store writes   `extract_to_store` fed by a backend that returns ready states (no forward): the
                  write path alone (copies, checks, image writes, hashing, fsync, rename, manifest);
                  its GB/s against the disk's (goal >= 0.8);
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -166,12 +168,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=163840)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--samples", type=int, default=None, help="default 480 on a GPU (~340k tokens), 48 on CPU")
+    p.add_argument("--samples", type=int, default=None, help="default 400 on a GPU (~280k tokens), 48 on CPU")
     p.add_argument("--min-len", type=int, default=200)
     p.add_argument("--max-len", type=int, default=1200)
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--shard-gb", type=float, default=None, help="default: the store's size / 24 (>= 20 shards)")
     p.add_argument("--writers", type=int, default=StoreSettings.writers)
+    p.add_argument("--write-repeat", type=int, default=1, help="the store-writes and disk measurements write the samples this "
+                   "many times over (a CPU forward is too slow to produce a store large enough to time a disk)")
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT for the store's writes")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each measurement; best and spread reported")
     p.add_argument("--dir", default=None, help="where the temporary stores are written (default: the system temp dir)")
@@ -190,7 +194,7 @@ def main() -> None:
         name = f"random DeepseekV3 hidden {a.hidden}, {a.layers} layers"
     model = model.to(device).eval()
     backend = TransformersHiddenStates(model)
-    n_samples = a.samples if a.samples is not None else (480 if device.type == "cuda" else 48)
+    n_samples = a.samples if a.samples is not None else (400 if device.type == "cuda" else 48)
     samples = sequences(n_samples, a.min_len, a.max_len, model.config.vocab_size)
     tokens = sum(len(s.input_ids) for s in samples)
     H = backend.hidden_size
@@ -200,22 +204,24 @@ def main() -> None:
                              free_bytes=10**15, reserve_bytes=0)
     identity = {"bench": name}
     plans = plan_shards(samples, H, shard_bytes, {**identity, "aux_layer_ids": backend.layer_ids})
-    layouts = [shard_layout(pl, [samples[i] for i in pl.samples], H) for pl in plans]
-    sizes = [lay.size for lay in layouts]
+    write_samples = [StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(a.write_repeat) for s in samples]
+    write_plans = plan_shards(write_samples, H, shard_bytes * a.write_repeat, {**identity, "aux_layer_ids": backend.layer_ids})
+    write_bytes = [shard_layout(pl, [write_samples[i] for i in pl.samples], H).size for pl in write_plans]
+    sizes = [shard_layout(pl, [samples[i] for i in pl.samples], H).size for pl in plans]
     buffers = HostBuffers(a.writers + 1, pin=device.type == "cuda")
-    buffers.reserve(max(sizes))  # allocated (and page-locked) once, outside every timing
-    scratch = host_buffer(max(sizes) + 2**25, pin=False)  # the disk test's source: any bytes
+    buffers.reserve(max(max(sizes), max(write_bytes)))  # allocated (and page-locked) once, outside every timing
+    scratch = host_buffer(max(write_bytes) + 2**25, pin=False)  # the disk test's source: any bytes
     scratch.random_(0, 256)
     ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
     print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
           f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards of ~{shard_bytes / 1e6:,.0f} MB, "
           f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}", flush=True)
 
-    def extraction(be, null_sink: bool) -> tuple[float, dict]:
+    def extraction(be, null_sink: bool, which: list[StoredSample] = samples, shard: int = shard_bytes) -> tuple[float, dict]:
         with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
             sync(device)
             start = time.perf_counter()
-            extract_to_store(samples, be, Path(tmp), settings, identity=identity, log=lambda m: None,
+            extract_to_store(which, be, Path(tmp), replace(settings, shard_bytes=shard), identity=identity, log=lambda m: None,
                              progress_every_s=3600, buffers=buffers, null_sink=null_sink)
             sync(device)
             seconds = time.perf_counter() - start
@@ -226,24 +232,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         extract_to_store(samples[:4], backend, Path(tmp), settings, identity=identity, log=lambda m: None,
                          progress_every_s=3600, buffers=buffers, null_sink=True)
-    t = {k: [] for k in ("bare", "null", "ready", "extract", "disk_buffered", "disk_direct", "disk_direct_parallel")}
+    t = {k: [] for k in ("bare", "null", "ready", "extract", "disk_buffered", "disk_direct_parallel")}
     direct_ok, figures = False, {}
     for r in range(a.rounds):
         t["bare"].append(bare_forward(backend, shards, a.batch_tokens))
         t["null"].append(extraction(backend, True)[0])
         with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-            t["disk_buffered"].append(disk_write_s(Path(tmp), sizes, direct=False, threads=1, buffer=scratch)[0])
-            s, direct_ok = disk_write_s(Path(tmp), sizes, direct=True, threads=1, buffer=scratch)
-            t["disk_direct"].append(s)
-            t["disk_direct_parallel"].append(disk_write_s(Path(tmp), sizes, direct=True, threads=a.writers, buffer=scratch)[0])
-        t["ready"].append(extraction(ready, False)[0])
+            t["disk_buffered"].append(disk_write_s(Path(tmp), write_bytes, direct=False, threads=1, buffer=scratch)[0])
+            s, direct_ok = disk_write_s(Path(tmp), write_bytes, direct=True, threads=a.writers, buffer=scratch)
+            t["disk_direct_parallel"].append(s)
+        t["ready"].append(extraction(ready, False, write_samples, shard_bytes * a.write_repeat)[0])
         s, figures = extraction(backend, False)
         t["extract"].append(s)
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
 
     total = figures["bytes"]
-    rate = {k: spread([tokens / s for s in v]) for k, v in t.items() if not k.startswith("disk")}
-    gbps = {k: spread([total / s / 1e9 for s in v]) for k, v in t.items()}
+    scale = {k: (a.write_repeat if k == "ready" or k.startswith("disk") else 1) for k in t}
+    rate = {k: spread([tokens * scale[k] / s for s in v]) for k, v in t.items() if not k.startswith("disk")}
+    gbps = {k: spread([sum(write_bytes) / s / 1e9 if scale[k] > 1 or k == "ready" or k.startswith("disk") else total / s / 1e9
+                       for s in v]) for k, v in t.items()}
     disk_kind = max((k for k in t if k.startswith("disk")), key=lambda k: gbps[k]["best"])
     disk = gbps[disk_kind]["best"]
     bare, null, extract = rate["bare"]["best"], rate["null"]["best"], rate["extract"]["best"]
@@ -255,7 +262,7 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
         "samples": len(samples), "tokens": tokens, "bytes": total, "bytes_per_token": round(bytes_per_token, 2),
         "shards": figures["shards"], "shard_bytes": shard_bytes, "writers": a.writers, "o_direct": direct_ok and not a.buffered,
-        "rounds": a.rounds, "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_measured_as": disk_kind,
+        "rounds": a.rounds, "write_repeat": a.write_repeat, "write_test_bytes": sum(write_bytes), "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_measured_as": disk_kind,
         "ratio_null_sink_to_bare": null / bare, "ratio_extraction_to_bare": extract / bare,
         "ratio_store_write_to_disk": store_gbps / disk, "ratio_extraction_write_to_disk": extract_gbps / disk,
         "limit_tokens_per_s": limit, "ratio_extraction_to_limit": extract / limit,
