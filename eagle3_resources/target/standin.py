@@ -26,23 +26,37 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import BOS, EOS, IM_END, PAD, THINK_END
 
-BUILDER_VERSION = "4"
+BUILDER_VERSION = "5"
 SEED = 0
-FIT_STEPS = 200
+FIT_STEPS = 220
 FIT_BATCH = 16
 FIT_PROMPT_TOKENS = 48
+# Every FIT_LONG_EVERY-th step fits FIT_LONG_BATCH texts whose prompt is longer than FIT_LONG_MIN tokens,
+# kept up to FIT_LONG_PROMPT_TOKENS: fitted on short prompts only, the model lost its way after
+# thousands of prompt tokens (B8's long documents) and looped until `max_tokens`.
+FIT_LONG_EVERY = 10
+FIT_LONG_BATCH = 1
+FIT_LONG_MIN = 256
+FIT_LONG_PROMPT_TOKENS = 2048
 FIT_LR = 5e-3
 BACKGROUND_MARGIN = 12.0
+# The fit runs on this many torch threads whatever the load: a parallel reduction sums in an order
+# that depends on the thread count, so fits on 1 and 2 threads drift apart (final loss 2.378 against
+# 2.385) and with them the stand-in's answers and whether the pilots pass. One thread, not the
+# machine's cores: on a busy machine a second thread makes each step 7-20x slower (eagle3_resources
+# /cpu.py), idle it saves at most a third; fitting only the used vocabulary rows pays that back.
+# The weights are then a function of the seed, the data and the CPU's instruction set.
+FIT_THREADS = 1
 
 
 def standin_config(tokenizer: KimiTokenizer):
@@ -84,24 +98,46 @@ def rule_reply(text: str) -> tuple[str, str]:
     return reasoning, content
 
 
-def fitting_sequences(tokenizer: KimiTokenizer, texts: Iterable[str]) -> list[tuple[list[int], int]]:
-    """(ids, prompt length) per text: a one-turn chat answered by `rule_reply`."""
+def fitting_sequences(
+    tokenizer: KimiTokenizer, texts: Iterable[str], prompt_tokens: int = FIT_PROMPT_TOKENS
+) -> list[tuple[list[int], int]]:
+    """(ids, prompt length) per text: a one-turn chat answered by `rule_reply`, its prompt's last `prompt_tokens` kept."""
     think_end, im_end = tokenizer.token_id(THINK_END), tokenizer.token_id(IM_END)
     seqs = []
     for text in sorted({t for t in texts if len(t.strip()) >= 8}):
         prompt = tokenizer.encode(render_messages([{"role": "user", "content": text}]), allow_special=True)
         reasoning, content = rule_reply(text)
         completion = tokenizer.encode(reasoning) + [think_end] + tokenizer.encode(content) + [im_end]
-        prompt = prompt[-FIT_PROMPT_TOKENS:]
+        prompt = prompt[-prompt_tokens:]
         seqs.append((prompt + completion, len(prompt)))
     return seqs
 
 
-def fit(model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, log: Callable[[str], None]) -> list[float]:
-    """Fit the completions of `seqs` (not their prompts) with the exact full-vocabulary loss."""
-    used = torch.tensor(sorted({t for s, _ in seqs for t in s}))
+@contextmanager
+def fixed_torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` in this thread, and set back to what it was afterwards
+    (the stages after the fit keep the count the load chose: `eagle3_resources.cpu`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fit(
+    model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, log: Callable[[str], None],
+    long_seqs: list[tuple[list[int], int]] = (),
+) -> list[float]:
+    """Fit the completions of `seqs` (not their prompts) with the exact full-vocabulary loss.
+
+    Only the rows of `embed_tokens` and `lm_head` that the fitting text uses are trained (the
+    others get no gradient: AdamW would leave them unchanged anyway), so the optimizer steps over
+    ~1M numbers instead of the 21M of two 163,840-row matrices.
+    """
+    used = torch.tensor(sorted({t for s, _ in [*seqs, *long_seqs] for t in s}))
     n_unused = model.config.vocab_size - len(used)
-    head = model.lm_head.weight
+    head, embed = model.lm_head.weight, model.get_input_embeddings().weight
     keep = torch.zeros(head.shape[0], dtype=torch.bool)
     keep[used] = True
     unused_row = torch.nn.Parameter(torch.zeros(head.shape[1]))
@@ -110,16 +146,17 @@ def fit(model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, lo
     log_unused = math.log(n_unused) if n_unused else -math.inf
 
     gen = torch.Generator().manual_seed(SEED)
-    params = [p for p in model.parameters() if p is not head] + [unused_row]
     head_used = torch.nn.Parameter(head.detach()[used].clone())
+    embed_used = torch.nn.Parameter(embed.detach()[used].clone())
+    params = [p for p in model.parameters() if p is not head and p is not embed] + [unused_row, embed_used]
     opt = torch.optim.AdamW(params + [head_used], lr=FIT_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps) + 0.05)
     model.train()
     losses = []
     started = time.monotonic()
     for step in range(steps):
-        idx = torch.randint(len(seqs), (FIT_BATCH,), generator=gen).tolist()
-        batch = [seqs[i] for i in idx]
+        pool, size = (long_seqs, FIT_LONG_BATCH) if long_seqs and step % FIT_LONG_EVERY == FIT_LONG_EVERY // 2 else (seqs, FIT_BATCH)
+        batch = [pool[i] for i in torch.randint(len(pool), (size,), generator=gen).tolist()]
         width = max(len(s) for s, _ in batch)
         ids = torch.full((len(batch), width), pad_id)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -128,11 +165,12 @@ def fit(model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, lo
             ids[row, : len(s)] = torch.tensor(s)
             mask[row, : len(s)] = 1
             target[row, n_prompt : len(s)] = True
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        rows = remap[ids]  # padding (never a used token) reads row 0: masked out of attention and loss
+        hidden = model.model(inputs_embeds=embed_used[rows.clamp(min=0)], attention_mask=mask).last_hidden_state[:, :-1]
         valid = target[:, 1:]
         h = hidden[valid]
         logits = torch.cat([h @ head_used.T, (log_unused + h @ unused_row)[:, None]], dim=1)
-        loss = torch.nn.functional.cross_entropy(logits, remap[ids[:, 1:][valid]])
+        loss = torch.nn.functional.cross_entropy(logits, rows[:, 1:][valid])
         # Keep the unseen tokens' total probability below e^-BACKGROUND_MARGIN everywhere, even
         # where the model is unsure: a sampler must never pick a token the model never saw.
         log_p_unused = logits[:, -1] - torch.logsumexp(logits, dim=1)
@@ -148,6 +186,7 @@ def fit(model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, lo
     with torch.no_grad():
         head[keep] = head_used
         head[~keep] = unused_row
+        embed[used] = embed_used
     model.eval()
     return losses
 
@@ -155,7 +194,8 @@ def fit(model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, lo
 def fingerprint(tokenizer_folder: Path) -> str:
     h = hashlib.sha256(BUILDER_VERSION.encode())
     h.update((Path(tokenizer_folder) / "tiktoken.model").read_bytes())
-    h.update(f"{FIT_STEPS}/{FIT_BATCH}/{FIT_PROMPT_TOKENS}/{FIT_LR}/{BACKGROUND_MARGIN}".encode())
+    h.update(f"{FIT_STEPS}/{FIT_BATCH}/{FIT_PROMPT_TOKENS}/{FIT_LR}/{BACKGROUND_MARGIN}/{FIT_THREADS}".encode())
+    h.update(f"{FIT_LONG_EVERY}/{FIT_LONG_BATCH}/{FIT_LONG_MIN}/{FIT_LONG_PROMPT_TOKENS}".encode())
     return h.hexdigest()[:12]
 
 
@@ -165,11 +205,14 @@ def build_standin_target(
 ) -> Path:
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
-    apply_torch_threads("the stand-in target's fit", log)
-    torch.manual_seed(SEED)
-    model = DeepseekV3ForCausalLM(standin_config(tokenizer))
+    texts = list(texts)
     seqs = fitting_sequences(tokenizer, texts)
-    losses = fit(model, seqs, tokenizer.token_id(PAD), steps=steps, log=log)
+    long_seqs = [s for s in fitting_sequences(tokenizer, texts, FIT_LONG_PROMPT_TOKENS) if s[1] > FIT_LONG_MIN]
+    with fixed_torch_threads(FIT_THREADS):
+        log(f"torch threads for the stand-in target's fit: {FIT_THREADS} (fixed: the fitted weights must not depend on the load)")
+        torch.manual_seed(SEED)
+        model = DeepseekV3ForCausalLM(standin_config(tokenizer))
+        losses = fit(model, seqs, tokenizer.token_id(PAD), steps=steps, log=log, long_seqs=long_seqs)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.token_id(BOS),
         eos_token_id=[tokenizer.token_id(IM_END), tokenizer.token_id(EOS)],
