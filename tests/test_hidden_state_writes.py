@@ -199,7 +199,7 @@ class Poisoned:
                 a[len(s) // 2, 5] = float("nan")
             if s == self.inf_id:
                 f[-1, 0] = float("inf")
-            if s == self.huge_id:  # every row near bf16's largest finite value: an fp32 sum overflows, yet all is finite
+            if s == self.huge_id:  # near bf16's largest finite value: a sum would overflow, yet all is finite
                 a[:, :] = 3.0e38
             out.append((a, f))
         return out
