@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ledger_invariants import check_ledgers, read_billing_log
 from support import free_port, ledger_rows, port_open, stop_group, wait_for
 
 from eagle3_assets.completions import final_results, recover_idle_datasets
@@ -129,6 +130,8 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
     assert set(done) | blocked == {f"K-{i:04d}" for i in range(PROMPTS)} and not set(done) & blocked
     assert {r["status"] for r in done.values()} == {"ok"} and out["results"].get("ok", 0) > 0
     assert max(collections.Counter(b["prompt_key"] for b in generated.values()).values()) == 1
+    # The ledger's figures against its rows and the provider's billing log (tests/ledger_invariants.py).
+    assert check_ledgers([ledger.location], read_billing_log(log.read_text())) == []
 
 
 @pytest.mark.parametrize("by", ["sensor", "cli"])
