@@ -10,9 +10,9 @@ its own SQL (nothing from eagle3_assets.spend) and checks:
    cost as settled; `unsettled`/`unidentified` (stuck) and `expired` count their worst case there; any other state
    without a bill (reserved, open, or a newer pre-send state) is live at its worst case; `released` is $0;
 2. every dollar the fake provider billed is in the ledger: settled at its exact cost (matched by generation id, or
-   by the attempt id the client sent), or still held at a worst case no smaller; every settled dollar in the
-   ledger is a bill of the fake's (no phantom settlement);
-3. when nothing is live or stuck any more, what the ledgers settled equals what the fakes billed, to the dollar.
+   by the attempt id the client sent), or held (live, stuck, or expired after the horizon) at a worst case no
+   smaller; every settled dollar in the ledger is a bill of the fake's (no phantom settlement);
+3. when nothing is live, stuck or expired, what the ledgers settled equals what the fakes billed, to the dollar.
 
 `Watch` (installed by the autouse fixture in conftest.py) records every SpendLedger and FakeOpenRouter a test
 creates in-process and runs these checks when the test ends; a test that drove its fake from a subprocess passes
@@ -148,7 +148,7 @@ def bill_problems(rows: list[dict[str, Any]], bills: list[BillRecord]) -> list[s
         elif row["cost_usd"] is not None:  # settled (released: $0)
             if not math.isclose(row["cost_usd"], b.cost, rel_tol=1e-9, abs_tol=1e-12):
                 problems.append(f"bill {b.id} ${b.cost:.6f}: {row['state']} in the ledger at ${row['cost_usd']:.6f}")
-        elif row["state"] == "expired" or row["reserved_usd"] + 1e-12 < b.cost:
+        elif row["reserved_usd"] + 1e-12 < b.cost:  # live, stuck, or expired (the horizon passed: in expired_usd)
             problems.append(f"bill {b.id} ${b.cost:.6f}: {row['state']} in the ledger, ${row['reserved_usd']:.6f} held")
     for r in rows:
         if r["cost_usd"] and r["source"] != "journal-import" and r["generation_id"] not in billed:
