@@ -369,25 +369,25 @@ def train(
     peak = peak_tflops(device)
     pending: list[torch.Tensor] = []  # per step [loss, loss_0..loss_{k-1}, grad norm], on the device
     train_seconds = 0.0  # this process's time in the step loop (evaluation excluded)
-    tokens_done = 0
+    tokens_done = 0  # this process's run (a resumed run counts from its resume)
+    tokens_counted = 0  # of tokens_done, those already added to history.tokens (which a resume carries over)
 
     def flush() -> None:
         """One read of the device for the steps since the last one."""
+        nonlocal tokens_counted
         if pending:
             for row in torch.stack(pending).tolist():
                 history.step_loss.append(round(row[0], 6))
                 history.step_loss_by_ttt.append([round(x, 6) for x in row[1:-1]])
                 history.grad_norm.append(float(f"{row[-1]:.7g}"))  # 7 significant digits, whatever its size
             pending.clear()
-        history.tokens += tokens_done - history_tokens_base[0]
-        history_tokens_base[0] = tokens_done
+        history.tokens += tokens_done - tokens_counted
+        tokens_counted = tokens_done
         if train_seconds > 0:
             rate = tokens_done / train_seconds
             history.tokens_per_s = round(rate, 1)
             history.flops_per_token = flops_per_token
             history.mfu = round(rate / dist.world_size * flops_per_token / (peak * 1e12), 4) if peak else None
-
-    history_tokens_base = [0]
 
     def checkpoint() -> None:
         flush()
