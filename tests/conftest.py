@@ -101,3 +101,11 @@ def ledger_invariants(monkeypatch):
     yield watch
     problems = watch.problems()
     assert not problems, "the spend ledger disagrees with its own rows or the provider's bills:\n" + "\n".join(problems[:30])
+
+
+@pytest.fixture(scope="session")
+def sglang_release_source() -> Path:
+    """The pinned sglang wheel's Python source (downloaded from PyPI once, read by `ast`, never imported)."""
+    from sglang_source import sglang_source
+
+    return sglang_source()
