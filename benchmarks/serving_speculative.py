@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -43,20 +42,22 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
-DEFAULT_DATA_DIR = Path(os.environ.get("EAGLE3_DATA_DIR") or Path(__file__).resolve().parents[1] / "var" / "data")
-ACCEPT_LENGTH_NOTE = (
-    "accept length = completion_tokens / spec_verify_ct (SGLang's definition, meta_info.spec_accept_length): it "
-    "counts the bonus token, so 1.0 means no draft token accepted; aggregated as sum(completion_tokens) / "
-    "sum(spec_verify_ct) over the requests that report spec_verify_ct"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculative_common import (  # noqa: E402  (the eval prompts and the arithmetic both SGLang benchmarks share)
+    ACCEPT_LENGTH_NOTE,
+    DEFAULT_DATA_DIR,
+    DEFAULT_PROMPTS,
+    SPEEDUP_NOTE,
+    add_speedups,
+    check_draft_tree,
+    format_table,
+    load_prompts,
+    request_record,
+    sampling_params,
+    summarize,
 )
-# meta_info scalars worth keeping per request (SGLang 0.5.x tokenizer_manager; the spec_* ones only with speculation).
-META_KEYS = (
-    "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "spec_verify_ct", "spec_accept_length",
-    "spec_accept_rate", "spec_num_correct_drafts", "spec_num_proposed_drafts",
-)
-
 
 # ----------------------------------------------------------------------------------------------- pure functions
 
@@ -87,8 +88,7 @@ def server_command(
     if mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
     if draft_model_path is not None:
-        if num_draft_tokens > num_steps * eagle_topk + 1:
-            raise ValueError(f"num_draft_tokens {num_draft_tokens} > num_steps * eagle_topk + 1 = {num_steps * eagle_topk + 1}")
+        check_draft_tree(num_steps, eagle_topk, num_draft_tokens)
         cmd += [
             "--speculative-algorithm", "EAGLE3",
             "--speculative-draft-model-path", draft_model_path,
@@ -103,108 +103,9 @@ def generate_body(prompt_ids: Sequence[int], max_new_tokens: int, ignore_eos: bo
     """The `/generate` request: token ids in, greedy sampling."""
     return {
         "input_ids": [int(t) for t in prompt_ids],
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": bool(ignore_eos)},
+        "sampling_params": sampling_params(max_new_tokens, ignore_eos),
         "stream": False,
     }
-
-
-def request_record(index: int, response: dict[str, Any], latency_s: float) -> dict[str, Any]:
-    """What is kept of one `/generate` response: its meta_info scalars, finish reason, client latency."""
-    meta = response.get("meta_info") or {}
-    rec: dict[str, Any] = {"index": index, "latency_s": latency_s}
-    for key in META_KEYS:
-        if key in meta:
-            rec[key] = meta[key]
-    fr = meta.get("finish_reason")
-    rec["finish_reason"] = fr.get("type") if isinstance(fr, dict) else fr
-    if "completion_tokens" not in rec:
-        rec["completion_tokens"] = len(response.get("output_ids") or [])
-    return rec
-
-
-def summarize(records: Iterable[dict[str, Any]], wall_s: float, baseline_tokens_per_s: float | None = None) -> dict[str, Any]:
-    """One (server, concurrency) run: accept length (sum completion / sum spec_verify_ct), output tok/s, speed-up."""
-    records = list(records)
-    completion = sum(int(r["completion_tokens"]) for r in records)
-    spec = [r for r in records if r.get("spec_verify_ct")]
-    verify = sum(int(r["spec_verify_ct"]) for r in spec)
-    spec_completion = sum(int(r["completion_tokens"]) for r in spec)
-    per_request = [float(r["spec_accept_length"]) for r in spec if r.get("spec_accept_length") is not None]
-    tokens_per_s = completion / wall_s if wall_s > 0 else None
-    latencies = sorted(float(r["latency_s"]) for r in records if r.get("latency_s") is not None)
-    return {
-        "requests": len(records),
-        "completion_tokens": completion,
-        "prompt_tokens": sum(int(r.get("prompt_tokens") or 0) for r in records),
-        "wall_s": wall_s,
-        "output_tokens_per_s": tokens_per_s,
-        "requests_with_spec": len(spec),
-        "spec_verify_ct": verify if spec else None,
-        "accept_length": spec_completion / verify if verify else None,
-        "mean_request_accept_length": sum(per_request) / len(per_request) if per_request else None,
-        "mean_latency_s": sum(latencies) / len(latencies) if latencies else None,
-        "max_latency_s": latencies[-1] if latencies else None,
-        "finish_reasons": {k: sum(1 for r in records if str(r.get("finish_reason")) == k) for k in sorted({str(r.get("finish_reason")) for r in records})},
-        "speedup": tokens_per_s / baseline_tokens_per_s if tokens_per_s and baseline_tokens_per_s else None,
-    }
-
-
-def add_speedups(results: dict[str, dict[str, dict[str, Any]]], baseline: str = "baseline") -> None:
-    """Fill `speedup` of every run from the baseline server's output tok/s at the same concurrency."""
-    base = results.get(baseline) or {}
-    for label, by_bs in results.items():
-        for bs, s in by_bs.items():
-            ref = (base.get(bs) or {}).get("output_tokens_per_s")
-            s["speedup"] = s["output_tokens_per_s"] / ref if ref and s.get("output_tokens_per_s") else None
-
-
-def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    lines = [f"{'server':<10} {'conc':>5} {'reqs':>5} {'out tok':>9} {'wall s':>8} {'tok/s':>9} {'accept len':>10} {'speed-up':>8}"]
-    for label, by_bs in results.items():
-        for bs, s in by_bs.items():
-            lines.append(
-                f"{label:<10} {bs:>5} {s['requests']:>5} {s['completion_tokens']:>9} {f(s['wall_s'], '.2f'):>8} "
-                f"{f(s['output_tokens_per_s'], '.1f'):>9} {f(s['accept_length'], '.3f'):>10} {f(s['speedup'], '.2f'):>8}"
-            )
-    return "\n".join(lines + [ACCEPT_LENGTH_NOTE])
-
-
-# ------------------------------------------------------------------------------------------------------ prompts
-
-def load_prompts(path: Path, num_prompts: int, split: str = "eval", seed: int = 0) -> list[list[int]]:
-    """Prompt token ids of `num_prompts` samples of `split`, a seeded sample spread over every dataset.
-
-    Parquet: the merged training set (`input_ids`, `prompt_len`, `split`, `sample_id`); the prompt is
-    input_ids[:prompt_len]. JSONL: one prompt a line, a JSON list of ids or an object with `prompt_ids`, or
-    `input_ids` (cut at `prompt_len` when given); rows with a `split` other than `split` are skipped."""
-    rows: list[tuple[str, list[int]]] = []
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path, columns=["sample_id", "split", "input_ids", "prompt_len"], filters=[("split", "==", split)])
-        for sid, ids, plen in zip(table["sample_id"].to_pylist(), table["input_ids"].to_pylist(), table["prompt_len"].to_pylist()):
-            rows.append((sid, ids[:plen]))
-    else:
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if isinstance(obj, list):
-                rows.append((f"{n:09d}", obj))
-                continue
-            if obj.get("split", split) != split:
-                continue
-            ids = obj.get("prompt_ids") or obj["input_ids"][: obj.get("prompt_len") or None]
-            rows.append((str(obj.get("sample_id", f"{n:09d}")), ids))
-    rows.sort(key=lambda r: r[0])
-    if not rows:
-        raise SystemExit(f"no {split!r} prompts in {path}")
-    if len(rows) > num_prompts:
-        rows = random.Random(seed).sample(rows, num_prompts)
-    return [[int(t) for t in ids] for _, ids in rows]
 
 
 # ------------------------------------------------------------------------------------------------------- client
@@ -365,7 +266,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--url", help="benchmark this running server (the speculative one) instead of launching")
     p.add_argument("--baseline-url", help="with --url: a running baseline server to compare against")
     p.add_argument("--skip-baseline", action="store_true", help="launch only the EAGLE-3 server")
-    p.add_argument("--dataset", type=Path, default=DEFAULT_DATA_DIR / "merged_dataset" / "merged.parquet",
+    p.add_argument("--dataset", type=Path, default=DEFAULT_PROMPTS,
                    help="merged.parquet, or a JSONL of prompt ids")
     p.add_argument("--split", default="eval")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -438,8 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_speedups(results)
 
     report = {
+        "source": "sglang_server",  # eagle3_assets/drafter/figures.py: what measured these figures
         "accept_length_definition": ACCEPT_LENGTH_NOTE,
-        "speedup_definition": "output tok/s (sum completion_tokens / batch wall time) over the baseline's at the same concurrency",
+        "speedup_definition": SPEEDUP_NOTE,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "num_prompts": len(prompts),
         "servers": servers,
