@@ -25,6 +25,7 @@ finds problems is a failure either way.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 import traceback
@@ -108,9 +109,42 @@ def contract_row(required: bool) -> Check:
     return Check("sglang contract", OK, f"{how}; capture rule: {rule.value if rule else '?'}", required, data)
 
 
+# SGLang 0.5.23's models/deepseek_v2.py reads these without a default (MoEGate, DeepseekV2MoE, the decoder
+# layer's sparse rule); transformers 5's DeepseekV3Config has none of them, so a config.json it saves lacks
+# them. The values are what transformers' DeepseekV3TopkRouter computes: sigmoid scores, top-k chosen on the
+# scores plus e_score_correction_bias ("noaux_tc"), and every layer from first_k_dense_replace on an MoE layer.
+SGLANG_DEEPSEEK_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def per_expert_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint layout DeepSeek and Kimi ship and SGLang's expert mapping reads
+    (`mlp.experts.{e}.gate_proj.weight`, `.up_proj`, `.down_proj`): transformers 5 holds a layer's experts
+    fused (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]) and, depending
+    on its version, may save them so."""
+    out: dict[str, Any] = {}
+    for key, t in tensors.items():
+        m = FUSED_EXPERTS.match(key)
+        if m is None:
+            out[key] = t
+            continue
+        for e in range(t.shape[0]):
+            base = f"{m['prefix']}.{e}"
+            if m["kind"] == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}.gate_proj.weight"], out[f"{base}.up_proj.weight"] = gate.contiguous(), up.contiguous()
+            else:
+                out[f"{base}.down_proj.weight"] = t[e].contiguous()
+    return out
+
+
 def tiny_deepseek_v3(folder: Path, seed: int = 0) -> Path:
-    """A random 8-layer DeepseekV3 (MLA dims as Kimi's, 8 experts) saved in bf16, HF layout."""
+    """A random 8-layer DeepseekV3 (MLA dims as Kimi's, 8 experts) saved in bf16, in the layout of a DeepSeek
+    checkpoint: per-expert weight names and the MoE keys SGLang reads (SGLANG_DEEPSEEK_KEYS). transformers
+    loads it back with nothing missing or left over (checked here)."""
     import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -122,10 +156,24 @@ def tiny_deepseek_v3(folder: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    tensors: dict[str, Any] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})
+    if any(FUSED_EXPERTS.match(k) for k in tensors):
+        for f in files + list(folder.glob("*.safetensors.index.json")):
+            f.unlink()
+        save_file(per_expert_tensors(tensors), str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg_file = folder / "config.json"
     cfg = json.loads(cfg_file.read_text())
+    cfg.update(SGLANG_DEEPSEEK_KEYS)
     cfg.setdefault("torch_dtype", "bfloat16")  # older readers (transformers 4.x in an SGLang env) need this key
     cfg_file.write_text(json.dumps(cfg, indent=2))
+    _, info = DeepseekV3ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        raise RuntimeError(f"the tiny DeepseekV3 written to {folder} does not load back in transformers: {problems}")
     return folder
 
 

@@ -1,0 +1,413 @@
+"""`eagle3 gpu-check`: the tiny model it hands SGLang, checked against SGLang 0.5.23's own source, and the host
+checks that make it the first command on a new host, driven from outside.
+
+The tiny DeepseekV3 is what `eagle3 gpu-check --tp 1` loads into SGLang on a GPU host. This CPU host cannot
+run SGLang, so the tests read the pinned release's `models/deepseek_v2.py` and its weight loader with `ast`
+(never importing sglang) and ask the two questions a model build and a weight load would answer:
+
+- every `config.<attr>` that the model, MoE, gate, attention and decoder-layer classes read without a
+  `getattr` default, on the code path the tiny config selects, is in the saved config.json;
+- every tensor in the saved safetensors maps, by the loader's own name rules (its stacked-params list,
+  `FusedMoE.make_expert_params_mapping`, the fused-expert and fused q/kv-a rules), onto a parameter the
+  built model has, and every parameter the built model has receives a tensor.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = "sglang/srt/models"
+
+# ---------------------------------------------------------------- the tiny model, built once
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from eagle3_assets.gpu_check import tiny_deepseek_v3
+
+    return tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "tiny-deepseek-v3")
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2(sglang_release_source) -> ast.Module:
+    return ast.parse((sglang_release_source / MODELS / "deepseek_v2.py").read_text())
+
+
+@pytest.fixture(scope="module")
+def weight_loader(sglang_release_source) -> ast.Module:
+    return ast.parse((sglang_release_source / MODELS / "deepseek_common/deepseek_weight_loader.py").read_text())
+
+
+def classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+# ---------------------------------------------------------------- (a) config attributes read without a default
+
+UNKNOWN = object()
+OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+       ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not, ast.In: lambda a, b: a in b,
+       ast.NotIn: lambda a, b: a not in b}
+# the tiny model's path: no quantization, not the NextN draft, no hash-routed or DeepSeek-V4 layers, on a CUDA
+# host (SGLang's module-level platform flags: not ROCm/aiter, NPU, XPU, MUSA or CPU)
+KNOWN_NAMES = {"quant_config": None, "is_nextn": False, "is_hash_moe": False, "is_deepseek_v4": False, "None": None,
+               "_is_cuda": True, "_is_hip": False, "_use_aiter": False, "_is_npu": False, "_is_xpu": False,
+               "_is_musa": False, "_is_cpu": False}
+# the classes that build and run the target (DeepseekV3ForCausalLM is DeepseekV2ForCausalLM under another name)
+MODEL_CLASSES = ("MoEGate", "DeepseekV2MoE", "DeepseekV2MLP", "DeepseekV2AttentionMLA", "DeepseekV2DecoderLayer",
+                 "DeepseekV2Model", "DeepseekV2ForCausalLM")
+
+
+def _is_config(node: ast.AST) -> bool:
+    """`config` or `self.config`: the HF config object."""
+    return (isinstance(node, ast.Name) and node.id == "config") or (
+        isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name)
+        and node.value.id == "self")
+
+
+class ConfigReads:
+    """Walks methods, following only the branches the config decides (tests it cannot decide: both branches),
+    and records each `config.X` read in a Load context. `getattr(config, "X", default)` and `hasattr` are not
+    reads that can fail; `getattr(config, "X")` without a default is."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.reads: dict[str, int] = {}  # attribute -> first line read
+
+    def value(self, node: ast.AST):
+        """The node's value when the config and KNOWN_NAMES decide it, else UNKNOWN; records the reads on the way."""
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return KNOWN_NAMES.get(node.id, UNKNOWN)
+        if isinstance(node, ast.Attribute) and _is_config(node.value) and isinstance(node.ctx, ast.Load):
+            self.reads.setdefault(node.attr, node.lineno)
+            return self.config.get(node.attr, UNKNOWN)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr") \
+                and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant):
+            name = node.args[1].value
+            if node.func.id == "hasattr":
+                return name in self.config
+            if len(node.args) == 2:
+                self.reads.setdefault(name, node.lineno)
+                return self.config.get(name, UNKNOWN)
+            default = self.value(node.args[2])
+            return self.config[name] if name in self.config else default
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            v = self.value(node.operand)
+            return UNKNOWN if v is UNKNOWN else not v
+        if isinstance(node, ast.BoolOp):  # short-circuit: later operands are not evaluated once one decides
+            decided_by = isinstance(node.op, ast.Or)
+            result = decided_by is False
+            for operand in node.values:
+                v = self.value(operand)
+                if v is UNKNOWN:
+                    result = UNKNOWN
+                elif bool(v) is decided_by:
+                    return v
+            return result
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            a, b = self.value(node.left), self.value(node.comparators[0])
+            if a is UNKNOWN or b is UNKNOWN or type(node.ops[0]) not in OPS:
+                return UNKNOWN
+            try:
+                return OPS[type(node.ops[0])](a, b)
+            except TypeError:
+                return UNKNOWN
+        if isinstance(node, ast.IfExp):
+            t = self.value(node.test)
+            if t is UNKNOWN:
+                self.visit(node.body), self.visit(node.orelse)
+                return UNKNOWN
+            return self.value(node.body if t else node.orelse)
+        self.visit_children(node)
+        return UNKNOWN
+
+    def visit_children(self, node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            self.visit(child)
+
+    def visit(self, node: ast.AST) -> None:
+        if isinstance(node, list):
+            for n in node:
+                self.visit(n)
+        elif isinstance(node, (ast.If, ast.While)):
+            t = self.value(node.test)
+            if t is UNKNOWN or t:
+                self.visit(node.body)
+            if t is UNKNOWN or not t:
+                self.visit(node.orelse)
+        elif isinstance(node, ast.Assert):
+            self.value(node.test)
+        elif isinstance(node, ast.expr):
+            self.value(node)
+        else:
+            self.visit_children(node)
+
+
+def config_reads(tree: ast.Module, config: dict) -> dict[str, int]:
+    walker = ConfigReads(config)
+    for name in MODEL_CLASSES:
+        walker.visit(classes(tree)[name].body)
+    return walker.reads
+
+
+def test_tiny_config_has_every_attribute_sglang_reads(tiny_model, deepseek_v2):
+    """SGLang builds DeepseekV3ForCausalLM from the saved config.json; an attribute it reads without a default
+    and the config lacks is an AttributeError at model build (transformers 5's DeepseekV3Config has no
+    topk_method, scoring_func or moe_layer_freq)."""
+    config = json.loads((tiny_model / "config.json").read_text())
+    reads = config_reads(deepseek_v2, config)
+    assert {"topk_method", "scoring_func", "moe_layer_freq", "n_routed_experts", "kv_lora_rank"} <= set(reads), reads
+    missing = {a: f"deepseek_v2.py:{line}" for a, line in reads.items() if a not in config}
+    assert not missing, f"SGLang 0.5.23 reads these without a default; the tiny config.json lacks them: {missing}"
+    # the values are those of transformers' router: sigmoid scores, the correction bias added for the choice
+    assert (config["topk_method"], config["scoring_func"], config["moe_layer_freq"]) == ("noaux_tc", "sigmoid", 1)
+    assert config["rope_parameters"]["rope_theta"] is not None  # DecoderLayer: rope_parameters["rope_theta"]
+
+
+def test_config_reader_follows_the_selected_path(deepseek_v2):
+    """The reader counts a read only on the path the config selects: with q_lora_rank absent the attention
+    class builds q_proj from num_heads instead and never reads q_lora_rank; with rope_parameters present
+    rope_theta and rope_scaling are not read."""
+    with_rope = config_reads(deepseek_v2, {"rope_parameters": {"rope_theta": 1e4}, "q_lora_rank": 8})
+    assert "rope_theta" not in with_rope and "rope_scaling" not in with_rope and "q_lora_rank" in with_rope
+    without = config_reads(deepseek_v2, {})
+    assert {"rope_theta", "rope_scaling"} <= set(without)
+
+
+# ---------------------------------------------------------------- (b) weight names against the loader
+
+
+def _assigned_attrs(fn: ast.FunctionDef) -> set[str]:
+    targets = [t for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets]
+    targets += [e for t in targets if isinstance(t, ast.Tuple) for e in t.elts]  # self.layers, self.start_layer, ... =
+    return {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def _eval_source(expr: ast.expr, **names):
+    """Evaluate one of SGLang's own expressions (a condition it builds the model by) on the given names."""
+    return eval(compile(ast.Expression(expr), "<sglang>", "eval"), {"__builtins__": {}}, names)
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _if_around(fn: ast.FunctionDef, attr: str) -> ast.If:
+    """The `if` whose body assigns self.<attr>."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.If) and attr in {t.attr for s in n.body if isinstance(s, ast.Assign) for t in s.targets
+                                              if isinstance(t, ast.Attribute)}:
+            return n
+    raise AssertionError(f"no `if` assigns self.{attr} in {fn.name}")
+
+
+class SGLangDeepseek:
+    """What SGLang 0.5.23 builds and loads for a DeepseekV3 config, read from its source."""
+
+    def __init__(self, source: Path, model: ast.Module, loader: ast.Module):
+        self.cls = classes(model)
+        self.loader = loader
+        self.loader_text = (source / MODELS / "deepseek_common/deepseek_weight_loader.py").read_text()
+        # the unquantized FusedMoE method registers the experts' parameters
+        self.fused_moe_methods = (source / "sglang/srt/layers/quantization/unquant.py").read_text()
+        load = _function(loader, "do_load_weights")
+        stacked = next(n for n in ast.walk(load) if isinstance(n, ast.Assign)
+                       and getattr(n.targets[0], "id", "") == "stacked_params_mapping")
+        self.stacked = ast.literal_eval(stacked.value)
+        fused = _function(loader, "_load_fused_expert_tensor")
+        mappings = next(n for n in ast.walk(fused) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "mappings")
+        self.fused_experts = ast.literal_eval(mappings.value)
+        call = next(n for n in ast.walk(load) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                    and n.func.attr == "make_expert_params_mapping")
+        self.expert_kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_experts"}
+        moe_layer = ast.parse((source / "sglang/srt/layers/moe/fused_moe_triton/layer.py").read_text())
+        fn = next(n for n in classes(moe_layer)["FusedMoE"].body
+                  if isinstance(n, ast.FunctionDef) and n.name == "make_expert_params_mapping")
+        fn = ast.FunctionDef(fn.name, fn.args, fn.body, [], None, type_params=[])  # drop @classmethod
+        namespace: dict = {}
+        exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<FusedMoE>", "exec"),
+             {"List": list, "Tuple": tuple, "range": range}, namespace)
+        self._make_expert_params_mapping = namespace[fn.name]
+        # the loader's rules mirrored below, each pinned to its text in the source
+        for anchor in ('if ("mlp.experts." in name) and name not in params_dict:', '"q_a_proj", "fused_qkv_a_proj_with_mqa"',
+                       '"kv_a_proj_with_mqa",\n                                        "fused_qkv_a_proj_with_mqa"',
+                       'f"mlp.experts.{self.config.n_routed_experts}"', 'if "rotary_emb.inv_freq" in name:',
+                       '>= self.config.num_hidden_layers'):
+            assert anchor in self.loader_text, f"the loader's rule changed: {anchor!r} is gone"
+
+    def expert_mapping(self, num_experts: int) -> list[tuple[str, str, int, str]]:
+        return self._make_expert_params_mapping(None, num_experts=num_experts, **self.expert_kwargs)  # cls unused
+
+    # -- the parameters the built model has, each module edge checked in the class that assigns it
+
+    def _edge(self, cls: str, attr: str) -> None:
+        assert attr in _assigned_attrs(method(self.cls[cls], "__init__")), f"{cls}.__init__ no longer assigns self.{attr}"
+
+    def parameters(self, config: dict, fused_shared: int) -> set[str]:
+        c = SimpleNamespace(**config)
+        params = set()
+        for cls, attr in (("DeepseekV2ForCausalLM", "model"), ("DeepseekV2ForCausalLM", "lm_head"),
+                          ("DeepseekV2Model", "embed_tokens"), ("DeepseekV2Model", "norm"), ("DeepseekV2Model", "layers")):
+            self._edge(cls, attr)
+        tied = _eval_source(ast.parse("config.tie_word_embeddings", mode="eval").body, config=c)
+        params |= {"model.embed_tokens.weight", "model.norm.weight"} | (set() if tied else {"lm_head.weight"})
+        sparse_rule = next(n for n in ast.walk(method(self.cls["DeepseekV2DecoderLayer"], "_is_layer_sparse"))
+                           if isinstance(n, ast.Return)).value
+        gate_init = method(self.cls["MoEGate"], "__init__")
+        bias_if = _if_around(gate_init, "e_score_correction_bias")
+        moe_init = method(self.cls["DeepseekV2MoE"], "__init__")
+        shared_if = _if_around(moe_init, "shared_experts")
+        mla = method(self.cls["DeepseekV2AttentionMLA"], "__init__")
+        fused_qkv_if = _if_around(mla, "fused_qkv_a_proj_with_mqa")
+        for attr in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            self._edge("DeepseekV2DecoderLayer", attr)
+        for attr in ("gate", "experts"):
+            self._edge("DeepseekV2MoE", attr)
+        for attr in ("gate_up_proj", "down_proj"):
+            self._edge("DeepseekV2MLP", attr)
+        for attr in ("q_b_proj", "q_a_layernorm", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+            self._edge("DeepseekV2AttentionMLA", attr)
+        assert 'register_parameter("w13_weight"' in self.fused_moe_methods and 'register_parameter("w2_weight"' in self.fused_moe_methods
+        for i in range(config["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            params |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            attn = p + "self_attn."
+            params |= {attn + n + ".weight" for n in ("kv_a_layernorm", "kv_b_proj", "o_proj")}
+            q_lora_rank = config.get("q_lora_rank")
+            if _eval_source(fused_qkv_if.test, q_lora_rank=q_lora_rank, self=SimpleNamespace(q_lora_rank=q_lora_rank)):
+                params |= {attn + n + ".weight" for n in ("fused_qkv_a_proj_with_mqa", "q_a_layernorm", "q_b_proj")}
+            else:
+                params |= {attn + n + ".weight" for n in ("q_proj", "kv_a_proj_with_mqa")}
+            if _eval_source(sparse_rule, config=c, layer_id=i, is_nextn=False):
+                params |= {p + "mlp.gate.weight", p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"}
+                if _eval_source(bias_if.test, config=c, is_hash_moe=False):
+                    params.add(p + "mlp.gate.e_score_correction_bias")
+                shared = _eval_source(shared_if.test, config=c, self=SimpleNamespace(num_fused_shared_experts=fused_shared),
+                                      _uses_per_rank_shared_slots=False)
+                if shared:
+                    params |= {p + "mlp.shared_experts.gate_up_proj.weight", p + "mlp.shared_experts.down_proj.weight"}
+            else:
+                params |= {p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"}
+        return params
+
+    # -- the loader's name rules (do_load_weights, unquantized, not NextN)
+
+    def target(self, name: str, config: dict, params: set[str], fused_shared: int) -> str | None:
+        """The parameter `name` loads into, or None when the loader skips it (warns and drops it)."""
+        if fused_shared and "mlp.shared_experts" in name:
+            name = name.replace("mlp.shared_experts", f"mlp.experts.{config['n_routed_experts']}")
+        if config.get("num_nextn_predict_layers", 0) > 0 and name.startswith("model.layers"):
+            parts = name.split(".")
+            if len(parts) >= 3 and int(parts[2]) >= config["num_hidden_layers"]:
+                return None
+        for source, target, _ in self.fused_experts:
+            if name.endswith(source):
+                param = name[: -len(source)] + target
+                return param if param in params else None
+        if "rotary_emb.inv_freq" in name:
+            return None
+        for param_name, weight_name, _ in self.stacked:
+            if weight_name not in name:
+                continue
+            if "mlp.experts." in name and name not in params:
+                continue
+            return name.replace(weight_name, param_name)  # params_dict[name]: a KeyError in SGLang when absent
+        for param_name, weight_name, _, _ in self.expert_mapping(config["n_routed_experts"] + fused_shared):
+            if weight_name in name:
+                mapped = name.replace(weight_name, param_name)
+                if mapped in params:
+                    return mapped
+                break  # SGLang replaces the name in place and moves on to the next mapping with it
+        if config.get("q_lora_rank") is not None and ("q_a_proj" in name or "kv_a_proj_with_mqa" in name):
+            # loaded only once both halves have arrived (the test checks the pairs)
+            if "q_a_proj" in name:
+                return name.replace("q_a_proj", "fused_qkv_a_proj_with_mqa")
+            return name.replace("kv_a_proj_with_mqa", "fused_qkv_a_proj_with_mqa")
+        return name if name in params else None
+
+
+@pytest.fixture(scope="module")
+def sglang_deepseek(sglang_release_source, deepseek_v2, weight_loader) -> SGLangDeepseek:
+    return SGLangDeepseek(sglang_release_source, deepseek_v2, weight_loader)
+
+
+def _checkpoint_keys(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    keys = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            keys += list(st.keys())
+    return keys
+
+
+@pytest.mark.parametrize("fused_shared", [0, 1], ids=["shared-experts-apart", "shared-experts-fused"])
+def test_tiny_weights_load_into_every_sglang_parameter(tiny_model, sglang_deepseek, fused_shared):
+    """Each tensor of the tiny checkpoint lands in a parameter SGLang builds, and each parameter gets a tensor.
+    A tensor SGLang cannot place is dropped with a warning and its parameter keeps uninitialised memory, so a
+    wrong name shows up on a GPU only as a capture that disagrees with transformers."""
+    config = json.loads((tiny_model / "config.json").read_text())
+    params = sglang_deepseek.parameters(config, fused_shared)
+    keys = _checkpoint_keys(tiny_model)
+    placed = {k: sglang_deepseek.target(k, config, params, fused_shared) for k in keys}
+    dropped = sorted(k for k, p in placed.items() if p is None)
+    assert not dropped, f"SGLang's loader drops these tensors of the tiny checkpoint: {dropped[:10]}"
+    unknown = sorted({p for p in placed.values() if p not in params})
+    assert not unknown, f"the loader would look these up and fail (KeyError): {unknown[:10]}"
+    halves = {}
+    for k, p in placed.items():
+        if p.endswith("fused_qkv_a_proj_with_mqa.weight"):
+            halves.setdefault(p, set()).add(k.rsplit(".", 2)[1])
+    unpaired = {p: h for p, h in halves.items() if h != {"q_a_proj", "kv_a_proj_with_mqa"}}
+    assert not unpaired, f"the fused q/kv-a projection is loaded only from both halves: {unpaired}"
+    unfilled = sorted(params - set(placed.values()))
+    assert not unfilled, f"these SGLang parameters get no tensor from the tiny checkpoint: {unfilled[:10]}"
+    # per-expert names, as SGLang's expert mapping reads them (and as a real DeepSeek/Kimi checkpoint has them)
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in keys and "model.layers.1.mlp.gate.e_score_correction_bias" in keys
+
+
+def test_loader_reading_catches_a_fused_checkpoint_and_a_missing_bias(tiny_model, sglang_deepseek):
+    """The reading is not vacuous: a tensor under a name no rule knows is dropped; the gate bias is a parameter
+    only under topk_method noaux_tc, so a config that says otherwise leaves the checkpoint's bias unplaced."""
+    config = json.loads((tiny_model / "config.json").read_text())
+    params = sglang_deepseek.parameters(config, 0)
+    assert sglang_deepseek.target("model.layers.1.mlp.experts.3.gate.weight", config, params, 0) is None
+    assert sglang_deepseek.target("model.layers.1.mlp.experts.gate_up_proj", config, params, 0) == "model.layers.1.mlp.experts.w13_weight"
+    greedy = dict(config, topk_method="greedy")
+    assert sglang_deepseek.target("model.layers.1.mlp.gate.e_score_correction_bias", greedy,
+                                  sglang_deepseek.parameters(greedy, 0), 0) is None
+
+
+def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
+    """`per_expert_tensors` splits transformers 5's fused experts (held so in memory) into the names and values
+    transformers' own save writes (the DeepSeek checkpoint layout): gate rows first, then up."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_assets.gpu_check import FUSED_EXPERTS, per_expert_tensors
+
+    in_memory = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).state_dict()
+    assert any(FUSED_EXPERTS.match(k) for k in in_memory), "transformers no longer fuses experts in memory"
+    saved = load_file(str(tiny_model / "model.safetensors"))
+    split = per_expert_tensors(in_memory)
+    assert set(split) == set(saved)
+    assert all(torch.equal(split[k], saved[k]) for k in saved)
