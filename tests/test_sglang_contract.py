@@ -53,7 +53,7 @@ POST, PRE = CaptureRule.PLUS_ONE_IF_FIRST_IS_1, CaptureRule.ALWAYS_PLUS_ONE
 # ---------------------------------------------------------------- (a) and (b): real SGLang
 
 
-@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (GPU hosts: pip install -e '.[sglang]')")
+@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (GPU hosts: sglang_api.INSTALL_HINT)")
 def test_contract_against_installed_sglang():
     try:
         import sglang  # noqa: F401
@@ -338,7 +338,8 @@ def test_rank_pool_reports_a_rank_that_dies_while_starting():
 
 @pytest.mark.skipif(HAVE_SGLANG, reason="checks the message of a host without sglang")
 def test_backend_fails_fast_without_sglang(tmp_path):
-    with pytest.raises(SGLangUnavailable, match=r"sglang is not installed: pip install -e '\.\[sglang\]'"):
+    hint = r"pip install uv==\S+ && uv pip install --override deploy/sglang-host\.overrides\.txt -e '\.\[sglang,gpu\]'"
+    with pytest.raises(SGLangUnavailable, match="sglang is not installed: " + hint):
         SGLangHiddenStates(str(tmp_path), tp_size=8)
 
 

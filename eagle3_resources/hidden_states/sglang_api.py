@@ -35,7 +35,9 @@ from pathlib import Path
 # what `check_contract` was run on). The API moves within the 0.5 series, hence the narrow range.
 SGLANG_REQUIREMENT = "sglang>=0.5.23,<0.5.24"
 SGLANG_TESTED = "0.5.23"
-INSTALL_HINT = "pip install -e '.[sglang]'  (installs " + SGLANG_REQUIREMENT + "; needs CUDA and a GPU host)"
+INSTALL_HINT = ("pip install uv==0.13.9 && uv pip install --override deploy/sglang-host.overrides.txt -e '.[sglang,gpu]'"
+                "  (in the checkout's root; sglang " + SGLANG_TESTED + " pins torch==2.14.1, above pyproject's CPU cap, "
+                "which only uv's --override lifts: plain pip cannot resolve it; needs a GPU host with a CUDA 13 driver)")
 
 
 @dataclass(frozen=True)
