@@ -15,9 +15,10 @@
     eagle3 status [--json]          the picture over SSH: every dataset's stages (rows, tokens, dollars, checks),
                                     the training stages, runs in progress, money and the spending hold
     eagle3 env                      print the environment lines, for a shell that runs dagster itself
-    eagle3 gpu-check [--model PATH] [--tp N] [--json]
-                                    what this host can do for hidden states: CUDA, sglang and its API
-                                    contract, short captures checked against ground truth (gpu_check.py)
+    eagle3 gpu-check [--model PATH] [--tp N] [--tokens N] [--data-dir DIR] [--no-capture] [--json]
+                                    the first command on a new host: install, driver, GPUs, /dev/shm, the
+                                    data root's write speed and free space, sglang's API contract, short
+                                    captures checked against ground truth; the fix for each failure (gpu_check.py)
 
 The instance lives in `var/dagster` (git-ignored, SQLite) unless DAGSTER_HOME is already set; with
 EAGLE3_POSTGRES_URL set, in that PostgreSQL database, configured from `var/dagster-postgres`
@@ -313,12 +314,24 @@ def main(argv: list[str] | None = None) -> int:
     p_gpu.add_argument("--model", help="also capture from this target folder (e.g. Kimi-K2.5) with SGLang")
     p_gpu.add_argument("--tp", type=int, help="tensor-parallel GPUs for SGLang (tiny model: 1, --model: 8); asks for the SGLang rows")
     p_gpu.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p_gpu.add_argument("--data-dir", type=Path, default=None, help="the data root to measure (default: EAGLE3_DATA_DIR)")
+    p_gpu.add_argument("--tokens", type=int, help="tokens you plan to capture (default: the merged dataset's); asks for the disk rows")
+    p_gpu.add_argument("--batch-tokens", type=int, help="the largest batch handed back through /dev/shm "
+                       "(default: EAGLE3_HIDDEN_STATES_BATCH_TOKENS, else 8192)")
+    p_gpu.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="where shared memory is mounted")
+    p_gpu.add_argument("--disk-mib", type=int, default=256, help="MiB written (fsync'd, then removed) to time the data root")
+    p_gpu.add_argument("--min-disk-gbps", type=float, help="fail the disk write row below this many GB/s")
+    p_gpu.add_argument("--no-capture", action="store_true", help="host, install and contract rows only (no tiny-model captures)")
     args = parser.parse_args(argv)
 
     if args.command == "gpu-check":
-        from eagle3_assets.gpu_check import gpu_check
+        from eagle3_assets.gpu_check import HostPlan, gpu_check
 
-        return gpu_check(str(Path(args.model).resolve()) if args.model else None, args.tp, args.json)
+        host = HostPlan(data_dir=(args.data_dir or default_data_dir()).resolve(), tokens=args.tokens,
+                        batch_tokens=args.batch_tokens, shm_dir=args.shm_dir, disk_mib=args.disk_mib,
+                        min_disk_gbps=args.min_disk_gbps)
+        return gpu_check(str(Path(args.model).resolve()) if args.model else None, args.tp, args.json, host,
+                         capture=not args.no_capture)
 
     os.chdir(PROJECT_ROOT)
     if args.command == "run":

@@ -1,9 +1,20 @@
 """`eagle3 gpu-check`: what this host can do for the hidden-states stage, proven by short captures.
 
-Rows, in order:
+The first command on a new host. One screen: a row per check, then for each row that is not ok the exact
+command that fixes it. Rows, in order:
 
 - `torch/cuda`: torch version, CUDA, the GPUs (name, memory).
-- `sglang`: installed? its version against the pinned range.
+- `sglang`: installed? its version against the pinned range; torch and transformers against sglang's own
+  pins (its wheel pins exact versions; `sglang_api.INSTALL_HINT` is the install that resolves them).
+- `nvidia driver`: the driver's version (nvidia-smi) against CUDA 13's minimum (sglang 0.5.23's kernels are
+  CUDA 13 builds).
+- `gpus`: the CUDA devices against `--tp`.
+- `/dev/shm`: its size against the rank hand-off: rank 0 returns each batch's states through shared memory,
+  `--batch-tokens` x (3 + 1) x hidden x 2 bytes, SHM_BATCHES batches of it at once.
+- `disk write`: an fsync'd sequential write (O_DIRECT where the file system takes it, the store's own
+  `write_file`) of `--disk-mib` MiB into the data root, removed afterwards: GB/s and the capture rate it bounds.
+- `disk space`: the data root's free space against the planned capture (`--tokens`, else the merged
+  dataset's tokens) x the store's bytes per token, with the hidden_states asset's margin (extract.check_disk).
 - `sglang contract`: every SGLang name the backend uses (eagle3_resources/hidden_states/sglang_api.py)
   still exists, checked on the imported package when it imports, else on its source.
 - `transformers capture`: a tiny random DeepseekV3 (8 layers, MLA + MoE, built in a temp dir, on
@@ -15,17 +26,22 @@ Rows, in order:
 - `sglang capture (target)`, only with `--model`: the real target at `--tp` (default 8) with the
   default EAGLE-3 layers: shapes, finiteness, tokens/s over one timed batch.
 
-Exit code: 1 when a row failed, or when a row that was asked for is unavailable; 0 otherwise.
-Asked for: the transformers row always; the SGLang rows (and CUDA) when `--tp` or `--model` is
-given. A CPU host without sglang therefore passes `eagle3 gpu-check` (SGLang rows "unavailable",
-with the reason) and fails `eagle3 gpu-check --tp 1`. An installed sglang whose contract check
-finds problems is a failure either way.
+Exit code: 1 when a row failed, or when a row that was asked for is not ok; 0 otherwise.
+Asked for: the transformers row always (unless `--no-capture`); the SGLang, CUDA, driver, GPU and
+/dev/shm rows when `--tp` or `--model` is given; the disk rows then too, or with `--tokens`. A row
+that was not asked for and finds a shortfall says `warn`, which does not fail the command. A CPU host
+without sglang therefore passes `eagle3 gpu-check` (SGLang rows "unavailable", with the reason and the
+fix) and fails `eagle3 gpu-check --tp 1`. An installed sglang whose contract check finds problems is a
+failure either way.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 import tempfile
 import time
 import traceback
@@ -34,10 +50,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-OK, FAIL, UNAVAILABLE = "ok", "fail", "unavailable"
+OK, FAIL, UNAVAILABLE, WARN = "ok", "fail", "unavailable", "warn"  # warn: a shortfall in a row not asked for
 TINY_LAYER_IDS = [2, 4, 6]  # outputs of layers 2, 4, 6 of 8; 6 is the last one SGLang can capture
 TINY_LENGTHS = [17, 64, 33]
 COSINE_MEAN_MIN, COSINE_LOW_MIN = 0.99, 0.95  # bf16 SGLang vs fp32 transformers, per token
+# CUDA 13.0 GA's minimum Linux driver (NVIDIA's CUDA 13.0 release notes, table 3); sglang 0.5.23 ships cu13
+# kernels (flashinfer-python[cu13], nvidia-cutlass-dsl[cu13], cuda-python>=13).
+CUDA13_MIN_DRIVER = "580.65.06"
+DRIVER_FIX = (f"install the NVIDIA driver >= {CUDA13_MIN_DRIVER} (CUDA 13), e.g. on Ubuntu: "
+              "sudo apt-get install -y nvidia-driver-580 && sudo reboot")
+KIMI_K25_HIDDEN = 7168  # the hidden size planned for when neither --model nor EAGLE3_TARGET_DIR names a target
+SHM_BATCHES = 3  # batches in shared memory at once: one being put by rank 0, one being split by the parent, one spare
+N_AUX = 3  # EAGLE-3 captures three layers
+
+
+def install_command() -> str:
+    """The one GPU-host install command (sglang_api.INSTALL_HINT without its explanation)."""
+    from eagle3_resources.hidden_states import sglang_api
+
+    return sglang_api.INSTALL_HINT.split("  (")[0]
 
 
 @dataclass
@@ -47,6 +78,7 @@ class Check:
     detail: str
     required: bool
     data: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""  # the exact command (or step) that makes this row ok; empty when it is ok
 
 
 def exit_code(checks: list[Check]) -> int:
@@ -69,7 +101,9 @@ def torch_row(required: bool) -> Check:
     data: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
                             "cuda_available": torch.cuda.is_available(), "gpus": []}
     if not torch.cuda.is_available():
-        return Check("torch/cuda", UNAVAILABLE, f"torch {torch.__version__}, no CUDA device", required, data)
+        why = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build, no device"
+        return Check("torch/cuda", UNAVAILABLE, f"torch {torch.__version__}: {why}: no GPU on this host", required, data,
+                     fix=f"on a host with NVIDIA GPUs and driver >= {CUDA13_MIN_DRIVER}: {install_command()}")
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         data["gpus"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
@@ -78,14 +112,185 @@ def torch_row(required: bool) -> Check:
                  f"{len(data['gpus'])} GPU(s): {names}", required, data)
 
 
+def pin_problems() -> list[str]:
+    """Installed torch/transformers against the exact versions the installed sglang requires."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    from packaging.requirements import Requirement
+
+    problems = []
+    for line in requires("sglang") or []:
+        req = Requirement(line)
+        if req.name not in ("torch", "transformers") or (req.marker is not None and not req.marker.evaluate()):
+            continue
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            have = None
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{req.name} {have or 'missing'} (sglang needs {req.specifier})")
+    return problems
+
+
 def sglang_row(required: bool) -> Check:
     from eagle3_resources.hidden_states import sglang_api
 
     version = sglang_api.installed_version()
     if version is None:
-        return Check("sglang", UNAVAILABLE, f"not installed: {sglang_api.INSTALL_HINT}", required)
-    note = "" if sglang_api.version_in_range(version) else f" (outside {sglang_api.SGLANG_REQUIREMENT})"
-    return Check("sglang", OK, f"sglang {version}{note}", required, {"version": version})
+        return Check("sglang", UNAVAILABLE, f"not installed ({sglang_api.SGLANG_REQUIREMENT}, GPU hosts only)", required,
+                     fix=install_command())
+    problems = ([] if sglang_api.version_in_range(version) else [f"outside {sglang_api.SGLANG_REQUIREMENT}"]) + pin_problems()
+    detail = f"sglang {version}" + (f": {'; '.join(problems)}" if problems else ", torch and transformers as it pins")
+    return Check("sglang", (FAIL if required else WARN) if problems else OK, detail, required, {"version": version,
+                 "problems": problems}, fix=install_command() if problems else "")
+
+
+def nvidia_driver() -> str | None:
+    """The driver's version from nvidia-smi, or None when there is no NVIDIA driver."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=60)
+    lines = [x.strip() for x in out.stdout.splitlines() if x.strip()]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"nvidia-smi failed (exit {out.returncode}): {(out.stderr or out.stdout).strip()[:200]}")
+    return lines[0]
+
+
+def driver_row(required: bool) -> Check:
+    name = "nvidia driver"
+    driver = nvidia_driver()
+    if driver is None:
+        return Check(name, UNAVAILABLE, "no NVIDIA driver (nvidia-smi not found)", required, fix=DRIVER_FIX)
+    have = tuple(int(x) for x in re.findall(r"\d+", driver))
+    ok = have >= tuple(int(x) for x in CUDA13_MIN_DRIVER.split("."))
+    detail = f"{driver}, " + ("CUDA 13 capable" if ok else f"below CUDA 13's minimum {CUDA13_MIN_DRIVER}")
+    return Check(name, OK if ok else (FAIL if required else WARN), detail, required, {"driver": driver},
+                 fix="" if ok else DRIVER_FIX)
+
+
+def gpus_row(tp: int | None, model: str | None, required: bool) -> Check:
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = tp or (8 if model else 1)
+    detail = f"{have} CUDA device(s), " + (f"--tp {tp} needs {need}" if tp else f"{need} needed" + (" (--model: tp 8)" if model else ""))
+    data = {"gpus": have, "needed": need}
+    if have >= need:
+        return Check("gpus", OK, detail, required, data)
+    if have == 0:
+        return Check("gpus", UNAVAILABLE, detail, required, data, fix="see torch/cuda and nvidia driver above")
+    fix = f"eagle3 gpu-check --tp {have}, and capture with EAGLE3_SGLANG_TP_SIZE={have} (Kimi-K2.5 needs 8 GPUs of 141 GB)"
+    return Check("gpus", FAIL if required else WARN, detail, required, data, fix=fix)
+
+
+def human(n: float) -> str:
+    from eagle3_resources.hidden_states.extract import human_bytes
+
+    return human_bytes(n)
+
+
+def shm_row(shm_dir: Path, batch_tokens: int, hidden: int, hidden_from: str, required: bool) -> Check:
+    per_batch = batch_tokens * (N_AUX + 1) * hidden * 2
+    need = per_batch * SHM_BATCHES
+    if not shm_dir.is_dir():
+        return Check("/dev/shm", FAIL if required else WARN, f"{shm_dir} does not exist", required,
+                     fix=f"sudo mkdir -p {shm_dir} && sudo mount -t tmpfs -o size={-(-need // 2**30)}G tmpfs {shm_dir}")
+    size = os.statvfs(shm_dir).f_blocks * os.statvfs(shm_dir).f_frsize
+    data = {"path": str(shm_dir), "size_bytes": size, "needed_bytes": need, "batch_tokens": batch_tokens, "hidden": hidden}
+    detail = (f"{shm_dir} {human(size)}; hand-off {SHM_BATCHES} x {batch_tokens:,} tokens x {N_AUX + 1} x {hidden} "
+              f"({hidden_from}) x 2 B = {human(need)}")
+    if size >= need:
+        return Check("/dev/shm", OK, detail, required, data)
+    gib = -(-need // 2**30)
+    fix = (f"sudo mount -o remount,size={gib}G {shm_dir}  (a container: docker run --shm-size={gib}g; or lower "
+           f"EAGLE3_HIDDEN_STATES_BATCH_TOKENS to {size // (SHM_BATCHES * (N_AUX + 1) * hidden * 2):,})")
+    return Check("/dev/shm", FAIL if required else WARN, detail + ": too small", required, data, fix=fix)
+
+
+def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, required: bool) -> Check:
+    """`mib` MiB written into `root` in 64 MiB files (the store's write_file: 16 MiB sequential writes, O_DIRECT where
+    the file system takes it, fsync per file), timed, then removed."""
+    import torch
+
+    from eagle3_resources.hidden_states.store import host_buffer, token_bytes, write_file
+
+    name = "disk write"
+    if not root.is_dir():
+        return Check(name, FAIL if required else WARN, f"data root {root} does not exist", required,
+                     fix=f"mkdir -p {root}  (or eagle3 gpu-check --data-dir DIR; the pipeline writes to EAGLE3_DATA_DIR)")
+    file_bytes = min(mib, 64) * 2**20
+    files = -(-mib * 2**20 // file_bytes)
+    buffer = host_buffer(file_bytes, pin=False)
+    buffer.copy_(torch.randint(0, 256, (file_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    memory = memoryview(buffer.numpy())
+    work = Path(tempfile.mkdtemp(prefix=".eagle3-gpu-check-", dir=root))
+    try:
+        start = time.perf_counter()
+        direct = [write_file(work / f"w{i}.bin", memory, direct=True, hashed=False)[1] for i in range(files)]
+        seconds = time.perf_counter() - start
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gbps = files * file_bytes / seconds / 1e9
+    rate = gbps * 1e9 / token_bytes(hidden)
+    data = {"path": str(root), "bytes": files * file_bytes, "seconds": round(seconds, 3), "gb_per_s": round(gbps, 3),
+            "o_direct": all(direct), "tokens_per_s_bound": round(rate)}
+    detail = (f"{root}: {files * file_bytes / 2**20:,.0f} MiB fsync'd {'O_DIRECT' if all(direct) else 'buffered'} "
+              f"in {seconds:.2f} s = {gbps:.2f} GB/s: capture at most {rate:,.0f} tokens/s at hidden {hidden}")
+    if min_gbps is None or gbps >= min_gbps:
+        return Check(name, OK, detail, required, data)
+    return Check(name, FAIL if required else WARN, detail + f", below --min-disk-gbps {min_gbps:g}", required, data,
+                 fix="put the data root on a faster (local NVMe) volume: export EAGLE3_DATA_DIR=/nvme/eagle3, then "
+                     "eagle3 gpu-check --data-dir /nvme/eagle3")
+
+
+def planned_tokens(root: Path, tokens: int | None) -> tuple[int | None, str]:
+    if tokens is not None:
+        return tokens, "--tokens"
+    from eagle3_resources.storage import DataLayout
+
+    merged = DataLayout(str(root)).merged_dataset()
+    if not merged.exists():
+        return None, ""
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(merged, columns=["n_tokens"]).column("n_tokens")
+    return int(sum(v.as_py() or 0 for v in column)), f"the merged dataset ({merged})"
+
+
+def disk_space_row(root: Path, tokens: int | None, hidden: int, hidden_from: str, required: bool) -> Check:
+    from eagle3_resources.hidden_states.extract import (
+        DiskSpaceError,
+        StoreSettings,
+        check_disk,
+    )
+    from eagle3_resources.hidden_states.store import token_bytes
+
+    name = "disk space"
+    planned, source = planned_tokens(root, tokens)
+    if planned is None:
+        return Check(name, UNAVAILABLE, f"no planned capture: no --tokens and no merged dataset under {root}", required,
+                     fix="eagle3 gpu-check --tokens N  (the tokens you plan to capture, e.g. 50000000)")
+    settings = StoreSettings()
+    needed = planned * token_bytes(hidden)
+    data = {"path": str(root), "tokens": planned, "tokens_from": source, "bytes_per_token": token_bytes(hidden)}
+    detail = f"{planned:,} tokens ({source}) x {token_bytes(hidden):,} B ({hidden_from}) = {human(needed)}"
+    try:
+        data.update(check_disk(root, needed, settings, tokens_pending=planned, total_tokens=planned, hidden_size=hidden))
+    except DiskSpaceError:
+        probe = root
+        while not probe.exists():
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        fits = int(max(0, (free - settings.reserve_bytes) / (1 + settings.margin_pct / 100)) // token_bytes(hidden))
+        config = json.dumps({"ops": {"hidden_states": {"config": {"max_tokens": fits}}}})
+        fix = (f"export EAGLE3_DATA_DIR=<a volume with {human(needed * (1 + settings.margin_pct / 100) + settings.reserve_bytes)}"
+               f" free> (check: eagle3 gpu-check --data-dir DIR --tokens {planned}), or capture what fits: "
+               f"eagle3 dagster asset materialize -m eagle3_assets.definitions --select hidden_states --config-json '{config}'")
+        data.update(free_bytes=free, fits_tokens=fits)
+        return Check(name, FAIL if required else WARN, detail + f"; {probe} has {human(free)} free: about {fits:,} fit",
+                     required, data, fix=fix)
+    return Check(name, OK, detail + f"; {human(data['free_bytes'])} free", required, data)
 
 
 def contract_row(required: bool) -> Check:
@@ -247,7 +452,7 @@ def sglang_tiny_row(folder: Path, sequences, truth, tp: int, required: bool) -> 
         backend = SGLangHiddenStates(str(folder), tp_size=tp, layer_ids=TINY_LAYER_IDS, max_length=1024,
                                      mem_fraction_static=0.3, start_timeout_s=900, batch_timeout_s=300)
     except SGLangUnavailable as e:
-        return Check(name, UNAVAILABLE, str(e).splitlines()[0], required)
+        return Check(name, UNAVAILABLE, str(e).splitlines()[0].split("  (")[0], required, fix="see sglang above")
     with backend:
         got = backend.extract_batch(sequences)
         described = backend.describe()
@@ -307,13 +512,53 @@ def sglang_target_row(model_path: str, tp: int) -> Check:
 # ---------------------------------------------------------------- the command
 
 
-def run_checks(model: str | None = None, tp: int | None = None) -> list[Check]:
+def target_hidden(model: str | None) -> tuple[int, str]:
+    """The hidden size the capture is planned for: --model's, else EAGLE3_TARGET_DIR's, else Kimi-K2.5's."""
+    from eagle3_resources.hidden_states.sglang_backend import read_text_shape
+
+    for path, label in ((model, "--model"), (os.environ.get("EAGLE3_TARGET_DIR"), "EAGLE3_TARGET_DIR")):
+        if path and (Path(path) / "config.json").exists():
+            return read_text_shape(path).hidden_size, f"hidden of {label}"
+    return KIMI_K25_HIDDEN, "hidden of Kimi-K2.5"
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What the host rows measure against (the `gpu-check` flags)."""
+
+    data_dir: Path
+    tokens: int | None = None  # planned capture; None: the merged dataset's
+    batch_tokens: int | None = None  # the largest batch; None: EAGLE3_HIDDEN_STATES_BATCH_TOKENS or the store's default
+    shm_dir: Path = Path("/dev/shm")
+    disk_mib: int = 256
+    min_disk_gbps: float | None = None
+
+
+def run_checks(model: str | None = None, tp: int | None = None, host: HostPlan | None = None,
+               capture: bool = True) -> list[Check]:
+    from eagle3_resources.hidden_states.extract import StoreSettings
+
     sglang_asked = tp is not None or model is not None
+    if host is None:
+        from eagle3_resources.storage import default_data_dir
+
+        host = HostPlan(data_dir=default_data_dir())
+    disk_asked = sglang_asked or host.tokens is not None
+    batch_tokens = host.batch_tokens or int(os.environ.get("EAGLE3_HIDDEN_STATES_BATCH_TOKENS") or StoreSettings.batch_tokens)
+    hidden, hidden_from = target_hidden(model)
     checks = [
         _guard("torch/cuda", sglang_asked, lambda: torch_row(sglang_asked)),
         _guard("sglang", sglang_asked, lambda: sglang_row(sglang_asked)),
+        _guard("nvidia driver", sglang_asked, lambda: driver_row(sglang_asked)),
+        _guard("gpus", sglang_asked, lambda: gpus_row(tp, model, sglang_asked)),
+        _guard("/dev/shm", sglang_asked, lambda: shm_row(host.shm_dir, batch_tokens, hidden, hidden_from, sglang_asked)),
+        _guard("disk write", disk_asked, lambda: disk_write_row(host.data_dir, host.disk_mib, host.min_disk_gbps, hidden,
+                                                                disk_asked)),
+        _guard("disk space", disk_asked, lambda: disk_space_row(host.data_dir, host.tokens, hidden, hidden_from, disk_asked)),
         _guard("sglang contract", sglang_asked, lambda: contract_row(sglang_asked)),
     ]
+    if not capture:
+        return checks
     with tempfile.TemporaryDirectory(prefix="eagle3-gpu-check-") as tmp:
         import torch
         from transformers import AutoModelForCausalLM
@@ -342,15 +587,23 @@ def render(checks: list[Check]) -> str:
     lines = [f"{'check':<{width}}  {'status':<{sw}}  detail", f"{'-' * width}  {'-' * sw}  {'-' * 40}"]
     for c, mark in zip(checks, marks):
         lines.append(f"{c.name:<{width}}  {mark:<{sw}}  {c.detail}")
+    fixes = [c for c in checks if c.status != OK and c.fix]
+    if fixes:
+        lines += ["", "to fix:"] + [f"  {c.name}: {c.fix}" for c in fixes]
     code = exit_code(checks)
+    gpu = next((c for c in checks if c.name == "torch/cuda"), None)
     lines.append("")
+    if gpu is not None and gpu.status != OK:
+        lines.append("no GPU on this host: the SGLang capture needs a CUDA host; the transformers backend runs here on "
+                     "the CPU. On a GPU host: the install above, then `eagle3 gpu-check --tp 8`.")
     lines.append("result: " + ("everything asked for works" if code == 0 else "something asked for does not work")
                  + f" (exit {code})")
     return "\n".join(lines)
 
 
-def gpu_check(model: str | None = None, tp: int | None = None, as_json: bool = False) -> int:
-    checks = run_checks(model, tp)
+def gpu_check(model: str | None = None, tp: int | None = None, as_json: bool = False, host: HostPlan | None = None,
+              capture: bool = True) -> int:
+    checks = run_checks(model, tp, host, capture)
     code = exit_code(checks)
     if as_json:
         print(json.dumps({"exit_code": code, "checks": [asdict(c) for c in checks]}, indent=2))

@@ -411,3 +411,105 @@ def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
     split = per_expert_tensors(in_memory)
     assert set(split) == set(saved)
     assert all(torch.equal(split[k], saved[k]) for k in saved)
+
+
+# ---------------------------------------------------------------- eagle3 gpu-check as the first command on a host
+
+
+def gpu_check(*args: str, env: dict | None = None, json_out: bool = True):
+    """`eagle3 gpu-check --no-capture ARGS` as a user runs it; (exit code, rows by name or the screen)."""
+    cmd = [sys.executable, "-m", "eagle3_assets.cli", "gpu-check", "--no-capture", "--disk-mib", "16", *args]
+    proc = subprocess.run(cmd + (["--json"] if json_out else []), cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    if not json_out:
+        return proc.returncode, proc.stdout
+    report = json.loads(proc.stdout)
+    assert report["exit_code"] == proc.returncode
+    return proc.returncode, {c["name"]: c for c in report["checks"]}
+
+
+def install_command() -> str:
+    from eagle3_resources.hidden_states import sglang_api
+
+    return sglang_api.INSTALL_HINT.split("  (")[0]
+
+
+HAVE_GPU = shutil.which("nvidia-smi") is not None
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="the screen of a host without a GPU")
+def test_cpu_host_screen_says_no_gpu_and_how_to_install(tmp_path):
+    code, screen = gpu_check("--data-dir", str(tmp_path), json_out=False)
+    assert code == 0, screen  # nothing was asked for that a CPU host cannot do
+    assert "no GPU on this host" in screen
+    fixes = screen.split("to fix:")[1]
+    assert f"sglang: {install_command()}" in fixes
+    assert "nvidia driver: install the NVIDIA driver >= 580.65.06" in fixes
+    assert len(screen.splitlines()) < 40  # one screen
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--tp", "2")
+    assert code == 1 and rows["gpus"]["status"] == "unavailable" and rows["gpus"]["required"]
+    assert rows["torch/cuda"]["fix"].endswith(install_command())
+
+
+def test_disk_space_against_the_planned_capture(tmp_path):
+    from eagle3_resources.hidden_states.store import token_bytes
+
+    free = shutil.disk_usage(tmp_path).free
+    too_many = 2 * free // token_bytes(7168)
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", str(too_many))
+    row = rows["disk space"]
+    assert code == 1 and row["status"] == "fail", row
+    fits = row["data"]["fits_tokens"]
+    assert 0 < fits < too_many / 2
+    assert f'"max_tokens": {fits}' in row["fix"] and "export EAGLE3_DATA_DIR=" in row["fix"]
+    # the merged dataset's tokens are the plan when --tokens is not given
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "merged_dataset").mkdir()
+    pq.write_table(pa.table({"sample_id": ["a", "b"], "n_tokens": [1000, 234]}), tmp_path / "merged_dataset" / "merged.parquet")
+    code, rows = gpu_check("--data-dir", str(tmp_path))
+    assert rows["disk space"]["status"] == "ok" and rows["disk space"]["data"]["tokens"] == 1234, rows["disk space"]
+    assert code == 0
+
+
+def test_disk_write_measured_on_the_data_root(tmp_path):
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000")
+    row = rows["disk write"]
+    assert row["status"] == "ok" and row["data"]["bytes"] == 16 * 2**20 and row["data"]["gb_per_s"] > 0, row
+    assert list(tmp_path.iterdir()) == []  # the measurement's files are gone
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000", "--min-disk-gbps", "1e9")
+    assert code == 1 and rows["disk write"]["status"] == "fail" and "EAGLE3_DATA_DIR=" in rows["disk write"]["fix"]
+    missing = tmp_path / "not-yet"
+    code, rows = gpu_check("--data-dir", str(missing), "--tokens", "1000")
+    assert code == 1 and rows["disk write"]["status"] == "fail" and rows["disk write"]["fix"].startswith(f"mkdir -p {missing}")
+
+
+def test_shm_against_the_rank_hand_off(tmp_path):
+    size = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    too_big = size // (3 * 4 * 7168 * 2) + 1  # one token more than /dev/shm holds
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--batch-tokens", str(too_big))
+    assert rows["/dev/shm"]["status"] == "warn" and not rows["/dev/shm"]["required"], rows["/dev/shm"]  # not asked
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--batch-tokens", str(too_big), "--tp", "1")
+    row = rows["/dev/shm"]
+    assert code == 1 and row["status"] == "fail" and row["required"], row
+    gib = -(-row["data"]["needed_bytes"] // 2**30)
+    assert f"sudo mount -o remount,size={gib}G /dev/shm" in row["fix"] and f"--shm-size={gib}g" in row["fix"]
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--batch-tokens", str(too_big - 1), "--tp", "1")
+    assert rows["/dev/shm"]["status"] == "ok", rows["/dev/shm"]
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
+@pytest.mark.parametrize("driver,status", [("535.104.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")])
+def test_driver_against_cuda13_minimum(tmp_path, driver, status):
+    """nvidia-smi is what gpu-check asks; a stand-in on PATH reports the driver an older host would have."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho {driver}\n")
+    smi.chmod(0o755)
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--tp", "1", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    row = rows["nvidia driver"]
+    assert row["status"] == status and row["data"]["driver"] == driver, row
+    assert ("sudo apt-get install -y nvidia-driver-580" in row["fix"]) is (status == "fail")
