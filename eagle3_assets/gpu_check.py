@@ -227,7 +227,7 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
     work = Path(tempfile.mkdtemp(prefix=".eagle3-gpu-check-", dir=root))
     try:
         start = time.perf_counter()
-        direct = [write_file(work / f"w{i}.bin", memory, direct=True, hashed=False)[1] for i in range(files)]
+        direct = [write_file(work / f"w{i}.bin", memory, direct=True, checksum=None)[1] for i in range(files)]
         seconds = time.perf_counter() - start
     finally:
         shutil.rmtree(work, ignore_errors=True)
