@@ -57,6 +57,8 @@ from speculative_common import (  # noqa: E402  (the eval prompts and the arithm
     request_record,
     sampling_params,
     summarize,
+    temperature_summary,
+    weights_fingerprint,
 )
 
 # ----------------------------------------------------------------------------------------------- pure functions
@@ -343,8 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "accept_length_definition": ACCEPT_LENGTH_NOTE,
         "speedup_definition": SPEEDUP_NOTE,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        # which weights: the launched EAGLE-3 server's drafter; unknown for servers started by hand (--url)
+        "drafter": None if args.url else {"path": args.draft_model_path, "weights_sha256": weights_fingerprint(args.draft_model_path)},
         "num_prompts": len(prompts),
         "servers": servers,
+        "summary": {"0": temperature_summary(results, requests)},  # greedy; the same shape as the Engine benchmark's
         "results": results,
         "requests": requests,
     }

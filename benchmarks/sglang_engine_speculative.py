@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import sys
 import time
@@ -53,6 +52,9 @@ from speculative_common import (  # noqa: E402  (shared with serving_speculative
     request_record,
     sampling_params,
     summarize,
+    temperature_key,
+    temperature_summary,
+    weights_fingerprint,
 )
 
 SOURCE = "sglang_engine"
@@ -89,44 +91,6 @@ def parse_engine_arg(item: str) -> tuple[str, Any]:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
         return key.strip(), value
-
-
-def temperature_key(t: float) -> str:
-    return f"{float(t):g}"
-
-
-def weights_fingerprint(folder: str | Path) -> dict[str, str] | None:
-    """sha256 of each `*.safetensors` in the drafter folder: which weights these figures belong to (None where the
-    drafter is not a local folder, e.g. a Hub id)."""
-    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
-    if not files:
-        return None
-    out = {}
-    for f in files:
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-        out[f.name] = h.hexdigest()
-    return out
-
-
-def temperature_summary(results: dict[str, dict[str, dict[str, Any]]], records: dict[str, dict[str, list]],
-                        label: str = "eagle3") -> dict[str, Any]:
-    """One temperature's headline: the accept length pooled over every concurrency (summarize over all of the
-    speculative engine's requests), and per concurrency the two engines' output tok/s and the speed-up."""
-    pooled = summarize([r for recs in (records.get(label) or {}).values() for r in recs], wall_s=0.0)
-    by_bs = results.get(label) or {}
-    base = results.get("baseline") or {}
-    return {
-        "accept_length": pooled["accept_length"],
-        "completion_tokens": pooled["completion_tokens"],
-        "spec_verify_ct": pooled["spec_verify_ct"],
-        "accept_length_by_concurrency": {bs: s["accept_length"] for bs, s in by_bs.items()},
-        "output_tokens_per_s": {bs: {"baseline": (base.get(bs) or {}).get("output_tokens_per_s"),
-                                     label: s["output_tokens_per_s"]} for bs, s in by_bs.items()},
-        "speedup": {bs: s["speedup"] for bs, s in by_bs.items()},
-    }
 
 
 # ------------------------------------------------------------------------------------------------------ engine

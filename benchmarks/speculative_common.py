@@ -11,6 +11,7 @@ file of prompts), so the scripts run where sglang is installed without this proj
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -112,6 +113,42 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], label_header: st
                 f"{f(s['output_tokens_per_s'], '.1f'):>9} {f(s['accept_length'], '.3f'):>10} {f(s['speedup'], '.2f'):>8}"
             )
     return "\n".join(lines + [ACCEPT_LENGTH_NOTE])
+
+
+def temperature_key(t: float) -> str:
+    """How a temperature names its results: "0", "1", "0.6"."""
+    return f"{float(t):g}"
+
+
+def weights_fingerprint(folder: str | Path) -> dict[str, str] | None:
+    """sha256 of each `*.safetensors` in the drafter folder: which weights these figures belong to (None where the
+    drafter is not a local folder, e.g. a Hub id)."""
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    out = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            out[f.name] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return out
+
+
+def temperature_summary(results: dict[str, dict[str, dict[str, Any]]], records: dict[str, dict[str, list]],
+                        label: str = "eagle3") -> dict[str, Any]:
+    """One temperature's headline: the accept length pooled over every concurrency (summarize over all of the
+    speculative engine's requests), and per concurrency the two engines' output tok/s and the speed-up."""
+    pooled = summarize([r for recs in (records.get(label) or {}).values() for r in recs], wall_s=0.0)
+    by_bs = results.get(label) or {}
+    base = results.get("baseline") or {}
+    return {
+        "accept_length": pooled["accept_length"],
+        "completion_tokens": pooled["completion_tokens"],
+        "spec_verify_ct": pooled["spec_verify_ct"],
+        "accept_length_by_concurrency": {bs: s["accept_length"] for bs, s in by_bs.items()},
+        "output_tokens_per_s": {bs: {"baseline": (base.get(bs) or {}).get("output_tokens_per_s"),
+                                     label: s["output_tokens_per_s"]} for bs, s in by_bs.items()},
+        "speedup": {bs: s["speedup"] for bs, s in by_bs.items()},
+    }
 
 
 def load_prompts(path: Path, num_prompts: int, split: str = "eval", seed: int = 0) -> list[list[int]]:

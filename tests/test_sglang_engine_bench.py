@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -321,3 +322,108 @@ def test_the_check_catches_a_rename_in_a_copy_of_the_release(sglang_release_sour
     target.write_text(text.replace(old, new))
     problems = contract_problems(tmp_path)
     assert problems and all(problem in p for p in problems), problems
+
+
+# ------------------------------------------------------------------ the figures on the drafter asset, and their source
+
+def fake_engine_report(tmp_path: Path) -> tuple[Path, Path]:
+    """A real report of the script, engines faked: (report path, drafter folder)."""
+    write_prompts(tmp_path / "prompts.jsonl", n_eval=8, n_train=2)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "model.safetensors").write_bytes(b"trained weights")
+    (drafter / "config.json").write_text("{}")
+    out = tmp_path / "engine.json"
+    assert bench.main(["--target", "/models/Kimi-K2.5", "--drafter", str(drafter), "--prompts", str(tmp_path / "prompts.jsonl"),
+                       "--concurrency", "1,4", "--max-new-tokens", "30", "--warmup", "0", "--output", str(out)],
+                      engine_factory=FakeSGLang()) == 0
+    return out, drafter
+
+
+def figures_cli(report: Path, home: Path, data: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EAGLE3_"))}
+    return subprocess.run([sys.executable, "-m", "eagle3_assets.drafter.figures", str(report)], cwd=REPO,
+                          env=env | {"DAGSTER_HOME": str(home), "EAGLE3_DATA_DIR": str(data)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_engine_figures_are_recorded_on_the_drafter_asset_and_refused_for_other_weights(tmp_path, capsys):
+    """`python -m eagle3_assets.drafter.figures REPORT` records the Engine benchmark's figures as an observation of
+    eagle3_drafter, each named by its source; once the drafter's weights change it refuses (the figures would be
+    another drafter's)."""
+    import dagster as dg
+
+    from eagle3_assets.drafter.figures import DRAFTER_ASSET, SOURCES
+
+    report_path, drafter = fake_engine_report(tmp_path)
+    capsys.readouterr()
+    report = json.loads(report_path.read_text())
+    home, data = tmp_path / "dagster_home", tmp_path / "data"
+    done = figures_cli(report_path, home, data)
+    assert done.returncode == 0, done.stderr + done.stdout
+    acc0, acc1 = report["summary"]["0"]["accept_length"], report["summary"]["1"]["accept_length"]
+    assert f"accept length {acc0:.3f} at temperature 0; accept length {acc1:.3f} at temperature 1" in done.stdout
+
+    (drafter / "model.safetensors").write_bytes(b"retrained weights")
+    refused = figures_cli(report_path, home, data)
+    assert refused.returncode == 1 and "not the one benchmarked (model.safetensors changed" in refused.stderr
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        records = instance.fetch_observations(DRAFTER_ASSET, limit=10).records
+    assert len(records) == 1  # the refused one recorded nothing
+    meta = {k: getattr(v, "value", v) for k, v in records[0].asset_observation.metadata.items()}
+    assert meta["sglang_engine_source"].startswith(SOURCES["sglang_engine"])
+    assert "Target /models/Kimi-K2.5, EAGLE-3 steps/topk/draft tokens 3/1/4, 8 eval prompts" in meta["sglang_engine_source"]
+    assert meta["sglang_engine_accept_length_t0"] == pytest.approx(acc0)
+    assert meta["sglang_engine_accept_length_t1"] == pytest.approx(acc1)
+    for tk in ("0", "1"):
+        for bs in ("1", "4"):
+            assert meta[f"sglang_engine_speedup_t{tk}_c{bs}"] == pytest.approx(report["summary"][tk]["speedup"][bs])
+    assert meta["drafter_weights_sha256"] == {"model.safetensors": hashlib.sha256(b"trained weights").hexdigest()}
+    assert meta["sglang_engine_report"] == str(report_path.resolve())
+    assert f"| 1 | 4 | {report['summary']['1']['accept_length_by_concurrency']['4']:.3f} |" in meta["sglang_engine_figures"]
+
+
+def test_the_server_benchmark_figures_are_recorded_with_their_own_source(tmp_path):
+    """The HTTP server benchmark's JSON (servers started by hand: no weights recorded) records under `sglang_server_*`,
+    saying the figures are not tied to particular weights."""
+    import dagster as dg
+    from test_serving_bench import SCRIPT as SERVER_SCRIPT
+    from test_serving_bench import FakeSGLang as FakeServer
+    from test_serving_bench import write_merged
+
+    from eagle3_assets.drafter.figures import DRAFTER_ASSET, SOURCES, record_figures
+
+    write_merged(tmp_path / "merged.parquet", n_eval=4, n_train=2)
+    out = tmp_path / "server.json"
+    with FakeServer(0.0, speculative=False, starting_polls=0) as base, FakeServer(0.0, speculative=True, starting_polls=0) as spec:
+        run = subprocess.run([sys.executable, str(SERVER_SCRIPT), "--url", spec.url, "--baseline-url", base.url,
+                              "--dataset", str(tmp_path / "merged.parquet"), "--num-prompts", "4", "--batch-sizes", "1,4",
+                              "--max-new-tokens", "60", "--warmup", "0", "--output", str(out)],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr + run.stdout
+    report = json.loads(out.read_text())
+    assert report["source"] == "sglang_server" and report["drafter"] is None
+    with dg.instance_for_test() as instance:
+        record_figures(out, instance)
+        (record,) = instance.fetch_observations(DRAFTER_ASSET, limit=10).records
+    meta = {k: getattr(v, "value", v) for k, v in record.asset_observation.metadata.items()}
+    assert meta["sglang_server_source"].startswith(SOURCES["sglang_server"])
+    assert meta["sglang_server_accept_length_t0"] == pytest.approx(report["summary"]["0"]["accept_length"])
+    assert meta["sglang_server_speedup_t0_c4"] == pytest.approx(report["results"]["eagle3"]["4"]["speedup"])
+    assert "not tied to particular weights" in meta["drafter_weights"] and "drafter_weights_sha256" not in meta
+    assert not any(k.startswith("sglang_engine") for k in meta)
+
+
+def test_the_materialization_names_the_source_of_each_accept_length():
+    """The drafter's own figures: the decoded one from the transformers loop, the simulated one teacher-forced."""
+    from eagle3_assets.assets.drafter import accept_length_metadata
+    from eagle3_assets.drafter.figures import SOURCES
+
+    report = SimpleNamespace(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
+    meta = accept_length_metadata(report, {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52,
+                                           "label": "proxy (stand-in target)"}, None)
+    assert meta["accept_length_real_source"] == SOURCES["transformers"] + "; target: proxy (stand-in target)"
+    assert "lossless speculative decoding in transformers" in meta["accept_length_real_source"]
+    assert meta["accept_length_simulated_source"] == SOURCES["simulated"]
+    assert "teacher-forced" in meta["accept_length_simulated_source"]

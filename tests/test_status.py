@@ -364,4 +364,4 @@ def test_the_drafter_metadata_leads_with_the_real_accept_length():
     assert meta["accept_length_real_change"] == 0.21 and meta["accept_length_simulated_change"] == 0.19
     assert "accept_length" not in meta  # no unnamed figure
     without = accept_length_metadata(report, None, None)  # a target too big to decode with here: simulated only, named
-    assert list(without) == ["accept_length_simulated", "accept_length_simulated_untrained"]
+    assert list(without) == ["accept_length_simulated", "accept_length_simulated_untrained", "accept_length_simulated_source"]

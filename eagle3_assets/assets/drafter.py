@@ -18,6 +18,7 @@ from eagle3_assets.checks.training import (
 )
 from eagle3_assets.deploy.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.drafter.export import check_checkpoint, trained_layer_ids
+from eagle3_assets.drafter.figures import SOURCES as FIGURE_SOURCES
 from eagle3_assets.drafter.launch import run_torchrun
 from eagle3_assets.drafter.pipeline import DrafterReport, train_drafter
 from eagle3_assets.drafter.quality import (
@@ -54,7 +55,8 @@ class DrafterTrainConfig(dg.Config):
                                   "top-k 1, num-draft-tokens = steps + 1)")
     spec_eval_max_target_gb: float = Field(default=40.0, description="skip the real decoding evaluation for a target "
                                            "with more weights than this (measure it in SGLang instead: "
-                                           "benchmarks/serving_speculative.py)")
+                                           "benchmarks/sglang_engine_speculative.py, then "
+                                           "`python -m eagle3_assets.drafter.figures` records it here)")
     min_accept_gain: float = Field(default=0.1, description="the speculative_gain check fails unless the trained "
                                    "drafter's real accept length beats the untrained one's by this much")
     checkpoint_every: int = Field(default=50, description="optimizer steps between training checkpoints (weights, "
@@ -213,17 +215,21 @@ def loss_plot(losses: list[float]):
 
 def accept_length_metadata(report: DrafterReport, real: dict | None, previous: dict | None) -> dict:
     """The accept lengths, the real one first: measured by lossless speculative decoding with the target (when the
-    target is small enough to run here), then the simulated one (teacher-forced on the eval split), named so."""
+    target is small enough to run here), then the simulated one (teacher-forced on the eval split), named so; each
+    with a `_source` saying what produced it. SGLang's own figures come later, as observations of this asset
+    (eagle3_assets/drafter/figures.py)."""
     out: dict = {}
     if real is not None:
         out |= {"accept_length_real": real["accept_length_real"],
                 "accept_length_real_untrained": real["accept_length_real_untrained"],
-                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)"}
+                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
+                "accept_length_real_source": f"{FIGURE_SOURCES['transformers']}; target: {real['label']}"}
         if previous and previous.get("accept_length_real") is not None:
             out |= {"accept_length_real_previous": previous["accept_length_real"],
                     "accept_length_real_change": round(real["accept_length_real"] - previous["accept_length_real"], 4)}
     out |= {"accept_length_simulated": report.trained["accept_length"],
-            "accept_length_simulated_untrained": report.untrained["accept_length"]}
+            "accept_length_simulated_untrained": report.untrained["accept_length"],
+            "accept_length_simulated_source": FIGURE_SOURCES["simulated"]}
     if previous:
         out |= {"accept_length_simulated_previous": previous["accept_length"],
                 "accept_length_simulated_change": round(report.trained["accept_length"] - previous["accept_length"], 4)}
