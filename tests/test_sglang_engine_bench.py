@@ -27,17 +27,10 @@ from eagle3_resources.hidden_states.sglang_api import Name
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "sglang_engine_speculative.py"
+sys.path.insert(0, str(SCRIPT.parent))  # as the script itself does: its folder holds speculative_common
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sglang_engine_speculative", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = load_script()
-common = sys.modules["speculative_common"]  # the shared module the script imported
+import sglang_engine_speculative as bench  # noqa: E402
+import speculative_common as common  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- the fake engine
