@@ -73,7 +73,8 @@ def completions_resource() -> CompletionsResource:
 
 def hidden_states_resource() -> HiddenStatesResource:
     kwargs: dict = {"backend": os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")}
-    for field, var in (("batch_tokens", "EAGLE3_HIDDEN_STATES_BATCH_TOKENS"), ("sglang_tp_size", "EAGLE3_SGLANG_TP_SIZE")):
+    for field, var in (("batch_tokens", "EAGLE3_HIDDEN_STATES_BATCH_TOKENS"), ("sglang_tp_size", "EAGLE3_SGLANG_TP_SIZE"),
+                       ("sglang_max_forward_tokens", "EAGLE3_SGLANG_MAX_FORWARD_TOKENS")):
         if os.environ.get(var):
             kwargs[field] = dg.EnvVar.int(var)
     return HiddenStatesResource(**kwargs)

@@ -23,6 +23,12 @@ class HiddenStatesResource(dg.ConfigurableResource):
     backend: HiddenStatesBackendKind = Field(default=HiddenStatesBackendKind.TRANSFORMERS, description="transformers | sglang")
     sglang_tp_size: int = Field(default=8, description="tensor-parallel GPUs for the SGLang backend")
     sglang_mem_fraction: float = Field(default=0.8, description="SGLang mem_fraction_static")
+    sglang_max_forward_tokens: int = Field(default=32768, description="SGLang backend: most tokens in one forward "
+                                           "pass, each sample counted in whole KV pages; also the KV pool's size "
+                                           "(max_total_tokens), the rest of sglang_mem_fraction is left to "
+                                           "activations. At least max_length (a sample is never split)")
+    sglang_max_forward_requests: int = Field(default=512, description="SGLang backend: most samples in one forward "
+                                             "pass (SGLang's max_running_requests)")
     max_length: int = Field(default=32768, description="longest sample (tokens) the backend accepts")
     batch_tokens: int = Field(default=8192, description="tokens per forward pass: a batch is several samples whose "
                               "longest times their count stays within this (a longer sample goes alone). Larger "
@@ -36,6 +42,7 @@ class HiddenStatesResource(dg.ConfigurableResource):
             return SGLangHiddenStates(
                 str(target.folder(tokenizer, log)), tp_size=self.sglang_tp_size,
                 max_length=self.max_length, mem_fraction_static=self.sglang_mem_fraction,
+                max_forward_tokens=self.sglang_max_forward_tokens, max_forward_requests=self.sglang_max_forward_requests,
             )
         from eagle3_resources.hidden_states.transformers_backend import (
             TransformersHiddenStates,

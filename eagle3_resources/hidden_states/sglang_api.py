@@ -59,7 +59,7 @@ class Name:
 SERVER_ARGS_KWARGS = (
     "model_path", "tp_size", "trust_remote_code", "context_length", "mem_fraction_static",
     "chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache", "enable_return_aux_hidden_states",
-    "speculative_algorithm", "return_aux_hidden_state_layer_ids", "log_level",
+    "speculative_algorithm", "return_aux_hidden_state_layer_ids", "log_level", "max_total_tokens", "max_running_requests",
 )
 
 CONTRACT: tuple[Name, ...] = (
@@ -93,19 +93,21 @@ CONTRACT: tuple[Name, ...] = (
     Name("sglang.srt.model_executor.model_runner", "ModelRunnerOutput", attrs=("logits_output",)),
     Name("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool", attrs=("size", "clear"),
          why="size: requests per batch; clear: freed after every batch"),
-    Name("sglang.srt.mem_cache.allocator", "BaseTokenToKVPoolAllocator", attrs=("clear",)),
+    Name("sglang.srt.mem_cache.allocator", "BaseTokenToKVPoolAllocator", attrs=("clear", "available_size")),
     Name("sglang.srt.layers.logits_processor", "LogitsProcessorOutput", attrs=("hidden_states", "last_hidden_states"),
          why="hidden_states: the packed aux layers [T, 3H]; last_hidden_states: post-norm final [T, H]"),
     Name("sglang.srt.managers.schedule_batch", "Req",
          kwargs=("rid", "origin_input_text", "origin_input_ids", "sampling_params", "return_hidden_states"),
-         attrs=("full_untruncated_fill_ids", "extend_end", "logprob_start_len")),
+         attrs=("full_untruncated_fill_ids", "extend_end", "logprob_start_len", "prefix_len")),
     Name("sglang.srt.managers.schedule_batch", "ScheduleBatch.init_new",
          kwargs=("reqs", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache", "model_config",
                  "enable_overlap", "spec_algorithm")),
     Name("sglang.srt.managers.schedule_batch", "ScheduleBatch",
          attrs=("prepare_for_extend", "input_ids", "prefill_input_ids_cpu", "device")),
     Name("sglang.srt.mem_cache.base_prefix_cache", "BasePrefixCache",
-         attrs=("supports_swa", "supports_mamba", "supports_prefix_sharing", "evict", "maybe_hand_to_session"),
+         attrs=("supports_swa", "supports_mamba", "supports_prefix_sharing", "evict", "maybe_hand_to_session",
+                "evictable_size", "available_and_evictable_str", "pretty_print", "prefix_device_indices",
+                "rotation_base_of"),
          why="what the backend's no-sharing tree cache implements"),
     Name("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.init_new",
          kwargs=("capture_hidden_mode", "return_hidden_states_before_norm")),

@@ -16,6 +16,12 @@ DeepseekV3 language model) and makes the logits processor return the packed auxi
 name used here is listed, and checked, in `sglang_api.CONTRACT`. CUDA graphs, chunked prefill
 and the radix cache are off: one extend per batch over whole sequences.
 
+Each forward is bounded, as SGLang's own scheduler bounds a prefill: at most `max_forward_tokens`
+tokens (each sequence counted in whole KV pages, as SGLang's paged allocator takes them) and at
+most `max_forward_requests` sequences. SGLang's KV pool is sized to hold exactly one such forward
+(`max_total_tokens`, `max_running_requests`, as SpecForge bounds its pool), so the memory
+`mem_fraction_static` sets aside beyond it is left to the forward's activations.
+
 sglang is imported only inside the rank processes. The parent checks, before spawning anything,
 that sglang is installed (without importing it), that its sources still have every name we use,
 and that there are enough CUDA devices; each failure says what to do.
@@ -52,6 +58,23 @@ class RankError(RuntimeError):
     """A rank process failed or died."""
 
 
+class KVPoolExhausted(RuntimeError):
+    """SGLang could not allocate a batch's KV slots (raised in the rank, with the figures and the knobs)."""
+
+
+# Tokens in one forward (one extend). SGLang's own scheduler caps a prefill at chunked_prefill_size
+# (8-16K, by GPU) so that decode keeps its KV room; capture keeps no KV between forwards, so the pool
+# is only this big and a forward may be twice that. At Kimi-K2.5 size the aux output alone is
+# 32768 x 3 x 7168 x 2 B = 1.4 GB per rank. It must be at least max_length (a sample is never split).
+DEFAULT_MAX_FORWARD_TOKENS = 32768
+# Sequences in one forward (SGLang's max_running_requests): the request-to-token table is this
+# many rows of context_length int32 (64 MB at 32K), and short samples still fill a forward.
+DEFAULT_MAX_FORWARD_REQUESTS = 512
+FORWARD_TOKENS_KNOB = "sglang_max_forward_tokens (EAGLE3_SGLANG_MAX_FORWARD_TOKENS)"
+FORWARD_REQUESTS_KNOB = "sglang_max_forward_requests"
+MEM_FRACTION_KNOB = "sglang_mem_fraction"
+
+
 # ---------------------------------------------------------------- pure pieces
 
 
@@ -79,6 +102,8 @@ class EngineSpec:
     nccl_port: int
     max_length: int = 32768
     mem_fraction_static: float = 0.8
+    max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS  # also the KV pool's size (max_total_tokens)
+    max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS  # SGLang's max_running_requests
     trust_remote_code: bool = True
     log_level: str = "warning"
 
@@ -91,6 +116,10 @@ def server_args_kwargs(spec: EngineSpec) -> dict[str, Any]:
         "trust_remote_code": spec.trust_remote_code,
         "context_length": spec.max_length,
         "mem_fraction_static": spec.mem_fraction_static,
+        # The KV pool holds one forward (it is cleared after each): SGLang takes min(this, what
+        # mem_fraction_static leaves after the weights), rounded down to whole pages.
+        "max_total_tokens": spec.max_forward_tokens,
+        "max_running_requests": spec.max_forward_requests,
         "chunked_prefill_size": -1,  # whole sequences in one extend
         "disable_cuda_graph": True,  # prefill and decode graphs off: eager extend with capture
         "disable_radix_cache": True,  # no prefix sharing between batches
@@ -101,30 +130,67 @@ def server_args_kwargs(spec: EngineSpec) -> dict[str, Any]:
     }
 
 
+def check_forward_bounds(max_length: int, max_forward_tokens: int, max_forward_requests: int) -> None:
+    """Refuse bounds that cannot work, before any process starts: a sequence is never split."""
+    if max_forward_requests < 1:
+        raise ValueError(f"{FORWARD_REQUESTS_KNOB} must be at least 1, got {max_forward_requests}")
+    if max_forward_tokens < max_length:
+        raise ValueError(f"{FORWARD_TOKENS_KNOB} is {max_forward_tokens}, below max_length {max_length}: the SGLang "
+                         "backend runs each sample in one forward (no chunked prefill), so a forward must hold the "
+                         "longest; raise it or lower max_length")
+
+
+def page_rounded(n: int, page_size: int) -> int:
+    """KV slots a fresh sequence of `n` tokens takes: SGLang's paged allocator gives each request whole pages."""
+    return -(-n // page_size) * page_size
+
+
 @dataclass(frozen=True)
 class Limits:
     max_tokens: int  # tokens the KV pool holds (one batch must fit: no chunked prefill)
     max_requests: int  # rows of the request-to-token table
     max_length: int  # context length the runner was built for
+    page_size: int = 1  # KV page size: each sequence takes whole pages
+    max_forward_tokens: int | None = None  # bound on one forward's tokens (page-rounded); None: the pool only
+
+    @property
+    def forward_tokens(self) -> int:
+        """Page-rounded tokens one forward may hold: the pool and the forward bound, in whole pages."""
+        cap = self.max_tokens if self.max_forward_tokens is None else min(self.max_tokens, self.max_forward_tokens)
+        return cap // self.page_size * self.page_size
 
 
 def plan_sub_batches(lengths: list[int], limits: Limits) -> list[list[int]]:
-    """Indices of `lengths` grouped, in order, into batches that fit the runner's pools."""
+    """Indices of `lengths` grouped, in order, into forwards that fit the runner's pools and the forward bound.
+
+    Each sequence counts as its length rounded up to whole KV pages (what SGLang allocates for it).
+    """
+    budget = limits.forward_tokens
     groups: list[list[int]] = []
     tokens = 0
     for i, n in enumerate(lengths):
         if n <= 0:
             raise ValueError(f"sequence {i} is empty")
-        if n > limits.max_length or n > limits.max_tokens:
-            raise ValueError(f"sequence {i} has {n} tokens; the SGLang runner takes at most "
-                             f"{min(limits.max_length, limits.max_tokens)} (max_length {limits.max_length}, "
-                             f"KV pool {limits.max_tokens})")
-        if not groups or tokens + n > limits.max_tokens or len(groups[-1]) >= limits.max_requests:
+        need = page_rounded(n, limits.page_size)
+        if n > limits.max_length or need > budget:
+            raise ValueError(f"sequence {i} has {n} tokens ({need} in KV pages of {limits.page_size}); the SGLang "
+                             f"runner takes at most {min(limits.max_length, budget)} (max_length {limits.max_length}, "
+                             f"KV pool {limits.max_tokens}, max_forward_tokens {limits.max_forward_tokens})")
+        if not groups or tokens + need > budget or len(groups[-1]) >= limits.max_requests:
             groups.append([])
             tokens = 0
         groups[-1].append(i)
-        tokens += n
+        tokens += need
     return groups
+
+
+def kv_pool_message(lengths: list[int], *, page_size: int, pool_tokens: int, pool_requests: int) -> str:
+    """What a user reads when SGLang cannot allocate a batch: the batch, the pool, and the knobs."""
+    rounded = sum(page_rounded(n, page_size) for n in lengths)
+    return (f"the SGLang KV pool is out of memory for a batch of {len(lengths)} sequences, {sum(lengths)} tokens "
+            f"({rounded} in whole KV pages of {page_size}); the pool holds {pool_tokens} tokens and {pool_requests} "
+            f"requests. Lower {FORWARD_TOKENS_KNOB} or {FORWARD_REQUESTS_KNOB} (a forward's size), or raise "
+            f"{MEM_FRACTION_KNOB} if SGLang sized the pool below {FORWARD_TOKENS_KNOB}")
 
 
 def split_rows(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
@@ -329,8 +395,13 @@ class RankPool:
 
 
 class _NoSharingCache:
-    """The tree cache `ScheduleBatch` is given: allocation only, no prefix sharing (BasePrefixCache's
-    methods that the extend path calls, per sglang_api.CONTRACT)."""
+    """The tree cache `ScheduleBatch` is given: allocation only, no prefix sharing.
+
+    It has every BasePrefixCache member that SGLang's extend path (`ScheduleBatch.init_new`,
+    `prepare_for_extend` and the allocation functions they call) reaches for a cache whose
+    `supports_*` answer False, as tests/test_sglang_backend_limits.py reads it from the release:
+    the out-of-memory report included, so a full pool says so instead of raising AttributeError.
+    """
 
     def __init__(self, runner):
         self.page_size = runner.page_size
@@ -352,11 +423,36 @@ class _NoSharingCache:
     def maybe_hand_to_session(self, req) -> None:
         return None
 
+    def evictable_size(self) -> int:
+        return 0  # nothing is cached, so nothing can be evicted
+
+    def available_and_evictable_str(self) -> str:
+        """SGLang's out-of-memory report (BasePrefixCache's wording)."""
+        available_size, evictable_size = self.token_to_kv_pool_allocator.available_size(), self.evictable_size()
+        return f"Available tokens: {available_size + evictable_size} ({available_size=} + {evictable_size=})\n"
+
+    def pretty_print(self) -> None:
+        """SGLang logs the tree after an out-of-memory report: this cache has none."""
+        return None
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        """KV indices of a request's cached prefix: always empty, nothing is shared."""
+        if req.prefix_len:
+            raise RuntimeError(f"request {req.rid} has a cached prefix of {req.prefix_len} tokens in a cache that "
+                               "shares none")
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def rotation_base_of(self, node) -> None:
+        return None  # no tree, so no KV-shard rotation base (BasePrefixCache's "none here")
+
 
 class SGLangRankEngine:
     """One TP rank: its ModelRunner, and one extend pass with full capture per batch."""
 
     def __init__(self, spec: EngineSpec, rank: int):
+        # First, before sglang is imported: resolving ServerArgs (and importing SGLang's kernels) asks
+        # torch.cuda about the *current* device; without this every rank would first touch GPU 0.
+        torch.cuda.set_device(rank)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed import bootstrap
         from sglang.srt.entrypoints.engine import _set_envs_and_config
@@ -410,7 +506,7 @@ class SGLangRankEngine:
     def info(self) -> dict[str, Any]:
         r = self.runner
         return {"rank": self.rank, "model_class": self.model_class, "max_total_num_tokens": int(r.max_total_num_tokens),
-                "max_requests": int(r.req_to_token_pool.size), "device": str(r.device)}
+                "max_requests": int(r.req_to_token_pool.size), "page_size": int(r.page_size), "device": str(r.device)}
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -438,7 +534,15 @@ class SGLangRankEngine:
                 token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=_NoSharingCache(runner),
                 model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
             )
-            batch.prepare_for_extend()
+            try:
+                batch.prepare_for_extend()  # allocates the KV slots
+            except RuntimeError as e:  # SGLang's "Prefill out of memory" / "alloc_req_slots runs out of memory"
+                if "out of memory" not in str(e).lower():
+                    raise
+                raise KVPoolExhausted(kv_pool_message(
+                    [len(s) for s in sequences], page_size=int(runner.page_size),
+                    pool_tokens=int(runner.max_total_num_tokens), pool_requests=int(runner.req_to_token_pool.size),
+                )) from e
             if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
                 batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
                 batch.prefill_input_ids_cpu = None
@@ -465,6 +569,23 @@ def build_sglang_engine(spec: EngineSpec, rank: int, world_size: int) -> SGLangR
 
 
 # ---------------------------------------------------------------- the backend (parent side)
+
+
+def limits_of(infos: list[dict[str, Any]], *, max_length: int, max_forward_tokens: int) -> Limits:
+    """The planner's limits from every rank's pools; refused when the longest sample cannot fit one forward."""
+    pages = {int(i["page_size"]) for i in infos}
+    if len(pages) != 1:
+        raise RankError(f"the ranks report different KV page sizes {sorted(pages)}")
+    limits = Limits(max_tokens=min(int(i["max_total_num_tokens"]) for i in infos),
+                    max_requests=min(int(i["max_requests"]) for i in infos), max_length=max_length,
+                    page_size=pages.pop(), max_forward_tokens=max_forward_tokens)
+    if page_rounded(max_length, limits.page_size) > limits.forward_tokens:
+        raise SGLangUnavailable(
+            f"a forward holds {limits.forward_tokens} tokens (KV pool {limits.max_tokens}, {FORWARD_TOKENS_KNOB} "
+            f"{max_forward_tokens}, pages of {limits.page_size}), fewer than a max_length sample takes "
+            f"({page_rounded(max_length, limits.page_size)}): raise {MEM_FRACTION_KNOB} or {FORWARD_TOKENS_KNOB}, "
+            "or lower max_length")
+    return limits
 
 
 def free_port() -> int:
@@ -495,8 +616,11 @@ class SGLangHiddenStates:
     name = "sglang"
 
     def __init__(self, model_path: str, *, tp_size: int = 8, layer_ids: list[int] | None = None,
-                 max_length: int = 32768, mem_fraction_static: float = 0.8, trust_remote_code: bool = True,
+                 max_length: int = 32768, mem_fraction_static: float = 0.8,
+                 max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS,
+                 max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS, trust_remote_code: bool = True,
                  start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, log_level: str = "warning"):
+        check_forward_bounds(max_length, max_forward_tokens, max_forward_requests)
         preflight(tp_size)
         shape = read_text_shape(model_path)
         self.model_path = str(model_path)
@@ -511,21 +635,26 @@ class SGLangHiddenStates:
         self.capture_argument = sglang_api.capture_argument(self.layer_ids, self.num_layers, rule)
         spec = EngineSpec(model_path=self.model_path, tp_size=tp_size, capture_argument=tuple(self.capture_argument),
                           capture_rule=rule, nccl_port=free_port(), max_length=max_length,
-                          mem_fraction_static=mem_fraction_static, trust_remote_code=trust_remote_code,
+                          mem_fraction_static=mem_fraction_static, max_forward_tokens=max_forward_tokens,
+                          max_forward_requests=max_forward_requests, trust_remote_code=trust_remote_code,
                           log_level=log_level)
         self._pool = RankPool(tp_size, functools.partial(build_sglang_engine, spec),
                               start_timeout_s=start_timeout_s, batch_timeout_s=batch_timeout_s)
         infos = self._pool.start()
         self.rank_info = infos[0]
-        self.limits = Limits(max_tokens=min(i["max_total_num_tokens"] for i in infos),
-                             max_requests=min(i["max_requests"] for i in infos), max_length=max_length)
+        try:
+            self.limits = limits_of(infos, max_length=max_length, max_forward_tokens=max_forward_tokens)
+        except BaseException:
+            self._pool.close()
+            raise
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
                 "layer_ids": self.layer_ids, "sglang_version": sglang_api.installed_version(),
                 "sglang_capture_argument": self.capture_argument, "sglang_capture_rule": self.capture_rule.value,
                 "tp_size": self.tp_size, "model_class": self.rank_info.get("model_class"),
-                "max_batch_tokens": self.limits.max_tokens, "max_batch_requests": self.limits.max_requests,
+                "max_batch_tokens": self.limits.forward_tokens, "max_batch_requests": self.limits.max_requests,
+                "kv_pool_tokens": self.limits.max_tokens, "page_size": self.limits.page_size,
                 "max_length": self.limits.max_length, "dtype": "bfloat16"}
 
     def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
