@@ -24,6 +24,11 @@ Reported per server and concurrency:
   output tok/s    sum(completion_tokens) / wall time of the batch (first request sent to last response read).
   speed-up        output tok/s over the baseline server's at the same concurrency.
 
+The JSON (`--output`) has `source: "sglang_server"` and a `summary` per temperature (here only "0", greedy) of the
+shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.drafter.figures FILE` records it on the
+`eagle3_drafter` asset (eagle3_assets/drafter/figures.py). The eval prompts and the arithmetic are
+benchmarks/speculative_common.py's, shared with that script.
+
 Imports only the standard library at module import; the Parquet file is read with pyarrow when one is given
 (a JSONL file of prompt ids needs nothing): runs where sglang is installed without this project's extras.
 """

@@ -240,7 +240,8 @@ def script_engine_names() -> tuple[set[str], set[str]]:
 def script_contract() -> list[Name]:
     members, keywords = script_engine_names()
     assert members == {"async_generate", "loop", "flush_cache", "shutdown"} and keywords == {"input_ids", "sampling_params"}
-    server_args = set(bench.engine_kwargs("/m", tp=8, drafter="/d", mem_fraction_static=0.8, seed=0))
+    server_args = set(bench.engine_kwargs("/m", tp=8, drafter="/d", mem_fraction_static=0.8, seed=0,
+                                          extra={"cuda_graph_max_bs_decode": 16}))  # --engine-arg's example
     sampling = set(common.sampling_params(16, True, temperature=1.0, top_p=0.95))
     return [
         Name("sglang", "Engine", why="sglang.Engine, what sglang_engine() returns"),
