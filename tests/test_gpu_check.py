@@ -183,9 +183,9 @@ def test_tiny_config_has_every_attribute_sglang_reads(tiny_model, deepseek_v2):
 
 
 def test_config_reader_follows_the_selected_path(deepseek_v2):
-    """The reader counts a read only on the path the config selects: with q_lora_rank absent the attention
-    class builds q_proj from num_heads instead and never reads q_lora_rank; with rope_parameters present
-    rope_theta and rope_scaling are not read."""
+    """The reader counts a read only on the path the config selects: with rope_parameters in the config the
+    decoder layer takes rope_theta from it and never reads config.rope_theta or config.rope_scaling; without
+    it, it reads both. Reads behind `hasattr` (q_lora_rank) count when the config has the key."""
     with_rope = config_reads(deepseek_v2, {"rope_parameters": {"rope_theta": 1e4}, "q_lora_rank": 8})
     assert "rope_theta" not in with_rope and "rope_scaling" not in with_rope and "q_lora_rank" in with_rope
     without = config_reads(deepseek_v2, {})
