@@ -14,8 +14,9 @@ The two SGLang benchmarks run on a GPU host after the drafter is materialized, s
 that materialization. This step records a benchmark's JSON on the `eagle3_drafter` asset as an observation (no
 run, no retraining), once it has checked that the weights the benchmark measured are the ones on disk now:
 
-    eagle3 env > /tmp/env && . /tmp/env    # or any shell where DAGSTER_HOME is this project's instance
     .venv/bin/python -m eagle3_assets.drafter.figures sglang_engine_speculative.json
+
+(the instance `eagle3` uses: DAGSTER_HOME if set, else the project's default, as eagle3_assets/instance.py decides).
 
 The observation shows under the asset's Observations in the UI, newest first, with the latest materialization's
 run id beside it, so which drafter the figures belong to is plain.
