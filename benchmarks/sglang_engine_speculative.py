@@ -1,6 +1,6 @@
 """Accept length and speed from SGLang itself: its offline `Engine`, the target alone and then with the EAGLE-3 drafter.
 
-    # an 8-GPU Kimi-K2.5 host with sglang installed (pip install -e '.[sglang]'): both engines, one after the other
+    # an 8-GPU Kimi-K2.5 host with sglang installed (README, GPU host): both engines, one after the other
     .venv/bin/python benchmarks/sglang_engine_speculative.py --target /models/Kimi-K2.5 --tp 8 \\
         --drafter /data/eagle3/eagle3_drafter --prompts /data/eagle3/merged_dataset/merged.parquet
     # the Engine arguments of both engines, and stop (no sglang needed)
@@ -58,7 +58,6 @@ from speculative_common import (  # noqa: E402  (shared with serving_speculative
 )
 
 SOURCE = "sglang_engine"
-INSTALL_HINT = "pip install -e '.[sglang]' on a GPU host (README, GPU host)"
 EngineFactory = Callable[..., Any]
 
 
@@ -148,6 +147,9 @@ def sglang_engine() -> tuple[EngineFactory, str | None]:
     try:
         import sglang
     except ImportError as e:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from eagle3_resources.hidden_states.sglang_api import INSTALL_HINT  # the project's one install command
+
         raise SystemExit(f"sglang is not importable here ({e}); this benchmark runs SGLang's offline Engine on a GPU "
                          f"host: {INSTALL_HINT}. `--dry-run` prints the Engine arguments without it.") from e
     return sglang.Engine, getattr(sglang, "__version__", None)

@@ -221,7 +221,7 @@ def test_dry_run_prints_the_engine_arguments_and_a_run_without_sglang_says_how_t
     run = subprocess.run([sys.executable, str(SCRIPT), "--target", "/m", "--prompts", str(tmp_path / "absent.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
-    assert "sglang is not importable" in run.stderr and "pip install -e '.[sglang]'" in run.stderr
+    assert "sglang is not importable" in run.stderr and sglang_api.INSTALL_HINT in run.stderr
     assert "absent.jsonl" not in run.stderr
 
 
