@@ -196,7 +196,8 @@ def shm_row(shm_dir: Path, batch_tokens: int, hidden: int, hidden_from: str, req
     if not shm_dir.is_dir():
         return Check("/dev/shm", FAIL if required else WARN, f"{shm_dir} does not exist", required,
                      fix=f"sudo mkdir -p {shm_dir} && sudo mount -t tmpfs -o size={-(-need // 2**30)}G tmpfs {shm_dir}")
-    size = os.statvfs(shm_dir).f_blocks * os.statvfs(shm_dir).f_frsize
+    st = os.statvfs(shm_dir)
+    size = st.f_blocks * st.f_frsize
     data = {"path": str(shm_dir), "size_bytes": size, "needed_bytes": need, "batch_tokens": batch_tokens, "hidden": hidden}
     detail = (f"{shm_dir} {human(size)}; hand-off {SHM_BATCHES} x {batch_tokens:,} tokens x {N_AUX + 1} x {hidden} "
               f"({hidden_from}) x 2 B = {human(need)}")

@@ -18,7 +18,6 @@ import ast
 import json
 import operator
 import os
-import re
 import shutil
 import subprocess
 import sys
