@@ -1,8 +1,9 @@
 """The SGLang hidden-states backend without a GPU: its API contract, id translation, rank protocol.
 
 (a) the contract against the installed sglang (skipped without it), (b) against a source tree
-named by $SGLANG_SOURCE (e.g. a checkout's `python/`), (c) the checker on small fake trees, so it
-is seen to fail, (d) the pure pieces, the spawned rank processes with a fake engine, and
+named by $SGLANG_SOURCE (e.g. a checkout's `python/`), and always against the pinned wheel's own
+source (downloaded once, read by `ast`) and copies of it with one name renamed, (c) the checker
+on small fake trees, so it is seen to fail, (d) the pure pieces, the spawned rank processes with a fake engine, and
 `eagle3 gpu-check --json` on this host.
 """
 
@@ -13,6 +14,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -73,6 +75,50 @@ def test_contract_against_source_tree():
     assert rule is not None
     # Kimi-K2.5 (61 layers): the default layers reach SGLang as they are, whatever the rule.
     assert capture_argument(eagle3_aux_layers(61), 61, rule) == [1, 29, 57]
+
+
+def test_contract_against_the_pinned_release(sglang_release_source):
+    """The pinned wheel's own source (`pip download sglang==<pin> --no-deps`, read by ast): always runs."""
+    from sglang_source import pinned_sglang_version
+
+    pkg = sglang_api.package_dir(sglang_release_source)
+    assert pkg is not None and sglang_api.source_version(pkg) == pinned_sglang_version() == sglang_api.SGLANG_TESTED
+    assert sglang_api.check_contract(sglang_release_source) == []
+    # 0.5.23's DeepseekV2 setter has sglang#25454's rule: +1 only for a list starting with 1.
+    rule = sglang_api.capture_rule(sglang_release_source)
+    assert rule is POST
+    assert capture_argument(eagle3_aux_layers(61), 61, rule) == [1, 29, 57]
+    assert capture_argument([2, 4, 6], 8, rule) == [3, 5, 7]
+
+
+SRT = "sglang/srt/"
+
+
+@pytest.mark.parametrize("rel, old, new, problem", [
+    (SRT + "model_executor/model_runner.py", "    def init_attention_backends(self):",
+     "    def init_attention_backend_list(self):",
+     "sglang.srt.model_executor.model_runner.ModelRunner: no attribute init_attention_backends"),
+    (SRT + "arg_groups/fields/exec_.py", "    enable_return_aux_hidden_states: A[", "    enable_aux_hidden_states: A[",
+     "sglang.srt.server_args.ServerArgs: no parameter enable_return_aux_hidden_states"),
+    (SRT + "runtime_context.py", "    ranks: SpawnRanks | None = None,", "    spawn_ranks: SpawnRanks | None = None,",
+     "sglang.srt.runtime_context.publish: no parameter ranks"),
+    (SRT + "models/deepseek_v2.py", "    def set_eagle3_layers_to_capture(self, layer_ids",
+     "    def set_aux_layers_to_capture(self, layer_ids",
+     "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: not found"),
+    (SRT + "models/deepseek_v2.py", "layer_ids[0] == 1:\n                self.model.layers_to_capture = [val + 1 for",
+     "layer_ids[0] == 1:\n                self.model.layers_to_capture = [val + 2 for",
+     "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: "
+     "layer-id rule not recognised in its source"),
+], ids=["ModelRunner method", "ServerArgs field", "publish keyword", "capture setter", "capture rule"])
+def test_contract_on_a_copy_of_the_release_reports_one_renamed_name(sglang_release_source, tmp_path, rel, old, new,
+                                                                     problem):
+    """The release's source copied, one name the backend relies on renamed: the checker reports exactly that."""
+    shutil.copytree(sglang_release_source / "sglang", tmp_path / "sglang")
+    path = tmp_path / rel
+    text = path.read_text(encoding="utf-8")
+    assert text.count(old) == 1, f"{old!r} is not once in {rel} of the release"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    assert sglang_api.check_contract(tmp_path) == [problem]
 
 
 # ---------------------------------------------------------------- (c) the checker on fake trees
