@@ -1,0 +1,113 @@
+"""The README's GPU host section, run as a reader would run it on a host without GPUs.
+
+Every command in that section's `bash` blocks either says it needs GPUs (a trailing comment that
+starts with `GPU`) or is run here, as written, and must succeed. A command added to the section that
+no test runs, or one this file runs that the section no longer shows, fails the first test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def gpu_host_section() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("\n## GPU host")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def section_commands() -> list[tuple[str, str]]:
+    """(command, trailing comment) for every command line of the section's bash blocks."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", gpu_host_section(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if not line.strip():
+                continue
+            command, _, comment = line.partition("  # ")
+            out.append((" ".join(command.split()), comment.strip()))
+    return out
+
+
+def needs_gpu(comment: str) -> bool:
+    return comment.startswith("GPU")
+
+
+def run(command: str, tmp_path: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """The command as written, with this interpreter's venv standing in for `.venv/bin/`."""
+    command = command.replace(".venv/bin/", f"{BIN}/").replace("/tmp/device-check", str(tmp_path / "device-check"))
+    (tmp_path / "data").mkdir(exist_ok=True)
+    env = {**os.environ, "EAGLE3_DATA_DIR": str(tmp_path / "data"), "OUT": str(tmp_path / "out")}
+    return subprocess.run(command, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_gpu_check_screen(p: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "to fix:" in p.stdout and "result:" in p.stdout, p.stdout
+    assert not list((tmp_path / "data").glob(".eagle3-gpu-check-*")), "the disk probe left its files behind"
+
+
+def check_gpu_check_json(p: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)["checks"]}
+    assert rows["disk write"]["status"] == "ok", rows["disk write"]
+    assert rows["torch/cuda"]["fix"], "a host without a GPU is told how to install for one"
+
+
+def check_device_check(p: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((tmp_path / "device-check" / "device_check.json").read_text())
+    failed = {name: s.get("error") for name, s in report["sections"].items() if "figures" not in s}
+    assert set(report["sections"]) >= {"train_2048", "train_kimi", "ttt_attention", "extraction", "speculative"}
+    assert not failed, failed
+
+
+def check_engine_dry_run(p: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("sglang.Engine(") == 2 and '"speculative_algorithm": "EAGLE3"' in p.stdout, p.stdout
+
+
+def check_server_dry_run(p: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("-m sglang.launch_server") == 2 and "--speculative-algorithm EAGLE3" in p.stdout, p.stdout
+
+
+RUNNERS = {
+    ".venv/bin/eagle3 gpu-check": check_gpu_check_screen,
+    ".venv/bin/eagle3 gpu-check --no-capture --json": check_gpu_check_json,
+    ".venv/bin/python benchmarks/device_check.py --device cpu --out /tmp/device-check": check_device_check,
+    ".venv/bin/python benchmarks/sglang_engine_speculative.py --target /models/Kimi-K2.5 "
+    "--drafter /data/eagle3/eagle3_drafter --dry-run": check_engine_dry_run,
+    ".venv/bin/python benchmarks/serving_speculative.py --model-path /models/Kimi-K2.5 --tp-size 8 "
+    "--draft-model-path /data/eagle3/eagle3_drafter --dry-run": check_server_dry_run,
+}
+
+
+def test_every_command_without_a_gpu_is_run_here():
+    commands = section_commands()
+    assert len(commands) >= 10, "the GPU host section's commands were not found"
+    runnable = {c for c, comment in commands if not needs_gpu(comment)}
+    assert runnable == set(RUNNERS), (
+        f"in the README but run by no test: {sorted(runnable - set(RUNNERS))}; "
+        f"run here but no longer in the README: {sorted(set(RUNNERS) - runnable)}")
+    # Each GPU command is a real command, not prose: it starts with a program this project ships or installs.
+    for command, comment in commands:
+        if needs_gpu(comment):
+            assert shlex.split(command)[0] in {"export", "python", "python3.12", ".venv/bin/eagle3", ".venv/bin/python"}, command
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("command", list(RUNNERS))
+def test_readme_command_runs(command, tmp_path):
+    RUNNERS[command](run(command, tmp_path), tmp_path)
