@@ -41,9 +41,9 @@ def free_port() -> int:
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3_resources.fake_openrouter", "--port", str(port), "--api-key", KEY,
+        [sys.executable, "-m", "fakes.openrouter", "--port", str(port), "--api-key", KEY,
          "--latency-s", str(latency), "--mean-reasoning-words", "6", "--mean-content-words", "4", "--generation-404-s", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+        cwd=REPO / "tests", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True,
     )
     proc.stdout.readline()  # {"listening": ...}
     for _ in range(100):

@@ -195,7 +195,7 @@ class Watch:
 
     def install(self, monkeypatch) -> "Watch":
         from eagle3_assets.spend.ledger import SpendLedger
-        from eagle3_resources.fake_openrouter.server import FakeOpenRouter
+        from fakes.openrouter.server import FakeOpenRouter
 
         ledger_init, fake_init = SpendLedger.__init__, FakeOpenRouter.__init__
 

@@ -8,6 +8,7 @@ import dagster as dg
 import polars as pl
 import pytest
 from dagster._core.definitions.partitions.context import partition_loading_context
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from test_operator_controls import KEY, resources_for
 
 from eagle3_assets import completions as completions_logic
@@ -18,7 +19,6 @@ from eagle3_assets.instance import dagster_home
 from eagle3_assets.quality import status_board
 from eagle3_assets.schedules import missing_partitions_nightly
 from eagle3_assets.status import run_progress
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.storage import DataStore
 
 

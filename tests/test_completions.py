@@ -3,6 +3,7 @@
 
 import pytest
 from aiohttp import web
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
 from eagle3_assets.completions import (
     build_requests,
@@ -18,7 +19,6 @@ from eagle3_resources.completions.local import InverseCdfSampler, TransformersBa
 from eagle3_resources.completions.openrouter import OpenRouterBackend, request_body
 from eagle3_resources.completions.sglang import SGLangBackend
 from eagle3_resources.completions.types import RunFatalError, SamplingSettings
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 
 

@@ -1,6 +1,6 @@
 """The fake OpenRouter as an independent oracle, and its hostile behaviours, over real loopback HTTP.
 
-The fake counts tokens and renders prompts with its own code (eagle3_resources/fake_openrouter/
+The fake counts tokens and renders prompts with its own code (tests/fakes/openrouter/
 encoding.py and template.py, written from Moonshot's public sources); here its bill is compared
 with the project's tokenizer and chat format on every shipped prompt, so either side can be
 caught wrong.
@@ -14,15 +14,16 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
+from fakes.openrouter.__main__ import parse_args
+from fakes.openrouter.template import render_prompt
 
 from eagle3_assets.prompts import prompts_frame, read_prompts, rendered_prompt_ids
 from eagle3_assets.registry import DATASETS
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
-from eagle3_resources.fake_openrouter.__main__ import parse_args
-from eagle3_resources.fake_openrouter.template import render_prompt
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 
 KEY = "k-fake-tests"
@@ -64,12 +65,12 @@ def wait_for(predicate, timeout_s: float, what: str):
 def test_the_fake_imports_nothing_from_the_project():
     code = (
         "import sys\n"
-        "import eagle3_resources.fake_openrouter.server, eagle3_resources.fake_openrouter.__main__\n"
-        "print('\\n'.join(sorted(m for m in sys.modules if m.startswith('eagle3'))))\n"
+        "import fakes.openrouter.server, fakes.openrouter.__main__\n"
+        "print('\\n'.join(sorted(m for m in sys.modules if m.startswith(('eagle3', 'fakes')))))\n"
     )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert loaded and not [m for m in loaded if m.startswith(("eagle3_resources.tokenizer", "eagle3_assets"))], loaded
-    assert all(m == "eagle3_resources" or m.startswith("eagle3_resources.fake_openrouter") for m in loaded), loaded
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert "fakes.openrouter.server" in loaded and not [m for m in loaded if m.startswith("eagle3")], loaded
 
 
 def test_the_fake_takes_a_folder_or_an_object_with_one(tok):

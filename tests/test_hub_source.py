@@ -1,4 +1,4 @@
-"""The hub path of `resolve_files` for real: huggingface_hub against a loopback fake hub (tests/fake_hub.py).
+"""The hub path of `resolve_files` for real: huggingface_hub against a loopback fake hub (tests/fakes/hub.py).
 
 huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when imported, so every call runs in a fresh
 Python subprocess with its own environment; the fake hub runs in its own process group.
@@ -78,7 +78,7 @@ def test_resolve_files_downloads_from_the_hub_and_reads_the_cache_offline(tmp_pa
     train_bytes = build_hub(tmp_path / "hub")
     port = free_port()
     with open(tmp_path / "hub.log", "w") as log:
-        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_hub.py"), "--root", str(tmp_path / "hub"),
+        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fakes" / "hub.py"), "--root", str(tmp_path / "hub"),
                                    "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: port_open(port), 30, "the fake hub")

@@ -39,9 +39,9 @@ def start_fake(tmp_path, tok) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "fake.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3_resources.fake_openrouter", "--port", str(port), "--tokenizer", str(tok.folder),
+        [sys.executable, "-m", "fakes.openrouter", "--port", str(port), "--tokenizer", str(tok.folder),
          "--api-key", KEY, "--latency-s", "1.0", "--max-rps", str(RPS), "--rate-window-s", "1.0", "--log-billing"],
-        cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=REPO / "tests", stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: port_open(port), 120, "the fake OpenRouter")
     return proc, f"http://127.0.0.1:{port}", log
 

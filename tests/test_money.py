@@ -19,6 +19,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import bills_not_in_ledger, ledger_rows, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
@@ -31,7 +32,6 @@ from eagle3_assets.spend.writer import LedgerWriter
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.completions.types import SamplingSettings
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataLayout, DataStore
 from eagle3_resources.target.resource import TargetModelResource

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
 from eagle3_assets.completions import final_results, run_completions
 from eagle3_assets.spend import Caps, Pricing, SpendLedger
@@ -24,7 +25,6 @@ from eagle3_resources.completions.types import (
     RunFatalError,
     SamplingSettings,
 )
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
 from support import bills_not_in_ledger, ledger_rows, wait_for
 

@@ -20,6 +20,7 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 from dagster._utils.tags import TagConcurrencyLimitsCounter
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import Webhook, bills_not_in_ledger, free_port, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
@@ -41,7 +42,6 @@ from eagle3_assets.sensors import check_failure_alert, newly_resolved, run_failu
 from eagle3_assets.spend import SpendPolicy, get_hold, open_ledger, set_hold
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import CompletionsResource
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource

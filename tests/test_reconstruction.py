@@ -5,6 +5,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from eagle3_assets.registry import DATASETS
 from eagle3_assets.token_ids import build_token_ids
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.types import SamplingSettings
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages
 
 DATA = json.loads((Path(__file__).parent / "data" / "tool_conversation.json").read_text())

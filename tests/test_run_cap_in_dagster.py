@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 import pytest
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from ledger_invariants import bills_of, check_ledgers
 
 from eagle3_assets.assets.completions import completions
@@ -16,7 +17,6 @@ from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.spend import SpendPolicy, open_ledger
 from eagle3_assets.spend import ledger as L
 from eagle3_resources.completions.resource import CompletionsResource
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource

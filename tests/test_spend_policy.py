@@ -13,6 +13,7 @@ from dagster._core.remote_origin import (
     RemoteJobOrigin,
     RemoteRepositoryOrigin,
 )
+from fakes.openrouter import ServerThread
 from support import Webhook
 
 from eagle3_assets.assets.spend import spend
@@ -31,7 +32,6 @@ from eagle3_assets.spend import ledger as L
 from eagle3_assets.spend.ledger import Figures, Scope
 from eagle3_assets.spend.policy import Account, LedgerGap, account_moves, crossed
 from eagle3_resources.alerts import AlertSink
-from eagle3_resources.fake_openrouter import ServerThread
 from eagle3_resources.storage import DataStore
 
 # $12 billed in all, $3 today; two runs in flight.
@@ -258,7 +258,7 @@ def test_a_run_over_its_own_threshold_is_stopped_and_old_figures_hold_nothing(tm
 
 def test_the_sensor_settles_what_runs_left_unsettled(tmp_path, tok, monkeypatch):
     """A generation whose bill a run did not get is looked up by the sensor (the run may be long gone)."""
-    from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings
+    from fakes.openrouter import FakeOpenRouter, FakeSettings
 
     fake = FakeOpenRouter(tok, FakeSettings(api_key="k", generation_404_s=0.0))
     ledger = open_ledger(DataStore(root=str(tmp_path)).layout)

@@ -29,6 +29,7 @@ from dagster._core.storage.tags import (
     ASSET_PARTITION_RANGE_START_TAG,
     PARTITION_NAME_TAG,
 )
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
 from eagle3_assets.assets.completions import completions
 from eagle3_assets.assets.raw_prompts import raw_prompts
@@ -42,7 +43,6 @@ from eagle3_assets.spend import ledger as L
 from eagle3_assets.spend.caps import Caps
 from eagle3_assets.status import as_json, gather_status, render_text
 from eagle3_resources.completions.resource import CompletionsResource
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource

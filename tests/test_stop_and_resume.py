@@ -15,6 +15,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import bills_not_in_ledger, free_port, port_open, stop_group, wait_for
 
 from eagle3_assets.assets.completions import completions
@@ -22,7 +23,6 @@ from eagle3_assets.assets.raw_prompts import raw_prompts
 from eagle3_assets.completions import final_results
 from eagle3_assets.spend import SpendPolicy, open_ledger
 from eagle3_resources.completions.resource import CompletionsResource
-from eagle3_resources.fake_openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource

@@ -66,15 +66,15 @@ from typing import Any
 
 from aiohttp import web
 
-from eagle3_resources.fake_openrouter.catalogue import (
+from fakes.openrouter.catalogue import (
     Endpoint,
     endpoint_entry,
     model_entry,
     parse_endpoints,
     route,
 )
-from eagle3_resources.fake_openrouter.encoding import load_encoding
-from eagle3_resources.fake_openrouter.template import render_prompt
+from fakes.openrouter.encoding import load_encoding
+from fakes.openrouter.template import render_prompt
 
 KNOWN_PROVIDERS = {"FakeProvider", "Moonshot AI", "Fireworks", "Together", "Baseten"}
 WORDS = (

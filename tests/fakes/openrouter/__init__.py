@@ -4,13 +4,13 @@ It imports nothing from the rest of the project: its token counts and prompt ren
 own, so comparing the project's reconstruction with its bill is a real check.
 """
 
-from eagle3_resources.fake_openrouter.server import (
+from fakes.openrouter.server import (
     Bill,
     Billing,
     FakeOpenRouter,
     FakeSettings,
     RequestInfo,
 )
-from eagle3_resources.fake_openrouter.thread import ServerThread
+from fakes.openrouter.thread import ServerThread
 
 __all__ = ["Bill", "Billing", "FakeOpenRouter", "FakeSettings", "RequestInfo", "ServerThread"]

@@ -1,4 +1,4 @@
-"""python -m eagle3_resources.fake_openrouter --port 8089 [--rate-429 0.15] [--latency-s 1.0] ...
+"""PYTHONPATH=tests python -m fakes.openrouter --port 8089 [--rate-429 0.15] [--latency-s 1.0] ...
 
 Every FakeSettings field is a flag (`--late-bill-s 5`, `--max-rps 20`, `--template-version k2`,
 `--endpoints '[{"provider_name": "A", "quantization": "int4", "price_prompt": 6e-7, ...}]'`,
@@ -17,7 +17,7 @@ import sys
 
 from aiohttp import web
 
-from eagle3_resources.fake_openrouter.server import FakeOpenRouter, FakeSettings
+from fakes.openrouter.server import FakeOpenRouter, FakeSettings
 
 
 def _bool(text: str) -> bool:
@@ -30,7 +30,7 @@ def _bool(text: str) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, FakeSettings]:
-    parser = argparse.ArgumentParser(prog="python -m eagle3_resources.fake_openrouter", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m fakes.openrouter", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=8089)
     parser.add_argument("--tokenizer", default=None, help="Kimi tokenizer folder (default: the stand-in)")

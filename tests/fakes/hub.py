@@ -18,7 +18,7 @@ No `X-Xet-Hash` / `X-Xet-Refresh-Route` header is ever sent, so the client downl
 never talks xet. Errors carry the hub's `X-Error-Code` (RepoNotFound, EntryNotFound) so the client raises
 its usual typed errors. The commit sha is 40 hex chars derived from the repo's files: stable while they are.
 
-Run: python tests/fake_hub.py --root DIR --port N   (or import `make_app(root)`).
+Run: python tests/fakes/hub.py --root DIR --port N   (or import `make_app(root)`).
 """
 
 from __future__ import annotations
