@@ -71,8 +71,8 @@ class Deadline(Exception):
 
 
 def client_ours(url: str, concurrency: int, n: int, stream: bool, deadline: float) -> dict:
-    from eagle3_assets.completions import final_results, run_completions
-    from eagle3_assets.spend import Pricing, SpendLedger
+    from eagle3_assets.stages.completions.run import final_results, run_completions
+    from eagle3_assets.money import Pricing, SpendLedger
     from eagle3_resources.completions.openrouter import OpenRouterBackend
     from eagle3_resources.completions.types import CompletionRequest, SamplingSettings
 
@@ -141,7 +141,7 @@ def child(args) -> None:
     import resource
 
     if args.child == "ours":  # import first, so the baseline is the libraries, the peak the traffic
-        import eagle3_assets.completions  # noqa: F401
+        import eagle3_assets.stages.completions.run  # noqa: F401
         import eagle3_resources.completions.openrouter  # noqa: F401
     else:
         import openai  # noqa: F401

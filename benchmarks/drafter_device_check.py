@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hidden_states_throughput import random_deepseek_v3  # noqa: E402  (the same mid-size target)
 
-from eagle3_assets.drafter.data import Teacher, plan_windows  # noqa: E402
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
-from eagle3_assets.drafter.speculative import evaluate_speculative  # noqa: E402
-from eagle3_assets.drafter.train import TrainSettings, train  # noqa: E402
-from eagle3_assets.drafter.vocab import build_draft_vocab, count_loss_tokens  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_windows  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, count_loss_tokens  # noqa: E402
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates  # noqa: E402
 
 

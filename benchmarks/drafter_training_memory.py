@@ -4,7 +4,7 @@
 
 Builds a random DeepseekV3-layout target folder and a hidden-state store of N synthetic samples
 (random bf16 states; the trainer does not care what they mean), then trains one epoch in a fresh
-process (`eagle3_assets.drafter.train_cli`) for N and for 4N samples and prints each process's
+process (`eagle3_assets.stages.eagle3_drafter.train_cli`) for N and for 4N samples and prints each process's
 peak RSS and the ratio. Training streams windows from the store, so the ratio should stay near
 1; a trainer that loads every sample first (this project's until issue 11) grows with N: its
 resident sample tensors alone are printed as the peer figure ("all samples in memory").
@@ -34,8 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3_assets.drafter.train import TrainSettings  # noqa: E402
-from eagle3_assets.drafter.train_cli import write_spec  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.train_cli import write_spec  # noqa: E402
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store  # noqa: E402
 from eagle3_resources.hidden_states.store import StoredSample  # noqa: E402
 
@@ -54,7 +54,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 sys.argv = ["train_cli", "--spec", sys.argv[1]]
 try:
-    runpy.run_module("eagle3_assets.drafter.train_cli", run_name="__main__")
+    runpy.run_module("eagle3_assets.stages.eagle3_drafter.train_cli", run_name="__main__")
 except SystemExit:
     pass
 read()

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_assets.drafter.data import Teacher, plan_windows  # noqa: E402
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
-from eagle3_assets.drafter.train import TrainSettings, train  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_windows  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train  # noqa: E402
 
 
 def synthetic_source(samples: int, min_len: int, max_len: int, hidden: int, vocab: int, seed: int,
@@ -92,7 +92,7 @@ def measure(*, device: str, hidden: int, intermediate: int | None, draft_vocab: 
         raise RuntimeError(f"too few samples for {steps} + {warmup} steps")
     seconds = marks[1][0] - marks[0][0]
     tokens = marks[1][1] - marks[0][1]
-    from eagle3_assets.drafter.model import train_flops_per_token
+    from eagle3_assets.stages.eagle3_drafter.model import train_flops_per_token
 
     fpt = train_flops_per_token(cfg, ttt_steps=7, mean_window=sum(w.tokens for w in plan.windows) / len(plan.windows))["total"]
     rate = tokens / seconds

@@ -25,8 +25,8 @@ Reported per server and concurrency:
   speed-up        output tok/s over the baseline server's at the same concurrency.
 
 The JSON (`--output`) has `source: "sglang_server"` and a `summary` per temperature (here only "0", greedy) of the
-shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.drafter.figures FILE` records it on the
-`eagle3_drafter` asset (eagle3_assets/drafter/figures.py). The eval prompts and the arithmetic are
+shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.stages.eagle3_drafter.figures FILE` records it on the
+`eagle3_drafter` asset (eagle3_assets/stages/eagle3_drafter/figures.py). The eval prompts and the arithmetic are
 benchmarks/speculative_common.py's, shared with that script.
 
 Imports only the standard library at module import; the Parquet file is read with pyarrow when one is given
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_speedups(results)
 
     report = {
-        "source": "sglang_server",  # eagle3_assets/drafter/figures.py: what measured these figures
+        "source": "sglang_server",  # eagle3_assets/stages/eagle3_drafter/figures.py: what measured these figures
         "accept_length_definition": ACCEPT_LENGTH_NOTE,
         "speedup_definition": SPEEDUP_NOTE,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -24,8 +24,8 @@ Reported per temperature (and per concurrency):
   output tok/s    sum(completion_tokens) / wall time of the batch (first request sent to last answer).
   speed-up        the speculative engine's output tok/s over the baseline's, same temperature and concurrency.
 
-The JSON (`--output`) has `source: "sglang_engine"`; `python -m eagle3_assets.drafter.figures FILE` records it on
-the `eagle3_drafter` asset as an observation (eagle3_assets/drafter/figures.py). sglang is imported only when the
+The JSON (`--output`) has `source: "sglang_engine"`; `python -m eagle3_assets.stages.eagle3_drafter.figures FILE` records it on
+the `eagle3_drafter` asset as an observation (eagle3_assets/stages/eagle3_drafter/figures.py). sglang is imported only when the
 engines start, with a clear message where it is missing; everything else is the standard library.
 """
 
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
     summary = {tk: temperature_summary(results[tk], requests[tk]) for tk in results}
 
     report = {
-        "source": SOURCE,  # eagle3_assets/drafter/figures.py: what measured these figures
+        "source": SOURCE,  # eagle3_assets/stages/eagle3_drafter/figures.py: what measured these figures
         "sglang_version": version,
         "accept_length_definition": ACCEPT_LENGTH_NOTE,
         "speedup_definition": SPEEDUP_NOTE,

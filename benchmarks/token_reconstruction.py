@@ -20,8 +20,8 @@ import time
 
 import polars as pl
 
-from eagle3_assets.completions import COMPLETION_COLUMNS
-from eagle3_assets.token_ids import build_token_ids
+from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS
+from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.storage import default_data_dir
 from eagle3_resources.tokenizer.resource import TokenizerResource
 

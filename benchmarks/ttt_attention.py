@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/ttt_attention.py [--device cpu|cuda] [--shape standin|kimi] [--lengths 354,2048,4096]
 
 One TTT unroll's attention (steps 0..6, as `ttt_steps: 7`), forward and backward, at one window
-length. Fused: `eagle3_assets.drafter.model.ttt_attention` (one causal scaled_dot_product_attention
+length. Fused: `eagle3_assets.stages.eagle3_drafter.model.ttt_attention` (one causal scaled_dot_product_attention
 per step, the chain keys merged through a sink; never holds [heads, L, L]). Peer: the same
 attention with every score materialized, [heads, L, L + steps] per step, as this project's drafter
 computed it before (and kept for backward). Prints seconds per unroll, the bytes autograd keeps
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_assets.drafter.model import ttt_attention  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.model import ttt_attention  # noqa: E402
 
 SHAPES = {"standin": (8, 8), "kimi": (56, 128)}
 

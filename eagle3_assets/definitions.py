@@ -23,7 +23,7 @@ systems (README: "Pointing it at real systems"):
     EAGLE3_ALERT_WEBHOOK_URL     a Slack-compatible webhook for alerts (default: the run log only)
     EAGLE3_LEDGER_URL            the spend ledger in this PostgreSQL database (several hosts); unset: SQLite in the data root
     EAGLE3_EXECUTOR              k8s: each step its own Kubernetes Job, sized by its stage's tag
-                                 (eagle3_assets/deploy/k8s.py, with the EAGLE3_K8S_* pod settings); unset: Dagster's default
+                                 (eagle3_assets/common/k8s.py, with the EAGLE3_K8S_* pod settings); unset: Dagster's default
 
 The completions backend and the spend policy read their variables when they are used, not only
 here: a launchpad that configures one field of them keeps the others from the environment.
@@ -35,18 +35,18 @@ import os
 
 import dagster as dg
 
-from eagle3_assets.assets import PIPELINE_ASSETS
-from eagle3_assets.assets.spend import spend
-from eagle3_assets.deploy.k8s import step_executor
-from eagle3_assets.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
-from eagle3_assets.quality import pipeline_status, status_board
-from eagle3_assets.schedules import missing_partitions_nightly
-from eagle3_assets.sensors import (
+from eagle3_assets.stages.pipeline import PIPELINE_ASSETS
+from eagle3_assets.money.asset import spend
+from eagle3_assets.common.k8s import step_executor
+from eagle3_assets.operations.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
+from eagle3_assets.operations.quality import pipeline_status, status_board
+from eagle3_assets.operations.schedules import missing_partitions_nightly
+from eagle3_assets.operations.sensors import (
     check_failure_alert,
     credit_sensor,
     run_failure_alert,
 )
-from eagle3_assets.spend import SpendPolicy
+from eagle3_assets.money import SpendPolicy
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import (
     CompletionsResource,

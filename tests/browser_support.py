@@ -70,7 +70,7 @@ def eagle3_dev(tmp_path: Path, data_dir: Path, **env_vars: str):
     port = free_port()
     log = tmp_path / "dev.log"
     with open(log, "w") as out:
-        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
+        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: port_open(port) or dev.poll() is not None, 180, "eagle3 dev to listen", every=0.5)

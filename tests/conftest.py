@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.spend import SpendLedger
+from eagle3_assets.money import SpendLedger
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 

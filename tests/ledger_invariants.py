@@ -4,7 +4,7 @@ The ledger keeps per-scope sums (`total`, `day:<UTC date>`, `run:<id>`, `dataset
 transactions as its attempt rows, so a cap reads one row instead of the history. A wrong delta in one branch of
 settle/unsettle/expire leaves every cap charged with phantom spend (or missing real spend), and two databases
 running the same code agree on the wrong figure. So this module reads the database with its own connection and
-its own SQL (nothing from eagle3_assets.spend) and checks:
+its own SQL (nothing from eagle3_assets.money) and checks:
 
 1. every scope row equals the sums over its attempt rows, by state: a row with a bill (`cost_usd` set) counts its
    cost as settled; `unsettled`/`unidentified` (stuck) and `expired` count their worst case there; any other state
@@ -194,7 +194,7 @@ class Watch:
     fakes: list[Any] = field(default_factory=list)
 
     def install(self, monkeypatch) -> "Watch":
-        from eagle3_assets.spend.ledger import SpendLedger
+        from eagle3_assets.money.ledger import SpendLedger
         from fakes.openrouter.server import FakeOpenRouter
 
         ledger_init, fake_init = SpendLedger.__init__, FakeOpenRouter.__init__

@@ -5,16 +5,16 @@ import pytest
 from aiohttp import web
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
-from eagle3_assets.completions import (
+from eagle3_assets.stages.completions.run import (
     build_requests,
     completions_frame,
     final_results,
     run_completions,
 )
-from eagle3_assets.prompts import prompts_frame, read_prompts
-from eagle3_assets.registry import DATASETS
-from eagle3_assets.spend import Caps
-from eagle3_assets.token_ids import build_token_ids
+from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts
+from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.money import Caps
+from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend
 from eagle3_resources.completions.openrouter import OpenRouterBackend, request_body
 from eagle3_resources.completions.sglang import SGLangBackend

@@ -5,13 +5,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.drafter.export import (
+from eagle3_assets.stages.eagle3_drafter.export import (
     SGLANG_EAGLE3_KEYS,
     check_checkpoint,
     export_checkpoint,
 )
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.drafter.vocab import build_draft_vocab, effective_draft_vocab_size
+from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, effective_draft_vocab_size
 
 # ../shared/reference/eagle3.md, written out here on purpose
 REFERENCE_KEYS = {
@@ -64,8 +64,8 @@ def kv_split_ok(heads: int, kv_heads: int, tp: int) -> bool:
 
 
 def test_every_target_gets_a_drafter_that_loads_at_tp_1_2_4_8():
-    from eagle3_assets.drafter.model import default_learning_rate, loads_at_tp
-    from eagle3_assets.drafter.pipeline import drafter_config
+    from eagle3_assets.stages.eagle3_drafter.model import default_learning_rate, loads_at_tp
+    from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config
 
     for name, target in TARGET_CONFIGS.items():
         cfg = drafter_config(target, target["hidden_size"], 32000, target["vocab_size"])
@@ -143,7 +143,7 @@ def _reference_ttt_attention(q, k0, v0, chain_k, chain_v, scale):
 
 
 def test_fused_ttt_attention_equals_the_written_out_softmax_and_its_gradients():
-    from eagle3_assets.drafter.model import ttt_attention
+    from eagle3_assets.stages.eagle3_drafter.model import ttt_attention
 
     g = torch.Generator().manual_seed(3)
     h, L, d, scale = 4, 23, 8, 8 ** -0.5
@@ -174,7 +174,7 @@ def test_fused_ttt_attention_equals_the_written_out_softmax_and_its_gradients():
 
 
 def test_tiled_vocab_argmax_equals_argmax_over_all_logits_ties_included():
-    from eagle3_assets.drafter.data import vocab_argmax
+    from eagle3_assets.stages.eagle3_drafter.data import vocab_argmax
 
     g = torch.Generator().manual_seed(1)
     head = torch.randn(1000, 16, generator=g)

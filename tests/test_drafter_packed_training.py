@@ -9,16 +9,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from eagle3_assets.drafter.data import Teacher, plan_steps, plan_windows
-from eagle3_assets.drafter.loss import soft_cross_entropy
-from eagle3_assets.drafter.model import (
+from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_steps, plan_windows
+from eagle3_assets.stages.eagle3_drafter.loss import soft_cross_entropy
+from eagle3_assets.stages.eagle3_drafter.model import (
     DocLayout,
     DrafterConfig,
     Eagle3Drafter,
     train_flops_per_token,
     ttt_attention,
 )
-from eagle3_assets.drafter.train import TrainSettings, train
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train
 
 LENGTHS = [7, 1, 12, 7, 3, 12, 2]
 

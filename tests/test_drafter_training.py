@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 from support import stop_group
 
-from eagle3_assets.drafter.data import plan_steps, plan_windows
-from eagle3_assets.drafter.pipeline import train_drafter
-from eagle3_assets.drafter.train import CHECKPOINT_FILE, TrainSettings
-from eagle3_assets.drafter.train_cli import write_spec
+from eagle3_assets.stages.eagle3_drafter.data import plan_steps, plan_windows
+from eagle3_assets.stages.eagle3_drafter.pipeline import train_drafter
+from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
+from eagle3_assets.stages.eagle3_drafter.train_cli import write_spec
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
 from eagle3_resources.hidden_states.store import StoredSample
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
@@ -87,10 +87,10 @@ def test_training_streams_from_the_store_and_reports_the_windows(training_data, 
 def cli(spec: Path, *extra: str, processes: int = 1) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     if processes == 1:
-        cmd = [sys.executable, "-m", "eagle3_assets.drafter.train_cli", "--spec", str(spec), *extra]
+        cmd = [sys.executable, "-m", "eagle3_assets.stages.eagle3_drafter.train_cli", "--spec", str(spec), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               "-m", "eagle3_assets.drafter.train_cli", "--spec", str(spec), *extra]
+               "-m", "eagle3_assets.stages.eagle3_drafter.train_cli", "--spec", str(spec), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -25,7 +25,7 @@ import pytest
 from dagster import DagsterInstance
 from dagster._core.instance.ref import InstanceRef
 
-from eagle3_assets.instance import INSTANCE_YAML
+from eagle3_assets.operations.instance import INSTANCE_YAML
 
 REPO = Path(__file__).resolve().parents[1]
 PAIRS = 3  # homes, each given two commands at once
@@ -39,7 +39,7 @@ from pathlib import Path
 import alembic.command, sqlalchemy, dagster
 import dagster._core.storage.runs.sqlite.sqlite_run_storage, dagster._core.storage.event_log.sqlite.sqlite_event_log
 import dagster._core.storage.schedules.sqlite.sqlite_schedule_storage
-from eagle3_assets.cli import main
+from eagle3_assets.operations.cli import main
 gate, ready = sys.argv[1], Path(sys.argv[2])
 ready.touch()
 with open(gate) as g:

@@ -34,7 +34,7 @@ MODELS = "sglang/srt/models"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from eagle3_assets.gpu_check import tiny_deepseek_v3
+    from eagle3_assets.operations.gpu_check import tiny_deepseek_v3
 
     return tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "tiny-deepseek-v3")
 
@@ -402,7 +402,7 @@ def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3_assets.gpu_check import FUSED_EXPERTS, per_expert_tensors
+    from eagle3_assets.operations.gpu_check import FUSED_EXPERTS, per_expert_tensors
 
     in_memory = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).state_dict()
     assert any(FUSED_EXPERTS.match(k) for k in in_memory), "transformers no longer fuses experts in memory"
@@ -417,7 +417,7 @@ def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
 
 def gpu_check(*args: str, env: dict | None = None, json_out: bool = True):
     """`eagle3 gpu-check --no-capture ARGS` as a user runs it; (exit code, rows by name or the screen)."""
-    cmd = [sys.executable, "-m", "eagle3_assets.cli", "gpu-check", "--no-capture", "--disk-mib", "16", *args]
+    cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--no-capture", "--disk-mib", "16", *args]
     proc = subprocess.run(cmd + (["--json"] if json_out else []), cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
     assert proc.returncode in (0, 1), proc.stderr[-3000:]

@@ -18,8 +18,8 @@ import torch
 from hidden_states_worker import samples as worker_samples
 from support import stop_group
 
-from eagle3_assets.checks.training import HIDDEN_STATE_CHECKS
-from eagle3_assets.hidden_states import select_samples
+from eagle3_assets.stages.eagle3_drafter.checks import HIDDEN_STATE_CHECKS
+from eagle3_assets.stages.hidden_states.selection import select_samples
 from eagle3_resources.hidden_states.extract import (
     DiskSpaceError,
     StaleShardsError,
@@ -412,7 +412,7 @@ def test_checks_pass_on_a_good_store_and_name_what_is_wrong(target_model, tmp_pa
 def materialize_hidden_states(data_root: Path, config: dict):
     import dagster as dg
 
-    from eagle3_assets.assets.hidden_states import hidden_states
+    from eagle3_assets.stages.hidden_states.asset import hidden_states
     from eagle3_resources.hidden_states.resource import HiddenStatesResource
     from eagle3_resources.storage import DataStore
     from eagle3_resources.target.resource import TargetModelResource

@@ -10,8 +10,8 @@ import polars as pl
 import pytest
 from support import build_source_tree
 
-from eagle3_assets.assets.completions import completions
-from eagle3_assets.assets.raw_prompts import raw_prompts
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.definitions import resources
 from eagle3_resources.storage import DataStore
 
@@ -23,7 +23,7 @@ def eagle3(args, tmp_path, data_dir):
     for var in ("EAGLE3_PROMPTS", "EAGLE3_SOURCES_DIR", "EAGLE3_TOKENIZER_DIR", "HF_HUB_OFFLINE"):
         env.pop(var, None)
     env["HF_HUB_OFFLINE"] = "1"  # a test must never reach the hub
-    return subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "prompts", *args], check=False, cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "prompts", *args], check=False, cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
 
 
@@ -72,7 +72,7 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
 @pytest.mark.parametrize("arg, code, said", [("B3...B1", 2, "B3 comes after B1"), ("B1...B9", 2, "unknown dataset(s) ['B9']"),
                                              ("A1,B2", 2, "must be a contiguous range")])
 def test_dataset_ranges_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys, arg, code, said):
-    from eagle3_assets.cli import main
+    from eagle3_assets.operations.cli import main
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dg"))
     monkeypatch.chdir(tmp_path)

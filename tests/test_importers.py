@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from support import build_source_tree
 
-from eagle3_assets.importers.build import build_prompt_sets
-from eagle3_assets.importers.importer import PromptLength
-from eagle3_assets.registry import DatasetSpec, ImportSpec, load_registry
+from eagle3_assets.stages.raw_prompts.importers.build import build_prompt_sets
+from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength
+from eagle3_assets.common.registry import DatasetSpec, ImportSpec, load_registry
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = load_registry(REPO / "data" / "datasets.yaml")
@@ -237,7 +237,7 @@ def test_a_prompt_two_datasets_share_is_kept_once_by_the_earlier_one(tmp_path):
 
 
 def test_the_registry_import_blocks_are_validated(tmp_path):
-    from eagle3_assets.registry import RegistryError
+    from eagle3_assets.common.registry import RegistryError
 
     reg = tmp_path / "r.yaml"
     base = "datasets:\n  X1:\n    prompt_file: x.jsonl\n    format: messages\n    kind: chat\n    import:\n"
@@ -253,7 +253,7 @@ def test_the_registry_import_blocks_are_validated(tmp_path):
 
 
 def test_real_mode_names_datasets_without_a_source(tmp_path):
-    from eagle3_assets.registry import RegistryError
+    from eagle3_assets.common.registry import RegistryError
 
     reg = {"X1": DatasetSpec(name="X1", prompt_file=tmp_path / "x.jsonl", format="messages", kind="chat")}
     with pytest.raises(RegistryError, match="no `import:` source in the registry for X1"):

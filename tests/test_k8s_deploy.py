@@ -29,14 +29,14 @@ from dagster_k8s.job import (
 from dockerfile_parse import DockerfileParser
 
 from eagle3_assets.definitions import defs
-from eagle3_assets.deploy.k8s import (
+from eagle3_assets.common.k8s import (
     K8S_CONFIG_TAG,
     api_pod_config,
     gpu_node_config,
     node_selector_from,
     step_executor,
 )
-from eagle3_assets.instance import INSTANCE_YAML
+from eagle3_assets.operations.instance import INSTANCE_YAML
 
 REPO = Path(__file__).resolve().parents[1]
 VALUES = yaml.safe_load((REPO / "deploy" / "helm" / "values.yaml").read_text())

@@ -21,9 +21,9 @@ import pytest
 from ledger_invariants import check_ledgers, read_billing_log
 from support import free_port, ledger_rows, port_open, stop_group, wait_for
 
-from eagle3_assets.completions import final_results, recover_idle_datasets
-from eagle3_assets.spend import Caps, SpendLedger, open_ledger
-from eagle3_assets.spend import ledger as L
+from eagle3_assets.stages.completions.run import final_results, recover_idle_datasets
+from eagle3_assets.money import Caps, SpendLedger, open_ledger
+from eagle3_assets.money import ledger as L
 from eagle3_resources.storage import DataLayout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_recovery_releases_reservations_never_marked_sent(tmp_path, ledger_in, b
     else:
         env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # nothing to look up: recovery only
         env["EAGLE3_DATA_DIR"] = str(layout.root)
-        done = subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "ledger", "settle"], cwd=REPO, env=env,
+        done = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "ledger", "settle"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
         assert f"K: attempts left by a process that ended, put right: {counts}" in done.stdout, done.stdout + done.stderr
     states = {r["attempt_id"]: r["state"] for r in ledger_rows(ledger)}

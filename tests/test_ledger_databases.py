@@ -12,9 +12,9 @@ import pytest
 from ledger_invariants import check_ledgers
 from support import ledger_rows
 
-from eagle3_assets.spend import Caps, SpendLedger, open_ledger
-from eagle3_assets.spend import ledger as L
-from eagle3_assets.spend.writer import LedgerWriter
+from eagle3_assets.money import Caps, SpendLedger, open_ledger
+from eagle3_assets.money import ledger as L
+from eagle3_assets.money.writer import LedgerWriter
 from eagle3_resources.storage import DataLayout
 
 CAPS = Caps(run_usd=1.0, day_usd=None, total_usd=0.05, token_budget=None)

@@ -1,6 +1,6 @@
 import polars as pl
 
-from eagle3_assets.merge import eval_bucket, merge_token_ids
+from eagle3_assets.stages.merged_dataset.merge import eval_bucket, merge_token_ids
 
 SCHEMA = {"prompt_id": pl.String, "dataset": pl.String, "status": pl.String, "finish_reason": pl.String,
           "input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8), "prompt_len": pl.Int64, "completion_len": pl.Int64}

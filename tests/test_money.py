@@ -22,13 +22,13 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import bills_not_in_ledger, ledger_rows, stop_group, wait_for
 
-from eagle3_assets.assets.completions import completions
-from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.completions import final_results, run_completions
-from eagle3_assets.spend import Caps, SpendPolicy, open_ledger, set_hold
-from eagle3_assets.spend import ledger as L
-from eagle3_assets.spend.settle import settle_due
-from eagle3_assets.spend.writer import LedgerWriter
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
+from eagle3_assets.stages.completions.run import final_results, run_completions
+from eagle3_assets.money import Caps, SpendPolicy, open_ledger, set_hold
+from eagle3_assets.money import ledger as L
+from eagle3_assets.money.settle import settle_due
+from eagle3_assets.money.writer import LedgerWriter
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.completions.types import SamplingSettings
@@ -321,7 +321,7 @@ ENDPOINTS = json.dumps([
 def test_prices_come_from_the_api_for_the_endpoints_the_routing_allows(serve):
     import asyncio
 
-    from eagle3_assets.spend.prices import fetch_prices
+    from eagle3_assets.money.prices import fetch_prices
     from eagle3_resources.completions.types import MaxPrice, ProviderRouting
 
     fake = serve(endpoints=ENDPOINTS)

@@ -23,23 +23,23 @@ from dagster._utils.tags import TagConcurrencyLimitsCounter
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import Webhook, bills_not_in_ledger, free_port, stop_group, wait_for
 
-from eagle3_assets.assets.completions import completions
-from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.checks.completions import COMPLETION_CHECKS
-from eagle3_assets.checks.outcome import per_dataset
-from eagle3_assets.checks.training import (
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
+from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
+from eagle3_assets.common.outcome import per_dataset
+from eagle3_assets.stages.eagle3_drafter.checks import (
     dataset_mix,
     drafter_accept_length,
     drafter_keys,
     hidden_state_finite,
     token_totals,
 )
-from eagle3_assets.completions import COMPLETION_COLUMNS, final_results, partition_lock
-from eagle3_assets.instance import dagster_home
-from eagle3_assets.registry import DATASETS
-from eagle3_assets.schedules import missing_partitions_nightly
-from eagle3_assets.sensors import check_failure_alert, newly_resolved, run_failure_alert
-from eagle3_assets.spend import SpendPolicy, get_hold, open_ledger, set_hold
+from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS, final_results, partition_lock
+from eagle3_assets.operations.instance import dagster_home
+from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.operations.schedules import missing_partitions_nightly
+from eagle3_assets.operations.sensors import check_failure_alert, newly_resolved, run_failure_alert
+from eagle3_assets.money import SpendPolicy, get_hold, open_ledger, set_hold
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.journal import read_journal
@@ -324,7 +324,7 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
                    EAGLE3_COMPLETIONS_BACKEND="openrouter", OPENROUTER_BASE_URL=url, OPENROUTER_API_KEY=KEY,
                    EAGLE3_MIN_BALANCE_USD="0.004", EAGLE3_HOLD_MODE=hold_mode)
         port = free_port()
-        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
+        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
                                stdout=open(tmp_path / "dev.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         monkeypatch.setenv("DAGSTER_HOME", str(home))
         try:

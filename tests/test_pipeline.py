@@ -12,10 +12,10 @@ import pytest
 from safetensors import safe_open
 from test_descriptions import unquoted_special_tokens
 
-from eagle3_assets.assets.completions import completions
-from eagle3_assets.assets.raw_prompts import raw_prompts
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.definitions import resources
-from eagle3_assets.registry import DatasetSpec
+from eagle3_assets.common.registry import DatasetSpec
 from eagle3_resources.storage import DataStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def env_for(tmp_path, data_dir):
 @pytest.mark.timeout(1800)
 def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_dir_with_standin):
     env = env_for(tmp_path, data_dir_with_standin)
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "run", "--datasets", "B6,B7"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6,B7"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SUCCESS" in proc.stdout
@@ -113,7 +113,7 @@ def test_bad_prompt_file_fails_raw_prompts_before_anything_downstream(tmp_path, 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n')
     spec = DatasetSpec(name="A1", prompt_file=bad, format="messages", kind="chat")
-    monkeypatch.setattr("eagle3_assets.assets.raw_prompts.DATASETS", {"A1": spec})
+    monkeypatch.setattr("eagle3_assets.stages.raw_prompts.asset.DATASETS", {"A1": spec})
     with dg.instance_for_test() as instance:
         result = dg.materialize([raw_prompts, completions], partition_key="A1", instance=instance,
                                 resources={**resources(), "store": DataStore(root=str(tmp_path / "data"))}, raise_on_error=False,

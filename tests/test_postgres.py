@@ -16,7 +16,7 @@ import psycopg2
 import pytest
 from support import free_port, port_open, stop_group, wait_for
 
-from eagle3_assets.instance import INSTANCE_YAML, POSTGRES_INSTANCE_YAML, dagster_home
+from eagle3_assets.operations.instance import INSTANCE_YAML, POSTGRES_INSTANCE_YAML, dagster_home
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -94,7 +94,7 @@ def test_a_home_that_disagrees_with_the_variable_is_refused(tmp_path, postgres_u
 @pytest.mark.timeout(1800)
 def test_eagle3_run_on_postgres_records_its_run_and_assets_there(tmp_path, data_dir_with_standin, postgres_url):
     env = clean_env(tmp_path / "dagster_home", postgres_url) | {"EAGLE3_DATA_DIR": str(data_dir_with_standin)}
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "run", "--datasets", "B6"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     [(run_id, status)] = query(postgres_url, "select run_id, status from runs")
@@ -158,7 +158,7 @@ def test_two_eagle3_dev_on_one_instance_run_one_daemon_that_keeps_the_dataset_qu
 
     def dev(name: str) -> subprocess.Popen:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3_assets.cli", "dev", "--port", str(port), "--workspace", str(WORKSPACE)],
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port), "--workspace", str(WORKSPACE)],
                                 cwd=REPO, env=env, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
         devs.append(proc)

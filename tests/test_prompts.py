@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from eagle3_assets.prompts import PromptFileError, read_prompts
-from eagle3_assets.registry import (
+from eagle3_assets.stages.raw_prompts.prompts import PromptFileError, read_prompts
+from eagle3_assets.common.registry import (
     DATASETS,
     DatasetSpec,
     RegistryError,

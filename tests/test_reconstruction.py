@@ -9,15 +9,15 @@ from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3_assets.completions import (
+from eagle3_assets.stages.completions.run import (
     COMPLETION_COLUMNS,
     build_requests,
     completions_frame,
     run_completions,
 )
-from eagle3_assets.prompts import prompts_frame, read_prompts
-from eagle3_assets.registry import DATASETS
-from eagle3_assets.token_ids import build_token_ids
+from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts
+from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.types import SamplingSettings
 from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages

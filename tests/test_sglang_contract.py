@@ -393,7 +393,7 @@ def test_backend_fails_fast_without_sglang(tmp_path):
 
 
 def test_gpu_check_json_on_this_host():
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "gpu-check", "--json"], check=False, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--json"], check=False, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
     rows = {c["name"]: c for c in report["checks"]}
@@ -407,7 +407,7 @@ def test_gpu_check_json_on_this_host():
 
 
 def test_gpu_check_exit_code_policy():
-    from eagle3_assets.gpu_check import Check, exit_code
+    from eagle3_assets.operations.gpu_check import Check, exit_code
 
     ok = Check("transformers capture", "ok", "", True)
     assert exit_code([ok, Check("sglang", "unavailable", "not installed", False)]) == 0

@@ -336,18 +336,18 @@ def fake_engine_report(tmp_path: Path) -> tuple[Path, Path]:
 
 def figures_cli(report: Path, home: Path, data: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EAGLE3_"))}
-    return subprocess.run([sys.executable, "-m", "eagle3_assets.drafter.figures", str(report)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "eagle3_assets.stages.eagle3_drafter.figures", str(report)], cwd=REPO,
                           env=env | {"DAGSTER_HOME": str(home), "EAGLE3_DATA_DIR": str(data)},
                           capture_output=True, text=True, timeout=300)
 
 
 def test_the_engine_figures_are_recorded_on_the_drafter_asset_and_refused_for_other_weights(tmp_path, capsys):
-    """`python -m eagle3_assets.drafter.figures REPORT` records the Engine benchmark's figures as an observation of
+    """`python -m eagle3_assets.stages.eagle3_drafter.figures REPORT` records the Engine benchmark's figures as an observation of
     eagle3_drafter, each named by its source; once the drafter's weights change it refuses (the figures would be
     another drafter's)."""
     import dagster as dg
 
-    from eagle3_assets.drafter.figures import DRAFTER_ASSET, SOURCES
+    from eagle3_assets.stages.eagle3_drafter.figures import DRAFTER_ASSET, SOURCES
 
     report_path, drafter = fake_engine_report(tmp_path)
     capsys.readouterr()
@@ -386,7 +386,7 @@ def test_the_server_benchmark_figures_are_recorded_with_their_own_source(tmp_pat
     from test_serving_bench import FakeSGLang as FakeServer
     from test_serving_bench import write_merged
 
-    from eagle3_assets.drafter.figures import DRAFTER_ASSET, SOURCES, record_figures
+    from eagle3_assets.stages.eagle3_drafter.figures import DRAFTER_ASSET, SOURCES, record_figures
 
     write_merged(tmp_path / "merged.parquet", n_eval=4, n_train=2)
     out = tmp_path / "server.json"
@@ -411,8 +411,8 @@ def test_the_server_benchmark_figures_are_recorded_with_their_own_source(tmp_pat
 
 def test_the_materialization_names_the_source_of_each_accept_length():
     """The drafter's own figures: the decoded one from the transformers loop, the simulated one teacher-forced."""
-    from eagle3_assets.assets.drafter import accept_length_metadata
-    from eagle3_assets.drafter.figures import SOURCES
+    from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
+    from eagle3_assets.stages.eagle3_drafter.figures import SOURCES
 
     report = SimpleNamespace(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
     meta = accept_length_metadata(report, {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52,

@@ -10,12 +10,12 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 
-from eagle3_assets.checks.training import drafter_beats_floor
-from eagle3_assets.drafter import speculative
-from eagle3_assets.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.drafter.pipeline import drafter_config
-from eagle3_assets.drafter.quality import SpeculativeQuality
-from eagle3_assets.drafter.speculative import (
+from eagle3_assets.stages.eagle3_drafter.checks import drafter_beats_floor
+from eagle3_assets.stages.eagle3_drafter import speculative
+from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config
+from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality
+from eagle3_assets.stages.eagle3_drafter.speculative import (
     Eagle3ChainDrafter,
     accept_lengths,
     evaluate_speculative,
@@ -23,8 +23,8 @@ from eagle3_assets.drafter.speculative import (
     position_acceptance,
     speculative_generate,
 )
-from eagle3_assets.drafter.target_weights import load_embed_and_head
-from eagle3_assets.drafter.vocab import build_draft_vocab, effective_draft_vocab_size
+from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
+from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, effective_draft_vocab_size
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",

@@ -16,10 +16,10 @@ from dagster._core.remote_origin import (
 from fakes.openrouter import ServerThread
 from support import Webhook
 
-from eagle3_assets.assets.spend import spend
+from eagle3_assets.money.asset import spend
 from eagle3_assets.definitions import defs
-from eagle3_assets.sensors import credit_sensor
-from eagle3_assets.spend import (
+from eagle3_assets.operations.sensors import credit_sensor
+from eagle3_assets.money import (
     Caps,
     SpendPolicy,
     cancel_spending,
@@ -28,9 +28,9 @@ from eagle3_assets.spend import (
     open_ledger,
     spends,
 )
-from eagle3_assets.spend import ledger as L
-from eagle3_assets.spend.ledger import Figures, Scope
-from eagle3_assets.spend.policy import Account, LedgerGap, account_moves, crossed
+from eagle3_assets.money import ledger as L
+from eagle3_assets.money.ledger import Figures, Scope
+from eagle3_assets.money.policy import Account, LedgerGap, account_moves, crossed
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.storage import DataStore
 

@@ -31,17 +31,17 @@ from dagster._core.storage.tags import (
 )
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
-from eagle3_assets.assets.completions import completions
-from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.assets.token_ids import token_ids
-from eagle3_assets.assets.drafter import accept_length_metadata
-from eagle3_assets.instance import INSTANCE_YAML
-from eagle3_assets.quality import board_markdown, board_metadata
-from eagle3_assets.registry import DATASETS
-from eagle3_assets.spend import SpendLedger, SpendPolicy, open_ledger, set_hold
-from eagle3_assets.spend import ledger as L
-from eagle3_assets.spend.caps import Caps
-from eagle3_assets.status import as_json, gather_status, render_text
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
+from eagle3_assets.stages.token_ids.asset import token_ids
+from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
+from eagle3_assets.operations.instance import INSTANCE_YAML
+from eagle3_assets.operations.quality import board_markdown, board_metadata
+from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.money import SpendLedger, SpendPolicy, open_ledger, set_hold
+from eagle3_assets.money import ledger as L
+from eagle3_assets.money.caps import Caps
+from eagle3_assets.operations.status import as_json, gather_status, render_text
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -62,7 +62,7 @@ def home_with_yaml(tmp_path) -> Path:
 def cli_status(home: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     env.pop("NO_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "status", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "status", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -328,7 +328,7 @@ def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, 
     # `eagle3 prompts` builds raw_prompts for A1 and A2 in one run (one step, two partitions).
     home = home_with_yaml(tmp_path)
     env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir_with_tokenizer), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.cli", "prompts", "--datasets", "A1,A2"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "prompts", "--datasets", "A1,A2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

@@ -18,10 +18,10 @@ import pytest
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import bills_not_in_ledger, free_port, port_open, stop_group, wait_for
 
-from eagle3_assets.assets.completions import completions
-from eagle3_assets.assets.raw_prompts import raw_prompts
-from eagle3_assets.completions import final_results
-from eagle3_assets.spend import SpendPolicy, open_ledger
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
+from eagle3_assets.stages.completions.run import final_results
+from eagle3_assets.money import SpendPolicy, open_ledger
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
@@ -90,7 +90,7 @@ def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(tmp_pat
     monkeypatch.setenv("OPENROUTER_API_KEY", SECRET)
     env = env_for(tmp_path, data_dir_with_standin, slow_fake)
     port = free_port()
-    dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
+    dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
                            stdout=open(tmp_path / "dev.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     journal = data_dir_with_standin / "completions" / "B6" / "journal.jsonl"
     try:
@@ -147,7 +147,7 @@ def test_kill_9_then_resume_never_resends_a_journaled_prompt(tmp_path, data_dir_
     monkeypatch.setenv("OPENROUTER_API_KEY", SECRET)
     env = env_for(tmp_path, data_dir_with_standin, slow_fake)
     journal = data_dir_with_standin / "completions" / "B6" / "journal.jsonl"
-    cmd = [sys.executable, "-m", "eagle3_assets.cli", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
+    cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
            "--select", "raw_prompts,completions", "--partition", "B6"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from eagle3_assets.stop_signals import StopSignals
+from eagle3_assets.common.stop_signals import StopSignals
 
 
 class Interrupted(BaseException):
@@ -152,7 +152,7 @@ def test_sigterm_with_its_default_action_still_ends_the_process_but_after_the_cl
     marker = tmp_path / "cleanup"
     script = textwrap.dedent(f"""
         import asyncio, os, signal
-        from eagle3_assets.stop_signals import StopSignals
+        from eagle3_assets.common.stop_signals import StopSignals
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not inherited from the test run (Dagster remaps it)
         with StopSignals() as signals:

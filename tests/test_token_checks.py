@@ -1,6 +1,6 @@
 import polars as pl
 
-from eagle3_assets.checks.tokens import TOKEN_CHECKS
+from eagle3_assets.stages.token_ids.checks import TOKEN_CHECKS
 
 GOOD = {"dataset": "T", "finish_reason": "stop", "n_separators": 1, "has_end": True, "n_leaked_specials": 0,
         "tool_call_think_end": None, "billed_completion_tokens": 1000, "completion_len_diff": 0, "billed_prompt_tokens": 50,

@@ -1,8 +1,8 @@
 
 import polars as pl
 
-from eagle3_assets.completions import COMPLETION_COLUMNS
-from eagle3_assets.token_ids import (
+from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS
+from eagle3_assets.stages.token_ids.reconstruct import (
     build_token_ids,
     reconstruct_completion,
     token_ids_summary,

@@ -129,7 +129,7 @@ class Refusal:
 
 
 class RequestFeed(Protocol):
-    """Admission and the money side of every attempt (eagle3_assets.spend.admission.Admission).
+    """Admission and the money side of every attempt (eagle3_assets.money.admission.Admission).
 
     A backend takes a request's first attempt with `take`, and every further attempt with `retry`
     (which passes admission, the caps and the hold again), each once it is ready to send (after its

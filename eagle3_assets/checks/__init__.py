@@ -1,1 +1,0 @@
-"""Asset checks: plain functions over a stage's output, each returning a `CheckOutcome`."""

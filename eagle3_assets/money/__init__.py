@@ -1,0 +1,57 @@
+"""Money: prices, caps, admission, reservations, the ledger, settlement, the hold and the sensor's figures.
+
+Everything that sums or limits dollars lives here; other modules call it.
+
+    caps.py       Caps and Pricing (the worst case of one request)
+    ledger.py     the SQLite ledger shared by every process on the data root
+    writer.py     the ledger from an event loop (group commit)
+    admission.py  the feed a completion backend pulls attempts from
+    settle.py     look-ups of unsettled generations, the horizon, recovery after a crash
+    prices.py     the model's prices from the API, checked against what the pilot was billed
+    projection.py what the rest of a partition will cost, from its pilot
+    policy.py     thresholds, the account, what crossed them
+    hold.py       the spending hold and which Dagster runs spend
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from eagle3_assets.money.caps import Caps, Pricing, tighter
+from eagle3_assets.money.database import LEDGER_URL_ENV
+from eagle3_assets.money.hold import (
+    ACTIVE_STATUSES,
+    cancel_spending,
+    cancelling,
+    get_hold,
+    lift_hold,
+    set_hold,
+    spends,
+)
+from eagle3_assets.money.ledger import DEFAULT_HORIZON_S, Figures, SpendLedger
+from eagle3_assets.money.policy import SpendPolicy
+from eagle3_resources.storage import DataLayout
+
+_ledgers: dict[tuple[int, str], SpendLedger] = {}
+_lock = threading.Lock()
+
+
+def open_ledger(layout: DataLayout) -> SpendLedger:
+    """The ledger every spending process shares (one connection per process; created, with old journals imported, on
+    first use): the PostgreSQL database of EAGLE3_LEDGER_URL when set (processes on several hosts), else the SQLite
+    file under the data root (one host)."""
+    url = os.environ.get(LEDGER_URL_ENV, "").strip()
+    where = url or str(Path(layout.ledger()).resolve())
+    key = (os.getpid(), where)
+    with _lock:
+        if key not in _ledgers:
+            _ledgers[key] = SpendLedger(where, legacy_journals=layout.all_completion_journals)
+        return _ledgers[key]
+
+
+__all__ = [
+    "ACTIVE_STATUSES", "Caps", "DEFAULT_HORIZON_S", "Figures", "Pricing", "SpendLedger", "SpendPolicy", "cancel_spending",
+    "cancelling", "get_hold", "lift_hold", "open_ledger", "set_hold", "spends", "tighter",
+]

@@ -1,0 +1,327 @@
+"""`eagle3_drafter`: a trained EAGLE-3 drafter in SGLang's `LlamaForCausalLMEagle3` format."""
+
+
+from pathlib import Path
+from typing import Optional
+
+import dagster as dg
+import polars as pl
+from pydantic import Field
+
+from eagle3_assets.stages.hidden_states.asset import hidden_states
+from eagle3_assets.common.outcome import check_specs, to_results
+from eagle3_assets.stages.eagle3_drafter.checks import (
+    DRAFTER_CHECKS,
+    drafter_accept_length,
+    drafter_beats_floor,
+    drafter_keys,
+)
+from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
+from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
+from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
+from eagle3_assets.stages.eagle3_drafter.launch import run_torchrun
+from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport, train_drafter
+from eagle3_assets.stages.eagle3_drafter.quality import (
+    SpeculativeQuality,
+    measure_speculative,
+    target_weight_bytes,
+)
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
+from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json, write_spec
+from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
+from eagle3_resources.storage import DataStore
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+
+class DrafterTrainConfig(dg.Config):
+    draft_vocab_size: int = Field(default=32000, description="draft vocabulary; capped at the distinct loss tokens seen")
+    ttt_steps: int = Field(default=7, description="training-time-test unroll length (SpecForge/EAGLE: 7)")
+    step_decay: float = Field(default=0.8, description="loss weight of TTT step k is decay**k")
+    epochs: int = Field(default=6, description="passes over the training split")
+    lr: Optional[float] = Field(default=None, description="AdamW peak learning rate (warmup, then cosine); unset = by the "
+                                "drafter's width: 1e-4 from 4096 wide (SpecForge's 5e-5 to 1e-4 for 7168-wide drafters), "
+                                "3e-4 from 1024, 2e-3 for the narrow stand-in")
+    batch_tokens: int = Field(default=2048, description="tokens per optimizer step (whole windows, at least one); the "
+                              "global batch, whatever the number of processes")
+    max_len: int = Field(default=4096, description="longest window trained at once; a longer sample is cut into "
+                         "consecutive windows (every token is trained; the count of cut samples is in the metadata)")
+    seed: int = Field(default=0, description="initialisation and shuffling seed")
+    min_accept_length: float = Field(default=1.5, description="the accept_length check (simulated) warns below this")
+    spec_eval_prompts: int = Field(default=8, description="eval-split prompts decoded speculatively with the target "
+                                   "(transformers) and the trained and an untrained drafter; 0 = skip")
+    spec_eval_new_tokens: int = Field(default=48, description="tokens generated per prompt in that evaluation")
+    spec_draft_steps: int = Field(default=3, description="draft tokens per round (SGLang's --speculative-num-steps; "
+                                  "top-k 1, num-draft-tokens = steps + 1)")
+    spec_eval_max_target_gb: float = Field(default=40.0, description="skip the real decoding evaluation for a target "
+                                           "with more weights than this (measure it in SGLang instead: "
+                                           "benchmarks/sglang_engine_speculative.py, then "
+                                           "`python -m eagle3_assets.stages.eagle3_drafter.figures` records it here)")
+    min_accept_gain: float = Field(default=0.1, description="the speculative_gain check fails unless the trained "
+                                   "drafter's real accept length beats the untrained one's by this much")
+    checkpoint_every: int = Field(default=50, description="optimizer steps between training checkpoints (weights, "
+                                  "optimizer, scheduler, data position, RNG) in `eagle3_drafter.training/`; a stopped "
+                                  "or killed run resumes from the last one")
+    device: str = Field(default="auto", description="`auto` = CUDA when present (bf16 autocast, fp32 master weights), "
+                        "else the CPU; or `cpu`, `cuda`")
+    processes: int = Field(default=1, description="data-parallel processes (torchrun + DDP, one per GPU; gloo on the "
+                           "CPU); 8 on an 8-GPU host")
+    online: bool = Field(default=False, description="compute the target's hidden states inside the training loop "
+                         "(transformers, the `target` resource) instead of reading the store: no disk needed, for a "
+                         "target that fits beside the trainer")
+    init_from: Optional[str] = Field(default=None, description="warm start from this SGLang-format drafter folder "
+                                     "(its weights and draft vocabulary)")
+
+    def settings(self) -> TrainSettings:
+        return TrainSettings(ttt_steps=self.ttt_steps, step_decay=self.step_decay, epochs=self.epochs, lr=self.lr,
+                             batch_tokens=self.batch_tokens, max_len=self.max_len, seed=self.seed,
+                             checkpoint_every=self.checkpoint_every)
+
+
+def train_in_processes(context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore, folder: Path) -> DrafterReport:
+    """torchrun with `config.processes` ranks; the step's stop stops them all."""
+    out = store.layout.drafter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = write_spec(Path(str(out) + ".spec.json"), hidden_root=None if config.online else store.layout.hidden_states(),
+                      merged_path=store.layout.merged_dataset(), target_folder=folder, out_dir=out,
+                      settings=config.settings(), draft_vocab_size=config.draft_vocab_size,
+                      report_path=Path(str(out) + ".report.json"), device=config.device, online=config.online,
+                      init_from=Path(config.init_from) if config.init_from else None)
+    return report_from_json(run_torchrun(spec, config.processes, context.log.info))
+
+
+def training_plot(report: DrafterReport):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
+    ax1.plot(report.history.step_loss, lw=1)
+    ax1.set_title("training loss (TTT-weighted)")
+    ax1.set_xlabel("optimizer step")
+    steps = range(1, len(report.trained["acc"]) + 1)
+    ax2.plot(steps, report.trained["acc"], marker="o", label=f"trained (simulated accept {report.trained['accept_length']:.2f})")
+    ax2.plot(steps, report.untrained["acc"], marker="x", label=f"untrained (simulated accept {report.untrained['accept_length']:.2f})")
+    ax2.set_title(f"per-step accuracy on the {report.eval_split} split")
+    ax2.set_xlabel("draft step")
+    ax2.set_ylim(0, 1)
+    ax2.legend()
+    plt.close(fig)
+    return fig
+
+
+def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int = 50) -> list[dict]:
+    """Earlier drafters' accept length (simulated; real where measured) and per-step acceptance, oldest first."""
+    records = instance.fetch_materializations(key, limit=limit).records
+    out = []
+    for record in reversed(records):
+        meta = record.asset_materialization.metadata
+        simulated = meta.get("accept_length_simulated", meta.get("accept_length"))  # `accept_length` in older ones
+        if simulated is None:
+            continue
+        steps = sorted((int(k.rsplit("_", 1)[1]), v.value) for k, v in meta.items() if k.startswith("acceptance_step_"))
+        real = meta.get("accept_length_real")
+        out.append({"t": record.timestamp, "accept_length": simulated.value, "accept_length_real": real.value if real else None,
+                    "acc": [v for _, v in steps]})
+    return out
+
+
+def history_plot(history: list[dict], report: DrafterReport):
+    """Accept length over materializations, and this drafter's per-step acceptance against the previous one's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
+    lengths = [h["accept_length"] for h in history] + [report.trained["accept_length"]]
+    ax1.plot(range(1, len(lengths) + 1), lengths, marker="o")
+    ax1.axhline(report.untrained["accept_length"], color="grey", ls=":", label="untrained drafter")
+    ax1.set_title("simulated accept length per materialization")
+    ax1.set_xlabel("materialization (this one last)")
+    ax1.legend(fontsize=8)
+    steps = range(1, len(report.trained["acc"]) + 1)
+    ax2.plot(steps, report.trained["acc"], marker="o", label="this drafter")
+    if history and history[-1]["acc"]:
+        ax2.plot(range(1, len(history[-1]["acc"]) + 1), history[-1]["acc"], marker="x", label="previous drafter")
+    ax2.set_title("acceptance per draft step")
+    ax2.set_xlabel("draft step")
+    ax2.set_ylim(0, 1)
+    ax2.legend(fontsize=8)
+    plt.close(fig)
+    return fig
+
+
+def ttt_loss_plot(by_ttt: list[list[float]]):
+    """The loss of each TTT step over training: later draft steps start higher and should fall too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3))
+    if by_ttt:
+        for k in range(len(by_ttt[0])):
+            ax.plot([row[k] for row in by_ttt], lw=1, label=f"step {k + 1}")
+    ax.set_title("training loss per TTT draft step")
+    ax.set_xlabel("optimizer step")
+    ax.legend(fontsize=7, ncol=2)
+    plt.close(fig)
+    return fig
+
+
+def acceptance_plot(report: DrafterReport, quality: SpeculativeQuality):
+    """Per-position acceptance in real decoding, trained vs untrained; accept lengths real and simulated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t, u = quality.trained.totals(), quality.untrained.totals()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
+    pos = range(1, len(t["position_acceptance"]) + 1)
+    ax1.plot(pos, [a if a is not None else float("nan") for a in t["position_acceptance"]], marker="o", label="trained")
+    ax1.plot(pos, [a if a is not None else float("nan") for a in u["position_acceptance"]], marker="x", label="untrained")
+    ax1.set_title("real decoding: acceptance per draft position")
+    ax1.set_xlabel("draft position")
+    ax1.set_ylim(0, 1)
+    ax1.legend(fontsize=8)
+    names = ["real\n(SGLang def.)", "simulated\n(teacher-forced)"]
+    x = range(len(names))
+    ax2.bar([i - 0.2 for i in x], [t["accept_length_sglang"], report.trained["accept_length"]], width=0.4, label="trained")
+    ax2.bar([i + 0.2 for i in x], [u["accept_length_sglang"], report.untrained["accept_length"]], width=0.4, label="untrained")
+    ax2.set_xticks(list(x), names)
+    ax2.set_title(f"accept length ({quality.figures()['label']})")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def loss_plot(losses: list[float]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 2.6))
+    ax.plot(losses, lw=1)
+    ax.set_title("training loss (TTT-weighted) per optimizer step")
+    ax.set_xlabel("optimizer step")
+    plt.close(fig)
+    return fig
+
+
+def accept_length_metadata(report: DrafterReport, real: dict | None, previous: dict | None) -> dict:
+    """The accept lengths, the real one first: measured by lossless speculative decoding with the target (when the
+    target is small enough to run here), then the simulated one (teacher-forced on the eval split), named so; each
+    with a `_source` saying what produced it. SGLang's own figures come later, as observations of this asset
+    (eagle3_assets/stages/eagle3_drafter/figures.py)."""
+    out: dict = {}
+    if real is not None:
+        out |= {"accept_length_real": real["accept_length_real"],
+                "accept_length_real_untrained": real["accept_length_real_untrained"],
+                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
+                "accept_length_real_source": f"{FIGURE_SOURCES['transformers']}; target: {real['label']}"}
+        if previous and previous.get("accept_length_real") is not None:
+            out |= {"accept_length_real_previous": previous["accept_length_real"],
+                    "accept_length_real_change": round(real["accept_length_real"] - previous["accept_length_real"], 4)}
+    out |= {"accept_length_simulated": report.trained["accept_length"],
+            "accept_length_simulated_untrained": report.untrained["accept_length"],
+            "accept_length_simulated_source": FIGURE_SOURCES["simulated"]}
+    if previous:
+        out |= {"accept_length_simulated_previous": previous["accept_length"],
+                "accept_length_simulated_change": round(report.trained["accept_length"] - previous["accept_length"], 4)}
+    return out
+
+
+@dg.asset(
+    check_specs=check_specs("eagle3_drafter", DRAFTER_CHECKS, blocking={"sglang_keys"}),
+    deps=[hidden_states],
+    group_name="training",
+    pool="gpu",
+    op_tags={K8S_CONFIG_TAG: gpu_node_config()},  # a whole GPU node under the k8s executor
+    kinds={"pytorch", "safetensors"},
+    description="One-layer EAGLE-3 drafter trained with training-time test on the stored hidden states; exported "
+    "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
+)
+def eagle3_drafter(
+    context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore,
+    tokenizer: TokenizerResource, target: TargetModelResource,
+) -> dg.MaterializeResult:
+    merged = pl.read_parquet(store.layout.merged_dataset())
+    folder = target.folder(tokenizer, context.log.info)
+    if config.processes > 1:
+        report = train_in_processes(context, config, store, folder)
+    else:
+        backend = None
+        if config.online:
+            from eagle3_resources.hidden_states.transformers_backend import (
+                TransformersHiddenStates,
+            )
+
+            backend = TransformersHiddenStates(target.load_model(tokenizer, context.log.info))
+        report = train_drafter(
+            None if config.online else store.layout.hidden_states(), merged, folder, store.layout.drafter(),
+            config.settings(), config.draft_vocab_size, context.log.info, device=config.device, online_backend=backend,
+            init_from=Path(config.init_from) if config.init_from else None,
+        )
+    problems = check_checkpoint(report.checkpoint)
+    quality = None
+    if config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9:
+        quality = measure_speculative(
+            target.load_model(tokenizer, context.log.info), report.checkpoint, merged, prompts=config.spec_eval_prompts,
+            max_new_tokens=config.spec_eval_new_tokens, draft_steps=config.spec_draft_steps, seed=config.seed,
+            aux_layer_ids=trained_layer_ids(report.config),
+            proxy=target.path is None, log=context.log.info)
+    real = quality.figures() if quality else None
+    outcomes = {
+        "sglang_keys": drafter_keys(report.checkpoint),
+        "accept_length": drafter_accept_length(report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length),
+        "speculative_gain": drafter_beats_floor(real, config.min_accept_gain),
+    }
+    per_step = pl.DataFrame({
+        "draft_step": list(range(1, len(report.trained["acc"]) + 1)),
+        "acc_trained": report.trained["acc"],
+        "acc_untrained": report.untrained["acc"],
+    })
+    history = drafter_history(context.instance, context.assets_def.key)
+    previous = history[-1] if history else None
+    positions = {f"acceptance_step_{i}": round(a, 4) for i, a in enumerate(report.trained["acc"], start=1)}
+    return dg.MaterializeResult(
+        check_results=to_results(DRAFTER_CHECKS, outcomes),
+        metadata=accept_length_metadata(report, real, previous) | {
+            **positions,
+            "quality_over_materializations": png_markdown(history_plot(history, report)),
+            "accept_length_product": report.trained["accept_length_product"],
+            "eval_split": report.eval_split,
+            "eval_positions": report.trained["positions"],
+            "per_step_accuracy": markdown_table(per_step, rows=len(per_step)),
+            "training_plot": png_markdown(training_plot(report)),
+            "final_loss": report.history.step_loss[-1],
+            "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
+            "loss_per_step": json_value(report.history.step_loss),
+            "loss_by_ttt_step": png_markdown(ttt_loss_plot(report.history.step_loss_by_ttt)),
+            **({"speculative_decoding": json_value({n: r.to_metadata() for n, r in
+                                                    (("trained", quality.trained), ("untrained", quality.untrained))}),
+                "real_vs_simulated": png_markdown(acceptance_plot(report, quality))} if quality else {}),
+            "train_tokens": report.train_tokens,
+            "samples_cut_into_windows": report.split_samples,
+            "train_windows": report.windows,
+            "learning_rate": report.history.lr,
+            "train_device": report.history.device,
+            "train_processes": report.history.world_size,
+            **({"resumed_from_step": report.history.resumed_from_step} if report.history.resumed_from_step else {}),
+            "train_samples": report.train_samples,
+            "eval_samples": report.eval_samples,
+            "draft_vocab_size": report.draft_vocab_size,
+            "train_seconds": round(report.history.seconds, 1),
+            "train_tokens_per_s": report.history.tokens_per_s,  # all processes, training steps only
+            "train_gflop_per_token": round(report.history.flops_per_token / 1e9, 4),  # model.train_flops_per_token
+            **({"train_mfu": report.history.mfu} if report.history.mfu is not None else {}),  # per GPU, of its bf16 peak
+            "sglang_key_check": "ok" if not problems else "; ".join(problems),
+            "config": json_value(report.config),
+            "path": path_value(report.checkpoint),
+        }
+    )
