@@ -11,6 +11,10 @@ Everything that sums or limits dollars lives here; other modules call it.
     projection.py what the rest of a partition will cost, from its pilot
     policy.py     thresholds, the account, what crossed them
     hold.py       the spending hold and which Dagster runs spend
+    view.py       the `spend` asset's figures and tables
+    asset.py      the `spend` asset (observable: the ledger's figures in the UI)
+
+May import `common` and `eagle3_resources`; never `stages` or `operations` (tests/test_import_direction.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
-"""The six pipeline assets, one module each; the logic they wire lives one package up."""
+"""The six pipeline assets, in lineage order; each lives in its stage's folder (`stages/<asset name>/asset.py`)."""
 
-from eagle3_assets.stages.pipeline import (
-    completions,
-    drafter,
-    hidden_states,
-    merged_dataset,
-    raw_prompts,
-    token_ids,
-)
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.eagle3_drafter.asset import eagle3_drafter
+from eagle3_assets.stages.hidden_states.asset import hidden_states
+from eagle3_assets.stages.merged_dataset.asset import merged_dataset
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
+from eagle3_assets.stages.token_ids.asset import token_ids
 
 PIPELINE_ASSETS = [
-    raw_prompts.raw_prompts,
-    completions.completions,
-    token_ids.token_ids,
-    merged_dataset.merged_dataset,
-    hidden_states.hidden_states,
-    drafter.eagle3_drafter,
+    raw_prompts,
+    completions,
+    token_ids,
+    merged_dataset,
+    hidden_states,
+    eagle3_drafter,
 ]
