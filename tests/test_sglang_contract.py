@@ -35,6 +35,7 @@ from eagle3_resources.hidden_states.sglang_backend import (
     Done,
     EngineSpec,
     Failed,
+    Handoff,
     Limits,
     RankError,
     RankPool,
@@ -322,7 +323,7 @@ def test_split_rows():
 def test_reply_gather_needs_every_rank_and_rank_zero_tensors():
     g = ReplyGather(world_size=3, batch_id=7)
     assert not g.add(Done(2, 7))
-    assert not g.add(Done(0, 7, torch.zeros(1, 6), torch.zeros(1, 2)))
+    assert not g.add(Done(0, 7, Handoff(slab=0, tokens=1)))
     assert g.add(Done(1, 7)) and g.result.rank == 0
     with pytest.raises(RankError, match="rank 1 failed on batch 7"):
         ReplyGather(2, 7).add(Failed(1, 7, "Traceback: boom"))
@@ -338,9 +339,9 @@ def test_reply_gather_needs_every_rank_and_rank_zero_tensors():
 def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
     import functools
 
-    from sglang_fakes import HIDDEN, echo_engine
+    from sglang_fakes import ECHO_SLAB, HIDDEN, echo_engine
 
-    pool = RankPool(2, functools.partial(echo_engine), start_timeout_s=120, batch_timeout_s=60, stop_grace_s=10)
+    pool = RankPool(2, functools.partial(echo_engine), handoff=ECHO_SLAB, start_timeout_s=120, batch_timeout_s=60, stop_grace_s=10)
     try:
         infos = pool.start()
         assert [i["rank"] for i in infos] == [0, 1] and infos[0]["pid"] != infos[1]["pid"]
@@ -357,9 +358,9 @@ def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
 def test_rank_pool_reports_a_failing_rank_and_stops_all():
     import functools
 
-    from sglang_fakes import echo_engine
+    from sglang_fakes import ECHO_SLAB, echo_engine
 
-    pool = RankPool(2, functools.partial(echo_engine, fail_on_batch_with=13), start_timeout_s=120,
+    pool = RankPool(2, functools.partial(echo_engine, fail_on_batch_with=13), handoff=ECHO_SLAB, start_timeout_s=120,
                     batch_timeout_s=60, stop_grace_s=10)
     pool.start()
     assert pool.run([[1, 2]])[0].shape[0] == 2
@@ -374,9 +375,9 @@ def test_rank_pool_reports_a_failing_rank_and_stops_all():
 def test_rank_pool_reports_a_rank_that_dies_while_starting():
     import functools
 
-    from sglang_fakes import echo_engine
+    from sglang_fakes import ECHO_SLAB, echo_engine
 
-    pool = RankPool(2, functools.partial(echo_engine, die_on_start=True), start_timeout_s=120, stop_grace_s=10)
+    pool = RankPool(2, functools.partial(echo_engine, die_on_start=True), handoff=ECHO_SLAB, start_timeout_s=120, stop_grace_s=10)
     with pytest.raises(RankError, match="exited while starting"):
         pool.start()
     assert not pool.alive

@@ -4,8 +4,14 @@ SGLang's HTTP server returns hidden states as JSON lists, far too slowly for tra
 like SpecForge's offline preparation, this runs SGLang's `ModelRunner` in-process: one process
 per tensor-parallel rank (spawned here, NCCL between them), each loading its shard of the target.
 Every batch goes to every rank; each runs the same batched prefill ("extend"); after the TP
-all-reduces the hidden states are replicated, so only rank 0 copies them to the host and sends
-them back: straight from the GPU into shared memory, so the queue passes a handle, not a second copy.
+all-reduces the hidden states are replicated, so only rank 0 copies them to the host and hands them
+over, through a ring of shared host slabs the parent allocates once, before the ranks start
+(`SlabRing`; /dev/shm files, sized from the per-forward bound). Rank 0 page-locks them
+(cudaHostRegister), copies a batch's rows in with `non_blocking` on a side stream and goes on to the
+next forward; a completion thread sends the parent only (slab, token count) once the copy's event has
+completed. The parent lends the rows as views into the slab (`extract_batch`'s result, valid until the
+next call), so the caller's copy into its shard image is the only copy on the host, and gives the slab
+back. With no free slab rank 0 waits, and says so (`SlabWait`, counted in `handoff_figures`).
 
 The capture happens inside SGLang: `enable_return_aux_hidden_states` with
 `speculative_algorithm="EAGLE3"` is SGLang's capture-only mode (no draft is loaded). It calls the
@@ -29,12 +35,17 @@ and that there are enough CUDA devices; each failure says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
+import mmap
 import os
 import queue
+import secrets
+import shutil
 import socket
+import threading
 import time
 import traceback
 import weakref
@@ -200,6 +211,123 @@ def split_rows(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return list(torch.split(flat, lengths, dim=0))
 
 
+# ---------------------------------------------------------------- the hand-off ring (rank 0 -> parent)
+
+# Slabs in the ring. One is enough for a serial caller (each batch is read out before the next is asked
+# for); two let rank 0 copy a batch in while the parent reads the one before (extract_batch submits
+# every sub-batch of a call at once). At Kimi-K2.5 size a slab of DEFAULT_MAX_FORWARD_TOKENS rows is
+# 32768 x (3 + 1) x 7168 x 2 B = 1.88 GB of /dev/shm, page-locked in rank 0.
+DEFAULT_HANDOFF_SLABS = 2
+HANDOFF_SLABS_KNOB = "sglang_handoff_slabs"
+SHM_DIR = Path("/dev/shm")
+
+
+class HandoffMemoryError(RuntimeError):
+    """/dev/shm cannot hold the hand-off slabs."""
+
+
+SLAB_ALIGN = 4096  # each region of a slab starts on a page: aligned DMA and bf16/int64 views
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SLAB_ALIGN) * SLAB_ALIGN
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """One slab: rank 0's rows of one forward. The forward's token ids (int64, so the parent can check that
+    the slab holds the batch it sent), then aux [tokens, aux_width] and final [tokens, final_width] in bf16,
+    each region page-aligned."""
+
+    tokens: int  # rows a slab holds: the backend's per-forward bound (max_forward_tokens)
+    aux_width: int  # 3H
+    final_width: int  # H
+
+    @property
+    def aux_offset(self) -> int:
+        return _aligned(self.tokens * 8)
+
+    @property
+    def final_offset(self) -> int:
+        return _aligned(self.aux_offset + self.tokens * self.aux_width * 2)
+
+    @property
+    def nbytes(self) -> int:
+        return _aligned(self.final_offset + self.tokens * self.final_width * 2)
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(aux, final, ids) over a uint8 slab of `nbytes`."""
+        a, f, t = self.aux_offset, self.final_offset, self.tokens
+        return (buf[a:a + t * self.aux_width * 2].view(torch.bfloat16).view(t, self.aux_width),
+                buf[f:f + t * self.final_width * 2].view(torch.bfloat16).view(t, self.final_width),
+                buf[:t * 8].view(torch.int64))
+
+
+def _map_file(path: str, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+
+
+class SlabRing:
+    """`count` slabs of shared host memory, created once by the parent before the ranks start.
+
+    Each is a file in /dev/shm, its whole size reserved with posix_fallocate (a /dev/shm too small for
+    them is refused here, with the figures, instead of a SIGBUS on first touch). The parent maps them,
+    rank 0 maps them by name; once every rank is up the names are unlinked (`unlink`), so nothing is
+    left in /dev/shm whatever happens afterwards, and the memory goes with the last mapping.
+    """
+
+    def __init__(self, count: int, layout: SlabLayout, *, directory: Path = SHM_DIR):
+        if count < 1:
+            raise ValueError(f"{HANDOFF_SLABS_KNOB} must be at least 1, got {count}")
+        if layout.tokens < 1 or layout.aux_width < 1 or layout.final_width < 1:
+            raise ValueError(f"empty slab layout {layout}")
+        self.count, self.layout = count, layout
+        tag = f"eagle3-handoff-{os.getpid()}-{secrets.token_hex(4)}"
+        self.paths = [str(Path(directory) / f"{tag}-{i}") for i in range(count)]
+        self._maps: list[mmap.mmap] = []
+        self.slabs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        try:
+            for path in self.paths:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, layout.nbytes)
+                except OSError as e:
+                    free = shutil.disk_usage(directory).free
+                    raise HandoffMemoryError(
+                        f"{directory} cannot hold the SGLang hand-off: {count} slabs of {layout.nbytes / 1e9:.2f} GB "
+                        f"({layout.tokens} tokens x ({layout.aux_width} + {layout.final_width}) x 2 B + ids) need "
+                        f"{count * layout.nbytes / 1e9:.2f} GB, {free / 1e9:.2f} GB free ({e.strerror}). Give the "
+                        f"host a larger /dev/shm (docker --shm-size), or lower {HANDOFF_SLABS_KNOB} or "
+                        f"{FORWARD_TOKENS_KNOB}") from None
+                finally:
+                    os.close(fd)
+                mm, buf = _map_file(path, layout.nbytes)
+                self._maps.append(mm)
+                self.slabs.append(layout.views(buf))
+        except BaseException:
+            self.close()
+            raise
+
+    def unlink(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def close(self) -> None:
+        """Unlink the names and drop the parent's mappings (rows still lent out keep theirs alive)."""
+        self.unlink()
+        self.slabs = []
+        for mm in self._maps:
+            with contextlib.suppress(BufferError):  # a caller still holds views: freed with the last of them
+                mm.close()
+        self._maps = []
+
+
 # ---------------------------------------------------------------- rank protocol
 
 
@@ -209,12 +337,29 @@ class Ready:
     info: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """Where rank 0 left a batch's rows: a few numbers, never the rows themselves."""
+
+    slab: int
+    tokens: int
+    slab_waits: int = 0  # times rank 0 has found no free slab so far (cumulative)
+    slab_wait_s: float = 0.0  # and the seconds it waited for one (cumulative)
+
+
 @dataclass
 class Done:
     rank: int
     batch_id: int
-    aux: torch.Tensor | None = None  # rank 0 only: [sum L, 3H]
-    final: torch.Tensor | None = None  # rank 0 only: [sum L, H]
+    handoff: Handoff | None = None  # rank 0 only, sent once its rows have landed in the slab
+
+
+@dataclass
+class SlabWait:
+    """Rank 0 found no free slab for `batch_id` and waits for the parent to release one."""
+
+    rank: int
+    batch_id: int
 
 
 @dataclass
@@ -226,7 +371,7 @@ class Failed:
 
 @dataclass
 class ReplyGather:
-    """Collects one batch's replies: every rank must finish it, rank 0 carries the tensors."""
+    """Collects one batch's replies: every rank must finish it, rank 0 says where its rows are."""
 
     world_size: int
     batch_id: int
@@ -241,7 +386,7 @@ class ReplyGather:
         if not isinstance(reply, Done) or reply.batch_id != self.batch_id:
             raise RankError(f"unexpected reply while waiting for batch {self.batch_id}: {reply!r}")
         if reply.rank == 0:
-            if reply.aux is None or reply.final is None:
+            if reply.handoff is None:
                 raise RankError("rank 0 finished the batch without hidden states")
             self.result = reply
         self.done.add(reply.rank)
@@ -254,86 +399,234 @@ class RankEngine(Protocol):
     def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
 
 
-def shared_host_copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` as bf16 in new shared memory, copied once from wherever it is (rank 0's GPU).
+class _Stop(Exception):
+    """The parent is shutting down (a None on the free-slab queue)."""
 
-    A tensor already in shared memory crosses a torch.multiprocessing queue as a handle; any other
-    tensor is first copied into shared memory by the queue, a second full copy of the batch.
+
+class RankZeroHandoff:
+    """Rank 0's side of the ring: copies each batch's rows into a free slab and tells the parent which.
+
+    On CUDA the slabs are page-locked here (cudaHostRegister on the mapping: no copy, no second buffer),
+    the copies run `non_blocking` on a side stream after the forward, and a completion thread waits for
+    each batch's event, in order, before replying: the rank goes on to the next forward meanwhile. On a
+    CPU the same protocol runs with plain copies. With no free slab (the parent is behind) rank 0 says so
+    (`SlabWait`) and waits: that wait is counted and reported with every hand-off.
     """
-    nbytes = t.numel() * 2
-    try:
-        storage = torch.UntypedStorage._new_shared(nbytes)
-        out = torch.empty(0, dtype=torch.bfloat16).set_(storage, 0, tuple(t.shape))
-    except (AttributeError, RuntimeError, TypeError):  # a torch without these internals: the same result, one copy more
-        out = torch.empty(t.shape, dtype=torch.bfloat16).share_memory_()
-    out.copy_(t)  # from a GPU this waits for the forward: the reply must not leave before its bytes have landed
-    return out
+
+    def __init__(self, paths: list[str], layout: SlabLayout, free, replies):
+        self.layout, self.free, self.replies = layout, free, replies
+        self._maps, self.slabs, self._bufs = [], [], []
+        for path in paths:
+            mm, buf = _map_file(path, layout.nbytes)
+            self._maps.append(mm)
+            self._bufs.append(buf)
+            self.slabs.append(layout.views(buf))
+        self.pinned = False
+        self.waits, self.wait_s = 0, 0.0
+        self._stream = None
+        self._pending: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._complete, name="handoff-completion", daemon=True)
+        self._thread.start()
+
+    def pin(self) -> None:
+        """Page-lock every slab for CUDA (in this process's address space) so D2H copies run at DMA speed."""
+        cudart = torch.cuda.cudart()
+        for i, buf in enumerate(self._bufs):
+            err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            if int(getattr(err, "value", err)) != 0:
+                raise RuntimeError(f"cudaHostRegister of hand-off slab {i} ({buf.numel() / 1e9:.2f} GB) failed: {err}")
+            self.pinned = True
+            if not buf.is_pinned():
+                raise RuntimeError(f"hand-off slab {i} is registered with CUDA but torch does not see it page-locked")
+
+    def _take(self, batch_id: int) -> int:
+        try:
+            index = self.free.get_nowait()
+        except queue.Empty:
+            self.replies.put(SlabWait(0, batch_id))
+            started = time.monotonic()
+            index = self.free.get()
+            self.waits += 1
+            self.wait_s += time.monotonic() - started
+        if index is None:
+            raise _Stop
+        return index
+
+    def hand_off(self, batch_id: int, sequences: list[list[int]], aux: torch.Tensor, final: torch.Tensor) -> None:
+        tokens = sum(len(s) for s in sequences)
+        layout = self.layout
+        if aux.dim() != 2 or final.dim() != 2 or aux.shape[0] != tokens or final.shape[0] != tokens:
+            raise RuntimeError(f"the engine returned aux {tuple(aux.shape)} / final {tuple(final.shape)} for "
+                               f"{tokens} tokens")
+        if tokens > layout.tokens or aux.shape[1] != layout.aux_width or final.shape[1] != layout.final_width:
+            raise RuntimeError(f"aux {tuple(aux.shape)} / final {tuple(final.shape)} do not fit a hand-off slab of "
+                               f"{layout.tokens} x ({layout.aux_width} + {layout.final_width})")
+        index = self._take(batch_id)
+        slab_aux, slab_final, slab_ids = self.slabs[index]
+        slab_ids[:tokens].copy_(torch.tensor([t for s in sequences for t in s], dtype=torch.int64))
+        event = keep = None
+        if aux.is_cuda:
+            if not self.pinned:
+                raise RuntimeError("rank 0's states are on CUDA but the hand-off slabs are not page-locked")
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=aux.device)
+            self._stream.wait_stream(torch.cuda.current_stream(aux.device))  # after the forward, not before
+            with torch.cuda.stream(self._stream):
+                slab_aux[:tokens].copy_(aux, non_blocking=True)
+                slab_final[:tokens].copy_(final, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            keep = (aux, final)  # freed by the completion thread once the copy has landed
+        else:
+            slab_aux[:tokens].copy_(aux)
+            slab_final[:tokens].copy_(final)
+        self._pending.put((batch_id, Handoff(index, tokens, self.waits, round(self.wait_s, 6)), event, keep))
+
+    def _complete(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            batch_id, handoff, event, keep = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                self.replies.put(Done(0, batch_id, handoff))
+            except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
+                self.replies.put(Failed(0, batch_id, traceback.format_exc()))
+            del keep, item
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._thread.join()
+        if self.pinned:
+            cudart = torch.cuda.cudart()
+            for buf in self._bufs:
+                cudart.cudaHostUnregister(buf.data_ptr())
 
 
-def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEngine], requests, replies) -> None:
+def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEngine], requests, replies,
+               slab_paths: list[str], layout: SlabLayout, free) -> None:
     """A rank process: build the engine, then run every batch until told to stop (None)."""
+    handoff = None
     try:
+        if rank == 0:
+            handoff = RankZeroHandoff(slab_paths, layout, free, replies)  # mapped before Ready: then they are unlinked
         engine = factory(rank, world_size)
-        replies.put(Ready(rank, engine.info()))
+        info = engine.info()
+        if handoff is not None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                handoff.pin()
+            info = {**info, "handoff_pinned": handoff.pinned}
+        replies.put(Ready(rank, info))
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
         replies.put(Failed(rank, None, traceback.format_exc()))
+        if handoff is not None:
+            handoff.close()
         return
-    while True:
-        message = requests.get()
-        if message is None:
-            return
-        batch_id, sequences = message
-        try:
-            aux, final = engine.capture(sequences)
-            if rank == 0:
-                replies.put(Done(rank, batch_id, shared_host_copy(aux), shared_host_copy(final)))
-            else:
-                replies.put(Done(rank, batch_id))
-        except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
-            replies.put(Failed(rank, batch_id, traceback.format_exc()))
+    try:
+        while True:
+            message = requests.get()
+            if message is None:
+                return
+            batch_id, sequences = message
+            try:
+                aux, final = engine.capture(sequences)
+                if handoff is not None:
+                    handoff.hand_off(batch_id, sequences, aux, final)  # replies once the rows have landed
+                else:
+                    replies.put(Done(rank, batch_id))
+            except _Stop:
+                return
+            except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
+                replies.put(Failed(rank, batch_id, traceback.format_exc()))
+    finally:
+        if handoff is not None:
+            handoff.close()
 
 
-def _stop(processes: list, requests: list, grace_s: float) -> None:
-    processes = [p for p in processes if p.pid is not None]  # started ones only
-    for q in requests:
-        try:
-            q.put(None)
-        except (ValueError, OSError):  # queue already closed
-            pass
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-            p.join(10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+def _stop(processes: list, requests: list, free, ring: SlabRing, grace_s: float) -> None:
+    try:
+        processes = [p for p in processes if p.pid is not None]  # started ones only
+        for q in [*requests, free]:  # None on the free-slab queue wakes a rank 0 waiting for a slab
+            try:
+                q.put(None)
+            except (ValueError, OSError):  # queue already closed
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    finally:
+        ring.close()
+
+
+class SlabsHeld(RuntimeError):
+    """Rank 0 waits for a free slab and the caller holds every one: release some rows, then ask again."""
+
+
+@dataclass
+class Rows:
+    """One batch's rows, lent from a slab of the ring until `release()`."""
+
+    batch_id: int
+    aux: torch.Tensor  # [tokens, aux_width] bf16, a view into the slab
+    final: torch.Tensor  # [tokens, final_width] bf16, a view into the slab
+    slab: int
+    _release: Callable[[int], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the slab back to rank 0; the views must not be read afterwards. Idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self.slab)
 
 
 class RankPool:
-    """`world_size` spawned processes, each running `factory(rank, world_size)`; batches go to all."""
+    """`world_size` spawned processes, each running `factory(rank, world_size)`; batches go to all.
 
-    def __init__(self, world_size: int, factory: Callable[[int, int], RankEngine], *,
-                 start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, stop_grace_s: float = 60.0):
+    Rank 0 hands each batch's rows over through a ring of `slabs` shared host slabs of `handoff` layout,
+    allocated here before any rank starts; the reply queue carries only small messages.
+    """
+
+    def __init__(self, world_size: int, factory: Callable[[int, int], RankEngine], *, handoff: SlabLayout,
+                 slabs: int = DEFAULT_HANDOFF_SLABS, start_timeout_s: float = 3600.0,
+                 batch_timeout_s: float = 1800.0, stop_grace_s: float = 60.0, shm_dir: Path = SHM_DIR):
         import torch.multiprocessing as mp
 
         self.world_size = world_size
         self.start_timeout_s = start_timeout_s
         self.batch_timeout_s = batch_timeout_s
+        self.ring = SlabRing(slabs, handoff, directory=shm_dir)
         ctx = mp.get_context("spawn")
         self._requests = [ctx.Queue() for _ in range(world_size)]
         self._replies = ctx.Queue()
+        self._free = ctx.Queue()  # slab indices rank 0 may fill
+        for i in range(slabs):
+            self._free.put(i)
         self._processes = [
-            ctx.Process(target=_rank_main, args=(rank, world_size, factory, self._requests[rank], self._replies),
-                        name=f"sglang-rank-{rank}")
+            ctx.Process(target=_rank_main, name=f"sglang-rank-{rank}",
+                        args=(rank, world_size, factory, self._requests[rank], self._replies, self.ring.paths,
+                              handoff, self._free))
             for rank in range(world_size)
         ]
         self._next_batch = 0
+        self._next_result = 0
+        self._gathers: dict[int, ReplyGather] = {}
+        self._sizes: dict[int, list[int]] = {}  # batch id -> the token ids sent (checked against the slab)
+        self._waiting: set[int] = set()  # batches rank 0 waits on a free slab for
+        self._held: set[int] = set()  # slabs lent to the caller
         self._broken: str | None = None
         self.infos: list[dict[str, Any]] = []
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._requests, stop_grace_s)
+        self.stats = {"batches": 0, "bytes": 0, "slab_waits": 0, "rank0_slab_wait_s": 0.0}
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._requests, self._free, self.ring,
+                                           stop_grace_s)
 
     def _get(self, deadline: float, what: str):
         while True:
@@ -360,28 +653,86 @@ class RankPool:
         except BaseException:
             self.close()
             raise
+        self.ring.unlink()  # rank 0 has mapped the slabs: no name is left in /dev/shm from here on
         self.infos = [infos[r] for r in range(self.world_size)]
         return self.infos
 
-    def run(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch on every rank; rank 0's flat (aux, final)."""
+    def _check_usable(self) -> None:
         if self._broken:
             raise RankError(f"the rank processes are unusable after an earlier failure: {self._broken}")
+
+    def submit(self, sequences: list[list[int]]) -> int:
+        """Send one batch to every rank; its id, for `result`. Batches run, and are collected, in order."""
+        self._check_usable()
+        tokens = sum(len(s) for s in sequences)
+        if tokens > self.ring.layout.tokens:
+            raise ValueError(f"a batch of {tokens} tokens does not fit a hand-off slab of {self.ring.layout.tokens}")
         batch_id = self._next_batch
         self._next_batch += 1
+        self._gathers[batch_id] = ReplyGather(self.world_size, batch_id)
+        self._sizes[batch_id] = [t for s in sequences for t in s]
         for q in self._requests:
             q.put((batch_id, sequences))
-        gather = ReplyGather(self.world_size, batch_id)
+        return batch_id
+
+    def _release(self, slab: int) -> None:
+        self._held.discard(slab)
+        if not self._broken:
+            self._free.put(slab)
+
+    def result(self, batch_id: int) -> Rows:
+        """The next submitted batch's rows, lent from its slab: call `Rows.release()` once they are read.
+
+        Raises SlabsHeld (the batch stays pending) when rank 0 needs a slab and the caller holds them all.
+        """
+        self._check_usable()
+        if batch_id != self._next_result:
+            raise ValueError(f"batches are collected in order: batch {self._next_result} comes before {batch_id}")
+        gather = self._gathers[batch_id]
         deadline = time.monotonic() + self.batch_timeout_s
         try:
-            while not gather.add(self._get(deadline, f"on batch {batch_id}")):
-                pass
+            while len(gather.done) < self.world_size:
+                if batch_id in self._waiting and len(self._held) == self.ring.count:
+                    raise SlabsHeld(f"rank 0 waits for a free hand-off slab for batch {batch_id} and the caller holds "
+                                    f"all {self.ring.count}: release some rows first")
+                reply = self._get(deadline, f"on batch {batch_id}")
+                if isinstance(reply, SlabWait):
+                    self._waiting.add(reply.batch_id)
+                    self.stats["slab_waits"] += 1
+                elif isinstance(reply, Done) and reply.batch_id in self._gathers:
+                    self._gathers[reply.batch_id].add(reply)
+                else:
+                    gather.add(reply)  # a failure (raised with its traceback) or a reply that fits no batch
+        except SlabsHeld:
+            raise
         except BaseException as e:
             # A rank that failed mid-batch leaves its peers inside a collective: stop them all.
             self._broken = str(e).splitlines()[0]
             self.close()
             raise
-        return gather.result.aux, gather.result.final
+        del self._gathers[batch_id]
+        self._next_result += 1
+        self._waiting.discard(batch_id)
+        handoff = gather.result.handoff
+        ids = self._sizes.pop(batch_id)
+        aux, final, slab_ids = self.ring.slabs[handoff.slab]
+        if handoff.tokens != len(ids) or not torch.equal(slab_ids[:len(ids)], torch.tensor(ids, dtype=torch.int64)):
+            self._broken = f"hand-off slab {handoff.slab} does not hold batch {batch_id}"
+            self.close()
+            raise RankError(f"{self._broken} ({handoff.tokens} rows for {len(ids)} tokens sent)")
+        self._held.add(handoff.slab)
+        self.stats["batches"] += 1
+        self.stats["bytes"] += handoff.tokens * (aux.shape[1] + final.shape[1]) * 2
+        self.stats["rank0_slab_wait_s"] = handoff.slab_wait_s
+        return Rows(batch_id, aux[:handoff.tokens], final[:handoff.tokens], handoff.slab, self._release)
+
+    def run(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch on every rank; rank 0's flat (aux, final), copied out of the slab (the caller keeps them)."""
+        rows = self.result(self.submit(sequences))
+        try:
+            return rows.aux.clone(), rows.final.clone()
+        finally:
+            rows.release()
 
     def close(self) -> None:
         self._finalizer()
@@ -555,7 +906,7 @@ class SGLangRankEngine:
             aux, final = out.hidden_states, out.last_hidden_states
             if aux is None or final is None:
                 raise RuntimeError("SGLang returned no aux/last hidden states: is the capture-only mode on?")
-            return aux, final  # on the GPU: _rank_main copies them once, into shared memory
+            return aux, final  # on the GPU: rank 0's RankZeroHandoff copies them once, into a page-locked slab
         finally:
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
@@ -610,8 +961,67 @@ def preflight(tp_size: int) -> None:
                                 f"uses (written for {sglang_api.SGLANG_REQUIREMENT}):\n  " + "\n  ".join(problems))
 
 
+class LentExtraction:
+    """`extract_batch` over a started RankPool: sub-batches planned to the forward bound, all submitted at
+    once (rank 0 fills one slab while the parent reads another), each sequence's rows lent as views into
+    its slab until the next call (or `release`).
+
+    A call whose plan needs more slabs at once than the ring has copies its oldest sub-batch out of its
+    slab to free one (counted in `copied_out`); with extract_to_store's batches, one forward each, that
+    does not happen.
+    """
+
+    def __init__(self, pool: RankPool, limits: Limits):
+        self.pool, self.limits = pool, limits
+        self._lent: list[Rows] = []
+        self.copied_out = 0
+
+    def release(self) -> None:
+        """Give back every slab the last call lent; its rows must not be read afterwards."""
+        lent, self._lent = self._lent, []
+        for rows in lent:
+            rows.release()
+
+    def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.release()
+        lengths = [len(s) for s in sequences]
+        groups = plan_sub_batches(lengths, self.limits)
+        batch_ids = [self.pool.submit([list(sequences[i]) for i in group]) for group in groups]
+        results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
+        held: list[tuple[Rows, list[int]]] = []
+        for group, batch_id in zip(groups, batch_ids):
+            while True:
+                try:
+                    rows = self.pool.result(batch_id)
+                    break
+                except SlabsHeld:
+                    if not held:
+                        raise
+                    oldest, members = held.pop(0)
+                    for i in members:
+                        results[i] = (results[i][0].clone(), results[i][1].clone())
+                    oldest.release()
+                    self.copied_out += 1
+            group_lengths = [lengths[i] for i in group]
+            for i, a, f in zip(group, split_rows(rows.aux, group_lengths), split_rows(rows.final, group_lengths)):
+                results[i] = (a, f)
+            held.append((rows, group))
+        self._lent = [rows for rows, _ in held]
+        return results  # type: ignore[return-value]
+
+    def figures(self) -> dict[str, Any]:
+        """The hand-off so far: batches and bytes through the slabs, rank 0's waits for a free one."""
+        ring = self.pool.ring
+        return {**self.pool.stats, "slabs": ring.count, "slab_bytes": ring.layout.nbytes,
+                "copied_out": self.copied_out, "pinned": bool(self.pool.infos and self.pool.infos[0].get("handoff_pinned"))}
+
+
 class SGLangHiddenStates:
-    """Aux [L, 3H] (layers low -> high) and final [L, H] hidden states, bf16 on the CPU, per sequence."""
+    """Aux [L, 3H] (layers low -> high) and final [L, H] hidden states, bf16 on the CPU, per sequence.
+
+    `extract_batch`'s tensors are views into the hand-off slabs, valid until the next call to
+    `extract_batch`/`extract` (clone what must live longer); `handoff_slabs` sets the ring's size.
+    """
 
     name = "sglang"
 
@@ -619,7 +1029,8 @@ class SGLangHiddenStates:
                  max_length: int = 32768, mem_fraction_static: float = 0.8,
                  max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS,
                  max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS, trust_remote_code: bool = True,
-                 start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, log_level: str = "warning"):
+                 start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, log_level: str = "warning",
+                 handoff_slabs: int = DEFAULT_HANDOFF_SLABS):
         check_forward_bounds(max_length, max_forward_tokens, max_forward_requests)
         preflight(tp_size)
         shape = read_text_shape(model_path)
@@ -638,8 +1049,10 @@ class SGLangHiddenStates:
                           mem_fraction_static=mem_fraction_static, max_forward_tokens=max_forward_tokens,
                           max_forward_requests=max_forward_requests, trust_remote_code=trust_remote_code,
                           log_level=log_level)
-        self._pool = RankPool(tp_size, functools.partial(build_sglang_engine, spec),
-                              start_timeout_s=start_timeout_s, batch_timeout_s=batch_timeout_s)
+        # One slab holds one forward: max_forward_tokens rows of the packed aux layers and the final state.
+        layout = SlabLayout(max_forward_tokens, len(self.layer_ids) * self.hidden_size, self.hidden_size)
+        self._pool = RankPool(tp_size, functools.partial(build_sglang_engine, spec), handoff=layout,
+                              slabs=handoff_slabs, start_timeout_s=start_timeout_s, batch_timeout_s=batch_timeout_s)
         infos = self._pool.start()
         self.rank_info = infos[0]
         try:
@@ -647,6 +1060,7 @@ class SGLangHiddenStates:
         except BaseException:
             self._pool.close()
             raise
+        self._extraction = LentExtraction(self._pool, self.limits)
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
@@ -655,20 +1069,16 @@ class SGLangHiddenStates:
                 "tp_size": self.tp_size, "model_class": self.rank_info.get("model_class"),
                 "max_batch_tokens": self.limits.forward_tokens, "max_batch_requests": self.limits.max_requests,
                 "kv_pool_tokens": self.limits.max_tokens, "page_size": self.limits.page_size,
-                "max_length": self.limits.max_length, "dtype": "bfloat16"}
+                "max_length": self.limits.max_length, "dtype": "bfloat16",
+                "handoff_slabs": self._pool.ring.count, "handoff_slab_bytes": self._pool.ring.layout.nbytes,
+                "handoff_pinned": bool(self.rank_info.get("handoff_pinned"))}
 
     def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        lengths = [len(s) for s in sequences]
-        results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
-        for group in plan_sub_batches(lengths, self.limits):
-            aux, final = self._pool.run([list(sequences[i]) for i in group])
-            group_lengths = [lengths[i] for i in group]
-            if aux.shape[-1] != len(self.layer_ids) * self.hidden_size or final.shape[-1] != self.hidden_size:
-                raise RankError(f"SGLang returned aux {tuple(aux.shape)} / final {tuple(final.shape)}; expected "
-                                f"[*, {len(self.layer_ids) * self.hidden_size}] / [*, {self.hidden_size}]")
-            for i, a, f in zip(group, split_rows(aux, group_lengths), split_rows(final, group_lengths)):
-                results[i] = (a, f)
-        return results  # type: ignore[return-value]
+        """Rows lent from the hand-off slabs: valid until the next call (see the class)."""
+        return self._extraction.extract_batch(sequences)
+
+    def handoff_figures(self) -> dict[str, Any]:
+        return self._extraction.figures()
 
     def extract(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.extract_batch([input_ids])[0]
