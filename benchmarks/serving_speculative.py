@@ -25,7 +25,7 @@ Reported per server and concurrency:
   speed-up        output tok/s over the baseline server's at the same concurrency.
 
 The JSON (`--output`) has `source: "sglang_server"` and a `summary` per temperature (here only "0", greedy) of the
-shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.stages.eagle3_drafter.figures FILE` records it on the
+shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.operations.record_figures FILE` records it on the
 `eagle3_drafter` asset (eagle3_assets/stages/eagle3_drafter/figures.py). The eval prompts and the arithmetic are
 benchmarks/speculative_common.py's, shared with that script.
 

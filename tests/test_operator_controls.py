@@ -27,13 +27,9 @@ from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
 from eagle3_assets.common.outcome import per_dataset
-from eagle3_assets.stages.eagle3_drafter.checks import (
-    dataset_mix,
-    drafter_accept_length,
-    drafter_keys,
-    hidden_state_finite,
-    token_totals,
-)
+from eagle3_assets.stages.eagle3_drafter.checks import drafter_accept_length, drafter_keys
+from eagle3_assets.stages.hidden_states.checks import hidden_state_finite
+from eagle3_assets.stages.merged_dataset.checks import dataset_mix, token_totals
 from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS, final_results, partition_lock
 from eagle3_assets.operations.instance import dagster_home
 from eagle3_assets.common.registry import DATASETS

@@ -336,13 +336,13 @@ def fake_engine_report(tmp_path: Path) -> tuple[Path, Path]:
 
 def figures_cli(report: Path, home: Path, data: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "EAGLE3_"))}
-    return subprocess.run([sys.executable, "-m", "eagle3_assets.stages.eagle3_drafter.figures", str(report)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "eagle3_assets.operations.record_figures", str(report)], cwd=REPO,
                           env=env | {"DAGSTER_HOME": str(home), "EAGLE3_DATA_DIR": str(data)},
                           capture_output=True, text=True, timeout=300)
 
 
 def test_the_engine_figures_are_recorded_on_the_drafter_asset_and_refused_for_other_weights(tmp_path, capsys):
-    """`python -m eagle3_assets.stages.eagle3_drafter.figures REPORT` records the Engine benchmark's figures as an observation of
+    """`python -m eagle3_assets.operations.record_figures REPORT` records the Engine benchmark's figures as an observation of
     eagle3_drafter, each named by its source; once the drafter's weights change it refuses (the figures would be
     another drafter's)."""
     import dagster as dg

@@ -36,7 +36,7 @@ from eagle3_assets.money.hold import (
 )
 from eagle3_assets.money.ledger import DEFAULT_HORIZON_S, Figures, SpendLedger
 from eagle3_assets.money.policy import SpendPolicy
-from eagle3_resources.storage import DataLayout
+from eagle3_resources.storage import DataLayout, default_data_dir
 
 _ledgers: dict[tuple[int, str], SpendLedger] = {}
 _lock = threading.Lock()
@@ -55,7 +55,13 @@ def open_ledger(layout: DataLayout) -> SpendLedger:
         return _ledgers[key]
 
 
+def open_data_root_ledger() -> SpendLedger:
+    """The ledger of the data root this process uses (EAGLE3_DATA_DIR, else the default): `eagle3 ledger`, `eagle3
+    hold` and `eagle3 status` read this one."""
+    return open_ledger(DataLayout(default_data_dir()))
+
+
 __all__ = [
     "ACTIVE_STATUSES", "Caps", "DEFAULT_HORIZON_S", "Figures", "Pricing", "SpendLedger", "SpendPolicy", "cancel_spending",
-    "cancelling", "get_hold", "lift_hold", "open_ledger", "set_hold", "spends", "tighter",
+    "cancelling", "get_hold", "lift_hold", "open_data_root_ledger", "open_ledger", "set_hold", "spends", "tighter",
 ]

@@ -137,10 +137,9 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
 
 
 def _ledger():
-    from eagle3_assets.money import open_ledger
-    from eagle3_resources.storage import DataLayout
+    from eagle3_assets.money import open_data_root_ledger
 
-    return open_ledger(DataLayout(default_data_dir()))
+    return open_data_root_ledger()
 
 
 def _print_ledger(ledger) -> None:

@@ -638,12 +638,12 @@ def colour_wanted(stream=None) -> bool:
 
 def status_command(as_json_output: bool = False) -> int:
     """`eagle3 status`: DAGSTER_HOME must be set (cli.dagster_home())."""
-    from eagle3_assets.operations.cli import _ledger
+    from eagle3_assets.money import open_data_root_ledger
     from eagle3_resources.storage import default_data_dir
 
     ledger, ledger_error = None, None
     try:
-        ledger = _ledger()
+        ledger = open_data_root_ledger()
     except Exception as e:
         ledger_error = f"spend ledger: {type(e).__name__}: {e}"
     try:

@@ -56,7 +56,7 @@ class DrafterTrainConfig(dg.Config):
     spec_eval_max_target_gb: float = Field(default=40.0, description="skip the real decoding evaluation for a target "
                                            "with more weights than this (measure it in SGLang instead: "
                                            "benchmarks/sglang_engine_speculative.py, then "
-                                           "`python -m eagle3_assets.stages.eagle3_drafter.figures` records it here)")
+                                           "`python -m eagle3_assets.operations.record_figures` records it here)")
     min_accept_gain: float = Field(default=0.1, description="the speculative_gain check fails unless the trained "
                                    "drafter's real accept length beats the untrained one's by this much")
     checkpoint_every: int = Field(default=50, description="optimizer steps between training checkpoints (weights, "

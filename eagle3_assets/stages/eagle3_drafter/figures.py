@@ -14,7 +14,7 @@ The two SGLang benchmarks run on a GPU host after the drafter is materialized, s
 that materialization. This step records a benchmark's JSON on the `eagle3_drafter` asset as an observation (no
 run, no retraining), once it has checked that the weights the benchmark measured are the ones on disk now:
 
-    .venv/bin/python -m eagle3_assets.stages.eagle3_drafter.figures sglang_engine_speculative.json
+    .venv/bin/python -m eagle3_assets.operations.record_figures sglang_engine_speculative.json
 
 (the instance `eagle3` uses: DAGSTER_HOME if set, else the project's default, as eagle3_assets/operations/instance.py decides).
 
@@ -24,10 +24,8 @@ run id beside it, so which drafter the figures belong to is plain.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -134,25 +132,3 @@ def record_figures(report_path: Path, instance: dg.DagsterInstance) -> dg.AssetO
                                       description=f"{source}: " + ("; ".join(heads) or "no accept length"))
     instance.report_runless_asset_event(observation)
     return observation
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eagle3_assets.stages.eagle3_drafter.figures",
-                                description="Record an SGLang benchmark's JSON on the eagle3_drafter asset (an observation).")
-    p.add_argument("report", type=Path, help="the JSON of benchmarks/sglang_engine_speculative.py or serving_speculative.py")
-    args = p.parse_args(argv)
-    from eagle3_assets.operations.instance import dagster_home
-
-    dagster_home()  # this project's instance (DAGSTER_HOME, set from the default if unset)
-    try:
-        with dg.DagsterInstance.get() as instance:
-            observation = record_figures(args.report, instance)
-    except FiguresRefused as e:
-        print(f"not recorded: {e}", file=sys.stderr)
-        return 1
-    print(f"recorded on eagle3_drafter: {observation.description}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from eagle3_assets.stages.merged_dataset.asset import merged_dataset
 from eagle3_assets.common.outcome import check_specs, to_results
-from eagle3_assets.stages.eagle3_drafter.checks import HIDDEN_STATE_CHECKS, hidden_state_finite
+from eagle3_assets.stages.hidden_states.checks import HIDDEN_STATE_CHECKS, hidden_state_finite
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.stages.hidden_states.selection import (
     sample_preview,

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from eagle3_assets.stages.token_ids.asset import token_ids
 from eagle3_assets.common.outcome import check_specs, run_checks
-from eagle3_assets.stages.eagle3_drafter.checks import MERGED_CHECKS
+from eagle3_assets.stages.merged_dataset.checks import MERGED_CHECKS
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.stages.merged_dataset.merge import merge_token_ids
 from eagle3_assets.common.metadata import markdown_table, path_value, png_markdown
