@@ -18,7 +18,7 @@ import torch
 from hidden_states_worker import samples as worker_samples
 from support import stop_group
 
-from eagle3_assets.stages.eagle3_drafter.checks import HIDDEN_STATE_CHECKS
+from eagle3_assets.stages.hidden_states.checks import HIDDEN_STATE_CHECKS
 from eagle3_assets.stages.hidden_states.selection import select_samples
 from eagle3_resources.hidden_states.extract import (
     DiskSpaceError,
