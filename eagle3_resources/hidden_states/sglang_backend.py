@@ -319,12 +319,13 @@ class SlabRing:
                 os.unlink(path)
 
     def close(self) -> None:
-        """Unlink the names and drop the parent's mappings (rows still lent out keep theirs alive)."""
+        """Unlink the names and drop the parent's references to the mappings.
+
+        Never mmap.close(): torch.frombuffer holds a reference to the mmap, not a buffer export, so closing
+        it would unmap memory that rows still lent out point into. Each mapping goes with its last tensor.
+        """
         self.unlink()
         self.slabs = []
-        for mm in self._maps:
-            with contextlib.suppress(BufferError):  # a caller still holds views: freed with the last of them
-                mm.close()
         self._maps = []
 
 
