@@ -83,6 +83,14 @@ def tensors_in(obj) -> list:
     return []
 
 
+def assert_small_messages(seen: list) -> None:
+    """Every reply is a Done or SlabWait of a few numbers: no tensor (not even a shared-memory handle)."""
+    assert {type(m) for m in seen} <= {Done, SlabWait}
+    for m in seen:
+        assert not tensors_in(m), f"a reply carries tensor data: {m!r}"
+        assert len(ForkingPickler.dumps(m)) < 400, m
+
+
 def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows():
     pool = make_pool(slabs=2)
     try:
@@ -92,6 +100,7 @@ def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows():
         slabs_used = []
         for k in range(12):  # six times as many batches as slabs
             rows = pool.result(pool.submit(batch(k)))
+            assert_small_messages(pool._replies.seen)
             assert_exact(rows.aux, rows.final, batch(k))
             slabs_used.append(rows.slab)
             rows.release()
@@ -111,11 +120,8 @@ def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows():
         extraction.release()
 
         seen = pool._replies.seen
-        assert {type(m) for m in seen} <= {Done, SlabWait}
+        assert_small_messages(seen)
         assert sum(isinstance(m, Done) and m.rank == 0 for m in seen) == 12 + 3 * 3
-        for m in seen:
-            assert not tensors_in(m), f"a reply carries tensor data: {m!r}"
-            assert len(ForkingPickler.dumps(m)) < 400, m
     finally:
         pool.close()
     assert not pool.alive
