@@ -435,7 +435,8 @@ class RankZeroHandoff:
         for i, buf in enumerate(self._bufs):
             err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
             if int(getattr(err, "value", err)) != 0:
-                raise RuntimeError(f"cudaHostRegister of hand-off slab {i} ({buf.numel() / 1e9:.2f} GB) failed: {err}")
+                raise RuntimeError(f"cudaHostRegister of hand-off slab {i} ({buf.numel() / 1e9:.2f} GB) failed: "
+                                   f"{cudart.cudaGetErrorString(err)}")
             self.pinned = True
             if not buf.is_pinned():
                 raise RuntimeError(f"hand-off slab {i} is registered with CUDA but torch does not see it page-locked")
