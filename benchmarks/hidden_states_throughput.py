@@ -4,30 +4,37 @@
     python benchmarks/hidden_states_throughput.py --model DIR          # any HF folder (e.g. the built stand-in)
     python benchmarks/hidden_states_throughput.py --device cuda --hidden 2048 --layers 8 --json $OUT/extraction.json
 
-Every round measures, alternating (the host may be shared), on the same batches (the store's own
-grouping by `--batch-tokens` within each shard, right-padded with an attention mask):
+Measured on the same batches (the store's own grouping by `--batch-tokens` within each shard, right-padded
+with an attention mask):
   bare forward   `model.model(ids, attention_mask)`, nothing kept: what any extraction must pay;
   null sink      `extract_to_store(null_sink=True)`: hooks, the copies into the shard images (side
                  stream on a GPU), the finiteness sums, the writer threads' wait; no write. Its ratio
                  to the bare forward is the capture's own overhead (goal >= 0.95);
-  disk           fsync'd sequential 16 MiB writes of the store's size, in files of its shards' sizes, into
-                 `--dir`: buffered from one thread, and O_DIRECT from `--writers` threads at once (buffered
-                 where O_DIRECT is refused); the better is the disk's bandwidth;
-  store writes   `extract_to_store` fed by a backend that returns ready states (no forward): the
-                 write path alone (copies, checks, image writes, hashing, fsync, rename, manifest);
-                 its GB/s against the disk's (goal >= 0.8);
   extraction     `extract_to_store` for real, into a temporary store on `--dir`'s disk, in >= 20 shards
-                 (so the last shard's write, the only one nothing overlaps, is a small tail).
-The goal for the extraction: >= 0.9 x min(bare forward tok/s, disk GB/s / bytes per token).
+                 (so the last shard's write, the only one nothing overlaps, is a small tail);
+  disk           fsync'd sequential 16 MiB writes of `--write-gb` (the samples repeated), in files of the
+                 store's shard sizes, into `--dir`: O_DIRECT from `--writers` threads at once (buffered where
+                 O_DIRECT is refused), and buffered from one thread; the better of the two is the disk's
+                 bandwidth in that round;
+  store writes   `extract_to_store` of the same bytes fed by a backend that returns ready states (no
+                 forward): the write path alone (copies, checks, image writes, hashing, fsync, rename,
+                 manifest); its GB/s against the disk's (goal >= 0.8).
+Repeats: after an untimed warm-up (every batch through the model, a capture, a store write), `--rounds`
+rounds of (bare, null sink, extraction) and `--write-rounds` rounds of (store writes, disk O_DIRECT, disk
+buffered), each round in a rotated order. A ratio is taken within each round, from runs seconds apart
+(a shared host's load drifts slower than that), and the median over rounds is the figure; every round's
+value is printed and written. The goal for the extraction: >= 0.9 x min(bare forward tok/s, disk GB/s /
+bytes per token).
 Without `--model` the target is a DeepseekV3 with random weights (MLA + MoE like Kimi-K2.5) of the
-stand-in's shape (hidden 64, 8 layers) or of `--hidden` / `--layers`. Needs torch, transformers and
-safetensors only (no Dagster, no polars), so it runs as is on a bare GPU machine.
+stand-in's shape (hidden 64, 8 layers) or of `--hidden` / `--layers`. Needs torch, transformers, safetensors
+and xxhash only (no Dagster, no polars), so it runs as is on a bare GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -50,6 +57,7 @@ from eagle3_resources.hidden_states.extract import (  # noqa: E402
     store_figures,
 )
 from eagle3_resources.hidden_states.store import (  # noqa: E402
+    CHECKSUM,
     StoredSample,
     host_buffer,
     plan_shards,
@@ -128,6 +136,36 @@ class ReadyStates:
         return [(self.aux[:len(s)], self.final[:len(s)]) for s in seqs]
 
 
+class InterleavedBare:
+    """Wraps the backend of a run: each batch's bare forward runs in the same call as its capture (before it on even
+    batches, after it on odd ones), timed apart (`bare_s`). The run's own time is its wall time less those bare
+    forwards. So the two are measured within a second of each other, batch by batch, all through the run: on a
+    shared host whose load drifts over seconds, the drift falls on both alike. For CPU runs (a GPU's bare forward
+    would have to synchronize, which would stop the capture's copies from overlapping the next forward)."""
+
+    def __init__(self, inner: TransformersHiddenStates):
+        self.inner, self.bare_s = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @torch.inference_mode()
+    def bare(self, seqs: list[list[int]]) -> None:
+        start = time.perf_counter()
+        ids, mask = self.inner.padded(seqs)
+        self.inner.model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        self.bare_s.append(time.perf_counter() - start)
+
+    def extract_batch(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        before = len(self.bare_s) % 2 == 0
+        if before:
+            self.bare(seqs)
+        out = self.inner.extract_batch(seqs)
+        if not before:
+            self.bare(seqs)
+        return out
+
+
 def disk_write_s(root: Path, sizes: list[int], *, direct: bool, threads: int, buffer: torch.Tensor) -> tuple[float, bool]:
     """Seconds to write files of `sizes` bytes (16 MiB sequential writes, fsync each) with `threads` writers at once."""
     todo = list(enumerate(sizes))
@@ -141,7 +179,7 @@ def disk_write_s(root: Path, sizes: list[int], *, direct: bool, threads: int, bu
                 if not todo:
                     return
                 i, size = todo.pop(0)
-            _, d = write_file(root / f"disk-{i}.bin", memory, size, direct=direct, hashed=False)
+            _, d = write_file(root / f"disk-{i}.bin", memory, size, direct=direct, checksum=None)
             used_direct.append(d)
 
     start = time.perf_counter()
@@ -160,6 +198,13 @@ def spread(values: list[float]) -> dict:
     return {"best": max(values), "median": statistics.median(values), "worst": min(values), "all": [round(v, 4) for v in values]}
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round r's order: each measurement first in turn, so none always follows the same one (a warm cache, a
+    disk still flushing, a neighbour's burst)."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="an HF model folder; unset = random DeepseekV3")
@@ -174,13 +219,20 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--shard-gb", type=float, default=None, help="default: the store's size / 24 (>= 20 shards)")
     p.add_argument("--writers", type=int, default=StoreSettings.writers)
-    p.add_argument("--write-repeat", type=int, default=1, help="the store-writes and disk measurements write the samples this "
-                   "many times over (a CPU forward is too slow to produce a store large enough to time a disk)")
+    p.add_argument("--write-gb", type=float, default=1.0, help="the store-writes and disk measurements write at least this "
+                   "much (the samples repeated; a CPU forward is too slow to produce a store large enough to time a disk)")
+    p.add_argument("--write-repeat", type=int, default=None, help="repeat the samples this many times for the write "
+                   "measurements (default: from --write-gb)")
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT for the store's writes")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each measurement; best and spread reported")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of bare forward, null sink and extraction, in rotated order")
+    p.add_argument("--whole-runs", action="store_true", help="on a CPU too, time the bare forward in runs of its own (by "
+                   "default a CPU run interleaves it batch by batch with the null sink and the extraction)")
+    p.add_argument("--write-rounds", type=int, default=None, help="rounds of the store writes and the disk, in rotated order "
+                   "(default: --rounds)")
     p.add_argument("--dir", default=None, help="where the temporary stores are written (default: the system temp dir)")
     p.add_argument("--json", default=None, help="write the figures here (default: $OUT/extraction.json when $OUT is set)")
     a = p.parse_args()
+    a.write_rounds = a.write_rounds or a.rounds
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     dtype = getattr(torch, ("bfloat16" if device.type == "cuda" else "float32") if a.dtype == "auto" else a.dtype)
@@ -204,10 +256,11 @@ def main() -> None:
                              free_bytes=10**15, reserve_bytes=0)
     identity = {"bench": name}
     plans = plan_shards(samples, H, shard_bytes, {**identity, "aux_layer_ids": backend.layer_ids})
-    write_samples = [StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(a.write_repeat) for s in samples]
-    write_plans = plan_shards(write_samples, H, shard_bytes * a.write_repeat, {**identity, "aux_layer_ids": backend.layer_ids})
-    write_bytes = [shard_layout(pl, [write_samples[i] for i in pl.samples], H).size for pl in write_plans]
     sizes = [shard_layout(pl, [samples[i] for i in pl.samples], H).size for pl in plans]
+    repeat = a.write_repeat or max(1, math.ceil(a.write_gb * 1e9 / sum(sizes)))
+    write_samples = [StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(repeat) for s in samples]
+    write_plans = plan_shards(write_samples, H, shard_bytes * repeat, {**identity, "aux_layer_ids": backend.layer_ids})
+    write_bytes = [shard_layout(pl, [write_samples[i] for i in pl.samples], H).size for pl in write_plans]
     buffers = HostBuffers(a.writers + 1, pin=device.type == "cuda")
     buffers.reserve(max(max(sizes), max(write_bytes)))  # allocated (and page-locked) once, outside every timing
     scratch = host_buffer(max(write_bytes) + 2**25, pin=False)  # the disk test's source: any bytes
@@ -215,75 +268,141 @@ def main() -> None:
     ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
     print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
           f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards of ~{shard_bytes / 1e6:,.0f} MB, "
-          f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}", flush=True)
+          f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; checksum {CHECKSUM}", flush=True)
+    print(f"write measurements: the samples x {repeat} = {sum(write_bytes) / 1e9:.2f} GB in {len(write_bytes)} shards of "
+          f"~{statistics.median(write_bytes) / 1e6:,.0f} MB", flush=True)
 
-    def extraction(be, null_sink: bool, which: list[StoredSample] = samples, shard: int = shard_bytes) -> tuple[float, dict]:
+    def extraction(be, null_sink: bool, which: list[StoredSample] = samples, shard: int = shard_bytes) -> tuple[float, float, dict]:
+        """(wall seconds, process CPU seconds, store figures) of one extract_to_store into a new temporary store."""
         with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
             sync(device)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             extract_to_store(which, be, Path(tmp), replace(settings, shard_bytes=shard), identity=identity, log=lambda m: None,
                              progress_every_s=3600, buffers=buffers, null_sink=null_sink)
             sync(device)
-            seconds = time.perf_counter() - start
-            return seconds, ({} if null_sink else store_figures(Path(tmp)))
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+            return seconds, cpu, ({} if null_sink else store_figures(Path(tmp)))
+
+    def disk(direct: bool, threads: int) -> tuple[float, float, bool]:
+        with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+            cpu = time.process_time()
+            seconds, used_direct = disk_write_s(Path(tmp), write_bytes, direct=direct, threads=threads, buffer=scratch)
+            return seconds, time.process_time() - cpu, used_direct
 
     shards = [[samples[i] for i in pl.samples] for pl in plans]
-    bare_forward(backend, [samples[:4]], a.batch_tokens)  # warm-up: allocator, kernels, page cache
-    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        extract_to_store(samples[:4], backend, Path(tmp), settings, identity=identity, log=lambda m: None,
-                         progress_every_s=3600, buffers=buffers, null_sink=True)
-    t = {k: [] for k in ("bare", "null", "ready", "extract", "disk_buffered", "disk_direct_parallel")}
+    # Warm-up, untimed: the first shards through the model (allocator, kernels), a capture and one shard's store write.
+    bare_forward(backend, shards[:2], a.batch_tokens)
+    extraction(backend, True, samples[:4])
+    extraction(ready, False, [write_samples[i] for i in write_plans[0].samples], shard_bytes * repeat)
+    t: dict[str, list[float]] = {k: [] for k in ("bare", "null", "extract", "ready", "disk_buffered", "disk_direct_parallel")}
+    cpu: dict[str, list[float]] = {k: [] for k in t}
     direct_ok, figures = False, {}
-    for r in range(a.rounds):
-        t["bare"].append(bare_forward(backend, shards, a.batch_tokens))
-        t["null"].append(extraction(backend, True)[0])
-        with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-            t["disk_buffered"].append(disk_write_s(Path(tmp), write_bytes, direct=False, threads=1, buffer=scratch)[0])
-            s, direct_ok = disk_write_s(Path(tmp), write_bytes, direct=True, threads=a.writers, buffer=scratch)
-            t["disk_direct_parallel"].append(s)
-        t["ready"].append(extraction(ready, False, write_samples, shard_bytes * a.write_repeat)[0])
-        s, figures = extraction(backend, False)
-        t["extract"].append(s)
-        print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in t.items()), flush=True)
+
+    interleave = device.type == "cpu" and not a.whole_runs
+    pairs: dict[str, list[float]] = {"null": [], "extract": []}  # bare seconds / the run's own seconds, per run
+    bare_in: dict[str, list[float]] = {"null": [], "extract": []} if interleave else {}  # the bare forwards inside each run
+
+    def measure(kind: str) -> None:
+        nonlocal direct_ok, figures
+        c = float("nan")
+        if kind == "bare":
+            s = bare_forward(backend, shards, a.batch_tokens)
+            for k in pairs:
+                if len(t[k]) > len(pairs[k]):  # the same round's run came first
+                    pairs[k].append(s / t[k][-1])
+        elif kind in ("null", "extract"):
+            be = InterleavedBare(backend) if interleave else backend
+            s, c, f = extraction(be, kind == "null")
+            figures = f or figures
+            if interleave:
+                bare_s = sum(be.bare_s)
+                s -= bare_s
+                t["bare"].append(bare_s)
+                bare_in[kind].append(bare_s)
+                pairs[kind].append(bare_s / s)
+            elif len(t["bare"]) > len(t[kind]):  # the same round's bare forward came first
+                pairs[kind].append(t["bare"][-1] / s)
+        elif kind == "ready":
+            s, c, _ = extraction(ready, False, write_samples, shard_bytes * repeat)
+        elif kind == "disk_buffered":
+            s, c, _ = disk(False, 1)
+        else:
+            s, c, direct_ok = disk(True, a.writers)
+        t[kind].append(s)
+        cpu[kind].append(c)
+
+    forward_kinds = ["null", "extract"] if interleave else ["bare", "null", "extract"]
+    write_kinds = ["ready", "disk_direct_parallel", "disk_buffered"]
+    print("repeats: " + (f"{a.rounds} rounds of (null sink, extraction), each with every batch's bare forward interleaved "
+                         f"in the same run" if interleave else f"{a.rounds} rounds of (bare forward, null sink, extraction)")
+          + f", and {a.write_rounds} rounds of (store writes, disk O_DIRECT, disk buffered); each round in a rotated order",
+          flush=True)
+    for r in range(max(a.rounds, a.write_rounds)):
+        order = (rotated(forward_kinds, r) if r < a.rounds else []) + (rotated(write_kinds, r) if r < a.write_rounds else [])
+        for kind in order:
+            measure(kind)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {t[k][-1]:.2f} s" + (f" (bare {bare_in[k][-1]:.2f} s interleaved)" if k in bare_in else "")
+                                           for k in order), flush=True)
 
     total = figures["bytes"]
-    scale = {k: (a.write_repeat if k == "ready" or k.startswith("disk") else 1) for k in t}
-    rate = {k: spread([tokens * scale[k] / s for s in v]) for k, v in t.items() if not k.startswith("disk")}
-    gbps = {k: spread([sum(write_bytes) / s / 1e9 if scale[k] > 1 or k == "ready" or k.startswith("disk") else total / s / 1e9
-                       for s in v]) for k, v in t.items()}
-    disk_kind = max((k for k in t if k.startswith("disk")), key=lambda k: gbps[k]["best"])
-    disk = gbps[disk_kind]["best"]
-    bare, null, extract = rate["bare"]["best"], rate["null"]["best"], rate["extract"]["best"]
-    store_gbps, extract_gbps = gbps["ready"]["best"], gbps["extract"]["best"]
+    write_total = sum(write_bytes)
+    rate = {k: spread([tokens * (repeat if k == "ready" else 1) / s for s in t[k]]) for k in ("bare", "null", "extract", "ready")}
+    gbps = {k: spread([(write_total if k in write_kinds else total) / s / 1e9 for s in v]) for k, v in t.items()}
+    # The disk's bandwidth in each write round: the better of its two ways (buffered, O_DIRECT from `writers` threads).
+    disk_round = [max(write_total / b, write_total / d) / 1e9 for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"])]
+    disk_kind = max(("disk_buffered", "disk_direct_parallel"), key=lambda k: gbps[k]["median"])
+    # Paired ratios: each from measurements of the same round (interleaved batch by batch in one run, on a CPU); the
+    # median over rounds is the figure.
+    null_pairs, extract_pairs = pairs["null"], pairs["extract"]
+    store_pairs = [write_total / s / 1e9 / d for s, d in zip(t["ready"], disk_round)]
+    disk = statistics.median(disk_round)
+    bare, null, extract = rate["bare"]["median"], rate["null"]["median"], rate["extract"]["median"]
+    store_gbps, extract_gbps = gbps["ready"]["median"], gbps["extract"]["median"]
     bytes_per_token = total / tokens
     limit = min(bare, disk * 1e9 / bytes_per_token)
+    cpu_per_gb = {k: round(statistics.median(cpu[k]) / (write_total / 1e9), 4) for k in write_kinds}
     out = {
         "model": name, "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
         "samples": len(samples), "tokens": tokens, "bytes": total, "bytes_per_token": round(bytes_per_token, 2),
         "shards": figures["shards"], "shard_bytes": shard_bytes, "writers": a.writers, "o_direct": direct_ok and not a.buffered,
-        "rounds": a.rounds, "write_repeat": a.write_repeat, "write_test_bytes": sum(write_bytes), "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_measured_as": disk_kind,
-        "ratio_null_sink_to_bare": null / bare, "ratio_extraction_to_bare": extract / bare,
-        "ratio_store_write_to_disk": store_gbps / disk, "ratio_extraction_write_to_disk": extract_gbps / disk,
+        "checksum": CHECKSUM, "rounds": a.rounds, "write_rounds": a.write_rounds, "write_repeat": repeat,
+        "write_test_bytes": write_total, "write_test_shards": len(write_bytes),
+        "seconds": {k: [round(x, 4) for x in v] for k, v in t.items()}, "bare_interleaved": interleave,
+        "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_gb_per_s_by_round": [round(x, 4) for x in disk_round],
+        "disk_measured_as": disk_kind, "cpu_s_per_gb_written": cpu_per_gb,
+        "ratio_null_sink_to_bare": statistics.median(null_pairs), "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in null_pairs],
+        "ratio_extraction_to_bare": statistics.median(extract_pairs), "ratio_extraction_to_bare_by_round": [round(x, 4) for x in extract_pairs],
+        "ratio_store_write_to_disk": statistics.median(store_pairs), "ratio_store_write_to_disk_by_round": [round(x, 4) for x in store_pairs],
+        "ratio_store_write_to_disk_best": gbps["ready"]["best"] / max(disk_round),
+        "ratio_extraction_write_to_disk": extract_gbps / disk,
         "limit_tokens_per_s": limit, "ratio_extraction_to_limit": extract / limit,
         "overhead_pct_bytes_per_token": figures["overhead_pct"],
     }
 
     def line(label: str, key: str) -> str:
         r = rate[key]
-        return f"{label:<16}{r['best']:12,.0f} tok/s  (median {r['median']:,.0f}, worst {r['worst']:,.0f}; {gbps[key]['best']:.3f} GB/s)"
+        return (f"{label:<16}{r['median']:12,.0f} tok/s  (median of {len(t[key])}; best {r['best']:,.0f}, worst {r['worst']:,.0f}; "
+                f"{gbps[key]['median']:.3f} GB/s)")
+
+    def listed(values: list[float]) -> str:
+        return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
     print(line("bare forward", "bare"))
     print(line("null sink", "null"))
     print(line("extraction", "extract"))
-    print(f"{'store writes':<16}{rate['ready']['best']:12,.0f} tok/s  ({store_gbps:.3f} GB/s, median {gbps['ready']['median']:.3f}: "
-          f"ready states, no forward)")
-    print("disk (fsync'd)  " + ", ".join(f"{k.removeprefix('disk_')} {gbps[k]['best']:.3f} GB/s" for k in t if k.startswith("disk"))
-          + f"  -> {disk:.3f} GB/s ({disk_kind}; O_DIRECT {'works' if direct_ok else 'refused here'})")
-    print(f"ratio null sink / bare forward:   {out['ratio_null_sink_to_bare']:.3f}   (goal >= 0.95: the capture's own overhead)")
-    print(f"ratio extraction / bare forward:  {out['ratio_extraction_to_bare']:.3f}")
-    print(f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; the extraction itself "
-          f"wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)")
+    print(f"{'store writes':<16}{rate['ready']['median']:12,.0f} tok/s  ({store_gbps:.3f} GB/s median of {len(t['ready'])}, "
+          f"all {listed(gbps['ready']['all'])}: ready states, no forward; {cpu_per_gb['ready']:.3f} CPU s/GB)")
+    print("disk (fsync'd)  " + ", ".join(f"{k.removeprefix('disk_')} {gbps[k]['median']:.3f} GB/s (all {listed(gbps[k]['all'])}, "
+                                         f"{cpu_per_gb[k]:.3f} CPU s/GB)" for k in ("disk_direct_parallel", "disk_buffered"))
+          + f"  -> {disk:.3f} GB/s (median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})")
+    print(f"ratio null sink / bare forward:   {out['ratio_null_sink_to_bare']:.3f}   (goal >= 0.95: the capture's own overhead; "
+          f"median of {listed(null_pairs)}, each from " + ("one run with the bare forward interleaved batch by batch)"
+                                                           if interleave else "one round's adjacent runs)"))
+    print(f"ratio extraction / bare forward:  {out['ratio_extraction_to_bare']:.3f}   (median of {listed(extract_pairs)})")
+    print(f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; median of {listed(store_pairs)}, "
+          f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; the extraction "
+          f"itself wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)")
     print(f"extraction {extract:,.0f} tok/s vs 0.9 x min(bare {bare:,.0f}, disk {disk * 1e9 / bytes_per_token:,.0f}) = "
           f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)")
     print(f"bytes per token {bytes_per_token:,.1f} vs minimum {4 * H * 2:,} ((3 + 1) x H x 2): overhead "

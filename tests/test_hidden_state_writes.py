@@ -1,6 +1,7 @@
 """How a shard reaches the disk: its safetensors image built in place (read back by safetensors' own loader),
-the checksum taken while writing (against a hash of the file read back), a write interrupted by an exception
-or by SIGKILL (nothing listed, the resume redoes it), and the finiteness check that travels with the states."""
+the checksum taken while writing (against a hash of the file read back), stores checksummed with sha256 before
+xxh3 (still read and verified), the manifest's group commit, a write interrupted by an exception or by SIGKILL
+(nothing listed, the resume redoes it), and the finiteness check that travels with the states."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file
 from support import stop_group
@@ -25,8 +29,9 @@ from eagle3_resources.hidden_states.store import (
     ALIGN,
     MANIFEST,
     HiddenStateStore,
+    ShardCommitter,
     StoredSample,
-    file_sha256,
+    file_checksum,
     host_buffer,
     read_manifest,
     write_file,
@@ -35,6 +40,12 @@ from eagle3_resources.hidden_states.transformers_backend import TransformersHidd
 
 REPO = Path(__file__).resolve().parents[1]
 ROOMY = dict(free_bytes=10**12, reserve_bytes=0)
+LIBRARY_HASH = {"xxh3_128": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
+
+
+def file_xxh3(path: Path) -> str:
+    """The file's XXH3-128, by the library on the bytes read back (not by the store's code)."""
+    return xxhash.xxh3_128(path.read_bytes()).hexdigest()
 
 
 def make_samples(n: int, vocab: int) -> list[StoredSample]:
@@ -77,21 +88,132 @@ def test_a_shard_is_a_safetensors_file_holding_what_was_captured(target_model, t
     assert seen == {s.sample_id for s in samples}
 
 
+@pytest.mark.parametrize("checksum", ["xxh3_128", "sha256"])
 @pytest.mark.parametrize("direct", [True, False])
-def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct):
-    """Chunks, an unaligned tail (written padded under O_DIRECT, then cut), the hash of exactly the file's bytes."""
+def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct, checksum):
+    """Chunks, an unaligned tail (written padded under O_DIRECT, then cut), the hash of exactly the file's bytes,
+    with xxh3 (new shards) and sha256 (the stores written before): the library's own digest of the bytes read back."""
     size = 5 * ALIGN + 123
     buffer = host_buffer(6 * ALIGN, pin=False)
     buffer.random_(0, 256, generator=torch.Generator().manual_seed(5))
     data = memoryview(buffer.numpy())
-    digest, used_direct = write_file(tmp_path / "f", data, size, direct=direct, chunk=2 * ALIGN)
+    digest, used_direct = write_file(tmp_path / "f", data, size, direct=direct, chunk=2 * ALIGN, checksum=checksum)
     on_disk = (tmp_path / "f").read_bytes()
     assert on_disk == bytes(data[:size])
-    assert digest == hashlib.sha256(on_disk).hexdigest() == file_sha256(tmp_path / "f")
+    assert digest == LIBRARY_HASH[checksum](on_disk) == file_checksum(tmp_path / "f", checksum)
     assert used_direct == (direct and hasattr(os, "O_DIRECT") and used_direct)  # O_DIRECT only when asked
     # Buffered from a bytes object (not aligned, no room for padding): the same bytes, the same hash.
-    digest2, used2 = write_file(tmp_path / "g", memoryview(bytes(data[:size])), direct=direct, chunk=3 * ALIGN)
+    digest2, used2 = write_file(tmp_path / "g", memoryview(bytes(data[:size])), direct=direct, chunk=3 * ALIGN, checksum=checksum)
     assert not used2 and digest2 == digest and (tmp_path / "g").read_bytes() == on_disk
+
+
+def test_a_store_checksummed_with_sha256_stays_readable_and_verifiable(target_model, tmp_path):
+    """A store committed before xxh3 lists `sha256` per shard. It is read as it is, `verify_on_resume` checks each
+    shard with the algorithm its entry names (a rotten byte is caught and that shard alone redone, now with xxh3), and
+    the shards kept keep their sha256 entries."""
+    backend = TransformersHiddenStates(target_model)
+    samples = make_samples(10, target_model.config.vocab_size)
+    settings = StoreSettings(shard_bytes=30_000, batch_tokens=64, verify_on_resume=True, **ROOMY)
+    extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    manifest = read_manifest(tmp_path)
+    names = sorted(manifest["shards"])
+    assert len(names) >= 3 and all(set(e) == {"key", "xxh3_128", "bytes", "samples", "tokens"} for e in manifest["shards"].values())
+    for name, entry in manifest["shards"].items():  # the entries as the sha256 store wrote them (the same shard files)
+        manifest["shards"][name] = {"key": entry["key"], "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(),
+                                    "bytes": entry["bytes"], "samples": entry["samples"], "tokens": entry["tokens"]}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    old = {n: dict(e) for n, e in manifest["shards"].items()}
+    store = HiddenStateStore(tmp_path)
+    assert len(store) == len(samples) and store[samples[3].sample_id]["input_ids"].tolist() == list(samples[3].input_ids)
+    store.close()
+
+    report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    assert (report.shards_written, report.shards_skipped) == (0, len(names))  # every sha256 verified
+    assert read_manifest(tmp_path)["shards"] == old
+
+    rotten = tmp_path / names[1]
+    data = bytearray(rotten.read_bytes())
+    data[-3] ^= 0x10  # one bit of a loss-mask byte: the size and the header are intact
+    rotten.write_bytes(bytes(data))
+    report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    assert (report.shards_written, report.shards_skipped) == (1, len(names) - 1)
+    after = read_manifest(tmp_path)["shards"]
+    assert after[names[1]]["xxh3_128"] == file_xxh3(rotten) and "sha256" not in after[names[1]]
+    assert {n: e for n, e in after.items() if n != names[1]} == {n: e for n, e in old.items() if n != names[1]}
+    assert hashlib.sha256(rotten.read_bytes()).hexdigest() == old[names[1]]["sha256"]  # redone: the same bytes as before
+
+
+def test_a_shard_rotten_on_disk_is_caught_by_its_xxh3_and_redone(target_model, tmp_path):
+    backend = TransformersHiddenStates(target_model)
+    samples = make_samples(10, target_model.config.vocab_size)
+    settings = StoreSettings(shard_bytes=30_000, batch_tokens=64, **ROOMY)
+    extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    before = read_manifest(tmp_path)["shards"]
+    name = sorted(before)[0]
+    data = bytearray((tmp_path / name).read_bytes())
+    data[len(data) // 2] ^= 0x01  # a bit of a state in the middle of the file
+    (tmp_path / name).write_bytes(bytes(data))
+    kept = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
+    assert kept.shards_written == 0  # trusted by size alone: the manifest's checksum is read only when verifying
+    redone = extract_to_store(samples, backend, tmp_path, replace(settings, verify_on_resume=True), identity={}, progress_every_s=3600)
+    assert (redone.shards_written, redone.shards_skipped) == (1, len(before) - 1)
+    assert read_manifest(tmp_path)["shards"] == before and file_xxh3(tmp_path / name) == before[name]["xxh3_128"]
+
+
+def test_writers_finishing_together_share_a_manifest_write_and_return_once_it_is_durable(tmp_path, monkeypatch):
+    """`record` returns only when the manifest on disk lists the shard; while one manifest write is under way the
+    others' shards wait for the next, which lists them all; a failed manifest write fails its writer only."""
+    writes, failed, first_write = [], [], threading.Event()
+    real = store_module.write_text_atomic
+    committer = ShardCommitter(tmp_path, {"shards": {}})
+    committer.save_manifest()
+
+    def write_text_atomic(path, text):
+        writes.append(sorted(json.loads(text)["shards"]))
+        if len(writes) == 1:  # writer 0's: it fails once the seven others have handed in their shards
+            first_write.set()
+            deadline = time.monotonic() + 60
+            while len(committer.manifest["shards"]) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            failed.append(threading.current_thread().name)
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(store_module, "write_text_atomic", write_text_atomic)
+    seen, errors = {}, {}
+
+    def writer(i: int) -> None:
+        if i > 0:
+            first_write.wait(60)  # writer 0's manifest write is under way
+        try:
+            committer.record(f"s{i}", {"key": str(i)})
+        except OSError as e:
+            errors[threading.current_thread().name] = e
+            return
+        seen[i] = sorted(read_manifest(tmp_path)["shards"])  # right after record returned
+
+    threads = [threading.Thread(target=writer, args=(i,), name=f"w{i}", daemon=True) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert not any(th.is_alive() for th in threads)
+    assert list(errors) == failed == ["w0"]  # only the writer whose manifest write failed sees the error
+    assert all(f"s{i}" in listed for i, listed in seen.items()) and sorted(seen) == list(range(1, 8))
+    assert len(writes) == 2 and writes[1] == [f"s{i}" for i in range(8)]  # the second write lists all eight
+    assert sorted(read_manifest(tmp_path)["shards"]) == [f"s{i}" for i in range(8)]
+
+
+def test_the_extraction_leaves_torchs_thread_count_as_it_found_it(target_model, tmp_path):
+    """The CPU staging runs on one thread (extract.one_thread) and gives the caller's count back."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        extract_to_store(make_samples(5, target_model.config.vocab_size), TransformersHiddenStates(target_model), tmp_path,
+                         StoreSettings(shard_bytes=20_000, batch_tokens=64, **ROOMY), identity={}, progress_every_s=3600)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 class FailingWrites:
@@ -116,7 +238,7 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     samples = make_samples(10, target_model.config.vocab_size)
     settings = StoreSettings(shard_bytes=30_000, batch_tokens=64, writers=1, **ROOMY)
     extract_to_store(samples, backend, tmp_path / "whole", settings, identity={}, progress_every_s=3600)
-    whole = {n: e["sha256"] for n, e in read_manifest(tmp_path / "whole")["shards"].items()}
+    whole = {n: e["xxh3_128"] for n, e in read_manifest(tmp_path / "whole")["shards"].items()}
     assert len(whole) >= 3
 
     monkeypatch.setattr(store_module, "WRITE_CHUNK", ALIGN)
@@ -125,10 +247,10 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     root = tmp_path / "failed"
     with pytest.raises(RuntimeError, match="Input/output error"):
         extract_to_store(samples, backend, root, settings, identity={}, progress_every_s=3600)
-    listed = {n: e["sha256"] for n, e in read_manifest(root)["shards"].items()}
+    listed = {n: e["xxh3_128"] for n, e in read_manifest(root)["shards"].items()}
     failed = sorted(whole)[1]
     assert failed not in listed and 1 <= len(listed) < len(whole)
-    assert all(whole[n] == digest == file_sha256(root / n) for n, digest in listed.items())  # shards already finished were kept
+    assert all(whole[n] == digest == file_xxh3(root / n) for n, digest in listed.items())  # shards already finished were kept
     partial = root / (failed + ".tmp")
     assert partial.exists() and 0 < partial.stat().st_size  # half a shard on disk, under its temporary name
     assert not (root / failed).exists()
@@ -137,7 +259,7 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     report = extract_to_store(samples, backend, root, settings, identity={}, progress_every_s=3600)
     assert report.shards_skipped == len(listed) and report.shards_written == len(whole) - len(listed)
     assert partial.name in report.removed_untrusted
-    assert {n: e["sha256"] for n, e in read_manifest(root)["shards"].items()} == whole
+    assert {n: e["xxh3_128"] for n, e in read_manifest(root)["shards"].items()} == whole
     assert sorted(p.name for p in root.iterdir()) == sorted([*whole, MANIFEST])
 
 
@@ -169,7 +291,7 @@ def test_kill_9_in_the_middle_of_a_shard_write(target_resource, tokenizer_resour
     target = partial.name.removesuffix(".tmp")
     assert target not in listed
     for name, entry in listed.items():  # what is listed is whole
-        assert file_sha256(root / name) == entry["sha256"]
+        assert file_xxh3(root / name) == entry["xxh3_128"]
 
     resumed = worker(folder, root)
     out, _ = resumed.communicate(timeout=600)
@@ -177,7 +299,7 @@ def test_kill_9_in_the_middle_of_a_shard_write(target_resource, tokenizer_resour
     planned = read_manifest(root)["planned_shards"]
     final = read_manifest(root)["shards"]
     assert f"{len(planned) - len(listed)} written, {len(listed)} kept" in out
-    assert target in final and file_sha256(root / target) == final[target]["sha256"]
+    assert target in final and file_xxh3(root / target) == final[target]["xxh3_128"]
     assert sorted(p.name for p in root.iterdir()) == sorted([*planned, MANIFEST])
     assert len(HiddenStateStore(root)) == 24
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+import xxhash
 from hidden_states_worker import samples as worker_samples
 from support import stop_group
 
@@ -33,7 +34,6 @@ from eagle3_resources.hidden_states.store import (
     MANIFEST,
     HiddenStateStore,
     StoredSample,
-    file_sha256,
     min_bytes_per_token,
     read_manifest,
 )
@@ -41,6 +41,11 @@ from eagle3_resources.hidden_states.transformers_backend import TransformersHidd
 
 REPO = Path(__file__).resolve().parents[1]
 ROOMY = dict(free_bytes=10**12, reserve_bytes=0)  # the disk check is tested on its own below
+
+
+def file_xxh3(path: Path) -> str:
+    """The file's XXH3-128 (what the manifest records for new shards), by the library on the bytes read back."""
+    return xxhash.xxh3_128(path.read_bytes()).hexdigest()
 
 
 def make_samples(n: int, vocab: int, lengths=(5, 17, 33, 9, 64, 2, 40)) -> list[StoredSample]:
@@ -158,7 +163,7 @@ def test_bytes_per_token_within_two_percent_of_the_minimum(target_model, tmp_pat
     assert figures["bytes"] == on_disk and figures["tokens"] == sum(len(s.input_ids) for s in samples)
     assert on_disk / figures["tokens"] <= floor * 1.02, figures  # ids, masks, offsets and headers included
     for name, entry in read_manifest(tmp_path)["shards"].items():
-        assert file_sha256(tmp_path / name) == entry["sha256"]
+        assert file_xxh3(tmp_path / name) == entry["xxh3_128"]
 
 
 def test_random_reads_come_from_the_index_not_a_scan(target_model, tmp_path, monkeypatch):
@@ -204,7 +209,7 @@ def test_untrusted_files_are_removed_and_redone(target_model, tmp_path):
     samples = make_samples(6, target_model.config.vocab_size)
     settings = StoreSettings(shard_bytes=1, **ROOMY)  # one sample per shard
     extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
-    sums = {n: e["sha256"] for n, e in read_manifest(tmp_path)["shards"].items()}
+    sums = {n: e["xxh3_128"] for n, e in read_manifest(tmp_path)["shards"].items()}
     manifest = read_manifest(tmp_path)
     del manifest["shards"]["all-00002.safetensors"]  # killed between rename and record
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
@@ -213,7 +218,7 @@ def test_untrusted_files_are_removed_and_redone(target_model, tmp_path):
     report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     assert report.shards_written == 2 and report.shards_skipped == 4
     assert "all-00005.safetensors.tmp" in report.removed_untrusted
-    assert {n: e["sha256"] for n, e in read_manifest(tmp_path)["shards"].items()} == sums
+    assert {n: e["xxh3_128"] for n, e in read_manifest(tmp_path)["shards"].items()} == sums
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -324,7 +329,7 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(target_re
         proc.wait()
     finally:
         stop_group(proc)
-    kept = {n: (e["sha256"], (killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns)
+    kept = {n: (e["xxh3_128"], (killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns)
             for n, e in json.loads((killed / MANIFEST).read_text())["shards"].items()}
     planned = json.loads((killed / MANIFEST).read_text())["planned_shards"]
     assert 2 <= len(kept) < len(planned), "the kill came too late to test anything"
@@ -342,11 +347,11 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(target_re
     assert uninterrupted.returncode == 0, out
 
     final = json.loads((killed / MANIFEST).read_text())["shards"]
-    assert {n: e["sha256"] for n, e in final.items()} == {n: e["sha256"] for n, e in json.loads((whole / MANIFEST).read_text())["shards"].items()}
+    assert {n: e["xxh3_128"] for n, e in final.items()} == {n: e["xxh3_128"] for n, e in json.loads((whole / MANIFEST).read_text())["shards"].items()}
     for n, (digest, ino, mtime) in kept.items():  # finished shards were not redone
         assert ((killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns) == (ino, mtime)
     for n, e in final.items():  # and every file is what its manifest entry says
-        assert file_sha256(killed / n) == e["sha256"]
+        assert file_xxh3(killed / n) == e["xxh3_128"]
     assert sorted(p.name for p in killed.iterdir()) == sorted([*final, MANIFEST])
     assert len(final) == len(planned) == len(HiddenStateStore(killed).manifest["shards"])
     assert len(HiddenStateStore(killed)) == len(worker_samples(target_model.config.vocab_size))
