@@ -538,6 +538,7 @@ def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEng
                     handoff.hand_off(batch_id, sequences, aux, final)  # replies once the rows have landed
                 else:
                     replies.put(Done(rank, batch_id))
+                del aux, final  # on CUDA the completion thread holds them until the copy has landed, no longer
             except _Stop:
                 return
             except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
