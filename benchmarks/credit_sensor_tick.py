@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 import dagster as dg  # noqa: E402
 
 from eagle3_assets.common.registry import DATASETS  # noqa: E402
-from eagle3_assets.operations.sensors import credit_sensor  # noqa: E402
 from eagle3_assets.money import Caps, SpendPolicy, open_ledger  # noqa: E402
 from eagle3_assets.money import ledger as L  # noqa: E402
+from eagle3_assets.operations.sensors import credit_sensor  # noqa: E402
 from eagle3_resources.alerts import AlertSink  # noqa: E402
 from eagle3_resources.journal import Journal, read_journal  # noqa: E402
 from eagle3_resources.storage import DataLayout, DataStore  # noqa: E402

@@ -29,9 +29,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle3_assets.common.registry import DatasetSpec, ImportSpec
 from eagle3_assets.stages.raw_prompts.importers.build import source_rows
 from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength, import_prompts
-from eagle3_assets.common.registry import DatasetSpec, ImportSpec
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.resource import TokenizerResource
 

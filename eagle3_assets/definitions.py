@@ -35,9 +35,9 @@ import os
 
 import dagster as dg
 
-from eagle3_assets.stages.pipeline import PIPELINE_ASSETS
-from eagle3_assets.money.asset import spend
 from eagle3_assets.common.k8s import step_executor
+from eagle3_assets.money import SpendPolicy
+from eagle3_assets.money.asset import spend
 from eagle3_assets.operations.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
 from eagle3_assets.operations.quality import pipeline_status, status_board
 from eagle3_assets.operations.schedules import missing_partitions_nightly
@@ -46,7 +46,7 @@ from eagle3_assets.operations.sensors import (
     credit_sensor,
     run_failure_alert,
 )
-from eagle3_assets.money import SpendPolicy
+from eagle3_assets.stages.pipeline import PIPELINE_ASSETS
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.resource import (
     CompletionsResource,

@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_assets.stages.completions.run import run_completions  # noqa: E402
 from eagle3_assets.money import Caps, Pricing, open_ledger  # noqa: E402
+from eagle3_assets.stages.completions.run import run_completions  # noqa: E402
 from eagle3_resources.completions.openrouter import OpenRouterBackend  # noqa: E402
 from eagle3_resources.completions.types import CompletionRequest, SamplingSettings  # noqa: E402
 from eagle3_resources.storage import DataLayout  # noqa: E402

@@ -11,14 +11,14 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from test_operator_controls import KEY, resources_for
 
-from eagle3_assets.stages.completions import run as completions_logic
-from eagle3_assets.stages.completions.asset import completions
-from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.definitions import defs
 from eagle3_assets.operations.instance import dagster_home
 from eagle3_assets.operations.quality import status_board
 from eagle3_assets.operations.schedules import missing_partitions_nightly
 from eagle3_assets.operations.status import run_progress
+from eagle3_assets.stages.completions import run as completions_logic
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.storage import DataStore
 
 

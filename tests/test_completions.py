@@ -5,6 +5,8 @@ import pytest
 from aiohttp import web
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
+from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.money import Caps
 from eagle3_assets.stages.completions.run import (
     build_requests,
     completions_frame,
@@ -12,8 +14,6 @@ from eagle3_assets.stages.completions.run import (
     run_completions,
 )
 from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts
-from eagle3_assets.common.registry import DATASETS
-from eagle3_assets.money import Caps
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend
 from eagle3_resources.completions.openrouter import OpenRouterBackend, request_body

@@ -22,8 +22,8 @@ from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from fakes.openrouter.__main__ import parse_args
 from fakes.openrouter.template import render_prompt
 
-from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts, rendered_prompt_ids
 from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts, rendered_prompt_ids
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 
 KEY = "k-fake-tests"

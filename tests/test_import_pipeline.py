@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 from support import build_source_tree
 
+from eagle3_assets.definitions import resources
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.definitions import resources
 from eagle3_resources.storage import DataStore
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from support import build_source_tree
 
+from eagle3_assets.common.registry import DatasetSpec, ImportSpec, load_registry
 from eagle3_assets.stages.raw_prompts.importers.build import build_prompt_sets
 from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength
-from eagle3_assets.common.registry import DatasetSpec, ImportSpec, load_registry
 
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = load_registry(REPO / "data" / "datasets.yaml")

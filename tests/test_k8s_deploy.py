@@ -28,7 +28,6 @@ from dagster_k8s.job import (
 )
 from dockerfile_parse import DockerfileParser
 
-from eagle3_assets.definitions import defs
 from eagle3_assets.common.k8s import (
     K8S_CONFIG_TAG,
     api_pod_config,
@@ -36,6 +35,7 @@ from eagle3_assets.common.k8s import (
     node_selector_from,
     step_executor,
 )
+from eagle3_assets.definitions import defs
 from eagle3_assets.operations.instance import INSTANCE_YAML
 
 REPO = Path(__file__).resolve().parents[1]

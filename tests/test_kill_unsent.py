@@ -21,9 +21,9 @@ import pytest
 from ledger_invariants import check_ledgers, read_billing_log
 from support import free_port, ledger_rows, port_open, stop_group, wait_for
 
-from eagle3_assets.stages.completions.run import final_results, recover_idle_datasets
 from eagle3_assets.money import Caps, SpendLedger, open_ledger
 from eagle3_assets.money import ledger as L
+from eagle3_assets.stages.completions.run import final_results, recover_idle_datasets
 from eagle3_resources.storage import DataLayout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,13 +22,13 @@ from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PART
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import bills_not_in_ledger, ledger_rows, stop_group, wait_for
 
-from eagle3_assets.stages.completions.asset import completions
-from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.stages.completions.run import final_results, run_completions
 from eagle3_assets.money import Caps, SpendPolicy, open_ledger, set_hold
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.settle import settle_due
 from eagle3_assets.money.writer import LedgerWriter
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.completions.run import final_results, run_completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.completions.types import SamplingSettings

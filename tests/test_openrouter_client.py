@@ -10,8 +10,8 @@ import time
 import pytest
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
-from eagle3_assets.stages.completions.run import final_results, run_completions
 from eagle3_assets.money import Caps, Pricing, SpendLedger
+from eagle3_assets.stages.completions.run import final_results, run_completions
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.sse import (
     SSEDecoder,

@@ -12,10 +12,10 @@ import pytest
 from safetensors import safe_open
 from test_descriptions import unquoted_special_tokens
 
+from eagle3_assets.common.registry import DatasetSpec
+from eagle3_assets.definitions import resources
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.definitions import resources
-from eagle3_assets.common.registry import DatasetSpec
 from eagle3_resources.storage import DataStore
 
 REPO = Path(__file__).resolve().parents[1]

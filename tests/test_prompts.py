@@ -2,7 +2,6 @@ import json
 
 import pytest
 
-from eagle3_assets.stages.raw_prompts.prompts import PromptFileError, read_prompts
 from eagle3_assets.common.registry import (
     DATASETS,
     DatasetSpec,
@@ -10,6 +9,7 @@ from eagle3_assets.common.registry import (
     dataset_spec,
     load_registry,
 )
+from eagle3_assets.stages.raw_prompts.prompts import PromptFileError, read_prompts
 
 
 def spec_for(path, fmt="messages"):

@@ -9,6 +9,7 @@ from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.completions.run import (
     COMPLETION_COLUMNS,
     build_requests,
@@ -16,7 +17,6 @@ from eagle3_assets.stages.completions.run import (
     run_completions,
 )
 from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts
-from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.types import SamplingSettings

@@ -12,10 +12,10 @@ import pytest
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from ledger_invariants import bills_of, check_ledgers
 
-from eagle3_assets.stages.completions.asset import completions
-from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.money import SpendPolicy, open_ledger
 from eagle3_assets.money import ledger as L
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore

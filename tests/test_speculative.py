@@ -10,8 +10,8 @@ from contextlib import contextmanager, nullcontext
 import pytest
 import torch
 
-from eagle3_assets.stages.eagle3_drafter.checks import drafter_beats_floor
 from eagle3_assets.stages.eagle3_drafter import speculative
+from eagle3_assets.stages.eagle3_drafter.checks import drafter_beats_floor
 from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config
 from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality

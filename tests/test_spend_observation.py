@@ -17,10 +17,10 @@ from dagster._core.remote_origin import (
     RemoteRepositoryOrigin,
 )
 
-from eagle3_assets.operations.sensors import credit_sensor
 from eagle3_assets.money import SpendPolicy, open_ledger
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.caps import Caps
+from eagle3_assets.operations.sensors import credit_sensor
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.storage import DataStore
 

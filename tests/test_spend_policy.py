@@ -16,9 +16,7 @@ from dagster._core.remote_origin import (
 from fakes.openrouter import ServerThread
 from support import Webhook
 
-from eagle3_assets.money.asset import spend
 from eagle3_assets.definitions import defs
-from eagle3_assets.operations.sensors import credit_sensor
 from eagle3_assets.money import (
     Caps,
     SpendPolicy,
@@ -29,8 +27,10 @@ from eagle3_assets.money import (
     spends,
 )
 from eagle3_assets.money import ledger as L
+from eagle3_assets.money.asset import spend
 from eagle3_assets.money.ledger import Figures, Scope
 from eagle3_assets.money.policy import Account, LedgerGap, account_moves, crossed
+from eagle3_assets.operations.sensors import credit_sensor
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.storage import DataStore
 

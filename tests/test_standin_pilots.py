@@ -14,13 +14,13 @@ import math
 import torch
 from safetensors.torch import load_file
 
+from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.completions.asset import CompletionsConfig
+from eagle3_assets.stages.completions.pilot import MIN_ANSWER_SHARE, MIN_OK_SHARE, pilot_outcome
 from eagle3_assets.stages.completions.run import build_requests, completions_frame, run_completions
 from eagle3_assets.stages.raw_prompts.importers.build import build_prompt_sets
 from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength
-from eagle3_assets.stages.completions.pilot import MIN_ANSWER_SHARE, MIN_OK_SHARE, pilot_outcome
 from eagle3_assets.stages.raw_prompts.prompts import prompts_frame
-from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.local import TransformersBackend
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource

@@ -31,17 +31,17 @@ from dagster._core.storage.tags import (
 )
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 
-from eagle3_assets.stages.completions.asset import completions
-from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.stages.token_ids.asset import token_ids
-from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
-from eagle3_assets.operations.instance import INSTANCE_YAML
-from eagle3_assets.operations.quality import board_markdown, board_metadata
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.money import SpendLedger, SpendPolicy, open_ledger, set_hold
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.caps import Caps
+from eagle3_assets.operations.instance import INSTANCE_YAML
+from eagle3_assets.operations.quality import board_markdown, board_metadata
 from eagle3_assets.operations.status import as_json, gather_status, render_text
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
+from eagle3_assets.stages.token_ids.asset import token_ids
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource

@@ -18,10 +18,10 @@ import pytest
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import bills_not_in_ledger, free_port, port_open, stop_group, wait_for
 
-from eagle3_assets.stages.completions.asset import completions
-from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.stages.completions.run import final_results
 from eagle3_assets.money import SpendPolicy, open_ledger
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.completions.run import final_results
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dagster as dg
 
-from eagle3_assets.stages.pipeline import PIPELINE_ASSETS
 from eagle3_assets.common.registry import dataset_partitions
+from eagle3_assets.stages.pipeline import PIPELINE_ASSETS
 from eagle3_resources.storage import DataStore
 
 # Shown in the launchpad, so a user sees the spend caps without knowing their names (null: the environment's

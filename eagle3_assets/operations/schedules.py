@@ -7,9 +7,9 @@ which with a paid API is wrong.) Off by default; turn it on in the UI.
 
 import dagster as dg
 
-from eagle3_assets.operations.jobs import eagle3_pipeline
 from eagle3_assets.common.registry import DATASETS, run_datasets
 from eagle3_assets.money import ACTIVE_STATUSES
+from eagle3_assets.operations.jobs import eagle3_pipeline
 
 DONE_ASSET = dg.AssetKey("token_ids")  # the last per-dataset stage: a dataset is done when it has token ids
 

@@ -12,7 +12,6 @@ from dagster._core.storage.asset_check_execution_record import (
     AssetCheckExecutionRecordStatus,
 )
 
-from eagle3_assets.stages.completions.run import recover_idle_datasets
 from eagle3_assets.common.registry import run_datasets
 from eagle3_assets.money import get_hold, lift_hold, open_ledger, set_hold, view
 from eagle3_assets.money.hold import active_spending_runs, cancel_run, cancel_spending
@@ -27,6 +26,7 @@ from eagle3_assets.money.policy import (
 )
 from eagle3_assets.money.settle import settle_due
 from eagle3_assets.money.writer import LedgerWriter
+from eagle3_assets.stages.completions.run import recover_idle_datasets
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.storage import DataStore

@@ -10,22 +10,10 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
-from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
-from eagle3_assets.common.outcome import CheckOutcome, per_dataset
-from eagle3_assets.stages.completions.run import (
-    CompletionsRun,
-    DatasetBusy,
-    build_requests,
-    completions_frame,
-    final_results,
-    partition_lock,
-    run_completions,
-)
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value
-from eagle3_assets.stages.completions.pilot import pilot_outcome, pilot_passed
+from eagle3_assets.common.outcome import CheckOutcome, per_dataset
+from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.common.registry import dataset_partitions, dataset_spec
 from eagle3_assets.money import SpendPolicy, cancelling, get_hold, open_ledger, tighter
 from eagle3_assets.money import ledger as L
@@ -38,6 +26,18 @@ from eagle3_assets.money.prices import (
     fetch_prices,
 )
 from eagle3_assets.money.projection import project
+from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
+from eagle3_assets.stages.completions.pilot import pilot_outcome, pilot_passed
+from eagle3_assets.stages.completions.run import (
+    CompletionsRun,
+    DatasetBusy,
+    build_requests,
+    completions_frame,
+    final_results,
+    partition_lock,
+    run_completions,
+)
+from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.completions.types import RunFatalError, SamplingSettings

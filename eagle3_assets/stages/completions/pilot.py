@@ -13,8 +13,8 @@ from __future__ import annotations
 import polars as pl
 
 from eagle3_assets.common.outcome import CheckOutcome, sample_ids
-from eagle3_assets.stages.token_ids.checks import BILLED_DIFF_LIMIT
 from eagle3_assets.money.prices import PriceCheck
+from eagle3_assets.stages.token_ids.checks import BILLED_DIFF_LIMIT
 from eagle3_resources.journal import read_journal
 
 MIN_OK_SHARE = 0.5

@@ -22,14 +22,14 @@ from typing import Any, Optional
 
 import polars as pl
 
-from eagle3_assets.stages.raw_prompts.prompts import rendered_prompt_ids
+from eagle3_assets.common.stop_signals import StopSignals
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.admission import HALTED, Admission
 from eagle3_assets.money.caps import Caps, Pricing
 from eagle3_assets.money.ledger import DEFAULT_HORIZON_S, SpendLedger
 from eagle3_assets.money.settle import recover_dataset, settle_due
 from eagle3_assets.money.writer import LedgerWriter
-from eagle3_assets.common.stop_signals import StopSignals
+from eagle3_assets.stages.raw_prompts.prompts import rendered_prompt_ids
 from eagle3_resources.completions.types import (
     FINAL_STATUSES,
     RETRY_LATER_STATUSES,

@@ -8,7 +8,8 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.stages.hidden_states.asset import hidden_states
+from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
+from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import check_specs, to_results
 from eagle3_assets.stages.eagle3_drafter.checks import (
     DRAFTER_CHECKS,
@@ -16,7 +17,6 @@ from eagle3_assets.stages.eagle3_drafter.checks import (
     drafter_beats_floor,
     drafter_keys,
 )
-from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
 from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
 from eagle3_assets.stages.eagle3_drafter.launch import run_torchrun
@@ -28,7 +28,7 @@ from eagle3_assets.stages.eagle3_drafter.quality import (
 )
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json, write_spec
-from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
+from eagle3_assets.stages.hidden_states.asset import hidden_states
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource

@@ -6,10 +6,10 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.stages.merged_dataset.asset import merged_dataset
+from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
+from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import check_specs, to_results
 from eagle3_assets.stages.hidden_states.checks import HIDDEN_STATE_CHECKS, hidden_state_finite
-from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.stages.hidden_states.selection import (
     sample_preview,
     select_samples,
@@ -18,7 +18,7 @@ from eagle3_assets.stages.hidden_states.selection import (
     tokens_by_dataset,
     tokens_picture,
 )
-from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
+from eagle3_assets.stages.merged_dataset.asset import merged_dataset
 from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.hidden_states.extract import (
     StoreSettings,

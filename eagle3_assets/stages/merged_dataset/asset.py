@@ -5,13 +5,13 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.stages.token_ids.asset import token_ids
-from eagle3_assets.common.outcome import check_specs, run_checks
-from eagle3_assets.stages.merged_dataset.checks import MERGED_CHECKS
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
-from eagle3_assets.stages.merged_dataset.merge import merge_token_ids
 from eagle3_assets.common.metadata import markdown_table, path_value, png_markdown
+from eagle3_assets.common.outcome import check_specs, run_checks
 from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.stages.merged_dataset.checks import MERGED_CHECKS
+from eagle3_assets.stages.merged_dataset.merge import merge_token_ids
+from eagle3_assets.stages.token_ids.asset import token_ids
 from eagle3_resources.storage import DataStore
 
 

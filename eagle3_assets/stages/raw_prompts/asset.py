@@ -11,18 +11,18 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
-from eagle3_assets.stages.raw_prompts.checks import PROMPT_CHECKS, reject_rate
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
+from eagle3_assets.common.metadata import json_value, markdown_table, path_value
+from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
+from eagle3_assets.common.registry import DATASETS, RegistryError, dataset_partitions
+from eagle3_assets.stages.raw_prompts.checks import PROMPT_CHECKS, reject_rate
 from eagle3_assets.stages.raw_prompts.importers.build import build_prompt_sets
 from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength
-from eagle3_assets.common.metadata import json_value, markdown_table, path_value
 from eagle3_assets.stages.raw_prompts.prompts import (
     PromptFileError,
     prompts_frame,
     with_prompt_tokens,
 )
-from eagle3_assets.common.registry import DATASETS, RegistryError, dataset_partitions
 from eagle3_resources.source_files import SourceError
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.chat_format import render_messages

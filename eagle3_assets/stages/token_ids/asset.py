@@ -5,13 +5,13 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
-from eagle3_assets.stages.completions.asset import completions
-from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
-from eagle3_assets.common.outcome import per_dataset
-from eagle3_assets.stages.token_ids.checks import TOKEN_CHECKS
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import markdown_table, path_value, png_markdown
+from eagle3_assets.common.outcome import per_dataset
+from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.common.registry import dataset_partitions
+from eagle3_assets.stages.completions.asset import completions
+from eagle3_assets.stages.token_ids.checks import TOKEN_CHECKS
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids, token_ids_summary
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.resource import TokenizerResource

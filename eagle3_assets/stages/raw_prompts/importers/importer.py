@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3_assets.common.registry import ImportSpec
 from eagle3_assets.stages.raw_prompts.importers.schemas import CONVERTERS
 from eagle3_assets.stages.raw_prompts.importers.selection import (
     language,
@@ -25,7 +26,6 @@ from eagle3_assets.stages.raw_prompts.importers.selection import (
     user_turns,
 )
 from eagle3_assets.stages.raw_prompts.prompts import InvalidPrompt, Prompt
-from eagle3_assets.common.registry import ImportSpec
 from eagle3_resources.source_files import SourceRow
 
 
