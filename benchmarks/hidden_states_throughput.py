@@ -144,7 +144,8 @@ class InterleavedBare:
     would have to synchronize, which would stop the capture's copies from overlapping the next forward)."""
 
     def __init__(self, inner: TransformersHiddenStates):
-        self.inner, self.bare_s = inner, []
+        self.inner, self.bare_s, self.calls = inner, [], []  # calls: when each extract_batch began
+        self.started = self.ended = 0.0  # the run's ends (set by the caller)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -157,6 +158,7 @@ class InterleavedBare:
         self.bare_s.append(time.perf_counter() - start)
 
     def extract_batch(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.calls.append(time.perf_counter())
         before = len(self.bare_s) % 2 == 0
         if before:
             self.bare(seqs)
@@ -164,6 +166,15 @@ class InterleavedBare:
         if not before:
             self.bare(seqs)
         return out
+
+    def batch_ratios(self) -> list[float]:
+        """Per batch: its bare forward / the run's own time from this call to the next (the capture's forward, then
+        the pipeline's work until the next batch; the setup before the first call and the wait for the writers after
+        the last count with the first and the last batch)."""
+        ends = [*self.calls[1:], self.ended]
+        own = [end - begin - bare for begin, end, bare in zip(self.calls, ends, self.bare_s)]
+        own[0] += self.calls[0] - self.started
+        return [bare / o for bare, o in zip(self.bare_s, own)]
 
 
 def disk_write_s(root: Path, sizes: list[int], *, direct: bool, threads: int, buffer: torch.Tensor) -> tuple[float, bool]:
@@ -280,7 +291,10 @@ def main() -> None:
             extract_to_store(which, be, Path(tmp), replace(settings, shard_bytes=shard), identity=identity, log=lambda m: None,
                              progress_every_s=3600, buffers=buffers, null_sink=null_sink)
             sync(device)
-            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+            end, cpu = time.perf_counter(), time.process_time() - cpu
+            seconds = end - start
+            if isinstance(be, InterleavedBare):
+                be.started, be.ended = start, end
             return seconds, cpu, ({} if null_sink else store_figures(Path(tmp)))
 
     def disk(direct: bool, threads: int) -> tuple[float, float, bool]:
@@ -301,6 +315,7 @@ def main() -> None:
     interleave = device.type == "cpu" and not a.whole_runs
     pairs: dict[str, list[float]] = {"null": [], "extract": []}  # bare seconds / the run's own seconds, per run
     bare_in: dict[str, list[float]] = {"null": [], "extract": []} if interleave else {}  # the bare forwards inside each run
+    batch_pairs: dict[str, list[float]] = {"null": [], "extract": []}  # interleaved: bare / own, batch by batch, every run
 
     def measure(kind: str) -> None:
         nonlocal direct_ok, figures
@@ -320,6 +335,7 @@ def main() -> None:
                 t["bare"].append(bare_s)
                 bare_in[kind].append(bare_s)
                 pairs[kind].append(bare_s / s)
+                batch_pairs[kind].extend(be.batch_ratios())
             elif len(t["bare"]) > len(t[kind]):  # the same round's bare forward came first
                 pairs[kind].append(t["bare"][-1] / s)
         elif kind == "ready":
@@ -351,15 +367,19 @@ def main() -> None:
     # The disk's bandwidth in each write round: the better of its two ways (buffered, O_DIRECT from `writers` threads).
     disk_round = [max(write_total / b, write_total / d) / 1e9 for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"])]
     disk_kind = max(("disk_buffered", "disk_direct_parallel"), key=lambda k: gbps[k]["median"])
-    # Paired ratios: each from measurements of the same round (interleaved batch by batch in one run, on a CPU); the
-    # median over rounds is the figure.
+    # Paired ratios. On a GPU each from one round's adjacent runs, the median over rounds the figure. On a CPU the bare
+    # forward runs batch by batch inside the measured runs: the figure is the median over every batch of every run (the
+    # finest pairing), and each run's own ratio (its sums) is given beside it.
     null_pairs, extract_pairs = pairs["null"], pairs["extract"]
+    null_ratio = statistics.median(batch_pairs["null"] if interleave else null_pairs)
+    extract_ratio = statistics.median(batch_pairs["extract"] if interleave else extract_pairs)
     store_pairs = [write_total / s / 1e9 / d for s, d in zip(t["ready"], disk_round)]
     disk = statistics.median(disk_round)
     bare, null, extract = rate["bare"]["median"], rate["null"]["median"], rate["extract"]["median"]
     store_gbps, extract_gbps = gbps["ready"]["median"], gbps["extract"]["median"]
     bytes_per_token = total / tokens
     limit = min(bare, disk * 1e9 / bytes_per_token)
+    extract_paired = bare * extract_ratio  # the extraction's tok/s by its paired ratio to the bare forward
     cpu_per_gb = {k: round(statistics.median(cpu[k]) / (write_total / 1e9), 4) for k in write_kinds}
     out = {
         "model": name, "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -371,12 +391,14 @@ def main() -> None:
         "seconds": {k: [round(x, 4) for x in v] for k, v in t.items()}, "bare_interleaved": interleave,
         "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_gb_per_s_by_round": [round(x, 4) for x in disk_round],
         "disk_measured_as": disk_kind, "cpu_s_per_gb_written": cpu_per_gb,
-        "ratio_null_sink_to_bare": statistics.median(null_pairs), "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in null_pairs],
-        "ratio_extraction_to_bare": statistics.median(extract_pairs), "ratio_extraction_to_bare_by_round": [round(x, 4) for x in extract_pairs],
+        "ratio_null_sink_to_bare": null_ratio, "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in null_pairs],
+        "ratio_null_sink_to_bare_by_batch": [round(x, 4) for x in batch_pairs["null"]],
+        "ratio_extraction_to_bare": extract_ratio, "ratio_extraction_to_bare_by_round": [round(x, 4) for x in extract_pairs],
+        "ratio_extraction_to_bare_by_batch": [round(x, 4) for x in batch_pairs["extract"]],
         "ratio_store_write_to_disk": statistics.median(store_pairs), "ratio_store_write_to_disk_by_round": [round(x, 4) for x in store_pairs],
         "ratio_store_write_to_disk_best": gbps["ready"]["best"] / max(disk_round),
         "ratio_extraction_write_to_disk": extract_gbps / disk,
-        "limit_tokens_per_s": limit, "ratio_extraction_to_limit": extract / limit,
+        "limit_tokens_per_s": limit, "ratio_extraction_to_limit": extract_paired / limit,
         "overhead_pct_bytes_per_token": figures["overhead_pct"],
     }
 
@@ -396,14 +418,21 @@ def main() -> None:
     print("disk (fsync'd)  " + ", ".join(f"{k.removeprefix('disk_')} {gbps[k]['median']:.3f} GB/s (all {listed(gbps[k]['all'])}, "
                                          f"{cpu_per_gb[k]:.3f} CPU s/GB)" for k in ("disk_direct_parallel", "disk_buffered"))
           + f"  -> {disk:.3f} GB/s (median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})")
-    print(f"ratio null sink / bare forward:   {out['ratio_null_sink_to_bare']:.3f}   (goal >= 0.95: the capture's own overhead; "
-          f"median of {listed(null_pairs)}, each from " + ("one run with the bare forward interleaved batch by batch)"
-                                                           if interleave else "one round's adjacent runs)"))
-    print(f"ratio extraction / bare forward:  {out['ratio_extraction_to_bare']:.3f}   (median of {listed(extract_pairs)})")
+    def paired(kind: str) -> str:
+        if interleave:
+            b = batch_pairs[kind]
+            return (f"median of {len(b)} batches (each batch's bare forward run next to its capture; quartiles "
+                    f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) in {len(pairs[kind])} runs; "
+                    f"each run's own sums {listed(pairs[kind])}")
+        return f"median of {listed(pairs[kind])}, each from one round's adjacent runs"
+
+    print(f"ratio null sink / bare forward:   {null_ratio:.3f}   (goal >= 0.95: the capture's own overhead; {paired('null')})")
+    print(f"ratio extraction / bare forward:  {extract_ratio:.3f}   ({paired('extract')})")
     print(f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; median of {listed(store_pairs)}, "
           f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; the extraction "
           f"itself wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)")
-    print(f"extraction {extract:,.0f} tok/s vs 0.9 x min(bare {bare:,.0f}, disk {disk * 1e9 / bytes_per_token:,.0f}) = "
+    print(f"extraction {extract_paired:,.0f} tok/s (bare x its paired ratio) vs 0.9 x min(bare {bare:,.0f}, disk "
+          f"{disk * 1e9 / bytes_per_token:,.0f}) = "
           f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)")
     print(f"bytes per token {bytes_per_token:,.1f} vs minimum {4 * H * 2:,} ((3 + 1) x H x 2): overhead "
           f"{figures['overhead_pct']:.2f}%   (goal <= 2%), {figures['shards']} shards")
