@@ -339,7 +339,7 @@ def test_reply_gather_needs_every_rank_and_rank_zero_tensors():
 def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
     import functools
 
-    from sglang_fakes import ECHO_SLAB, HIDDEN, echo_engine
+    from fakes.sglang import ECHO_SLAB, HIDDEN, echo_engine
 
     pool = RankPool(2, functools.partial(echo_engine), handoff=ECHO_SLAB, start_timeout_s=120, batch_timeout_s=60, stop_grace_s=10)
     try:
@@ -358,7 +358,7 @@ def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
 def test_rank_pool_reports_a_failing_rank_and_stops_all():
     import functools
 
-    from sglang_fakes import ECHO_SLAB, echo_engine
+    from fakes.sglang import ECHO_SLAB, echo_engine
 
     pool = RankPool(2, functools.partial(echo_engine, fail_on_batch_with=13), handoff=ECHO_SLAB, start_timeout_s=120,
                     batch_timeout_s=60, stop_grace_s=10)
@@ -375,7 +375,7 @@ def test_rank_pool_reports_a_failing_rank_and_stops_all():
 def test_rank_pool_reports_a_rank_that_dies_while_starting():
     import functools
 
-    from sglang_fakes import ECHO_SLAB, echo_engine
+    from fakes.sglang import ECHO_SLAB, echo_engine
 
     pool = RankPool(2, functools.partial(echo_engine, die_on_start=True), handoff=ECHO_SLAB, start_timeout_s=120, stop_grace_s=10)
     with pytest.raises(RankError, match="exited while starting"):

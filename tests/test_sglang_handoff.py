@@ -1,6 +1,6 @@
 """The SGLang backend's rank-0 hand-off: a ring of shared host slabs, small messages on the queue.
 
-Real spawned rank processes (tests/sglang_fakes.py's EchoEngine, CPU), the real RankPool and SlabRing
+Real spawned rank processes (tests/fakes/sglang.py's EchoEngine, CPU), the real RankPool and SlabRing
 in the real /dev/shm: the same slab protocol a GPU host runs, with plain copies instead of DMA.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
-from sglang_fakes import ECHO_SLAB, HIDDEN, MAX_TOKENS, echo_engine, echo_rows
+from fakes.sglang import ECHO_SLAB, HIDDEN, MAX_TOKENS, echo_engine, echo_rows
 
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
 from eagle3_resources.hidden_states.sglang_backend import (
