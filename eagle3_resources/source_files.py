@@ -16,13 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_resources.errors import SourceError
 from eagle3_resources.jsonl import iter_json_lines
 
 PARQUET_BATCH_ROWS = 1024
-
-
-class SourceError(ValueError):
-    """The source cannot be read at all (no files, a missing column): a setting to fix, not a bad row."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend
 from eagle3_resources.completions.openrouter import OpenRouterBackend, request_body
 from eagle3_resources.completions.sglang import SGLangBackend
-from eagle3_resources.completions.types import RunFatalError, SamplingSettings
+from eagle3_resources.completions.types import SamplingSettings
+from eagle3_resources.errors import RunFatalError
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 
 

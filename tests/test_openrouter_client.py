@@ -22,9 +22,9 @@ from eagle3_resources.completions.sse import (
 from eagle3_resources.completions.types import (
     CompletionRequest,
     ProviderRouting,
-    RunFatalError,
     SamplingSettings,
 )
+from eagle3_resources.errors import RunFatalError
 from eagle3_resources.journal import read_journal
 from support import bills_not_in_ledger, ledger_rows, wait_for
 

@@ -16,16 +16,13 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 
+from eagle3_resources.errors import RegistryError
 from eagle3_resources.storage import PROJECT_ROOT
 
 DEFAULT_REGISTRY = PROJECT_ROOT / "data" / "datasets.yaml"
 FORMATS = ("messages", "glaive")
 KINDS = ("chat", "reasoning", "function-calling", "code")
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
-
-
-class RegistryError(ValueError):
-    """The registry file is malformed, or names a dataset it does not hold."""
 
 
 SCHEMAS = ("glaive", "instruction", "messages", "sharegpt")

@@ -15,7 +15,8 @@ from pathlib import Path
 import dagster as dg
 
 from eagle3_assets.operations.instance import dagster_home
-from eagle3_assets.stages.eagle3_drafter.figures import FiguresRefused, record_figures
+from eagle3_assets.stages.eagle3_drafter.figures import record_figures
+from eagle3_resources.errors import FiguresRefused
 
 
 def main(argv: Sequence[str] | None = None) -> int:

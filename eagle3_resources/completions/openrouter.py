@@ -45,10 +45,9 @@ from eagle3_resources.completions.http import (
 from eagle3_resources.completions.sse import (
     SSEDecoder,
     StreamedResponse,
-    StreamError,
     fold_events,
 )
-from eagle3_resources.completions.openrouter_account import AccountError, OpenRouterAccount
+from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.completions.throttle import AdaptiveLimiter, RateLimiter
 from eagle3_resources.completions.types import (
     Attempt,
@@ -57,9 +56,9 @@ from eagle3_resources.completions.types import (
     Emit,
     Refusal,
     RequestFeed,
-    RunFatalError,
     SamplingSettings,
 )
+from eagle3_resources.errors import AccountError, RunFatalError, StreamError
 
 FATAL_STATUS = {401, 404}
 THROTTLE_STATUS = {429, 503}

@@ -17,11 +17,7 @@ from typing import Any, Optional
 
 import httpx
 
-
-class AccountError(RuntimeError):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
+from eagle3_resources.errors import AccountError
 
 
 @dataclass(frozen=True)

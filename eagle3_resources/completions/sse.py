@@ -13,13 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class StreamError(Exception):
-    """The stream carried an error chunk, or ended without [DONE] (truncated)."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
+from eagle3_resources.errors import StreamError
 
 
 @dataclass

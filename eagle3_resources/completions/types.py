@@ -104,10 +104,6 @@ FINAL_STATUSES = ("ok", "truncated", "filtered", "failed")
 RETRY_LATER_STATUSES = ("aborted", "deferred")
 
 
-class RunFatalError(RuntimeError):
-    """The whole run must stop: bad key, no credits, no endpoint after provider filters."""
-
-
 @dataclass
 class Attempt:
     """One admitted try at a request: reserved in the spend ledger just before it is sent, its send marked there first."""

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from eagle3_resources.errors import DiskSpaceError, StaleShardsError
 from eagle3_resources.hidden_states.layers import FINAL_CONVENTION, LAYER_CONVENTION
 from eagle3_resources.hidden_states.store import (
     FORMAT,
@@ -226,14 +227,6 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} B"
-
-
-class DiskSpaceError(RuntimeError):
-    """The volume cannot hold what the extraction would write (raised before any byte is written)."""
-
-
-class StaleShardsError(RuntimeError):
-    """Committed shards would be deleted because the plan changed; refused unless asked for (GPU hours are at stake)."""
 
 
 def why_stale(old: dict[str, Any], new: dict[str, Any]) -> str:

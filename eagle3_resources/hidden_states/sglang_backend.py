@@ -57,20 +57,9 @@ from typing import Any, Protocol, Self
 
 import torch
 
+from eagle3_resources.errors import HandoffMemoryError, KVPoolExhausted, RankError, SGLangUnavailable, SlabsHeld
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
-
-
-class SGLangUnavailable(RuntimeError):
-    """This host cannot run the SGLang backend (no sglang, no CUDA, too few GPUs, API drift)."""
-
-
-class RankError(RuntimeError):
-    """A rank process failed or died."""
-
-
-class KVPoolExhausted(RuntimeError):
-    """SGLang could not allocate a batch's KV slots (raised in the rank, with the figures and the knobs)."""
 
 
 # Tokens in one forward (one extend). SGLang's own scheduler caps a prefill at chunked_prefill_size
@@ -220,10 +209,6 @@ def split_rows(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 DEFAULT_HANDOFF_SLABS = 2
 HANDOFF_SLABS_KNOB = "sglang_handoff_slabs"
 SHM_DIR = Path("/dev/shm")
-
-
-class HandoffMemoryError(RuntimeError):
-    """/dev/shm cannot hold the hand-off slabs."""
 
 
 SLAB_ALIGN = 4096  # each region of a slab starts on a page: aligned DMA and bf16/int64 views
@@ -568,10 +553,6 @@ def _stop(processes: list, requests: list, free, ring: SlabRing, grace_s: float)
                 p.join(5)
     finally:
         ring.close()
-
-
-class SlabsHeld(RuntimeError):
-    """Rank 0 waits for a free slab and the caller holds every one: release some rows, then ask again."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import tiktoken
 
+from eagle3_resources.errors import TokenizerFolderError
 from eagle3_resources.tokenizer.special_tokens import (
     KIMI_SPECIAL_TOKENS,
     NUM_RESERVED_SPECIAL,
@@ -52,10 +53,6 @@ MAX_RUN_CHARS = 25_000
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
-
-
-class TokenizerFolderError(ValueError):
-    """A tokenizer folder is missing, malformed, or has special tokens at unexpected ids."""
 
 
 _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))

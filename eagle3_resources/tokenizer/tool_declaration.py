@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from eagle3_resources.errors import ToolSchemaError
+
 INDENT = "  "
 FIELD_SEPARATOR = ",\n"
 UNION_TYPE_NAMES = {
@@ -30,10 +32,6 @@ CONSTRAINT_KEYS = {
     "integer": ("maximum", "minimum"),
     "array": ("minItems", "maxItems"),
 }
-
-
-class ToolSchemaError(ValueError):
-    """A tool's JSON schema cannot be declared the way Kimi declares tools."""
 
 
 def deep_sort(value: Any) -> Any:

@@ -10,6 +10,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.common.failures import failure_for_operator, operator_failure
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value
 from eagle3_assets.common.outcome import CheckOutcome, per_dataset
@@ -30,7 +31,6 @@ from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
 from eagle3_assets.stages.completions.pilot import pilot_outcome, pilot_passed
 from eagle3_assets.stages.completions.run import (
     CompletionsRun,
-    DatasetBusy,
     build_requests,
     completions_frame,
     final_results,
@@ -40,7 +40,8 @@ from eagle3_assets.stages.completions.run import (
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
-from eagle3_resources.completions.types import RunFatalError, SamplingSettings
+from eagle3_resources.completions.types import SamplingSettings
+from eagle3_resources.errors import DatasetBusy, RunFatalError
 from eagle3_resources.journal import Journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -129,6 +130,7 @@ CHECKS = {**COMPLETION_CHECKS, PILOT_CHECK: (pilot_outcome, "ERROR")}
     "re-materializing resumes and never re-sends a prompt with a final outcome or an unsettled bill. Refuses to start "
     "while spending is on hold.",
 )
+@failure_for_operator
 def completions(
     context: dg.AssetExecutionContext,
     config: CompletionsConfig,
@@ -207,8 +209,8 @@ def completions(
                     run = complete(requests)
                     sent.append(("rest", run))
             except RunFatalError as e:
-                raise dg.Failure(description=f"{key}: {e}. Every finished response is in {journal}; fix the cause and "
-                                 "re-materialize to resume.") from None
+                raise operator_failure(e, before=f"{key}: ", after=f". Every finished response is in {journal}; fix the "
+                                       "cause and re-materialize to resume.") from e
         df = completions_frame(key, requests, journal, prompts)
         path = store.layout.ensure(store.layout.completions(key))
         df.write_parquet(path)
@@ -294,7 +296,7 @@ def dataset_lock(journal: Path, run_id: str):
         with partition_lock(journal, run_id):
             yield
     except DatasetBusy as e:
-        raise dg.Failure(description=str(e)) from None
+        raise operator_failure(e) from e
 
 
 def _projection(context, key, pilot_frame, requests, journal, pricing, settings, caps, ledger, resource, backend):

@@ -38,16 +38,13 @@ from eagle3_resources.completions.types import (
     CompletionResult,
     SamplingSettings,
 )
+from eagle3_resources.errors import DatasetBusy
 from eagle3_resources.journal import Journal, JournalContents, read_journal
 from eagle3_resources.storage import DataLayout
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
 PROGRESS_EVERY_S = 10.0
-
-
-class DatasetBusy(RuntimeError):
-    """Another run holds the dataset's lock."""
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import check_specs, to_results
@@ -246,6 +247,7 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
     description="One-layer EAGLE-3 drafter trained with training-time test on the stored hidden states; exported "
     "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
 )
+@failure_for_operator
 def eagle3_drafter(
     context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore,
     tokenizer: TokenizerResource, target: TargetModelResource,

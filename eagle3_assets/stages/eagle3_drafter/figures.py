@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import dagster as dg
 
+from eagle3_resources.errors import FiguresRefused
+
 DRAFTER_ASSET = dg.AssetKey("eagle3_drafter")
 SOURCES = {
     "simulated": "simulated: the trainer's eval pass on the eval split, teacher-forced (each draft step scored "
@@ -43,10 +45,6 @@ SOURCES = {
     "sglang_engine": "measured: SGLang's offline Engine (benchmarks/sglang_engine_speculative.py), greedy and sampled; "
                      "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
 }
-
-
-class FiguresRefused(Exception):
-    """The benchmark's JSON cannot be recorded (not one of ours, or its drafter's weights changed since)."""
 
 
 def sha256_of(folder: Path, names: Sequence[str]) -> dict[str, str | None]:

@@ -6,6 +6,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import check_specs, to_results
@@ -71,6 +72,7 @@ class HiddenStatesConfig(dg.Config):
     "partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run "
     "over datasets builds it once, after their `token_ids`.",
 )
+@failure_for_operator
 def hidden_states(
     context: dg.AssetExecutionContext,
     config: HiddenStatesConfig,

@@ -5,6 +5,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import check_specs, run_checks
@@ -45,6 +46,7 @@ def mix_plot(accounting: pl.DataFrame):
     description="All datasets' token ids: failed and truncated samples dropped, exact duplicates removed, a "
     "deterministic train/eval split. Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
 )
+@failure_for_operator
 def merged_dataset(context: dg.AssetExecutionContext, config: MergeConfig, store: DataStore) -> dg.MaterializeResult:
     frames, missing = {}, []
     for name in DATASETS:

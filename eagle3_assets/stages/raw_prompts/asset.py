@@ -11,19 +11,16 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.common.failures import failure_for_operator, operator_failure
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value
 from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
-from eagle3_assets.common.registry import DATASETS, RegistryError, dataset_partitions
+from eagle3_assets.common.registry import DATASETS, dataset_partitions
 from eagle3_assets.stages.raw_prompts.checks import PROMPT_CHECKS, reject_rate
 from eagle3_assets.stages.raw_prompts.importers.build import build_prompt_sets
 from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength
-from eagle3_assets.stages.raw_prompts.prompts import (
-    PromptFileError,
-    prompts_frame,
-    with_prompt_tokens,
-)
-from eagle3_resources.source_files import SourceError
+from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, with_prompt_tokens
+from eagle3_resources.errors import PromptFileError, RegistryError, SourceError
 from eagle3_resources.storage import DataStore
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -65,6 +62,7 @@ def _built_keys(store: DataStore):
     "line of a sample file fails the partition with the file, the line and what is wrong; a source row that does not "
     "convert is skipped into `<ds>.rejects.jsonl`, and the reject-rate check blocks above the dataset's limit.",
 )
+@failure_for_operator
 def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, store: DataStore,
                 tokenizer: TokenizerResource):
     load = functools.cache(tokenizer.load)  # only once the input is known to be good
@@ -82,7 +80,7 @@ def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, sto
             rejects_path=lambda name: store.layout.raw_prompts(name).with_suffix(".rejects.jsonl"),
         )
     except (PromptFileError, RegistryError, SourceError) as e:
-        raise dg.Failure(description=f"Bad prompt input ({mode} prompts); nothing downstream ran.\n\n{e}") from None
+        raise operator_failure(e, before=f"Bad prompt input ({mode} prompts); nothing downstream ran.\n\n") from e
     metadata, outcomes = {}, {}
     for key, result in sets.items():
         if not result.prompts:

@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
 from eagle3_assets.common.registry import DatasetSpec
+from eagle3_resources.errors import InvalidPrompt, PromptFileError, ToolSchemaError
 from eagle3_resources.jsonl import iter_json_lines
 from eagle3_resources.tokenizer.chat_format import TemplateVersion, render_messages
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
-from eagle3_resources.tokenizer.tool_declaration import (
-    ToolSchemaError,
-    tools_to_typescript,
-)
+from eagle3_resources.tokenizer.tool_declaration import tools_to_typescript
 
 ROLES = ("system", "user", "assistant", "tool")
 JSON_SCHEMA_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
 TOOL_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
-MAX_ERRORS_SHOWN = 25
 
 
 @dataclass
@@ -41,25 +37,6 @@ class Prompt:
     source_row: str = ""  # file:row (or file:line) it came from
     key: str = ""  # de-duplication key (importers.selection.prompt_key); set where it is computed
     native_id: str | None = None  # the source's own id for the row, when it has one
-
-
-@dataclass
-class PromptFileError(ValueError):
-    """One or more problems in a prompt file, each with its line."""
-
-    path: Path
-    problems: list[tuple[int | None, str]] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        shown = [f"{self.path}:{line}: {msg}" if line else f"{self.path}: {msg}" for line, msg in self.problems[:MAX_ERRORS_SHOWN]]
-        more = len(self.problems) - MAX_ERRORS_SHOWN
-        if more > 0:
-            shown.append(f"... and {more} more problem(s)")
-        return f"{len(self.problems)} problem(s) in {self.path}:\n" + "\n".join(shown)
-
-
-class InvalidPrompt(ValueError):
-    """One prompt is not in the project's format (the message says what is wrong)."""
 
 
 # -- tool schemas -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dagster as dg
 import polars as pl
 from pydantic import Field
 
+from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import per_dataset
@@ -61,6 +62,7 @@ class TokenIdsConfig(dg.Config):
     description="Prompt ids (chat template) + completion ids (reasoning, `</think>`, content, `<|im_end|>`) and a loss "
     "mask over the completion; backend ids kept where returned and checked against the text.",
 )
+@failure_for_operator
 def token_ids(context: dg.AssetExecutionContext, config: TokenIdsConfig, store: DataStore, tokenizer: TokenizerResource):
     tok = tokenizer.load()
     metadata, frames = {}, {}

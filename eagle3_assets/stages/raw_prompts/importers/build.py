@@ -16,17 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.common.registry import DatasetSpec, RegistryError
+from eagle3_assets.common.registry import DatasetSpec
 from eagle3_assets.stages.raw_prompts.importers.importer import ImportReport, PromptLength, import_prompts
 from eagle3_assets.stages.raw_prompts.importers.schemas import columns
 from eagle3_assets.stages.raw_prompts.importers.selection import prompt_key
 from eagle3_assets.stages.raw_prompts.prompts import Prompt, read_prompts
-from eagle3_resources.source_files import (
-    SourceError,
-    SourceRow,
-    iter_rows,
-    resolve_files,
-)
+from eagle3_resources.errors import RegistryError, SourceError
+from eagle3_resources.source_files import SourceRow, iter_rows, resolve_files
 
 MODES = ("sample", "real")
 REJECT_ROW_CHARS = 4000  # a rejected row is kept this long in the rejects file

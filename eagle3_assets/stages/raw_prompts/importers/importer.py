@@ -25,7 +25,8 @@ from eagle3_assets.stages.raw_prompts.importers.selection import (
     sample_rank,
     user_turns,
 )
-from eagle3_assets.stages.raw_prompts.prompts import InvalidPrompt, Prompt
+from eagle3_assets.stages.raw_prompts.prompts import Prompt
+from eagle3_resources.errors import InvalidPrompt
 from eagle3_resources.source_files import SourceRow
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from eagle3_assets.common.registry import ImportSpec
 from eagle3_assets.stages.raw_prompts.prompts import (
-    InvalidPrompt,
     glaive_to_messages,
     validate_conversation,
     validate_tools,
 )
+from eagle3_resources.errors import InvalidPrompt
 
 # ShareGPT speakers; tool turns there carry no call ids, so they cannot become tool messages.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
