@@ -486,17 +486,25 @@ def test_disk_write_measured_on_the_data_root(tmp_path):
 
 
 def test_shm_against_the_rank_hand_off(tmp_path):
+    """The SGLang backend reserves its hand-off ring in /dev/shm: slabs x (a forward's rows, 3 aux + 1 final,
+    bf16, at Kimi's hidden 7168, plus int64 token ids and page alignment)."""
     size = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
-    too_big = size // (3 * 4 * 7168 * 2) + 1  # one token more than /dev/shm holds
-    code, rows = gpu_check("--data-dir", str(tmp_path), "--batch-tokens", str(too_big))
+    row_bytes = (3 + 1) * 7168 * 2
+    too_big = size // (2 * row_bytes) + 1  # two slabs of this many rows cannot fit, whatever the ids and alignment
+    fits = (size - 2 * 3 * 4096) // (2 * (row_bytes + 8))  # two slabs fit even with ids and three pages of alignment
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--max-forward-tokens", str(too_big))
     assert rows["/dev/shm"]["status"] == "warn" and not rows["/dev/shm"]["required"], rows["/dev/shm"]  # not asked
-    code, rows = gpu_check("--data-dir", str(tmp_path), "--batch-tokens", str(too_big), "--tp", "1")
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--max-forward-tokens", str(too_big), "--tp", "1")
     row = rows["/dev/shm"]
     assert code == 1 and row["status"] == "fail" and row["required"], row
     gib = -(-row["data"]["needed_bytes"] // 2**30)
     assert f"sudo mount -o remount,size={gib}G /dev/shm" in row["fix"] and f"--shm-size={gib}g" in row["fix"]
-    code, rows = gpu_check("--data-dir", str(tmp_path), "--batch-tokens", str(too_big - 1), "--tp", "1")
+    assert "EAGLE3_SGLANG_MAX_FORWARD_TOKENS" in row["fix"]
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--max-forward-tokens", str(fits), "--tp", "1")
     assert rows["/dev/shm"]["status"] == "ok", rows["/dev/shm"]
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--max-forward-tokens", str(fits), "--handoff-slabs", "3",
+                           "--tp", "1")
+    assert rows["/dev/shm"]["status"] == "fail", rows["/dev/shm"]  # a third slab of the same size does not fit
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")

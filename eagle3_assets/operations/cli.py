@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     p_gpu.add_argument("--json", action="store_true", help="print the rows as JSON")
     p_gpu.add_argument("--data-dir", type=Path, default=None, help="the data root to measure (default: EAGLE3_DATA_DIR)")
     p_gpu.add_argument("--tokens", type=int, help="tokens you plan to capture (default: the merged dataset's); asks for the disk rows")
-    p_gpu.add_argument("--batch-tokens", type=int, help="the largest batch handed back through /dev/shm "
-                       "(default: EAGLE3_HIDDEN_STATES_BATCH_TOKENS, else 8192)")
+    p_gpu.add_argument("--max-forward-tokens", type=int, help="tokens of one SGLang forward, the rows of one /dev/shm "
+                       "hand-off slab (default: EAGLE3_SGLANG_MAX_FORWARD_TOKENS, else 32768)")
+    p_gpu.add_argument("--handoff-slabs", type=int, help="slabs in the /dev/shm hand-off ring (default: the backend's, 2)")
     p_gpu.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="where shared memory is mounted")
     p_gpu.add_argument("--disk-mib", type=int, default=256, help="MiB written (fsync'd, then removed) to time the data root")
     p_gpu.add_argument("--min-disk-gbps", type=float, help="fail the disk write row below this many GB/s")
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3_assets.operations.gpu_check import HostPlan, gpu_check
 
         host = HostPlan(data_dir=(args.data_dir or default_data_dir()).resolve(), tokens=args.tokens,
-                        batch_tokens=args.batch_tokens, shm_dir=args.shm_dir, disk_mib=args.disk_mib,
+                        max_forward_tokens=args.max_forward_tokens, handoff_slabs=args.handoff_slabs, shm_dir=args.shm_dir, disk_mib=args.disk_mib,
                         min_disk_gbps=args.min_disk_gbps)
         return gpu_check(str(Path(args.model).resolve()) if args.model else None, args.tp, args.json, host,
                          capture=not args.no_capture)

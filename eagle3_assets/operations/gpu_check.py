@@ -9,8 +9,9 @@ command that fixes it. Rows, in order:
 - `nvidia driver`: the driver's version (nvidia-smi) against CUDA 13's minimum (sglang 0.5.23's kernels are
   CUDA 13 builds).
 - `gpus`: the CUDA devices against `--tp`.
-- `/dev/shm`: its size against the rank hand-off: rank 0 returns each batch's states through shared memory,
-  `--batch-tokens` x (3 + 1) x hidden x 2 bytes, SHM_BATCHES batches of it at once.
+- `/dev/shm`: its size against the rank hand-off: rank 0 returns each forward's states through a ring of
+  `--handoff-slabs` shared slabs the backend reserves in /dev/shm at start, each `--max-forward-tokens` x
+  (3 + 1) x hidden x 2 bytes plus the token ids (the backend's own `SlabLayout`).
 - `disk write`: an fsync'd sequential write (O_DIRECT where the file system takes it, the store's own
   `write_file`) of `--disk-mib` MiB into the data root, removed afterwards: GB/s and the capture rate it bounds.
 - `disk space`: the data root's free space against the planned capture (`--tokens`, else the merged
@@ -60,7 +61,6 @@ CUDA13_MIN_DRIVER = "580.65.06"
 DRIVER_FIX = (f"install the NVIDIA driver >= {CUDA13_MIN_DRIVER} (CUDA 13), e.g. on Ubuntu: "
               "sudo apt-get install -y nvidia-driver-580 && sudo reboot")
 KIMI_K25_HIDDEN = 7168  # the hidden size planned for when neither --model nor EAGLE3_TARGET_DIR names a target
-SHM_BATCHES = 3  # batches in shared memory at once: one being put by rank 0, one being split by the parent, one spare
 N_AUX = 3  # EAGLE-3 captures three layers
 
 
@@ -190,22 +190,26 @@ def human(n: float) -> str:
     return human_bytes(n)
 
 
-def shm_row(shm_dir: Path, batch_tokens: int, hidden: int, hidden_from: str, required: bool) -> Check:
-    per_batch = batch_tokens * (N_AUX + 1) * hidden * 2
-    need = per_batch * SHM_BATCHES
+def shm_row(shm_dir: Path, forward_tokens: int, slabs: int, hidden: int, hidden_from: str, required: bool) -> Check:
+    from eagle3_resources.hidden_states.sglang_backend import SlabLayout
+
+    slab = SlabLayout(tokens=forward_tokens, aux_width=N_AUX * hidden, final_width=hidden).nbytes
+    need = slab * slabs
     if not shm_dir.is_dir():
         return Check("/dev/shm", FAIL if required else WARN, f"{shm_dir} does not exist", required,
                      fix=f"sudo mkdir -p {shm_dir} && sudo mount -t tmpfs -o size={-(-need // 2**30)}G tmpfs {shm_dir}")
     st = os.statvfs(shm_dir)
     size = st.f_blocks * st.f_frsize
-    data = {"path": str(shm_dir), "size_bytes": size, "needed_bytes": need, "batch_tokens": batch_tokens, "hidden": hidden}
-    detail = (f"{shm_dir} {human(size)}; hand-off {SHM_BATCHES} x {batch_tokens:,} tokens x {N_AUX + 1} x {hidden} "
-              f"({hidden_from}) x 2 B = {human(need)}")
+    data = {"path": str(shm_dir), "size_bytes": size, "needed_bytes": need, "max_forward_tokens": forward_tokens,
+            "handoff_slabs": slabs, "slab_bytes": slab, "hidden": hidden}
+    detail = (f"{shm_dir} {human(size)}; hand-off {slabs} slabs x ({forward_tokens:,} tokens x {N_AUX + 1} x {hidden} "
+              f"({hidden_from}) x 2 B + ids) = {human(need)}")
     if size >= need:
         return Check("/dev/shm", OK, detail, required, data)
     gib = -(-need // 2**30)
+    fits = size // (slabs * (N_AUX + 1) * hidden * 2 + slabs * 8)
     fix = (f"sudo mount -o remount,size={gib}G {shm_dir}  (a container: docker run --shm-size={gib}g; or lower "
-           f"EAGLE3_HIDDEN_STATES_BATCH_TOKENS to {size // (SHM_BATCHES * (N_AUX + 1) * hidden * 2):,})")
+           f"EAGLE3_SGLANG_MAX_FORWARD_TOKENS below {fits:,}, or the hidden_states_backend's sglang_handoff_slabs)")
     return Check("/dev/shm", FAIL if required else WARN, detail + ": too small", required, data, fix=fix)
 
 
@@ -529,7 +533,8 @@ class HostPlan:
 
     data_dir: Path
     tokens: int | None = None  # planned capture; None: the merged dataset's
-    batch_tokens: int | None = None  # the largest batch; None: EAGLE3_HIDDEN_STATES_BATCH_TOKENS or the store's default
+    max_forward_tokens: int | None = None  # rows of one hand-off slab; None: EAGLE3_SGLANG_MAX_FORWARD_TOKENS or the default
+    handoff_slabs: int | None = None  # slabs in the hand-off ring; None: the backend's default
     shm_dir: Path = Path("/dev/shm")
     disk_mib: int = 256
     min_disk_gbps: float | None = None
@@ -537,22 +542,25 @@ class HostPlan:
 
 def run_checks(model: str | None = None, tp: int | None = None, host: HostPlan | None = None,
                capture: bool = True) -> list[Check]:
-    from eagle3_resources.hidden_states.extract import StoreSettings
-
     sglang_asked = tp is not None or model is not None
     if host is None:
         from eagle3_resources.storage import default_data_dir
 
         host = HostPlan(data_dir=default_data_dir())
     disk_asked = sglang_asked or host.tokens is not None
-    batch_tokens = host.batch_tokens or int(os.environ.get("EAGLE3_HIDDEN_STATES_BATCH_TOKENS") or StoreSettings.batch_tokens)
+    from eagle3_resources.hidden_states.sglang_backend import DEFAULT_HANDOFF_SLABS, DEFAULT_MAX_FORWARD_TOKENS
+
+    forward_tokens = host.max_forward_tokens or int(os.environ.get("EAGLE3_SGLANG_MAX_FORWARD_TOKENS")
+                                                    or DEFAULT_MAX_FORWARD_TOKENS)
+    slabs = host.handoff_slabs or DEFAULT_HANDOFF_SLABS
     hidden, hidden_from = target_hidden(model)
     checks = [
         _guard("torch/cuda", sglang_asked, lambda: torch_row(sglang_asked)),
         _guard("sglang", sglang_asked, lambda: sglang_row(sglang_asked)),
         _guard("nvidia driver", sglang_asked, lambda: driver_row(sglang_asked)),
         _guard("gpus", sglang_asked, lambda: gpus_row(tp, model, sglang_asked)),
-        _guard("/dev/shm", sglang_asked, lambda: shm_row(host.shm_dir, batch_tokens, hidden, hidden_from, sglang_asked)),
+        _guard("/dev/shm", sglang_asked, lambda: shm_row(host.shm_dir, forward_tokens, slabs, hidden, hidden_from,
+                                                            sglang_asked)),
         _guard("disk write", disk_asked, lambda: disk_write_row(host.data_dir, host.disk_mib, host.min_disk_gbps, hidden,
                                                                 disk_asked)),
         _guard("disk space", disk_asked, lambda: disk_space_row(host.data_dir, host.tokens, hidden, hidden_from, disk_asked)),

@@ -29,6 +29,10 @@ class HiddenStatesResource(dg.ConfigurableResource):
                                            "activations. At least max_length (a sample is never split)")
     sglang_max_forward_requests: int = Field(default=512, description="SGLang backend: most samples in one forward "
                                              "pass (SGLang's max_running_requests)")
+    sglang_handoff_slabs: int = Field(default=2, description="SGLang backend: shared /dev/shm slabs rank 0 hands "
+                                      "each forward's rows back through, each sglang_max_forward_tokens x (3 + 1) "
+                                      "x hidden x 2 bytes (1.88 GB at Kimi-K2.5's defaults); two let rank 0 fill "
+                                      "one while the parent reads the other")
     max_length: int = Field(default=32768, description="longest sample (tokens) the backend accepts")
     batch_tokens: int = Field(default=8192, description="tokens per forward pass: a batch is several samples whose "
                               "longest times their count stays within this (a longer sample goes alone). Larger "
@@ -43,6 +47,7 @@ class HiddenStatesResource(dg.ConfigurableResource):
                 str(target.folder(tokenizer, log)), tp_size=self.sglang_tp_size,
                 max_length=self.max_length, mem_fraction_static=self.sglang_mem_fraction,
                 max_forward_tokens=self.sglang_max_forward_tokens, max_forward_requests=self.sglang_max_forward_requests,
+                handoff_slabs=self.sglang_handoff_slabs,
             )
         from eagle3_resources.hidden_states.transformers_backend import (
             TransformersHiddenStates,
