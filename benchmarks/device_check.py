@@ -15,7 +15,9 @@ recorded with its error and output tail; the others still run, and the JSON is r
 - `extraction`: `hidden_states_throughput.py` (hidden-state capture against a bare forward and the disk);
 - `speculative`: `drafter_device_check.py`, a drafter trained on a fitted target's text, then real
   speculative decoding (bf16, after a warm-up): accept length, and an `eager_proxy` speed that is NOT a
-  deployment figure.
+  deployment figure;
+- `handoff`: `sglang_handoff.py`, the SGLang backend's rank-0 hand-off at Kimi size (the slab ring against
+  the queue paths it replaced) and rank 0's device-to-host copy, pinned slab against pageable (no sglang).
 Needs torch, transformers and safetensors only (plus this project's modules that need neither Dagster nor
 polars). MFU is against the H200's dense bf16 peak (989 TFLOP/s); `mfu_at_790` against the issue's 790.
 """
@@ -61,6 +63,9 @@ SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
                     ["--hidden", "64", "--layers", "8", "--vocab", "2048", "--fit-steps", "3", "--train-samples", "8",
                      "--prompt-len", "16", "--completion-len", "16", "--prompts", "1", "--new-tokens", "6",
                      "--epochs", "1"], 120),
+    # Last, so a run short of time skips it first: the SGLang backend's rank-0 hand-off (slab ring against the
+    # queue paths it replaced) and rank 0's D2H, pinned slab against pageable, at Kimi size.
+    "handoff": ("sglang_handoff.py", ["--batches", "3"], ["--tokens", "512", "--hidden", "1024", "--batches", "2"], 60),
 }
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -173,7 +174,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=5, help="timed batches per path (after one warm-up)")
     ap.add_argument("--slabs", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="where rank 0's rows start (auto: CUDA when present); benchmarks/device_check.py passes it")
     args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is first touched; the spawned rank inherits it
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device")
     torch.set_num_threads(1)
     T, H = args.tokens, args.hidden
     nbytes = T * 4 * H * 2
