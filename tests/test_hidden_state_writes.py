@@ -107,6 +107,31 @@ def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct, checksum):
     assert not used2 and digest2 == digest and (tmp_path / "g").read_bytes() == on_disk
 
 
+def test_without_xxhash_new_shards_are_sha256_and_say_so(tmp_path):
+    """A bare GPU machine (the device check: torch alone) has no xxhash: shards are then hashed with sha256 and
+    named sha256, and an xxh3 entry asks for the package instead of passing as unverifiable."""
+    script = f"""
+import hashlib, sys
+from pathlib import Path
+sys.modules["xxhash"] = None  # import xxhash raises ImportError, as where it is not installed
+from eagle3_resources.hidden_states.store import CHECKSUM, write_file, recorded_checksum
+assert CHECKSUM == "sha256", CHECKSUM
+data = memoryview(bytes(range(256)) * 100)
+digest, _ = write_file(Path({str(tmp_path / "f")!r}), data, direct=False)
+assert digest == hashlib.sha256(bytes(data)).hexdigest()
+assert recorded_checksum({{"sha256": digest}}) == ("sha256", digest)
+try:
+    recorded_checksum({{"xxh3_128": "00"}})
+except RuntimeError as e:
+    assert "pip install xxhash" in str(e), e
+else:
+    raise AssertionError("an xxh3 entry passed without xxhash")
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
+
+
 def test_a_store_checksummed_with_sha256_stays_readable_and_verifiable(target_model, tmp_path):
     """A store committed before xxh3 lists `sha256` per shard. It is read as it is, `verify_on_resume` checks each
     shard with the algorithm its entry names (a rotten byte is caught and that shard alone redone, now with xxh3), and
