@@ -48,8 +48,8 @@ class HiddenStatesConfig(dg.Config):
     shard_gb: float = Field(default=1.0, description="size of one shard in GB (1e9 bytes); an interrupted run loses at most "
                             "the shards being computed, and reading needs no more memory than one sample")
     writers: int = Field(default=4, description="background threads writing finished shards while the next batches run (writers + 1 shard-sized host buffers)")
-    verify_on_resume: bool = Field(default=False, description="re-hash every committed shard against its recorded sha256 "
-                                   "before trusting it (reads the whole store); off, a shard is trusted by its manifest entry and size")
+    verify_on_resume: bool = Field(default=False, description="re-hash every committed shard against its recorded checksum "
+                                   "(xxh3_128; sha256 in older stores) before trusting it (reads the whole store); off, a shard is trusted by its manifest entry and size")
     free_bytes: Optional[int] = Field(default=None, description="the free space to plan against, in bytes; unset = what "
                                       "the data volume reports. For a volume shared with other writers, give what is yours")
     disk_margin_pct: float = Field(default=5.0, description="free space to leave beyond what the store needs, in percent of it")
