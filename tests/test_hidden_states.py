@@ -446,6 +446,7 @@ def test_the_asset_checks_the_disk_first_then_stores_within_two_percent(data_dir
     failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
     error = failure.step_failure_data.error.cause
     assert error.cls_name == "DiskSpaceError" and "max_tokens" in error.message and "100.00 kB free" in error.message
+    assert failure.step_failure_data.user_failure_data.description.endswith(f"What to do: {DiskSpaceError.what_to_do}")
     assert not layout.hidden_states().exists() or not any(layout.hidden_states().iterdir())
 
     budget = materialize_hidden_states(data_dir_with_standin, {"max_tokens": 3000, "dataset_weights": {"A1": 1}})
