@@ -201,7 +201,8 @@ class RankError(BackendError, RuntimeError):
 class KVPoolExhausted(BackendError, RuntimeError):
     """SGLang could not allocate a batch's KV slots (raised in the rank, with the figures and the knobs)."""
 
-    what_to_do: ClassVar[str] = "lower the forward's token budget or raise the KV memory fraction, by the figures and knobs in the message"
+    what_to_do: ClassVar[str] = ("lower a forward's size (its tokens or requests) or raise SGLang's memory fraction: the message "
+                                 "names the knobs and the figures")
 
 
 class HandoffMemoryError(BackendError, RuntimeError):

@@ -21,9 +21,8 @@ from support import stop_group
 
 from eagle3_assets.stages.hidden_states.checks import HIDDEN_STATE_CHECKS
 from eagle3_assets.stages.hidden_states.selection import select_samples
+from eagle3_resources.errors import DiskSpaceError, StaleShardsError
 from eagle3_resources.hidden_states.extract import (
-    DiskSpaceError,
-    StaleShardsError,
     StoreSettings,
     batches,
     extract_to_store,

@@ -237,7 +237,7 @@ def test_a_prompt_two_datasets_share_is_kept_once_by_the_earlier_one(tmp_path):
 
 
 def test_the_registry_import_blocks_are_validated(tmp_path):
-    from eagle3_assets.common.registry import RegistryError
+    from eagle3_resources.errors import RegistryError
 
     reg = tmp_path / "r.yaml"
     base = "datasets:\n  X1:\n    prompt_file: x.jsonl\n    format: messages\n    kind: chat\n    import:\n"
@@ -253,7 +253,7 @@ def test_the_registry_import_blocks_are_validated(tmp_path):
 
 
 def test_real_mode_names_datasets_without_a_source(tmp_path):
-    from eagle3_assets.common.registry import RegistryError
+    from eagle3_resources.errors import RegistryError
 
     reg = {"X1": DatasetSpec(name="X1", prompt_file=tmp_path / "x.jsonl", format="messages", kind="chat")}
     with pytest.raises(RegistryError, match="no `import:` source in the registry for X1"):
@@ -261,7 +261,7 @@ def test_real_mode_names_datasets_without_a_source(tmp_path):
 
 
 def test_an_in_house_set_without_a_sources_folder_says_what_to_set(tmp_path):
-    from eagle3_resources.source_files import SourceError
+    from eagle3_resources.errors import SourceError
 
     with pytest.raises(SourceError, match=r"A1 is an in-house set \(no hub id\): set EAGLE3_SOURCES_DIR .* in-house/A1/\*\.jsonl"):
         build_prompt_sets(["A1"], REGISTRY, mode="real", length=words, log=lambda m: None)
@@ -271,7 +271,7 @@ def test_a_parquet_source_without_the_needed_column_fails_naming_the_file_and_it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle3_resources.source_files import SourceError
+    from eagle3_resources.errors import SourceError
 
     (tmp_path / "src" / "x").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist([{"instruction": "a", "response": "b"}]), tmp_path / "src" / "x" / "part-0.parquet")

@@ -16,7 +16,6 @@ from eagle3_resources.completions.openrouter import OpenRouterBackend
 from eagle3_resources.completions.sse import (
     SSEDecoder,
     StreamedResponse,
-    StreamError,
     fold_events,
 )
 from eagle3_resources.completions.types import (
@@ -24,7 +23,7 @@ from eagle3_resources.completions.types import (
     ProviderRouting,
     SamplingSettings,
 )
-from eagle3_resources.errors import RunFatalError
+from eagle3_resources.errors import RunFatalError, StreamError
 from eagle3_resources.journal import read_journal
 from support import bills_not_in_ledger, ledger_rows, wait_for
 

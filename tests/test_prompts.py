@@ -5,11 +5,11 @@ import pytest
 from eagle3_assets.common.registry import (
     DATASETS,
     DatasetSpec,
-    RegistryError,
     dataset_spec,
     load_registry,
 )
-from eagle3_assets.stages.raw_prompts.prompts import PromptFileError, read_prompts
+from eagle3_assets.stages.raw_prompts.prompts import read_prompts
+from eagle3_resources.errors import PromptFileError, RegistryError
 
 
 def spec_for(path, fmt="messages"):

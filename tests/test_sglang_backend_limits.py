@@ -30,18 +30,16 @@ from typing import Optional
 import pytest
 import torch
 
+from eagle3_resources.errors import KVPoolExhausted, RankError, SGLangUnavailable
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.sglang_api import CaptureRule, SourceTree
 from eagle3_resources.hidden_states.sglang_backend import (
     DEFAULT_MAX_FORWARD_REQUESTS,
     DEFAULT_MAX_FORWARD_TOKENS,
     EngineSpec,
-    KVPoolExhausted,
     Limits,
-    RankError,
     SGLangHiddenStates,
     SGLangRankEngine,
-    SGLangUnavailable,
     _NoSharingCache,
     limits_of,
     page_rounded,

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_resources.errors import RankError, SGLangUnavailable
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 from eagle3_resources.hidden_states.sglang_api import (
@@ -37,11 +38,9 @@ from eagle3_resources.hidden_states.sglang_backend import (
     Failed,
     Handoff,
     Limits,
-    RankError,
     RankPool,
     ReplyGather,
     SGLangHiddenStates,
-    SGLangUnavailable,
     plan_sub_batches,
     read_text_shape,
     server_args_kwargs,

@@ -18,18 +18,16 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 from fakes.sglang import ECHO_SLAB, HIDDEN, MAX_TOKENS, echo_engine, echo_rows
 
+from eagle3_resources.errors import HandoffMemoryError, RankError, SlabsHeld
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
 from eagle3_resources.hidden_states.sglang_backend import (
     SHM_DIR,
     Done,
-    HandoffMemoryError,
     LentExtraction,
     Limits,
-    RankError,
     RankPool,
     SlabLayout,
     SlabRing,
-    SlabsHeld,
     SlabWait,
 )
 from eagle3_resources.hidden_states.store import HiddenStateStore, StoredSample

@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 
+from eagle3_resources.errors import TokenizerFolderError
 from eagle3_resources.tokenizer.chat_format import (
     DEFAULT_SYSTEM_PROMPT,
     TemplateVersion,
@@ -11,7 +12,6 @@ from eagle3_resources.tokenizer.chat_format import (
 from eagle3_resources.tokenizer.kimi import (
     MAX_RUN_CHARS,
     KimiTokenizer,
-    TokenizerFolderError,
     kimi_pieces,
 )
 from eagle3_resources.tokenizer.special_tokens import KIMI_SPECIAL_TOKENS, VOCAB_SIZE
