@@ -264,11 +264,8 @@ def planned_tokens(root: Path, tokens: int | None) -> tuple[int | None, str]:
 
 
 def disk_space_row(root: Path, tokens: int | None, hidden: int, hidden_from: str, required: bool) -> Check:
-    from eagle3_resources.hidden_states.extract import (
-        DiskSpaceError,
-        StoreSettings,
-        check_disk,
-    )
+    from eagle3_resources.errors import DiskSpaceError
+    from eagle3_resources.hidden_states.extract import StoreSettings, check_disk
     from eagle3_resources.hidden_states.store import token_bytes
 
     name = "disk space"
@@ -447,10 +444,8 @@ def transformers_row(folder: Path, sequences, truth) -> Check:
 
 
 def sglang_tiny_row(folder: Path, sequences, truth, tp: int, required: bool) -> Check:
-    from eagle3_resources.hidden_states.sglang_backend import (
-        SGLangHiddenStates,
-        SGLangUnavailable,
-    )
+    from eagle3_resources.errors import SGLangUnavailable
+    from eagle3_resources.hidden_states.sglang_backend import SGLangHiddenStates
 
     name = f"sglang capture (tiny, tp={tp})"
     try:
@@ -474,11 +469,8 @@ def sglang_tiny_row(folder: Path, sequences, truth, tp: int, required: bool) -> 
 def sglang_target_row(model_path: str, tp: int) -> Check:
     import torch
 
-    from eagle3_resources.hidden_states.sglang_backend import (
-        SGLangHiddenStates,
-        SGLangUnavailable,
-        read_text_shape,
-    )
+    from eagle3_resources.errors import SGLangUnavailable
+    from eagle3_resources.hidden_states.sglang_backend import SGLangHiddenStates, read_text_shape
 
     name = f"sglang capture (target, tp={tp})"
     shape = read_text_shape(model_path)
