@@ -3,7 +3,7 @@
 Every error of the project derives from `eagle3_resources.errors.Eagle3Error` and carries `what_to_do`. An
 asset wraps its body with `@failure_for_operator` (under `@dg.asset`): an `Eagle3Error` that escapes becomes a
 `dagster.Failure` whose description is the error's message followed by "What to do: ..." and whose metadata
-names the error class and the step. Where an asset knows more than the error (the dataset, the journal that
+names the error class and what to do. Where an asset knows more than the error (the dataset, the journal that
 keeps the finished responses), it raises `operator_failure(e, before=..., after=...)` itself; the same text
 results. The error stays the failure's cause (`raise ... from e`), so the event log keeps its class and traceback.
 """
