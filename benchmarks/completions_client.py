@@ -41,9 +41,28 @@ def free_port() -> int:
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fakes.openrouter", "--port", str(port), "--api-key", KEY,
-         "--latency-s", str(latency), "--mean-reasoning-words", "6", "--mean-content-words", "4", "--generation-404-s", "0"],
-        cwd=REPO / "tests", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "fakes.openrouter",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--latency-s",
+            str(latency),
+            "--mean-reasoning-words",
+            "6",
+            "--mean-content-words",
+            "4",
+            "--generation-404-s",
+            "0",
+        ],
+        cwd=REPO / "tests",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
     )
     proc.stdout.readline()  # {"listening": ...}
     for _ in range(100):
@@ -71,13 +90,14 @@ class Deadline(Exception):
 
 
 def client_ours(url: str, concurrency: int, n: int, stream: bool, deadline: float) -> dict:
-    from eagle3_assets.stages.completions.run import final_results, run_completions
     from eagle3_assets.money import Pricing, SpendLedger
+    from eagle3_assets.stages.completions.run import final_results, run_completions
     from eagle3_resources.completions.openrouter import OpenRouterBackend
     from eagle3_resources.completions.types import CompletionRequest, SamplingSettings
 
     reqs = [CompletionRequest(f"p{i}", [{"role": "user", "content": f"q{i}"}], None, [1, 2, 3]) for i in range(n)]
     backend = OpenRouterBackend(url, KEY, concurrency=concurrency, stream=stream, max_attempts=3)
+
     def expire(*_):
         raise Deadline()
 
@@ -86,8 +106,16 @@ def client_ours(url: str, concurrency: int, n: int, stream: bool, deadline: floa
     with tempfile.TemporaryDirectory() as d:
         started = time.monotonic()
         try:
-            run_completions("bench", reqs, backend, SamplingSettings(max_tokens=256), Path(d) / "j.jsonl",
-                            ledger=SpendLedger(Path(d) / "ledger.sqlite"), pricing=Pricing(0.60e-6, 2.50e-6), log=lambda m: None)
+            run_completions(
+                "bench",
+                reqs,
+                backend,
+                SamplingSettings(max_tokens=256),
+                Path(d) / "j.jsonl",
+                ledger=SpendLedger(Path(d) / "ledger.sqlite"),
+                pricing=Pricing(0.60e-6, 2.50e-6),
+                log=lambda m: None,
+            )
         except Deadline:
             pass
         elapsed = time.monotonic() - started
@@ -103,15 +131,22 @@ def client_openai(url: str, concurrency: int, n: int, stream: bool, deadline: fl
     from openai import AsyncOpenAI
 
     async def main() -> dict:
-        client = AsyncOpenAI(base_url=url, api_key=KEY, max_retries=2, timeout=600,
-                             http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency), timeout=600))
+        client = AsyncOpenAI(
+            base_url=url,
+            api_key=KEY,
+            max_retries=2,
+            timeout=600,
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency), timeout=600),
+        )
         sem = asyncio.Semaphore(concurrency)
         ok = 0
 
         async def one(i: int) -> None:
             nonlocal ok
             async with sem:
-                kwargs = dict(model="moonshotai/kimi-k2.5", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=256)
+                kwargs = dict(
+                    model="moonshotai/kimi-k2.5", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=256
+                )
                 if stream:
                     chunks = await client.chat.completions.create(stream=True, **kwargs)
                     async for _ in chunks:
@@ -157,17 +192,37 @@ def child(args) -> None:
 
 def measure(client: str, url: str, concurrency: int, n: int, stream: bool, timeout: float, tree: Path = REPO) -> dict:
     """One client in a fresh process; `tree` is the checkout whose code it runs (an older revision for --against)."""
-    cmd = [sys.executable, str(tree / "benchmarks" / "completions_client.py"), "--child", client, "--url", url,
-           "--concurrency", str(concurrency), "--n", str(n), "--deadline", str(timeout)]
+    cmd = [
+        sys.executable,
+        str(tree / "benchmarks" / "completions_client.py"),
+        "--child",
+        client,
+        "--url",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--n",
+        str(n),
+        "--deadline",
+        str(timeout),
+    ]
     if stream:
         cmd.append("--stream")
     env = dict(os.environ, PYTHONPATH=str(tree))  # ahead of the editable install: the tree's own modules
     try:
-        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=timeout + 120, start_new_session=True, env=env)
+        proc = subprocess.run(
+            cmd, cwd=tree, capture_output=True, text=True, timeout=timeout + 120, start_new_session=True, env=env
+        )
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
-        return {"ok": 0, "elapsed": timeout, "peak_rss_mib": float("nan"), "baseline_rss_mib": float("nan"), "cpu_s": float("nan"),
-                "timed_out": True}
+        return {
+            "ok": 0,
+            "elapsed": timeout,
+            "peak_rss_mib": float("nan"),
+            "baseline_rss_mib": float("nan"),
+            "cpu_s": float("nan"),
+            "timed_out": True,
+        }
 
 
 def main() -> None:
@@ -177,7 +232,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int)
     parser.add_argument("--n", type=int)
     parser.add_argument("--stream", action="store_true")
-    parser.add_argument("--deadline", type=float, default=300.0, help="seconds a client gets; it reports what it finished")
+    parser.add_argument(
+        "--deadline", type=float, default=300.0, help="seconds a client gets; it reports what it finished"
+    )
     parser.add_argument("--quick", action="store_true", help="only C=256, L=1")
     parser.add_argument("--against", metavar="REV", help="also run the client of this git revision (regression check)")
     args = parser.parse_args()
@@ -191,7 +248,9 @@ def main() -> None:
     clients += [("openai", True, REPO, "openai AsyncOpenAI+sem"), ("openai", False, REPO, "openai AsyncOpenAI+sem")]
 
     configs = [(256, 1.0)] if args.quick else [(256, 1.0), (2000, 2.0)]
-    print(f"{'client':<29} {'C':>5} {'L':>4} {'ok':>6} {'req/s':>8} {'of C/L':>7} {'client CPU':>10} {'peak RSS':>9} {'(imports)':>10}")
+    print(
+        f"{'client':<29} {'C':>5} {'L':>4} {'ok':>6} {'req/s':>8} {'of C/L':>7} {'client CPU':>10} {'peak RSS':>9} {'(imports)':>10}"
+    )
     for concurrency, latency in configs:
         n = 3 * concurrency
         limit = concurrency / latency
@@ -202,9 +261,12 @@ def main() -> None:
                 rate = r["ok"] / r["elapsed"] if r["elapsed"] else 0.0
                 name = f"{label} {'sse' if stream else 'json'}"
                 flag = f" (stopped at the {args.deadline:.0f}s deadline)" if r.get("timed_out") else ""
-                print(f"{name:<29} {concurrency:>5} {latency:>4.1f} {r['ok']:>6} {rate:>8.1f} {rate / limit:>7.2f} "
-                      f"{100 * r.get('cpu_s', float('nan')) / r['elapsed']:>9.0f}% "
-                      f"{r['peak_rss_mib']:>6.0f}MiB {r['baseline_rss_mib']:>7.0f}MiB{flag}", flush=True)
+                print(
+                    f"{name:<29} {concurrency:>5} {latency:>4.1f} {r['ok']:>6} {rate:>8.1f} {rate / limit:>7.2f} "
+                    f"{100 * r.get('cpu_s', float('nan')) / r['elapsed']:>9.0f}% "
+                    f"{r['peak_rss_mib']:>6.0f}MiB {r['baseline_rss_mib']:>7.0f}MiB{flag}",
+                    flush=True,
+                )
             finally:
                 stop(server)
 

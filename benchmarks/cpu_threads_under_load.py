@@ -99,10 +99,15 @@ def timed_fit(model, seqs, pad: int, threads: int, steps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--load", type=int, default=0, help="busy-loop processes to run alongside (default 0)")
-    ap.add_argument("--duty", type=float, default=1.0, help="fraction of the time each load process is busy (default 1)")
+    ap.add_argument(
+        "--duty", type=float, default=1.0, help="fraction of the time each load process is busy (default 1)"
+    )
     ap.add_argument("--steps", type=int, default=4, help="timed fit steps per run (default 4)")
-    ap.add_argument("--threads", default="default,chosen",
-                    help="comma-separated counts to time: integers, `default` (torch's own) or `chosen` (the rule)")
+    ap.add_argument(
+        "--threads",
+        default="default,chosen",
+        help="comma-separated counts to time: integers, `default` (torch's own) or `chosen` (the rule)",
+    )
     args = ap.parse_args()
 
     default = torch.get_num_threads()
@@ -112,15 +117,21 @@ def main() -> None:
         time.sleep(0.5 if args.load else 0)  # let the busy loops get going before the rule looks
         picture = cpu.measure()
         choice = cpu.choose_threads(picture, os.environ.get(cpu.ENV))
-        print(f"{os.cpu_count()} CPUs, load {args.load} busy processes (duty {args.duty:g}); torch default {default} threads; "
-              f"rule: {choice.threads} ({choice.reason})", flush=True)
+        print(
+            f"{os.cpu_count()} CPUs, load {args.load} busy processes (duty {args.duty:g}); torch default {default} threads; "
+            f"rule: {choice.threads} ({choice.reason})",
+            flush=True,
+        )
         results: dict[str, tuple[int, float]] = {}
         for label in args.threads.split(","):
             n = default if label == "default" else choice.threads if label == "chosen" else int(label)
             secs = timed_fit(model, seqs, pad, n, args.steps)
             results[label] = (n, secs)
-            print(f"  {label:>8}: {n} thread{'s' if n != 1 else ''}, {args.steps} steps in {secs:6.2f} s "
-                  f"({secs / args.steps:.2f} s/step)", flush=True)
+            print(
+                f"  {label:>8}: {n} thread{'s' if n != 1 else ''}, {args.steps} steps in {secs:6.2f} s "
+                f"({secs / args.steps:.2f} s/step)",
+                flush=True,
+            )
         if "default" in results and "chosen" in results:
             (nd, d), (nc, c) = results["default"], results["chosen"]
             print(f"  default/chosen = {d / c:.2f}x" + ("  (same count)" if nd == nc else ""), flush=True)

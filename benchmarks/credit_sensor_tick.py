@@ -52,7 +52,15 @@ def fill_ledger(layout: DataLayout, fraction: float) -> int:
                         L.release(conn, a, "429", now)
                     else:
                         L.opened(conn, a, f"gen-{a}")
-                        L.settle(conn, a, cost_usd=0.0045, prompt_tokens=900, completion_tokens=1620, source="response", now=now)
+                        L.settle(
+                            conn,
+                            a,
+                            cost_usd=0.0045,
+                            prompt_tokens=900,
+                            completion_tokens=1620,
+                            source="response",
+                            now=now,
+                        )
                 return len(ids)
 
             rows += ledger.write(batch)
@@ -66,9 +74,20 @@ def fill_journals(layout: DataLayout, fraction: float, answer_chars: int) -> int
         n = int((spec.sample_cap or 10000) * fraction)
         with Journal(layout.completions_journal(name)) as journal:
             for i in range(n):
-                journal.append({"type": "result", "run_id": f"run-{name}", "t": time.time(), "prompt_id": f"{name}-{i}",
-                                "status": "ok", "reasoning": text[: answer_chars // 2], "content": text[answer_chars // 2:],
-                                "cost_usd": 0.0045, "completion_tokens": 1620, "generation_id": f"gen-{i}"})
+                journal.append(
+                    {
+                        "type": "result",
+                        "run_id": f"run-{name}",
+                        "t": time.time(),
+                        "prompt_id": f"{name}-{i}",
+                        "status": "ok",
+                        "reasoning": text[: answer_chars // 2],
+                        "content": text[answer_chars // 2 :],
+                        "cost_usd": 0.0045,
+                        "completion_tokens": 1620,
+                        "generation_id": f"gen-{i}",
+                    }
+                )
                 records += 1
     return records
 
@@ -79,8 +98,11 @@ def tick_times(root: Path, ticks: int) -> list[float]:
     with dg.instance_for_test() as instance:
         cursor = None
         for _ in range(ticks):
-            context = dg.build_sensor_context(instance=instance, cursor=cursor, resources={
-                "spend_policy": policy, "store": DataStore(root=str(root)), "alerts": AlertSink()})
+            context = dg.build_sensor_context(
+                instance=instance,
+                cursor=cursor,
+                resources={"spend_policy": policy, "store": DataStore(root=str(root)), "alerts": AlertSink()},
+            )
             started = time.perf_counter()
             result = credit_sensor(context)
             out.append(time.perf_counter() - started)
@@ -104,8 +126,10 @@ def main() -> None:
     parser.add_argument("--no-journals", action="store_true", help="skip the peer (it writes ~0.7 GB at 1.0)")
     args = parser.parse_args()
     os.environ.pop("OPENROUTER_API_KEY", None)  # no account: the tick is the ledger's and Dagster's work only
-    print(f"{'fraction':>8} {'attempts':>9} {'ledger MB':>9} {'tick (median)':>14} {'tick (max)':>10} "
-          f"{'journal records':>15} {'journals MB':>11} {'re-read all':>11} {'ratio':>6}")
+    print(
+        f"{'fraction':>8} {'attempts':>9} {'ledger MB':>9} {'tick (median)':>14} {'tick (max)':>10} "
+        f"{'journal records':>15} {'journals MB':>11} {'re-read all':>11} {'ratio':>6}"
+    )
     for fraction in (float(f) for f in args.fraction.split(",")):
         with tempfile.TemporaryDirectory() as d:
             layout = DataLayout(d)

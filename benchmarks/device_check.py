@@ -40,29 +40,156 @@ KIMI = ["--hidden", "7168", "--intermediate", "18432", "--draft-vocab", "32000",
 
 # name -> (script, GPU arguments, CPU quick arguments, cap in seconds on a GPU)
 SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
-    "train_2048": ("drafter_training_speed.py",
-                   ["--hidden", "2048", "--intermediate", "4096", "--draft-vocab", "8192", "--target-vocab", "32000",
-                    "--batch-tokens", "16384", "--steps", "8", "--warmup", "3", "--min-len", "256", "--max-len", "2048"],
-                   ["--hidden", "256", "--draft-vocab", "1024", "--target-vocab", "4096", "--batch-tokens", "1024",
-                    "--steps", "2", "--warmup", "1", "--min-len", "64", "--max-len", "256"], 50),
-    "train_2048_today": ("drafter_training_speed.py",
-                         ["--hidden", "2048", "--intermediate", "4096", "--draft-vocab", "8192", "--target-vocab", "32000",
-                          "--batch-tokens", "2048", "--steps", "20", "--warmup", "5", "--min-len", "256", "--max-len", "256",
-                          "--compile", "off"],
-                         ["--hidden", "256", "--draft-vocab", "1024", "--target-vocab", "4096", "--batch-tokens", "512",
-                          "--steps", "2", "--warmup", "1", "--min-len", "128", "--max-len", "128"], 35),
-    "train_kimi": ("drafter_training_speed.py",
-                   [*KIMI, "--batch-tokens", "4096", "--steps", "5", "--warmup", "2", "--min-len", "512", "--max-len", "2048"],
-                   ["--hidden", "512", "--intermediate", "1024", "--draft-vocab", "2048", "--target-vocab", "8192",
-                    "--batch-tokens", "1024", "--steps", "1", "--warmup", "1", "--min-len", "128", "--max-len", "512"], 100),
-    "ttt_attention": ("ttt_attention.py", ["--shape", "kimi", "--lengths", "1024,4096", "--repeats", "2"],
-                      ["--shape", "standin", "--lengths", "128", "--repeats", "1"], 30),
-    "extraction": ("hidden_states_throughput.py", ["--hidden", "2048", "--layers", "8"],
-                   ["--hidden", "64", "--layers", "8", "--samples", "8", "--rounds", "1"], 75),
-    "speculative": ("drafter_device_check.py", [],
-                    ["--hidden", "64", "--layers", "8", "--vocab", "2048", "--fit-steps", "3", "--train-samples", "8",
-                     "--prompt-len", "16", "--completion-len", "16", "--prompts", "1", "--new-tokens", "6",
-                     "--epochs", "1"], 120),
+    "train_2048": (
+        "drafter_training_speed.py",
+        [
+            "--hidden",
+            "2048",
+            "--intermediate",
+            "4096",
+            "--draft-vocab",
+            "8192",
+            "--target-vocab",
+            "32000",
+            "--batch-tokens",
+            "16384",
+            "--steps",
+            "8",
+            "--warmup",
+            "3",
+            "--min-len",
+            "256",
+            "--max-len",
+            "2048",
+        ],
+        [
+            "--hidden",
+            "256",
+            "--draft-vocab",
+            "1024",
+            "--target-vocab",
+            "4096",
+            "--batch-tokens",
+            "1024",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--min-len",
+            "64",
+            "--max-len",
+            "256",
+        ],
+        50,
+    ),
+    "train_2048_today": (
+        "drafter_training_speed.py",
+        [
+            "--hidden",
+            "2048",
+            "--intermediate",
+            "4096",
+            "--draft-vocab",
+            "8192",
+            "--target-vocab",
+            "32000",
+            "--batch-tokens",
+            "2048",
+            "--steps",
+            "20",
+            "--warmup",
+            "5",
+            "--min-len",
+            "256",
+            "--max-len",
+            "256",
+            "--compile",
+            "off",
+        ],
+        [
+            "--hidden",
+            "256",
+            "--draft-vocab",
+            "1024",
+            "--target-vocab",
+            "4096",
+            "--batch-tokens",
+            "512",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--min-len",
+            "128",
+            "--max-len",
+            "128",
+        ],
+        35,
+    ),
+    "train_kimi": (
+        "drafter_training_speed.py",
+        [*KIMI, "--batch-tokens", "4096", "--steps", "5", "--warmup", "2", "--min-len", "512", "--max-len", "2048"],
+        [
+            "--hidden",
+            "512",
+            "--intermediate",
+            "1024",
+            "--draft-vocab",
+            "2048",
+            "--target-vocab",
+            "8192",
+            "--batch-tokens",
+            "1024",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--min-len",
+            "128",
+            "--max-len",
+            "512",
+        ],
+        100,
+    ),
+    "ttt_attention": (
+        "ttt_attention.py",
+        ["--shape", "kimi", "--lengths", "1024,4096", "--repeats", "2"],
+        ["--shape", "standin", "--lengths", "128", "--repeats", "1"],
+        30,
+    ),
+    "extraction": (
+        "hidden_states_throughput.py",
+        ["--hidden", "2048", "--layers", "8"],
+        ["--hidden", "64", "--layers", "8", "--samples", "8", "--rounds", "1"],
+        75,
+    ),
+    "speculative": (
+        "drafter_device_check.py",
+        [],
+        [
+            "--hidden",
+            "64",
+            "--layers",
+            "8",
+            "--vocab",
+            "2048",
+            "--fit-steps",
+            "3",
+            "--train-samples",
+            "8",
+            "--prompt-len",
+            "16",
+            "--completion-len",
+            "16",
+            "--prompts",
+            "1",
+            "--new-tokens",
+            "6",
+            "--epochs",
+            "1",
+        ],
+        120,
+    ),
     # Last, so a run short of time skips it first: the SGLang backend's rank-0 hand-off (slab ring against the
     # queue paths it replaced) and rank 0's D2H, pinned slab against pageable, at Kimi size.
     "handoff": ("sglang_handoff.py", ["--batches", "3"], ["--tokens", "512", "--hidden", "1024", "--batches", "2"], 60),
@@ -73,8 +200,14 @@ def run_section(name: str, script: str, args: list[str], device: str, cap: float
     path = workdir / f"{name}.json"
     cmd = [sys.executable, str(HERE / script), "--device", device, *args, "--json", str(path)]
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OUT": ""})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OUT": ""},
+    )
     try:
         out, _ = proc.communicate(timeout=cap)
         timed_out = False
@@ -97,8 +230,11 @@ def environment() -> dict:
     try:
         import torch
 
-        info.update(torch=torch.__version__, cuda=torch.version.cuda,
-                    gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+        info.update(
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        )
         import transformers
 
         info["transformers"] = transformers.__version__
@@ -128,15 +264,20 @@ def main() -> None:
                 continue
             limit = min(cap, left) if a.device == "cuda" else max(cap, 600)  # the CPU quick mode is slow, not capped
             print(f"[device_check] {name} (at most {limit:.0f} s)", flush=True)
-            report["sections"][name] = res = run_section(name, script, gpu_args if a.device == "cuda" else cpu_args,
-                                                         a.device, limit, Path(tmp))
+            report["sections"][name] = res = run_section(
+                name, script, gpu_args if a.device == "cuda" else cpu_args, a.device, limit, Path(tmp)
+            )
             print(f"[device_check] {name}: {res.get('error') or 'ok'} in {res['seconds']} s", flush=True)
             report["seconds"] = round(time.monotonic() - started, 1)
             (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
     report["seconds"] = round(time.monotonic() - started, 1)
     (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    summary = {n: {k: s.get("figures", {}).get(k) for k in ("tokens_per_s", "mfu", "peak_gpu_mib")} if n.startswith("train")
-               else ("ok" if "figures" in s else s.get("error")) for n, s in report["sections"].items()}
+    summary = {
+        n: {k: s.get("figures", {}).get(k) for k in ("tokens_per_s", "mfu", "peak_gpu_mib")}
+        if n.startswith("train")
+        else ("ok" if "figures" in s else s.get("error"))
+        for n, s in report["sections"].items()
+    }
     print(json.dumps({"seconds": report["seconds"], "summary": summary}, indent=2))
 
 

@@ -76,7 +76,11 @@ def fit(model, text: torch.Tensor, steps: int, device: torch.device, log) -> flo
     started, loss = time.monotonic(), float("nan")
     for step in range(steps):
         batch = text[torch.randint(0, text.shape[0], (16,))].to(device)
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        ctx = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
         with ctx:
             loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad()
@@ -90,9 +94,15 @@ def fit(model, text: torch.Tensor, steps: int, device: torch.device, log) -> flo
 
 @torch.no_grad()
 def greedy_completions(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[:, prompts.shape[1]:]
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[:, prompts.shape[1] :]
 
 
 def main() -> None:
@@ -112,38 +122,55 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the figures here (default: $OUT/drafter_device_check.json)")
     a = p.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
-    figures: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "hidden": a.hidden, "layers": a.layers, "vocab": a.vocab}
+    figures: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "hidden": a.hidden,
+        "layers": a.layers,
+        "vocab": a.vocab,
+    }
     log = lambda m: print(m, flush=True)  # noqa: E731
 
     chain = markov_chain(a.vocab, 4, seed=1)
     target = random_deepseek_v3(a.hidden, a.layers, a.vocab).to(device)
-    figures["target_fit_s"] = round(fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps,
-                                        device, log), 1)
+    figures["target_fit_s"] = round(
+        fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps, device, log), 1
+    )
     if device.type == "cuda":
         target = target.to(torch.bfloat16)
 
     # Training data: the target's greedy completions of chain prompts, and their hidden states.
     prompts = chain_text(chain, a.train_samples + a.prompts, a.prompt_len, 3).to(device)
     started = time.monotonic()
-    completions = torch.cat([greedy_completions(target, prompts[i : i + 64], a.completion_len)
-                             for i in range(0, a.train_samples, 64)])
+    completions = torch.cat(
+        [greedy_completions(target, prompts[i : i + 64], a.completion_len) for i in range(0, a.train_samples, 64)]
+    )
     backend = TransformersHiddenStates(target)
     source: dict[str, dict[str, torch.Tensor]] = {}
     for i in range(a.train_samples):
         ids = torch.cat([prompts[i], completions[i]]).tolist()
         aux, final = backend.extract(ids)
-        source[f"s{i}"] = {"input_ids": torch.tensor(ids, dtype=torch.int32),
-                           "loss_mask": torch.tensor([0] * a.prompt_len + [1] * a.completion_len, dtype=torch.int8),
-                           "aux_hidden_states": aux.to("cpu", torch.bfloat16), "final_hidden_state": final.to("cpu", torch.bfloat16)}
+        source[f"s{i}"] = {
+            "input_ids": torch.tensor(ids, dtype=torch.int32),
+            "loss_mask": torch.tensor([0] * a.prompt_len + [1] * a.completion_len, dtype=torch.int8),
+            "aux_hidden_states": aux.to("cpu", torch.bfloat16),
+            "final_hidden_state": final.to("cpu", torch.bfloat16),
+        }
     figures["data_s"] = round(time.monotonic() - started, 1)
 
     counts = count_loss_tokens((d["input_ids"], d["loss_mask"]) for d in source.values())
     draft_ids = build_draft_vocab(counts, min(8192, max(64, len(counts))), a.vocab)
     heads, kv_heads, head_dim = default_shape(a.hidden)
-    cfg = DrafterConfig(hidden_size=a.hidden, target_hidden_size=a.hidden, intermediate_size=2 * a.hidden,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=a.vocab,
-                        draft_vocab_size=len(draft_ids), max_position_embeddings=4096)
+    cfg = DrafterConfig(
+        hidden_size=a.hidden,
+        target_hidden_size=a.hidden,
+        intermediate_size=2 * a.hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=a.vocab,
+        draft_vocab_size=len(draft_ids),
+        max_position_embeddings=4096,
+    )
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     head = target.get_output_embeddings().weight.detach().float().cpu()
     torch.manual_seed(0)
@@ -151,9 +178,20 @@ def main() -> None:
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, embed, draft_ids)
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 2048)
-    settings = TrainSettings(ttt_steps=7, epochs=a.epochs, batch_tokens=2048, max_len=2048, checkpoint_every=0, warmup_steps=10)
-    history = train(drafter, source, plan.windows, [], settings, head=head, device=device, log=log,
-                    teacher=Teacher(head, draft_ids, device))
+    settings = TrainSettings(
+        ttt_steps=7, epochs=a.epochs, batch_tokens=2048, max_len=2048, checkpoint_every=0, warmup_steps=10
+    )
+    history = train(
+        drafter,
+        source,
+        plan.windows,
+        [],
+        settings,
+        head=head,
+        device=device,
+        log=log,
+        teacher=Teacher(head, draft_ids, device),
+    )
     figures["train_tokens"] = plan.tokens * a.epochs
     figures["train_s"] = round(history.seconds, 1)
     figures["train_tokens_per_s"] = history.tokens_per_s  # the trainer's own figure (evaluation excluded)
@@ -163,26 +201,55 @@ def main() -> None:
     held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # served in bf16
     figures["speculative_dtype"] = str(dtype).removeprefix("torch.")
-    figures["speed_note"] = ("eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
-                             "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)")
+    figures["speed_note"] = (
+        "eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
+        "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)"
+    )
     for name, model in (("trained", drafter), ("untrained", untrained)):
         model = model.to(device, dtype).eval()
         started = time.monotonic()
         # warm-up (CUDA context, cuBLAS handles, allocator): one short prompt, not counted
-        evaluate_speculative(target, model, held_out[:1], draft_steps=a.draft_steps, max_new_tokens=min(8, a.new_tokens),
-                             proxy=True, eos_token_ids=())
-        report = evaluate_speculative(target, model, held_out, draft_steps=a.draft_steps, max_new_tokens=a.new_tokens,
-                                      proxy=True, eos_token_ids=())
+        evaluate_speculative(
+            target,
+            model,
+            held_out[:1],
+            draft_steps=a.draft_steps,
+            max_new_tokens=min(8, a.new_tokens),
+            proxy=True,
+            eos_token_ids=(),
+        )
+        report = evaluate_speculative(
+            target,
+            model,
+            held_out,
+            draft_steps=a.draft_steps,
+            max_new_tokens=a.new_tokens,
+            proxy=True,
+            eos_token_ids=(),
+        )
         t = report.totals()
-        figures[name] = {k: t[k] for k in ("accept_length_sglang", "accept_length_per_round", "accept_length_vllm",
-                                           "position_acceptance", "lossless", "mismatched_prompts")}
+        figures[name] = {
+            k: t[k]
+            for k in (
+                "accept_length_sglang",
+                "accept_length_per_round",
+                "accept_length_vllm",
+                "position_acceptance",
+                "lossless",
+                "mismatched_prompts",
+            )
+        }
         figures[name]["eager_proxy"] = {k: t[k] for k in ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")}
         figures[name]["seconds"] = round(time.monotonic() - started, 1)
-        log(f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
+        log(
+            f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
             f"{t['position_acceptance']}, lossless {t['lossless']}; eager proxy (not a deployment speed): speculative "
-            f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s = x{t['speedup']}")
+            f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s = x{t['speedup']}"
+        )
     print(json.dumps(figures, indent=2))
-    target_json = a.json or (str(Path(os.environ["OUT"], "drafter_device_check.json")) if os.environ.get("OUT") else None)
+    target_json = a.json or (
+        str(Path(os.environ["OUT"], "drafter_device_check.json")) if os.environ.get("OUT") else None
+    )
     if target_json:
         Path(target_json).write_text(json.dumps(figures, indent=2) + "\n")
 

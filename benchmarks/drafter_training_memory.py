@@ -77,17 +77,37 @@ class RandomStates:
 
     def extract_batch(self, sequences):
         H = self.hidden_size
-        return [(torch.randn(len(s), 3 * H, generator=self.g).to(torch.bfloat16),
-                 torch.randn(len(s), H, generator=self.g).to(torch.bfloat16)) for s in sequences]
+        return [
+            (
+                torch.randn(len(s), 3 * H, generator=self.g).to(torch.bfloat16),
+                torch.randn(len(s), H, generator=self.g).to(torch.bfloat16),
+            )
+            for s in sequences
+        ]
 
 
 def target_folder(root: Path, hidden: int, vocab: int) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    cfg = DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=64,
-                           num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=64, kv_lora_rank=32,
-                           qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=1)
+    cfg = DeepseekV3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        first_k_dense_replace=1,
+    )
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(cfg).save_pretrained(root / "target")
     return root / "target"
@@ -98,13 +118,27 @@ def dataset(root: Path, n: int, tokens: int, hidden: int, vocab: int) -> tuple[P
     rows = []
     for i in range(n):
         ids = torch.randint(0, vocab, (tokens,), generator=g).tolist()
-        rows.append({"sample_id": f"S1/{i:05d}", "split": "eval" if i % 16 == 15 else "train", "dataset": "S1",
-                     "input_ids": ids, "loss_mask": [0] * (tokens // 4) + [1] * (tokens - tokens // 4), "n_tokens": tokens})
+        rows.append(
+            {
+                "sample_id": f"S1/{i:05d}",
+                "split": "eval" if i % 16 == 15 else "train",
+                "dataset": "S1",
+                "input_ids": ids,
+                "loss_mask": [0] * (tokens // 4) + [1] * (tokens - tokens // 4),
+                "n_tokens": tokens,
+            }
+        )
     merged = pl.DataFrame(rows)
     merged.write_parquet(root / "merged.parquet")
     samples = [StoredSample(r["sample_id"], r["split"], r["input_ids"], r["loss_mask"], "S1") for r in rows]
-    extract_to_store(samples, RandomStates(hidden, 6), root / "hidden_states", StoreSettings(free_bytes=10**13, reserve_bytes=0),
-                     identity={}, log=lambda m: None)
+    extract_to_store(
+        samples,
+        RandomStates(hidden, 6),
+        root / "hidden_states",
+        StoreSettings(free_bytes=10**13, reserve_bytes=0),
+        identity={},
+        log=lambda m: None,
+    )
     return root / "merged.parquet", root / "hidden_states"
 
 
@@ -135,19 +169,29 @@ def main() -> None:
             root = tmp / f"x{factor}"
             root.mkdir()
             merged, store = dataset(root, factor * a.samples, a.tokens, a.hidden, a.vocab)
-            spec = write_spec(root / "spec.json", hidden_root=store, merged_path=merged, target_folder=folder,
-                              out_dir=root / "drafter", settings=settings, draft_vocab_size=512,
-                              report_path=root / "report.json", device="cpu")
+            spec = write_spec(
+                root / "spec.json",
+                hidden_root=store,
+                merged_path=merged,
+                target_folder=folder,
+                out_dir=root / "drafter",
+                settings=settings,
+                draft_vocab_size=512,
+                report_path=root / "report.json",
+                device="cpu",
+            )
             rss, anon, file = peak_rss_mb(spec)
             report = json.loads((root / "report.json").read_text())
             tokens = factor * a.samples * a.tokens
             # What the old trainer kept resident: per token aux fp32 (3H) + teacher over the draft vocabulary (fp32) + ids.
             resident = tokens * (3 * a.hidden * 4 + report["draft_vocab_size"] * 4 + 3 * 8) / 2**20
             results[factor] = rss
-            print(f"{factor}x: {factor * a.samples} samples, {tokens:,} tokens, store "
-                  f"{sum(f.stat().st_size for f in store.glob('*.safetensors')) / 2**20:,.0f} MiB: peak RSS {rss:,.0f} MiB "
-                  f"(anonymous {anon:,.0f}, file-backed {file:,.0f}) "
-                  f"(all samples in memory, the peer: {resident:,.0f} MiB of tensors alone)")
+            print(
+                f"{factor}x: {factor * a.samples} samples, {tokens:,} tokens, store "
+                f"{sum(f.stat().st_size for f in store.glob('*.safetensors')) / 2**20:,.0f} MiB: peak RSS {rss:,.0f} MiB "
+                f"(anonymous {anon:,.0f}, file-backed {file:,.0f}) "
+                f"(all samples in memory, the peer: {resident:,.0f} MiB of tensors alone)"
+            )
         print(f"peak RSS 4x / 1x: {results[4] / results[1]:.3f}   (streaming: about 1)")
 
 

@@ -32,8 +32,9 @@ from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Draft
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train  # noqa: E402
 
 
-def synthetic_source(samples: int, min_len: int, max_len: int, hidden: int, vocab: int, seed: int,
-                     device: torch.device) -> dict:
+def synthetic_source(
+    samples: int, min_len: int, max_len: int, hidden: int, vocab: int, seed: int, device: torch.device
+) -> dict:
     """Samples as the store hands them over (CPU, bf16 states); drawn on `device` (fast on a GPU)."""
     rng = random.Random(seed)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -41,22 +42,45 @@ def synthetic_source(samples: int, min_len: int, max_len: int, hidden: int, voca
     for i in range(samples):
         n = rng.randint(min_len, max_len)
         prompt = n // 4
-        out[f"s{i}"] = {"input_ids": torch.randint(0, vocab, (n,), generator=g, device=device, dtype=torch.int32).cpu(),
-                        "loss_mask": torch.tensor([0] * prompt + [1] * (n - prompt), dtype=torch.int8),
-                        "aux_hidden_states": torch.randn(n, 3 * hidden, generator=g, device=device,
-                                                         dtype=torch.bfloat16).cpu(),
-                        "final_hidden_state": torch.randn(n, hidden, generator=g, device=device, dtype=torch.bfloat16).cpu()}
+        out[f"s{i}"] = {
+            "input_ids": torch.randint(0, vocab, (n,), generator=g, device=device, dtype=torch.int32).cpu(),
+            "loss_mask": torch.tensor([0] * prompt + [1] * (n - prompt), dtype=torch.int8),
+            "aux_hidden_states": torch.randn(n, 3 * hidden, generator=g, device=device, dtype=torch.bfloat16).cpu(),
+            "final_hidden_state": torch.randn(n, hidden, generator=g, device=device, dtype=torch.bfloat16).cpu(),
+        }
     return out
 
 
-def measure(*, device: str, hidden: int, intermediate: int | None, draft_vocab: int, target_vocab: int, batch_tokens: int,
-            steps: int, warmup: int, min_len: int, max_len: int, window: int, peak_tflops: float, compile: bool | None,
-            log=print) -> dict:
+def measure(
+    *,
+    device: str,
+    hidden: int,
+    intermediate: int | None,
+    draft_vocab: int,
+    target_vocab: int,
+    batch_tokens: int,
+    steps: int,
+    warmup: int,
+    min_len: int,
+    max_len: int,
+    window: int,
+    peak_tflops: float,
+    compile: bool | None,
+    log=print,
+) -> dict:
     dev = torch.device(device)
     heads, kv, head_dim = default_shape(hidden)
-    cfg = DrafterConfig(hidden_size=hidden, target_hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=target_vocab,
-                        draft_vocab_size=draft_vocab, max_position_embeddings=max(4096, window))
+    cfg = DrafterConfig(
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=target_vocab,
+        draft_vocab_size=draft_vocab,
+        max_position_embeddings=max(4096, window),
+    )
     # Enough samples for warm-up + timed steps (one epoch).
     avg = (min_len + max_len) / 2
     n = int((steps + warmup + 1) * batch_tokens / avg) + 2
@@ -71,11 +95,14 @@ def measure(*, device: str, hidden: int, intermediate: int | None, draft_vocab: 
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], window)
     teacher = Teacher(head, draft_ids, dev)
     for w in plan.windows:  # the argmax cache a real run has from its second epoch on
-        teacher.argmax((w.sample_id, w.start, w.end),
-                       source[w.sample_id]["final_hidden_state"][w.start : w.end].to(dev, teacher.dtype))
+        teacher.argmax(
+            (w.sample_id, w.start, w.end),
+            source[w.sample_id]["final_hidden_state"][w.start : w.end].to(dev, teacher.dtype),
+        )
     extra = {} if compile is None else {"compile": compile}
-    settings = TrainSettings(ttt_steps=7, epochs=1, batch_tokens=batch_tokens, max_len=window, checkpoint_every=0,
-                             warmup_steps=2, **extra)
+    settings = TrainSettings(
+        ttt_steps=7, epochs=1, batch_tokens=batch_tokens, max_len=window, checkpoint_every=0, warmup_steps=2, **extra
+    )
     marks: list[tuple[float, int]] = []
 
     def on_step(step: int, tokens: int) -> None:
@@ -86,27 +113,52 @@ def measure(*, device: str, hidden: int, intermediate: int | None, draft_vocab: 
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    history = train(model, source, plan.windows, [], settings, head=head, device=dev, log=log,
-                    teacher=teacher, stop_after_steps=steps + warmup, on_step=on_step)
+    history = train(
+        model,
+        source,
+        plan.windows,
+        [],
+        settings,
+        head=head,
+        device=dev,
+        log=log,
+        teacher=teacher,
+        stop_after_steps=steps + warmup,
+        on_step=on_step,
+    )
     if len(marks) < 2:
         raise RuntimeError(f"too few samples for {steps} + {warmup} steps")
     seconds = marks[1][0] - marks[0][0]
     tokens = marks[1][1] - marks[0][1]
     from eagle3_assets.stages.eagle3_drafter.model import train_flops_per_token
 
-    fpt = train_flops_per_token(cfg, ttt_steps=7, mean_window=sum(w.tokens for w in plan.windows) / len(plan.windows))["total"]
+    fpt = train_flops_per_token(cfg, ttt_steps=7, mean_window=sum(w.tokens for w in plan.windows) / len(plan.windows))[
+        "total"
+    ]
     rate = tokens / seconds
-    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "hidden": hidden,
-            "intermediate": cfg.intermediate_size, "heads": heads, "kv_heads": kv, "draft_vocab": draft_vocab,
-            "target_vocab": target_vocab, "batch_tokens": batch_tokens, "timed_steps": steps,
-            "windows": len(plan.windows), "mean_window": round(sum(w.tokens for w in plan.windows) / len(plan.windows), 1),
-            "tokens_per_s": round(rate, 1), "gflop_per_token": round(fpt / 1e9, 3),
-            "tflops": round(rate * fpt / 1e12, 2),
-            "mfu": round(rate * fpt / (peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
-            "peak_tflops": peak_tflops if dev.type == "cuda" else None,
-            "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None, "seconds": round(seconds, 2),
-            "compile": history.compiled, "final_loss": history.step_loss[-1] if history.step_loss else None,
-            "peak_gpu_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20) if dev.type == "cuda" else None}
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "hidden": hidden,
+        "intermediate": cfg.intermediate_size,
+        "heads": heads,
+        "kv_heads": kv,
+        "draft_vocab": draft_vocab,
+        "target_vocab": target_vocab,
+        "batch_tokens": batch_tokens,
+        "timed_steps": steps,
+        "windows": len(plan.windows),
+        "mean_window": round(sum(w.tokens for w in plan.windows) / len(plan.windows), 1),
+        "tokens_per_s": round(rate, 1),
+        "gflop_per_token": round(fpt / 1e9, 3),
+        "tflops": round(rate * fpt / 1e12, 2),
+        "mfu": round(rate * fpt / (peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
+        "peak_tflops": peak_tflops if dev.type == "cuda" else None,
+        "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None,
+        "seconds": round(seconds, 2),
+        "compile": history.compiled,
+        "final_loss": history.step_loss[-1] if history.step_loss else None,
+        "peak_gpu_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20) if dev.type == "cuda" else None,
+    }
 
 
 def main() -> None:
@@ -127,10 +179,22 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the figures here")
     a = p.parse_args()
     compile_ = {"auto": None, "on": True, "off": False}[a.compile]
-    figures = measure(device=a.device, hidden=a.hidden, intermediate=a.intermediate, draft_vocab=a.draft_vocab,
-                      target_vocab=a.target_vocab, batch_tokens=a.batch_tokens, steps=a.steps, warmup=a.warmup,
-                      min_len=a.min_len, max_len=a.max_len, window=a.window, peak_tflops=a.peak_tflops, compile=compile_,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    figures = measure(
+        device=a.device,
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        draft_vocab=a.draft_vocab,
+        target_vocab=a.target_vocab,
+        batch_tokens=a.batch_tokens,
+        steps=a.steps,
+        warmup=a.warmup,
+        min_len=a.min_len,
+        max_len=a.max_len,
+        window=a.window,
+        peak_tflops=a.peak_tflops,
+        compile=compile_,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     print(json.dumps(figures))
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -75,12 +75,26 @@ def random_deepseek_v3(hidden: int, layers: int, vocab: int):
 
     heads = max(4, hidden // 128)
     cfg = DeepseekV3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=max(32, hidden // 4),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, first_k_dense_replace=1,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        q_lora_rank=max(32, hidden // 4), kv_lora_rank=max(16, hidden // 8), qk_nope_head_dim=max(8, hidden // heads // 2),
-        qk_rope_head_dim=max(8, hidden // heads // 4), v_head_dim=max(16, hidden // heads // 2),
-        max_position_embeddings=16384, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=max(32, hidden // 4),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=max(32, hidden // 4),
+        kv_lora_rank=max(16, hidden // 8),
+        qk_nope_head_dim=max(8, hidden // heads // 2),
+        qk_rope_head_dim=max(8, hidden // heads // 4),
+        v_head_dim=max(16, hidden // heads // 2),
+        max_position_embeddings=16384,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     return DeepseekV3ForCausalLM(cfg)
@@ -133,7 +147,7 @@ class ReadyStates:
         return {"backend": self.name}
 
     def extract_batch(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.aux[:len(s)], self.final[:len(s)]) for s in seqs]
+        return [(self.aux[: len(s)], self.final[: len(s)]) for s in seqs]
 
 
 class InterleavedBare:
@@ -177,7 +191,9 @@ class InterleavedBare:
         return [bare / o for bare, o in zip(self.bare_s, own)]
 
 
-def disk_write_s(root: Path, sizes: list[int], *, direct: bool, threads: int, buffer: torch.Tensor) -> tuple[float, bool]:
+def disk_write_s(
+    root: Path, sizes: list[int], *, direct: bool, threads: int, buffer: torch.Tensor
+) -> tuple[float, bool]:
     """Seconds to write files of `sizes` bytes (16 MiB sequential writes, fsync each) with `threads` writers at once."""
     todo = list(enumerate(sizes))
     used_direct = []
@@ -206,7 +222,12 @@ def disk_write_s(root: Path, sizes: list[int], *, direct: bool, threads: int, bu
 
 
 def spread(values: list[float]) -> dict:
-    return {"best": max(values), "median": statistics.median(values), "worst": min(values), "all": [round(v, 4) for v in values]}
+    return {
+        "best": max(values),
+        "median": statistics.median(values),
+        "worst": min(values),
+        "all": [round(v, 4) for v in values],
+    }
 
 
 def rotated(names: list[str], r: int) -> list[str]:
@@ -230,18 +251,39 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--shard-gb", type=float, default=None, help="default: the store's size / 24 (>= 20 shards)")
     p.add_argument("--writers", type=int, default=StoreSettings.writers)
-    p.add_argument("--write-gb", type=float, default=1.0, help="the store-writes and disk measurements write at least this "
-                   "much (the samples repeated; a CPU forward is too slow to produce a store large enough to time a disk)")
-    p.add_argument("--write-repeat", type=int, default=None, help="repeat the samples this many times for the write "
-                   "measurements (default: from --write-gb)")
+    p.add_argument(
+        "--write-gb",
+        type=float,
+        default=1.0,
+        help="the store-writes and disk measurements write at least this "
+        "much (the samples repeated; a CPU forward is too slow to produce a store large enough to time a disk)",
+    )
+    p.add_argument(
+        "--write-repeat",
+        type=int,
+        default=None,
+        help="repeat the samples this many times for the write measurements (default: from --write-gb)",
+    )
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT for the store's writes")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of bare forward, null sink and extraction, in rotated order")
-    p.add_argument("--whole-runs", action="store_true", help="on a CPU too, time the bare forward in runs of its own (by "
-                   "default a CPU run interleaves it batch by batch with the null sink and the extraction)")
-    p.add_argument("--write-rounds", type=int, default=None, help="rounds of the store writes and the disk, in rotated order "
-                   "(default: --rounds)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds of bare forward, null sink and extraction, in rotated order"
+    )
+    p.add_argument(
+        "--whole-runs",
+        action="store_true",
+        help="on a CPU too, time the bare forward in runs of its own (by "
+        "default a CPU run interleaves it batch by batch with the null sink and the extraction)",
+    )
+    p.add_argument(
+        "--write-rounds",
+        type=int,
+        default=None,
+        help="rounds of the store writes and the disk, in rotated order (default: --rounds)",
+    )
     p.add_argument("--dir", default=None, help="where the temporary stores are written (default: the system temp dir)")
-    p.add_argument("--json", default=None, help="write the figures here (default: $OUT/extraction.json when $OUT is set)")
+    p.add_argument(
+        "--json", default=None, help="write the figures here (default: $OUT/extraction.json when $OUT is set)"
+    )
     a = p.parse_args()
     a.write_rounds = a.write_rounds or a.rounds
 
@@ -263,13 +305,21 @@ def main() -> None:
     H = backend.hidden_size
     per_token = token_bytes(H)
     shard_bytes = int(a.shard_gb * 1e9) if a.shard_gb else max(1, tokens * per_token // 24)
-    settings = StoreSettings(shard_bytes=shard_bytes, batch_tokens=a.batch_tokens, writers=a.writers, direct_io=not a.buffered,
-                             free_bytes=10**15, reserve_bytes=0)
+    settings = StoreSettings(
+        shard_bytes=shard_bytes,
+        batch_tokens=a.batch_tokens,
+        writers=a.writers,
+        direct_io=not a.buffered,
+        free_bytes=10**15,
+        reserve_bytes=0,
+    )
     identity = {"bench": name}
     plans = plan_shards(samples, H, shard_bytes, {**identity, "aux_layer_ids": backend.layer_ids})
     sizes = [shard_layout(pl, [samples[i] for i in pl.samples], H).size for pl in plans]
     repeat = a.write_repeat or max(1, math.ceil(a.write_gb * 1e9 / sum(sizes)))
-    write_samples = [StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(repeat) for s in samples]
+    write_samples = [
+        StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(repeat) for s in samples
+    ]
     write_plans = plan_shards(write_samples, H, shard_bytes * repeat, {**identity, "aux_layer_ids": backend.layer_ids})
     write_bytes = [shard_layout(pl, [write_samples[i] for i in pl.samples], H).size for pl in write_plans]
     buffers = HostBuffers(a.writers + 1, pin=device.type == "cuda")
@@ -277,19 +327,36 @@ def main() -> None:
     scratch = host_buffer(max(write_bytes) + 2**25, pin=False)  # the disk test's source: any bytes
     scratch.random_(0, 256)
     ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
-    print(f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
-          f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards of ~{shard_bytes / 1e6:,.0f} MB, "
-          f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; checksum {CHECKSUM}", flush=True)
-    print(f"write measurements: the samples x {repeat} = {sum(write_bytes) / 1e9:.2f} GB in {len(write_bytes)} shards of "
-          f"~{statistics.median(write_bytes) / 1e6:,.0f} MB", flush=True)
+    print(
+        f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
+        f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards of ~{shard_bytes / 1e6:,.0f} MB, "
+        f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; checksum {CHECKSUM}",
+        flush=True,
+    )
+    print(
+        f"write measurements: the samples x {repeat} = {sum(write_bytes) / 1e9:.2f} GB in {len(write_bytes)} shards of "
+        f"~{statistics.median(write_bytes) / 1e6:,.0f} MB",
+        flush=True,
+    )
 
-    def extraction(be, null_sink: bool, which: list[StoredSample] = samples, shard: int = shard_bytes) -> tuple[float, float, dict]:
+    def extraction(
+        be, null_sink: bool, which: list[StoredSample] = samples, shard: int = shard_bytes
+    ) -> tuple[float, float, dict]:
         """(wall seconds, process CPU seconds, store figures) of one extract_to_store into a new temporary store."""
         with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
             sync(device)
             start, cpu = time.perf_counter(), time.process_time()
-            extract_to_store(which, be, Path(tmp), replace(settings, shard_bytes=shard), identity=identity, log=lambda m: None,
-                             progress_every_s=3600, buffers=buffers, null_sink=null_sink)
+            extract_to_store(
+                which,
+                be,
+                Path(tmp),
+                replace(settings, shard_bytes=shard),
+                identity=identity,
+                log=lambda m: None,
+                progress_every_s=3600,
+                buffers=buffers,
+                null_sink=null_sink,
+            )
             sync(device)
             end, cpu = time.perf_counter(), time.process_time() - cpu
             seconds = end - start
@@ -308,14 +375,21 @@ def main() -> None:
     bare_forward(backend, shards[:2], a.batch_tokens)
     extraction(backend, True, samples[:4])
     extraction(ready, False, [write_samples[i] for i in write_plans[0].samples], shard_bytes * repeat)
-    t: dict[str, list[float]] = {k: [] for k in ("bare", "null", "extract", "ready", "disk_buffered", "disk_direct_parallel")}
+    t: dict[str, list[float]] = {
+        k: [] for k in ("bare", "null", "extract", "ready", "disk_buffered", "disk_direct_parallel")
+    }
     cpu: dict[str, list[float]] = {k: [] for k in t}
     direct_ok, figures = False, {}
 
     interleave = device.type == "cpu" and not a.whole_runs
     pairs: dict[str, list[float]] = {"null": [], "extract": []}  # bare seconds / the run's own seconds, per run
-    bare_in: dict[str, list[float]] = {"null": [], "extract": []} if interleave else {}  # the bare forwards inside each run
-    batch_pairs: dict[str, list[float]] = {"null": [], "extract": []}  # interleaved: bare / own, batch by batch, every run
+    bare_in: dict[str, list[float]] = (
+        {"null": [], "extract": []} if interleave else {}
+    )  # the bare forwards inside each run
+    batch_pairs: dict[str, list[float]] = {
+        "null": [],
+        "extract": [],
+    }  # interleaved: bare / own, batch by batch, every run
 
     def measure(kind: str) -> None:
         nonlocal direct_ok, figures
@@ -349,23 +423,43 @@ def main() -> None:
 
     forward_kinds = ["null", "extract"] if interleave else ["bare", "null", "extract"]
     write_kinds = ["ready", "disk_direct_parallel", "disk_buffered"]
-    print("repeats: " + (f"{a.rounds} rounds of (null sink, extraction), each with every batch's bare forward interleaved "
-                         f"in the same run" if interleave else f"{a.rounds} rounds of (bare forward, null sink, extraction)")
-          + f", and {a.write_rounds} rounds of (store writes, disk O_DIRECT, disk buffered); each round in a rotated order",
-          flush=True)
+    print(
+        "repeats: "
+        + (
+            f"{a.rounds} rounds of (null sink, extraction), each with every batch's bare forward interleaved "
+            f"in the same run"
+            if interleave
+            else f"{a.rounds} rounds of (bare forward, null sink, extraction)"
+        )
+        + f", and {a.write_rounds} rounds of (store writes, disk O_DIRECT, disk buffered); each round in a rotated order",
+        flush=True,
+    )
     for r in range(max(a.rounds, a.write_rounds)):
-        order = (rotated(forward_kinds, r) if r < a.rounds else []) + (rotated(write_kinds, r) if r < a.write_rounds else [])
+        order = (rotated(forward_kinds, r) if r < a.rounds else []) + (
+            rotated(write_kinds, r) if r < a.write_rounds else []
+        )
         for kind in order:
             measure(kind)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {t[k][-1]:.2f} s" + (f" (bare {bare_in[k][-1]:.2f} s interleaved)" if k in bare_in else "")
-                                           for k in order), flush=True)
+        print(
+            f"round {r + 1}: "
+            + ", ".join(
+                f"{k} {t[k][-1]:.2f} s" + (f" (bare {bare_in[k][-1]:.2f} s interleaved)" if k in bare_in else "")
+                for k in order
+            ),
+            flush=True,
+        )
 
     total = figures["bytes"]
     write_total = sum(write_bytes)
-    rate = {k: spread([tokens * (repeat if k == "ready" else 1) / s for s in t[k]]) for k in ("bare", "null", "extract", "ready")}
+    rate = {
+        k: spread([tokens * (repeat if k == "ready" else 1) / s for s in t[k]])
+        for k in ("bare", "null", "extract", "ready")
+    }
     gbps = {k: spread([(write_total if k in write_kinds else total) / s / 1e9 for s in v]) for k, v in t.items()}
     # The disk's bandwidth in each write round: the better of its two ways (buffered, O_DIRECT from `writers` threads).
-    disk_round = [max(write_total / b, write_total / d) / 1e9 for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"])]
+    disk_round = [
+        max(write_total / b, write_total / d) / 1e9 for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"])
+    ]
     disk_kind = max(("disk_buffered", "disk_direct_parallel"), key=lambda k: gbps[k]["median"])
     # Paired ratios. On a GPU each from one round's adjacent runs, the median over rounds the figure. On a CPU the bare
     # forward runs batch by batch inside the measured runs: the figure is the median over every batch of every run (the
@@ -382,30 +476,55 @@ def main() -> None:
     extract_paired = bare * extract_ratio  # the extraction's tok/s by its paired ratio to the bare forward
     cpu_per_gb = {k: round(statistics.median(cpu[k]) / (write_total / 1e9), 4) for k in write_kinds}
     out = {
-        "model": name, "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-        "samples": len(samples), "tokens": tokens, "bytes": total, "bytes_per_token": round(bytes_per_token, 2),
-        "shards": figures["shards"], "shard_bytes": shard_bytes, "writers": a.writers, "o_direct": direct_ok and not a.buffered,
-        "checksum": CHECKSUM, "rounds": a.rounds, "write_rounds": a.write_rounds, "write_repeat": repeat,
-        "write_test_bytes": write_total, "write_test_shards": len(write_bytes),
-        "seconds": {k: [round(x, 4) for x in v] for k, v in t.items()}, "bare_interleaved": interleave,
-        "tokens_per_s": rate, "gb_per_s": gbps, "disk_gb_per_s": disk, "disk_gb_per_s_by_round": [round(x, 4) for x in disk_round],
-        "disk_measured_as": disk_kind, "cpu_s_per_gb_written": cpu_per_gb,
-        "ratio_null_sink_to_bare": null_ratio, "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in null_pairs],
+        "model": name,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "samples": len(samples),
+        "tokens": tokens,
+        "bytes": total,
+        "bytes_per_token": round(bytes_per_token, 2),
+        "shards": figures["shards"],
+        "shard_bytes": shard_bytes,
+        "writers": a.writers,
+        "o_direct": direct_ok and not a.buffered,
+        "checksum": CHECKSUM,
+        "rounds": a.rounds,
+        "write_rounds": a.write_rounds,
+        "write_repeat": repeat,
+        "write_test_bytes": write_total,
+        "write_test_shards": len(write_bytes),
+        "seconds": {k: [round(x, 4) for x in v] for k, v in t.items()},
+        "bare_interleaved": interleave,
+        "tokens_per_s": rate,
+        "gb_per_s": gbps,
+        "disk_gb_per_s": disk,
+        "disk_gb_per_s_by_round": [round(x, 4) for x in disk_round],
+        "disk_measured_as": disk_kind,
+        "cpu_s_per_gb_written": cpu_per_gb,
+        "ratio_null_sink_to_bare": null_ratio,
+        "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in null_pairs],
         "ratio_null_sink_to_bare_by_batch": [round(x, 4) for x in batch_pairs["null"]],
-        "ratio_extraction_to_bare": extract_ratio, "ratio_extraction_to_bare_by_round": [round(x, 4) for x in extract_pairs],
+        "ratio_extraction_to_bare": extract_ratio,
+        "ratio_extraction_to_bare_by_round": [round(x, 4) for x in extract_pairs],
         "ratio_extraction_to_bare_by_batch": [round(x, 4) for x in batch_pairs["extract"]],
-        "ratio_store_write_to_disk": statistics.median(store_pairs), "ratio_store_write_to_disk_by_round": [round(x, 4) for x in store_pairs],
+        "ratio_store_write_to_disk": statistics.median(store_pairs),
+        "ratio_store_write_to_disk_by_round": [round(x, 4) for x in store_pairs],
         "ratio_store_write_to_disk_best": gbps["ready"]["best"] / max(disk_round),
         "ratio_extraction_write_to_disk": extract_gbps / disk,
-        "limit_tokens_per_s": limit, "ratio_extraction_to_limit": extract_paired / limit,
+        "limit_tokens_per_s": limit,
+        "ratio_extraction_to_limit": extract_paired / limit,
         "overhead_pct_bytes_per_token": figures["overhead_pct"],
     }
 
     def line(label: str, key: str) -> str:
         r = rate[key]
-        return (f"{label:<16}{r['median']:12,.0f} tok/s  (median of {len(t[key])}; best {r['best']:,.0f}, worst {r['worst']:,.0f}; "
-                f"{gbps[key]['median']:.3f} GB/s)")
+        return (
+            f"{label:<16}{r['median']:12,.0f} tok/s  (median of {len(t[key])}; best {r['best']:,.0f}, worst {r['worst']:,.0f}; "
+            f"{gbps[key]['median']:.3f} GB/s)"
+        )
 
     def listed(values: list[float]) -> str:
         return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
@@ -413,29 +532,48 @@ def main() -> None:
     print(line("bare forward", "bare"))
     print(line("null sink", "null"))
     print(line("extraction", "extract"))
-    print(f"{'store writes':<16}{rate['ready']['median']:12,.0f} tok/s  ({store_gbps:.3f} GB/s median of {len(t['ready'])}, "
-          f"all {listed(gbps['ready']['all'])}: ready states, no forward; {cpu_per_gb['ready']:.3f} CPU s/GB)")
-    print("disk (fsync'd)  " + ", ".join(f"{k.removeprefix('disk_')} {gbps[k]['median']:.3f} GB/s (all {listed(gbps[k]['all'])}, "
-                                         f"{cpu_per_gb[k]:.3f} CPU s/GB)" for k in ("disk_direct_parallel", "disk_buffered"))
-          + f"  -> {disk:.3f} GB/s (median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})")
+    print(
+        f"{'store writes':<16}{rate['ready']['median']:12,.0f} tok/s  ({store_gbps:.3f} GB/s median of {len(t['ready'])}, "
+        f"all {listed(gbps['ready']['all'])}: ready states, no forward; {cpu_per_gb['ready']:.3f} CPU s/GB)"
+    )
+    print(
+        "disk (fsync'd)  "
+        + ", ".join(
+            f"{k.removeprefix('disk_')} {gbps[k]['median']:.3f} GB/s (all {listed(gbps[k]['all'])}, "
+            f"{cpu_per_gb[k]:.3f} CPU s/GB)"
+            for k in ("disk_direct_parallel", "disk_buffered")
+        )
+        + f"  -> {disk:.3f} GB/s (median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})"
+    )
+
     def paired(kind: str) -> str:
         if interleave:
             b = batch_pairs[kind]
-            return (f"median of {len(b)} batches (each batch's bare forward run next to its capture; quartiles "
-                    f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) in {len(pairs[kind])} runs; "
-                    f"each run's own sums {listed(pairs[kind])}")
+            return (
+                f"median of {len(b)} batches (each batch's bare forward run next to its capture; quartiles "
+                f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) in {len(pairs[kind])} runs; "
+                f"each run's own sums {listed(pairs[kind])}"
+            )
         return f"median of {listed(pairs[kind])}, each from one round's adjacent runs"
 
-    print(f"ratio null sink / bare forward:   {null_ratio:.3f}   (goal >= 0.95: the capture's own overhead; {paired('null')})")
+    print(
+        f"ratio null sink / bare forward:   {null_ratio:.3f}   (goal >= 0.95: the capture's own overhead; {paired('null')})"
+    )
     print(f"ratio extraction / bare forward:  {extract_ratio:.3f}   ({paired('extract')})")
-    print(f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; median of {listed(store_pairs)}, "
-          f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; the extraction "
-          f"itself wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)")
-    print(f"extraction {extract_paired:,.0f} tok/s (bare x its paired ratio) vs 0.9 x min(bare {bare:,.0f}, disk "
-          f"{disk * 1e9 / bytes_per_token:,.0f}) = "
-          f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)")
-    print(f"bytes per token {bytes_per_token:,.1f} vs minimum {4 * H * 2:,} ((3 + 1) x H x 2): overhead "
-          f"{figures['overhead_pct']:.2f}%   (goal <= 2%), {figures['shards']} shards")
+    print(
+        f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; median of {listed(store_pairs)}, "
+        f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; the extraction "
+        f"itself wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)"
+    )
+    print(
+        f"extraction {extract_paired:,.0f} tok/s (bare x its paired ratio) vs 0.9 x min(bare {bare:,.0f}, disk "
+        f"{disk * 1e9 / bytes_per_token:,.0f}) = "
+        f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)"
+    )
+    print(
+        f"bytes per token {bytes_per_token:,.1f} vs minimum {4 * H * 2:,} ((3 + 1) x H x 2): overhead "
+        f"{figures['overhead_pct']:.2f}%   (goal <= 2%), {figures['shards']} shards"
+    )
     target = a.json or (str(Path(os.environ["OUT"]) / "extraction.json") if os.environ.get("OUT") else None)
     if target:
         Path(target).parent.mkdir(parents=True, exist_ok=True)

@@ -35,11 +35,58 @@ from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength, im
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
-WORDS = ["the", "history", "of", "printing", "changed", "how", "people", "read", "and", "wrote", "letters",
-         "about", "science", "art", "music", "travel", "food", "cities", "rivers", "mountains", "energy",
-         "climate", "markets", "code", "data", "systems", "design", "health", "sport", "language"]
-FRENCH = ["la", "mer", "est", "calme", "ce", "soir", "et", "nous", "parlons", "de", "la", "musique", "des",
-          "livres", "et", "des", "villes", "anciennes"]
+WORDS = [
+    "the",
+    "history",
+    "of",
+    "printing",
+    "changed",
+    "how",
+    "people",
+    "read",
+    "and",
+    "wrote",
+    "letters",
+    "about",
+    "science",
+    "art",
+    "music",
+    "travel",
+    "food",
+    "cities",
+    "rivers",
+    "mountains",
+    "energy",
+    "climate",
+    "markets",
+    "code",
+    "data",
+    "systems",
+    "design",
+    "health",
+    "sport",
+    "language",
+]
+FRENCH = [
+    "la",
+    "mer",
+    "est",
+    "calme",
+    "ce",
+    "soir",
+    "et",
+    "nous",
+    "parlons",
+    "de",
+    "la",
+    "musique",
+    "des",
+    "livres",
+    "et",
+    "des",
+    "villes",
+    "anciennes",
+]
 
 
 def text(rng: random.Random, n_words: int, words=WORDS) -> str:
@@ -74,19 +121,37 @@ def main() -> None:
     tok_res = TokenizerResource(standin_dir=str(REPO / "var" / "data" / "standin"))
     tok = tok_res.load()
 
-    length = PromptLength(render=lambda m, t: render_messages(m, t, version=tok_res.template_version, thinking=True),
-                          count=lambda text: len(tok.encode(text, allow_special=True)))
+    length = PromptLength(
+        render=lambda m, t: render_messages(m, t, version=tok_res.template_version, thinking=True),
+        count=lambda text: len(tok.encode(text, allow_special=True)),
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src" / "HuggingFaceH4" / "ultrachat_200k" / "data" / "train_sft-00000-of-00001.parquet"
         src.parent.mkdir(parents=True)
         t = time.perf_counter()
         make_source(src, args.rows, args.answer_chars)
-        print(f"source: {args.rows:,} rows, {src.stat().st_size / 1e6:.0f} MB Parquet (written in {time.perf_counter() - t:.0f} s)")
-        spec = ImportSpec(schema="messages", repo="HuggingFaceH4/ultrachat_200k", split="train_sft",
-                          files="data/train_sft-*.parquet", languages=("en",), max_prompt_tokens=16384)
-        reg = {"B6": DatasetSpec(name="B6", prompt_file=Path(tmp) / "x.jsonl", format="messages", kind="chat",
-                                 sample_cap=args.cap, real=spec)}
+        print(
+            f"source: {args.rows:,} rows, {src.stat().st_size / 1e6:.0f} MB Parquet (written in {time.perf_counter() - t:.0f} s)"
+        )
+        spec = ImportSpec(
+            schema="messages",
+            repo="HuggingFaceH4/ultrachat_200k",
+            split="train_sft",
+            files="data/train_sft-*.parquet",
+            languages=("en",),
+            max_prompt_tokens=16384,
+        )
+        reg = {
+            "B6": DatasetSpec(
+                name="B6",
+                prompt_file=Path(tmp) / "x.jsonl",
+                format="messages",
+                kind="chat",
+                sample_cap=args.cap,
+                real=spec,
+            )
+        }
 
         t = time.perf_counter()
         pl.read_parquet(src)
@@ -105,10 +170,16 @@ def main() -> None:
 
     same = [p.prompt_id for p in ours] == [p.prompt_id for p in peer]
     r = report
-    print(f"selected {r.selected:,} of {r.rows:,} rows (filtered {dict(r.filtered)}); the peer selects the same prompts: {same}")
+    print(
+        f"selected {r.selected:,} of {r.rows:,} rows (filtered {dict(r.filtered)}); the peer selects the same prompts: {same}"
+    )
     print(f"polars read only:                   {read_s:7.1f} s  ({args.rows / read_s:10,.0f} rows/s)")
-    print(f"import, filters on ranked rows:     {ours_s:7.1f} s  ({args.rows / ours_s:10,.0f} rows/s), measured {r.measured:,} prompts")
-    print(f"peer: filters on every row first:   {peer_s:7.1f} s  ({args.rows / peer_s:10,.0f} rows/s), measured {peer_report.measured:,}")
+    print(
+        f"import, filters on ranked rows:     {ours_s:7.1f} s  ({args.rows / ours_s:10,.0f} rows/s), measured {r.measured:,} prompts"
+    )
+    print(
+        f"peer: filters on every row first:   {peer_s:7.1f} s  ({args.rows / peer_s:10,.0f} rows/s), measured {peer_report.measured:,}"
+    )
     print(f"ratio peer / ours: {peer_s / ours_s:.2f}x")
 
 

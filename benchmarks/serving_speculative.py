@@ -45,9 +45,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative_common import (  # noqa: E402  (the eval prompts and the arithmetic both SGLang benchmarks share)
@@ -67,6 +68,7 @@ from speculative_common import (  # noqa: E402  (the eval prompts and the arithm
 )
 
 # ----------------------------------------------------------------------------------------------- pure functions
+
 
 def server_command(
     model_path: str,
@@ -97,11 +99,16 @@ def server_command(
     if draft_model_path is not None:
         check_draft_tree(num_steps, eagle_topk, num_draft_tokens)
         cmd += [
-            "--speculative-algorithm", "EAGLE3",
-            "--speculative-draft-model-path", draft_model_path,
-            "--speculative-num-steps", str(num_steps),
-            "--speculative-eagle-topk", str(eagle_topk),
-            "--speculative-num-draft-tokens", str(num_draft_tokens),
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            draft_model_path,
+            "--speculative-num-steps",
+            str(num_steps),
+            "--speculative-eagle-topk",
+            str(eagle_topk),
+            "--speculative-num-draft-tokens",
+            str(num_draft_tokens),
         ]
     return cmd + list(extra_args)
 
@@ -116,6 +123,7 @@ def generate_body(prompt_ids: Sequence[int], max_new_tokens: int, ignore_eos: bo
 
 
 # ------------------------------------------------------------------------------------------------------- client
+
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
@@ -148,15 +156,23 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
     raise TimeoutError(f"{url}/health not 200 after {timeout_s:.0f}s")
 
 
-def generate(url: str, prompt_ids: Sequence[int], max_new_tokens: int, ignore_eos: bool, timeout_s: float) -> dict[str, Any]:
+def generate(
+    url: str, prompt_ids: Sequence[int], max_new_tokens: int, ignore_eos: bool, timeout_s: float
+) -> dict[str, Any]:
     status, out = http_json(url + "/generate", generate_body(prompt_ids, max_new_tokens, ignore_eos), timeout=timeout_s)
     if status != 200 or not isinstance(out, dict):
         raise RuntimeError(f"/generate answered {status}: {str(out)[:500]}")
     return out
 
 
-def run_batch(url: str, prompts: list[list[int]], concurrency: int, max_new_tokens: int, ignore_eos: bool = False,
-              timeout_s: float = 1800.0) -> tuple[list[dict[str, Any]], float]:
+def run_batch(
+    url: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_new_tokens: int,
+    ignore_eos: bool = False,
+    timeout_s: float = 1800.0,
+) -> tuple[list[dict[str, Any]], float]:
     """Every prompt through `/generate` with `concurrency` requests in flight: (records in prompt order, wall s)."""
 
     def one(i: int) -> dict[str, Any]:
@@ -179,8 +195,16 @@ def flush_cache(url: str) -> None:
         print(f"warning: {url}/flush_cache answered {status}: {str(body)[:200]} (continuing)", file=sys.stderr)
 
 
-def bench_server(url: str, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int, ignore_eos: bool,
-                 warmup: int, timeout_s: float, label: str) -> tuple[dict[str, dict[str, Any]], dict[str, list]]:
+def bench_server(
+    url: str,
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+    max_new_tokens: int,
+    ignore_eos: bool,
+    warmup: int,
+    timeout_s: float,
+    label: str,
+) -> tuple[dict[str, dict[str, Any]], dict[str, list]]:
     """Every concurrency against one running server: ({bs: summary}, {bs: per-request records})."""
     summaries, records = {}, {}
     if warmup:
@@ -191,12 +215,16 @@ def bench_server(url: str, prompts: list[list[int]], batch_sizes: list[int], max
         summaries[str(bs)], records[str(bs)] = summarize(recs, wall), recs
         s = summaries[str(bs)]
         acc = "-" if s["accept_length"] is None else f"{s['accept_length']:.3f}"
-        print(f"[{label}] concurrency {bs}: {s['requests']} requests, {s['completion_tokens']} tokens in {wall:.2f}s, "
-              f"{s['output_tokens_per_s']:.1f} tok/s, accept length {acc}", flush=True)
+        print(
+            f"[{label}] concurrency {bs}: {s['requests']} requests, {s['completion_tokens']} tokens in {wall:.2f}s, "
+            f"{s['output_tokens_per_s']:.1f} tok/s, accept length {acc}",
+            flush=True,
+        )
     return summaries, records
 
 
 # -------------------------------------------------------------------------------------------------- server life
+
 
 def signals_for_servers() -> None:
     """The servers this script starts must stop on SIGTERM. A blocked signal mask and ignored dispositions survive
@@ -230,7 +258,7 @@ def group_alive(pgid: int) -> bool:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
         if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
@@ -255,11 +283,17 @@ def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 # --------------------------------------------------------------------------------------------------------- main
 
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-path", help="the target (Kimi-K2.5 folder); needed unless --url")
-    p.add_argument("--draft-model-path", default=str(DEFAULT_DATA_DIR / "eagle3_drafter"),
-                   help="the exported drafter checkpoint (config.json + model.safetensors)")
+    p.add_argument(
+        "--draft-model-path",
+        default=str(DEFAULT_DATA_DIR / "eagle3_drafter"),
+        help="the exported drafter checkpoint (config.json + model.safetensors)",
+    )
     p.add_argument("--tp-size", type=int, default=8)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -267,14 +301,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     p.add_argument("--mem-fraction-static", type=float)
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for both launch_server commands (repeat; e.g. --server-arg=--attention-backend ...)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for both launch_server commands (repeat; e.g. --server-arg=--attention-backend ...)",
+    )
     p.add_argument("--python", default=sys.executable, help="the interpreter that has sglang")
     p.add_argument("--url", help="benchmark this running server (the speculative one) instead of launching")
     p.add_argument("--baseline-url", help="with --url: a running baseline server to compare against")
     p.add_argument("--skip-baseline", action="store_true", help="launch only the EAGLE-3 server")
-    p.add_argument("--dataset", type=Path, default=DEFAULT_PROMPTS,
-                   help="merged.parquet, or a JSONL of prompt ids")
+    p.add_argument("--dataset", type=Path, default=DEFAULT_PROMPTS, help="merged.parquet, or a JSONL of prompt ids")
     p.add_argument("--split", default="eval")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--batch-sizes", default="1,16", help="concurrencies, comma-separated")
@@ -296,11 +334,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    common = dict(port=args.port, tp_size=args.tp_size, host=args.host, mem_fraction_static=args.mem_fraction_static,
-                  extra_args=args.server_arg, python=args.python)
+    common = dict(
+        port=args.port,
+        tp_size=args.tp_size,
+        host=args.host,
+        mem_fraction_static=args.mem_fraction_static,
+        extra_args=args.server_arg,
+        python=args.python,
+    )
     cmds = {} if args.skip_baseline else {"baseline": server_command(args.model_path, **common)}
-    cmds["eagle3"] = server_command(args.model_path, draft_model_path=args.draft_model_path, num_steps=args.speculative_num_steps,
-                                    eagle_topk=args.speculative_eagle_topk, num_draft_tokens=args.speculative_num_draft_tokens, **common)
+    cmds["eagle3"] = server_command(
+        args.model_path,
+        draft_model_path=args.draft_model_path,
+        num_steps=args.speculative_num_steps,
+        eagle_topk=args.speculative_eagle_topk,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        **common,
+    )
     return cmds
 
 
@@ -308,22 +358,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         if args.url:
-            print(f"# --url: no server is launched; benchmarking {args.url}" + (f" against {args.baseline_url}" if args.baseline_url else ""))
+            print(
+                f"# --url: no server is launched; benchmarking {args.url}"
+                + (f" against {args.baseline_url}" if args.baseline_url else "")
+            )
         else:
             for label, cmd in commands(args).items():
                 print(f"# {label}\n{shlex.join(cmd)}")
         return 0
 
     prompts = load_prompts(args.dataset, args.num_prompts, args.split, args.seed)
-    print(f"{len(prompts)} {args.split} prompts from {args.dataset} "
-          f"({sum(map(len, prompts)) / len(prompts):.0f} tokens on average), concurrency {args.batch_sizes}", flush=True)
-    run = dict(batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
-               warmup=min(args.warmup, len(prompts)), timeout_s=args.request_timeout)
+    print(
+        f"{len(prompts)} {args.split} prompts from {args.dataset} "
+        f"({sum(map(len, prompts)) / len(prompts):.0f} tokens on average), concurrency {args.batch_sizes}",
+        flush=True,
+    )
+    run = dict(
+        batch_sizes=args.batch_sizes,
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+        warmup=min(args.warmup, len(prompts)),
+        timeout_s=args.request_timeout,
+    )
     results: dict[str, dict[str, dict[str, Any]]] = {}
     requests: dict[str, dict[str, list]] = {}
     servers: dict[str, Any] = {}
     if args.url:
-        targets = ([("baseline", args.baseline_url.rstrip("/"))] if args.baseline_url else []) + [("eagle3", args.url.rstrip("/"))]
+        targets = ([("baseline", args.baseline_url.rstrip("/"))] if args.baseline_url else []) + [
+            ("eagle3", args.url.rstrip("/"))
+        ]
         for label, url in targets:
             wait_healthy(url, args.server_timeout)
             servers[label] = {"url": url}
@@ -351,7 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "speedup_definition": SPEEDUP_NOTE,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         # which weights: the launched EAGLE-3 server's drafter; unknown for servers started by hand (--url)
-        "drafter": None if args.url else {"path": args.draft_model_path, "weights_sha256": weights_fingerprint(args.draft_model_path)},
+        "drafter": None
+        if args.url
+        else {"path": args.draft_model_path, "weights_sha256": weights_fingerprint(args.draft_model_path)},
         "num_prompts": len(prompts),
         "servers": servers,
         "summary": {"0": temperature_summary(results, requests)},  # greedy; the same shape as the Engine benchmark's

@@ -36,8 +36,9 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative_common import (  # noqa: E402  (shared with serving_speculative.py)
@@ -63,9 +64,19 @@ EngineFactory = Callable[..., Any]
 
 # ----------------------------------------------------------------------------------------------- pure functions
 
-def engine_kwargs(target: str, *, tp: int, drafter: str | None = None, num_steps: int = 3, topk: int = 1,
-                  num_draft_tokens: int = 4, mem_fraction_static: float | None = None, seed: int | None = None,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+
+def engine_kwargs(
+    target: str,
+    *,
+    tp: int,
+    drafter: str | None = None,
+    num_steps: int = 3,
+    topk: int = 1,
+    num_draft_tokens: int = 4,
+    mem_fraction_static: float | None = None,
+    seed: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """`sglang.Engine(**kwargs)`: the baseline engine, or with `drafter` the EAGLE-3 one. The names are ServerArgs
     fields of SGLang 0.5.23 (tests/test_sglang_engine_bench.py checks them against that release's source)."""
     kw: dict[str, Any] = {"model_path": target, "tp_size": int(tp), "trust_remote_code": True}
@@ -75,9 +86,13 @@ def engine_kwargs(target: str, *, tp: int, drafter: str | None = None, num_steps
         kw["random_seed"] = int(seed)
     if drafter is not None:
         check_draft_tree(num_steps, topk, num_draft_tokens)
-        kw |= {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": drafter,
-               "speculative_num_steps": int(num_steps), "speculative_eagle_topk": int(topk),
-               "speculative_num_draft_tokens": int(num_draft_tokens)}
+        kw |= {
+            "speculative_algorithm": "EAGLE3",
+            "speculative_draft_model_path": drafter,
+            "speculative_num_steps": int(num_steps),
+            "speculative_eagle_topk": int(topk),
+            "speculative_num_draft_tokens": int(num_draft_tokens),
+        }
     return kw | dict(extra or {})
 
 
@@ -94,6 +109,7 @@ def parse_engine_arg(item: str) -> tuple[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------ engine
 
+
 async def _generate_all(engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any]) -> list[dict]:
     gate = asyncio.Semaphore(concurrency)
 
@@ -106,7 +122,9 @@ async def _generate_all(engine: Any, prompts: list[list[int]], concurrency: int,
     return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
 
-def run_batch(engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any]) -> tuple[list[dict], float]:
+def run_batch(
+    engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any]
+) -> tuple[list[dict], float]:
     """Every prompt through the engine with `concurrency` requests in flight: (records in prompt order, wall s)."""
     start = time.perf_counter()
     records = engine.loop.run_until_complete(_generate_all(engine, prompts, concurrency, params))
@@ -119,14 +137,28 @@ def flush_cache(engine: Any, label: str) -> None:
         print(f"warning: [{label}] flush_cache: {getattr(out, 'message', out)} (continuing)", file=sys.stderr)
 
 
-def bench_engine(engine: Any, prompts: list[list[int]], *, temperatures: Sequence[float], concurrency: Sequence[int],
-                 max_new_tokens: int, ignore_eos: bool, top_p: float | None, warmup: int,
-                 label: str) -> tuple[dict[str, dict[str, dict]], dict[str, dict[str, list]]]:
+def bench_engine(
+    engine: Any,
+    prompts: list[list[int]],
+    *,
+    temperatures: Sequence[float],
+    concurrency: Sequence[int],
+    max_new_tokens: int,
+    ignore_eos: bool,
+    top_p: float | None,
+    warmup: int,
+    label: str,
+) -> tuple[dict[str, dict[str, dict]], dict[str, dict[str, list]]]:
     """Every temperature and concurrency on one engine: ({temperature: {concurrency: summary}}, the same of records)."""
     summaries: dict[str, dict[str, dict]] = {}
     records: dict[str, dict[str, list]] = {}
     if warmup:
-        run_batch(engine, prompts[:warmup], min(warmup, max(concurrency)), sampling_params(min(max_new_tokens, 16), ignore_eos))
+        run_batch(
+            engine,
+            prompts[:warmup],
+            min(warmup, max(concurrency)),
+            sampling_params(min(max_new_tokens, 16), ignore_eos),
+        )
     for t in temperatures:
         tk = temperature_key(t)
         params = sampling_params(max_new_tokens, ignore_eos, temperature=t, top_p=top_p)
@@ -137,8 +169,11 @@ def bench_engine(engine: Any, prompts: list[list[int]], *, temperatures: Sequenc
             summaries[tk][str(bs)], records[tk][str(bs)] = summarize(recs, wall), recs
             s = summaries[tk][str(bs)]
             acc = "-" if s["accept_length"] is None else f"{s['accept_length']:.3f}"
-            print(f"[{label}] temperature {tk}, concurrency {bs}: {s['requests']} requests, {s['completion_tokens']} "
-                  f"tokens in {wall:.2f}s, {s['output_tokens_per_s']:.1f} tok/s, accept length {acc}", flush=True)
+            print(
+                f"[{label}] temperature {tk}, concurrency {bs}: {s['requests']} requests, {s['completion_tokens']} "
+                f"tokens in {wall:.2f}s, {s['output_tokens_per_s']:.1f} tok/s, accept length {acc}",
+                flush=True,
+            )
     return summaries, records
 
 
@@ -150,18 +185,26 @@ def sglang_engine() -> tuple[EngineFactory, str | None]:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from eagle3_resources.hidden_states.sglang_api import INSTALL_HINT  # the project's one install command
 
-        raise SystemExit(f"sglang is not importable here ({e}); this benchmark runs SGLang's offline Engine on a GPU "
-                         f"host: {INSTALL_HINT}. `--dry-run` prints the Engine arguments without it.") from e
+        raise SystemExit(
+            f"sglang is not importable here ({e}); this benchmark runs SGLang's offline Engine on a GPU "
+            f"host: {INSTALL_HINT}. `--dry-run` prints the Engine arguments without it."
+        ) from e
     return sglang.Engine, getattr(sglang, "__version__", None)
 
 
 # --------------------------------------------------------------------------------------------------------- main
 
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", required=True, help="the target model folder (Kimi-K2.5)")
-    p.add_argument("--drafter", default=str(DEFAULT_DATA_DIR / "eagle3_drafter"),
-                   help="the exported EAGLE-3 drafter (config.json + model.safetensors)")
+    p.add_argument(
+        "--drafter",
+        default=str(DEFAULT_DATA_DIR / "eagle3_drafter"),
+        help="the exported EAGLE-3 drafter (config.json + model.safetensors)",
+    )
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel GPUs (ServerArgs.tp_size)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="merged.parquet, or a JSONL of prompt ids")
     p.add_argument("--split", default="eval")
@@ -175,8 +218,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=1, help="speculative_eagle_topk")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="speculative_num_draft_tokens")
     p.add_argument("--mem-fraction-static", type=float)
-    p.add_argument("--engine-arg", action="append", default=[], type=parse_engine_arg, metavar="KEY=VALUE",
-                   help="one more Engine (ServerArgs) argument for both engines, e.g. --engine-arg cuda_graph_max_bs_decode=16")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        type=parse_engine_arg,
+        metavar="KEY=VALUE",
+        help="one more Engine (ServerArgs) argument for both engines, e.g. --engine-arg cuda_graph_max_bs_decode=16",
+    )
     p.add_argument("--skip-baseline", action="store_true", help="only the speculative engine (no speed-up then)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine, not measured")
     p.add_argument("--seed", type=int, default=0, help="prompt sample and ServerArgs.random_seed")
@@ -202,8 +251,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def engines(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     common = dict(tp=args.tp, mem_fraction_static=args.mem_fraction_static, seed=args.seed, extra=dict(args.engine_arg))
     out = {} if args.skip_baseline else {"baseline": engine_kwargs(args.target, **common)}
-    out["eagle3"] = engine_kwargs(args.target, drafter=args.drafter, num_steps=args.num_steps, topk=args.topk,
-                                  num_draft_tokens=args.num_draft_tokens, **common)
+    out["eagle3"] = engine_kwargs(
+        args.target,
+        drafter=args.drafter,
+        num_steps=args.num_steps,
+        topk=args.topk,
+        num_draft_tokens=args.num_draft_tokens,
+        **common,
+    )
     return out
 
 
@@ -219,10 +274,19 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
         engine_factory, version = sglang_engine()
 
     prompts = load_prompts(args.prompts, args.num_prompts, args.split, args.seed)
-    print(f"{len(prompts)} {args.split} prompts from {args.prompts} ({sum(map(len, prompts)) / len(prompts):.0f} tokens "
-          f"on average); temperatures {args.temperatures}, concurrency {args.concurrency}", flush=True)
-    run = dict(temperatures=args.temperatures, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-               ignore_eos=args.ignore_eos, top_p=args.top_p, warmup=min(args.warmup, len(prompts)))
+    print(
+        f"{len(prompts)} {args.split} prompts from {args.prompts} ({sum(map(len, prompts)) / len(prompts):.0f} tokens "
+        f"on average); temperatures {args.temperatures}, concurrency {args.concurrency}",
+        flush=True,
+    )
+    run = dict(
+        temperatures=args.temperatures,
+        concurrency=args.concurrency,
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+        top_p=args.top_p,
+        warmup=min(args.warmup, len(prompts)),
+    )
     by_engine: dict[str, dict[str, dict]] = {}
     records_by_engine: dict[str, dict[str, dict]] = {}
     started: dict[str, dict[str, Any]] = {}
@@ -237,8 +301,10 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
             engine.shutdown()  # frees the GPUs before the next engine starts
 
     # {temperature: {engine: {concurrency: summary}}}, the speed-up against the baseline at the same temperature
-    results = {temperature_key(t): {label: by_engine[label][temperature_key(t)] for label in by_engine}
-               for t in args.temperatures}
+    results = {
+        temperature_key(t): {label: by_engine[label][temperature_key(t)] for label in by_engine}
+        for t in args.temperatures
+    }
     requests = {tk: {label: records_by_engine[label][tk] for label in records_by_engine} for tk in results}
     for tk in results:
         add_speedups(results[tk])
@@ -262,8 +328,10 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
     for tk, by_label in results.items():
         sampled = "greedy" if float(tk) == 0 else f"sampled, top_p {args.top_p}"
         acc = summary[tk]["accept_length"]
-        print(f"\ntemperature {tk} ({sampled}): accept length {'-' if acc is None else f'{acc:.3f}'} "
-              f"(all concurrencies pooled)")
+        print(
+            f"\ntemperature {tk} ({sampled}): accept length {'-' if acc is None else f'{acc:.3f}'} "
+            f"(all concurrencies pooled)"
+        )
         print(format_table(by_label, label_header="engine"))
     print(f"results: {args.output}")
     return 0

@@ -75,8 +75,9 @@ def _queue_rank(tokens: int, hidden: int, mode: str, requests, replies) -> None:
         else:
             host = []
             for t in (aux, final):
-                out = torch.empty(0, dtype=torch.bfloat16).set_(torch.UntypedStorage._new_shared(t.numel() * 2), 0,
-                                                                tuple(t.shape))
+                out = torch.empty(0, dtype=torch.bfloat16).set_(
+                    torch.UntypedStorage._new_shared(t.numel() * 2), 0, tuple(t.shape)
+                )
                 out.copy_(t)
                 host.append(out)
         replies.put(tuple(host))
@@ -109,8 +110,15 @@ def time_queue_path(mode: str, tokens: int, hidden: int, batches: int, image: tu
 
 def time_slab_path(tokens: int, hidden: int, batches: int, image: tuple[torch.Tensor, torch.Tensor], slabs: int):
     layout = SlabLayout(tokens, 3 * hidden, hidden)
-    pool = RankPool(1, functools.partial(fixed_rows, tokens=tokens, hidden=hidden), handoff=layout, slabs=slabs,
-                    start_timeout_s=600, batch_timeout_s=600, stop_grace_s=30)
+    pool = RankPool(
+        1,
+        functools.partial(fixed_rows, tokens=tokens, hidden=hidden),
+        handoff=layout,
+        slabs=slabs,
+        start_timeout_s=600,
+        batch_timeout_s=600,
+        stop_grace_s=30,
+    )
     sequence = [list(range(tokens))]
     seconds = []
     try:
@@ -163,8 +171,12 @@ def time_device_to_host(tokens: int, hidden: int, repeats: int) -> dict:
     finally:
         ring.close()
     p, q = statistics.median(pinned[1:]), statistics.median(pageable[1:])
-    return {"bytes": nbytes, "pinned_gb_s": round(nbytes / p / 1e9, 2), "pageable_gb_s": round(nbytes / q / 1e9, 2),
-            "pinned_over_pageable": round(q / p, 2)}
+    return {
+        "bytes": nbytes,
+        "pinned_gb_s": round(nbytes / p / 1e9, 2),
+        "pageable_gb_s": round(nbytes / q / 1e9, 2),
+        "pinned_over_pageable": round(q / p, 2),
+    }
 
 
 def main() -> None:
@@ -174,8 +186,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=5, help="timed batches per path (after one warm-up)")
     ap.add_argument("--slabs", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="where rank 0's rows start (auto: CUDA when present); benchmarks/device_check.py passes it")
+    ap.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where rank 0's rows start (auto: CUDA when present); benchmarks/device_check.py passes it",
+    )
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is first touched; the spawned rank inherits it
@@ -185,31 +201,44 @@ def main() -> None:
     T, H = args.tokens, args.hidden
     nbytes = T * 4 * H * 2
     image = (torch.zeros(T, 3 * H, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.bfloat16))
-    out: dict = {"tokens": T, "hidden": H, "bytes_per_batch": nbytes, "batches": args.batches,
-                 "device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+    out: dict = {
+        "tokens": T,
+        "hidden": H,
+        "bytes_per_batch": nbytes,
+        "batches": args.batches,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+    }
     slab_s, stats = time_slab_path(T, H, args.batches, image, args.slabs)
     paths = {"slab": slab_s}
     for mode in ("queue", "shm-handle"):
         paths[mode] = time_queue_path(mode, T, H, args.batches, image)
     for name, seconds in paths.items():
         median = statistics.median(seconds)
-        out[name] = {"median_s": round(median, 4), "gb_s": round(nbytes / median / 1e9, 3),
-                     "seconds": [round(s, 4) for s in seconds]}
+        out[name] = {
+            "median_s": round(median, 4),
+            "gb_s": round(nbytes / median / 1e9, 3),
+            "seconds": [round(s, 4) for s in seconds],
+        }
     out["slab_stats"] = stats
     out["slab_over_queue"] = round(out["queue"]["median_s"] / out["slab"]["median_s"], 2)
     out["slab_over_shm_handle"] = round(out["shm-handle"]["median_s"] / out["slab"]["median_s"], 2)
     if torch.cuda.is_available():
         out["device_to_host"] = time_device_to_host(T, H, args.batches)
-    print(f"hand-off of {nbytes / 1e6:.0f} MB per batch (T={T}, H={H}), rank 0 -> parent's shard image, "
-          f"median of {args.batches}:")
+    print(
+        f"hand-off of {nbytes / 1e6:.0f} MB per batch (T={T}, H={H}), rank 0 -> parent's shard image, "
+        f"median of {args.batches}:"
+    )
     for name in paths:
         print(f"  {name:10s} {out[name]['median_s'] * 1e3:8.1f} ms  {out[name]['gb_s']:6.2f} GB/s")
     print(f"  slab / queue      {out['slab_over_queue']}x")
     print(f"  slab / shm-handle {out['slab_over_shm_handle']}x")
     if "device_to_host" in out:
         d = out["device_to_host"]
-        print(f"  rank 0's D2H: pinned slab {d['pinned_gb_s']} GB/s, pageable .to('cpu') {d['pageable_gb_s']} GB/s, "
-              f"{d['pinned_over_pageable']}x")
+        print(
+            f"  rank 0's D2H: pinned slab {d['pinned_gb_s']} GB/s, pageable .to('cpu') {d['pageable_gb_s']} GB/s, "
+            f"{d['pinned_over_pageable']}x"
+        )
     print(json.dumps(out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

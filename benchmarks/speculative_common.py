@@ -15,8 +15,9 @@ import hashlib
 import json
 import os
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 DEFAULT_DATA_DIR = Path(os.environ.get("EAGLE3_DATA_DIR") or Path(__file__).resolve().parents[1] / "var" / "data")
 DEFAULT_PROMPTS = DEFAULT_DATA_DIR / "merged_dataset" / "merged.parquet"
@@ -28,8 +29,15 @@ ACCEPT_LENGTH_NOTE = (
 SPEEDUP_NOTE = "output tok/s (sum completion_tokens / batch wall time) over the baseline's at the same concurrency"
 # meta_info scalars worth keeping per request (SGLang 0.5.x tokenizer_manager; the spec_* ones only with speculation).
 META_KEYS = (
-    "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "spec_verify_ct", "spec_accept_length",
-    "spec_accept_rate", "spec_num_correct_drafts", "spec_num_proposed_drafts",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "e2e_latency",
+    "spec_verify_ct",
+    "spec_accept_length",
+    "spec_accept_rate",
+    "spec_num_correct_drafts",
+    "spec_num_proposed_drafts",
 )
 
 
@@ -37,15 +45,21 @@ def check_draft_tree(num_steps: int, eagle_topk: int, num_draft_tokens: int) -> 
     """SGLang's EAGLE tree holds at most num_steps * eagle_topk + 1 tokens (a chain of num_steps drafts plus the
     root when topk is 1): more draft tokens than that is refused before any engine starts."""
     if num_draft_tokens > num_steps * eagle_topk + 1:
-        raise ValueError(f"num_draft_tokens {num_draft_tokens} > num_steps * eagle_topk + 1 = {num_steps * eagle_topk + 1}")
+        raise ValueError(
+            f"num_draft_tokens {num_draft_tokens} > num_steps * eagle_topk + 1 = {num_steps * eagle_topk + 1}"
+        )
 
 
-def sampling_params(max_new_tokens: int, ignore_eos: bool = False, temperature: float = 0.0,
-                    top_p: float | None = None) -> dict[str, Any]:
+def sampling_params(
+    max_new_tokens: int, ignore_eos: bool = False, temperature: float = 0.0, top_p: float | None = None
+) -> dict[str, Any]:
     """SGLang's `sampling_params`: greedy at temperature 0 (SGLang then samples top-1), otherwise sampled at
     `temperature`, with `top_p` when given."""
-    params: dict[str, Any] = {"temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
-                              "ignore_eos": bool(ignore_eos)}
+    params: dict[str, Any] = {
+        "temperature": float(temperature),
+        "max_new_tokens": int(max_new_tokens),
+        "ignore_eos": bool(ignore_eos),
+    }
     if temperature > 0 and top_p is not None:
         params["top_p"] = float(top_p)
     return params
@@ -65,7 +79,9 @@ def request_record(index: int, response: dict[str, Any], latency_s: float) -> di
     return rec
 
 
-def summarize(records: Iterable[dict[str, Any]], wall_s: float, baseline_tokens_per_s: float | None = None) -> dict[str, Any]:
+def summarize(
+    records: Iterable[dict[str, Any]], wall_s: float, baseline_tokens_per_s: float | None = None
+) -> dict[str, Any]:
     """One (server, concurrency) run: accept length (sum completion / sum spec_verify_ct), output tok/s, speed-up."""
     records = list(records)
     completion = sum(int(r["completion_tokens"]) for r in records)
@@ -87,7 +103,10 @@ def summarize(records: Iterable[dict[str, Any]], wall_s: float, baseline_tokens_
         "mean_request_accept_length": sum(per_request) / len(per_request) if per_request else None,
         "mean_latency_s": sum(latencies) / len(latencies) if latencies else None,
         "max_latency_s": latencies[-1] if latencies else None,
-        "finish_reasons": {k: sum(1 for r in records if str(r.get("finish_reason")) == k) for k in sorted({str(r.get("finish_reason")) for r in records})},
+        "finish_reasons": {
+            k: sum(1 for r in records if str(r.get("finish_reason")) == k)
+            for k in sorted({str(r.get("finish_reason")) for r in records})
+        },
         "speedup": tokens_per_s / baseline_tokens_per_s if tokens_per_s and baseline_tokens_per_s else None,
     }
 
@@ -105,7 +124,9 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], label_header: st
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{label_header:<10} {'conc':>5} {'reqs':>5} {'out tok':>9} {'wall s':>8} {'tok/s':>9} {'accept len':>10} {'speed-up':>8}"]
+    lines = [
+        f"{label_header:<10} {'conc':>5} {'reqs':>5} {'out tok':>9} {'wall s':>8} {'tok/s':>9} {'accept len':>10} {'speed-up':>8}"
+    ]
     for label, by_bs in results.items():
         for bs, s in by_bs.items():
             lines.append(
@@ -133,8 +154,9 @@ def weights_fingerprint(folder: str | Path) -> dict[str, str] | None:
     return out
 
 
-def temperature_summary(results: dict[str, dict[str, dict[str, Any]]], records: dict[str, dict[str, list]],
-                        label: str = "eagle3") -> dict[str, Any]:
+def temperature_summary(
+    results: dict[str, dict[str, dict[str, Any]]], records: dict[str, dict[str, list]], label: str = "eagle3"
+) -> dict[str, Any]:
     """One temperature's headline: the accept length pooled over every concurrency (summarize over all of the
     speculative engine's requests), and per concurrency the two engines' output tok/s and the speed-up."""
     pooled = summarize([r for recs in (records.get(label) or {}).values() for r in recs], wall_s=0.0)
@@ -145,8 +167,10 @@ def temperature_summary(results: dict[str, dict[str, dict[str, Any]]], records: 
         "completion_tokens": pooled["completion_tokens"],
         "spec_verify_ct": pooled["spec_verify_ct"],
         "accept_length_by_concurrency": {bs: s["accept_length"] for bs, s in by_bs.items()},
-        "output_tokens_per_s": {bs: {"baseline": (base.get(bs) or {}).get("output_tokens_per_s"),
-                                     label: s["output_tokens_per_s"]} for bs, s in by_bs.items()},
+        "output_tokens_per_s": {
+            bs: {"baseline": (base.get(bs) or {}).get("output_tokens_per_s"), label: s["output_tokens_per_s"]}
+            for bs, s in by_bs.items()
+        },
         "speedup": {bs: s["speedup"] for bs, s in by_bs.items()},
     }
 
@@ -161,8 +185,12 @@ def load_prompts(path: Path, num_prompts: int, split: str = "eval", seed: int = 
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path, columns=["sample_id", "split", "input_ids", "prompt_len"], filters=[("split", "==", split)])
-        for sid, ids, plen in zip(table["sample_id"].to_pylist(), table["input_ids"].to_pylist(), table["prompt_len"].to_pylist()):
+        table = pq.read_table(
+            path, columns=["sample_id", "split", "input_ids", "prompt_len"], filters=[("split", "==", split)]
+        )
+        for sid, ids, plen in zip(
+            table["sample_id"].to_pylist(), table["input_ids"].to_pylist(), table["prompt_len"].to_pylist()
+        ):
             rows.append((sid, ids[:plen]))
     else:
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):

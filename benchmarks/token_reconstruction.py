@@ -26,9 +26,16 @@ from eagle3_resources.storage import default_data_dir
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 PIECES = [
-    "Let me think about this step by step.", "First, we compute the sum of the series.", "数据模型推理答案检查步骤结果",
-    "def f(x):\n    return x * 2\n", "The answer is 42.", "😀 emoji 👩‍💻 and flags 🇯🇵", "    indented   whitespace\t\trun",
-    "Therefore the result holds for every n ≥ 1.", "我们首先检查条件，然后计算结果。", "```python\nprint('hi')\n```",
+    "Let me think about this step by step.",
+    "First, we compute the sum of the series.",
+    "数据模型推理答案检查步骤结果",
+    "def f(x):\n    return x * 2\n",
+    "The answer is 42.",
+    "😀 emoji 👩‍💻 and flags 🇯🇵",
+    "    indented   whitespace\t\trun",
+    "Therefore the result holds for every n ≥ 1.",
+    "我们首先检查条件，然后计算结果。",
+    "```python\nprint('hi')\n```",
 ]
 
 
@@ -38,9 +45,22 @@ def synthetic(n: int, seed: int = 0) -> pl.DataFrame:
     for i in range(n):
         reasoning = " ".join(rng.choice(PIECES) for _ in range(120))
         content = " ".join(rng.choice(PIECES) for _ in range(70))
-        rows.append({"prompt_id": f"p{i}", "dataset": "bench", "status": "ok", "finish_reason": "stop", "reasoning": reasoning,
-                     "content": content, "prompt_ids": list(range(1000, 1400)), "cost_usd": 0.0, "attempts": 1,
-                     "completion_tokens": None, "prompt_tokens": 400, "messages_json": "[]"})
+        rows.append(
+            {
+                "prompt_id": f"p{i}",
+                "dataset": "bench",
+                "status": "ok",
+                "finish_reason": "stop",
+                "reasoning": reasoning,
+                "content": content,
+                "prompt_ids": list(range(1000, 1400)),
+                "cost_usd": 0.0,
+                "attempts": 1,
+                "completion_tokens": None,
+                "prompt_tokens": 400,
+                "messages_json": "[]",
+            }
+        )
     return pl.DataFrame(rows, schema=COMPLETION_COLUMNS)
 
 

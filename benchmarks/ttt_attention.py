@@ -48,8 +48,10 @@ def unroll(attn, h, L, d, steps, device, dtype) -> tuple[float, float, float]:
     """(seconds, MiB saved for backward, CUDA peak MiB above the inputs or nan) of forward + backward over
     `steps` TTT steps, each with fresh q and its own step's k, v (as the drafter's layer produces them)."""
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = ([torch.randn(h, L, d, generator=g, device=device, dtype=dtype, requires_grad=True) for _ in range(steps)]
-               for _ in range(3))
+    q, k, v = (
+        [torch.randn(h, L, d, generator=g, device=device, dtype=dtype, requires_grad=True) for _ in range(steps)]
+        for _ in range(3)
+    )
     saved = []
 
     def pack(t):
@@ -83,12 +85,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the figures here, as JSON")
     a = p.parse_args()
-    figures = {"device": a.device, "shape": a.shape, "heads": SHAPES[a.shape][0],
-               "head_dim": SHAPES[a.shape][1], "steps": a.steps, "lengths": {}}
+    figures = {
+        "device": a.device,
+        "shape": a.shape,
+        "heads": SHAPES[a.shape][0],
+        "head_dim": SHAPES[a.shape][1],
+        "steps": a.steps,
+        "lengths": {},
+    }
     h, d = SHAPES[a.shape]
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    print(f"{a.device}, {a.shape} ({h} heads x {d}), {dtype}, {a.steps} TTT steps, forward + backward, best of {a.repeats}"
-          + (f", {torch.get_num_threads()} threads" if a.device == "cpu" else ""))
+    print(
+        f"{a.device}, {a.shape} ({h} heads x {d}), {dtype}, {a.steps} TTT steps, forward + backward, best of {a.repeats}"
+        + (f", {torch.get_num_threads()} threads" if a.device == "cpu" else "")
+    )
     for L in (int(x) for x in a.lengths.split(",")):
         rows = {}
         for name, attn in (("fused", ttt_attention), ("written out", written_out)):
@@ -96,12 +106,18 @@ def main() -> None:
             rows[name] = (min(r[0] for r in runs), runs[0][1], max(r[2] for r in runs))
         (tf, sf, pf), (tw, sw, pw) = rows["fused"], rows["written out"]
         peak = f", CUDA peak {pf:,.0f} vs {pw:,.0f} MiB" if a.device == "cuda" else ""
-        print(f"L {L:>5}: fused {tf * 1e3:8.1f} ms, {sf:7,.0f} MiB kept for backward | written out (peer) {tw * 1e3:8.1f} ms, "
-              f"{sw:7,.0f} MiB | {tw / tf:5.2f}x faster, {sw / sf:5.1f}x less kept{peak}")
-        figures["lengths"][L] = {"fused_ms": round(tf * 1e3, 2), "written_out_ms": round(tw * 1e3, 2),
-                                 "fused_saved_mib": round(sf, 1), "written_out_saved_mib": round(sw, 1),
-                                 "fused_cuda_peak_mib": None if pf != pf else round(pf, 1),
-                                 "written_out_cuda_peak_mib": None if pw != pw else round(pw, 1)}
+        print(
+            f"L {L:>5}: fused {tf * 1e3:8.1f} ms, {sf:7,.0f} MiB kept for backward | written out (peer) {tw * 1e3:8.1f} ms, "
+            f"{sw:7,.0f} MiB | {tw / tf:5.2f}x faster, {sw / sf:5.1f}x less kept{peak}"
+        )
+        figures["lengths"][L] = {
+            "fused_ms": round(tf * 1e3, 2),
+            "written_out_ms": round(tw * 1e3, 2),
+            "fused_saved_mib": round(sf, 1),
+            "written_out_saved_mib": round(sw, 1),
+            "fused_cuda_peak_mib": None if pf != pf else round(pf, 1),
+            "written_out_cuda_peak_mib": None if pw != pw else round(pw, 1),
+        }
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=2) + "\n")
 

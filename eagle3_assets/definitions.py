@@ -64,8 +64,11 @@ def _env_or_none(name: str):
 
 def completions_resource() -> CompletionsResource:
     kwargs = {"backend": os.environ.get("EAGLE3_COMPLETIONS_BACKEND", "local")}
-    for field, var in (("openrouter_api_key", "OPENROUTER_API_KEY"), ("openrouter_base_url", "OPENROUTER_BASE_URL"),
-                       ("sglang_url", "EAGLE3_SGLANG_URL")):
+    for field, var in (
+        ("openrouter_api_key", "OPENROUTER_API_KEY"),
+        ("openrouter_base_url", "OPENROUTER_BASE_URL"),
+        ("sglang_url", "EAGLE3_SGLANG_URL"),
+    ):
         if (value := _env_or_none(var)) is not None:
             kwargs[field] = value
     return CompletionsResource(**kwargs)
@@ -73,8 +76,11 @@ def completions_resource() -> CompletionsResource:
 
 def hidden_states_resource() -> HiddenStatesResource:
     kwargs: dict = {"backend": os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")}
-    for field, var in (("batch_tokens", "EAGLE3_HIDDEN_STATES_BATCH_TOKENS"), ("sglang_tp_size", "EAGLE3_SGLANG_TP_SIZE"),
-                       ("sglang_max_forward_tokens", "EAGLE3_SGLANG_MAX_FORWARD_TOKENS")):
+    for field, var in (
+        ("batch_tokens", "EAGLE3_HIDDEN_STATES_BATCH_TOKENS"),
+        ("sglang_tp_size", "EAGLE3_SGLANG_TP_SIZE"),
+        ("sglang_max_forward_tokens", "EAGLE3_SGLANG_MAX_FORWARD_TOKENS"),
+    ):
         if os.environ.get(var):
             kwargs[field] = dg.EnvVar.int(var)
     return HiddenStatesResource(**kwargs)

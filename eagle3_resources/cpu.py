@@ -74,8 +74,10 @@ def parse_override(raw: str | None) -> int | None:
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{ENV}={raw!r} is not valid: give a positive integer number of torch CPU threads, "
-                         "or `auto` (or leave it unset) for the count chosen from the free CPUs")
+        raise ValueError(
+            f"{ENV}={raw!r} is not valid: give a positive integer number of torch CPU threads, "
+            "or `auto` (or leave it unset) for the count chosen from the free CPUs"
+        )
     return n
 
 
@@ -105,6 +107,7 @@ def choose_threads(picture: CpuPicture, override: str | None = None) -> ThreadCh
 
 
 # --- measuring -----------------------------------------------------------------------------
+
 
 def affinity_cpus() -> list[int]:
     try:
@@ -219,6 +222,7 @@ def decide(sample_s: float = SAMPLE_S) -> ThreadChoice:
 
 
 # --- applying ------------------------------------------------------------------------------
+
 
 def apply_torch_threads(stage: str, log: Callable[[str], None] = print, sample_s: float = SAMPLE_S) -> int:
     """Decide torch's CPU thread count now (the load changes between stages), set it in this thread

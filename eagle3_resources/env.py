@@ -26,7 +26,9 @@ def setting(value: T | None, env: str, default: Any = None, cast: Callable[[str]
     try:
         return cast(raw)
     except ValueError:
-        raise ValueError(f"environment variable {env}={raw!r} is not a valid {getattr(cast, '__name__', 'value')}") from None
+        raise ValueError(
+            f"environment variable {env}={raw!r} is not a valid {getattr(cast, '__name__', 'value')}"
+        ) from None
 
 
 def source(value: Any, env: str) -> str:

@@ -62,21 +62,27 @@ class InputError(Eagle3Error):
 class RegistryError(InputError, ValueError):
     """The registry file is malformed, or names a dataset it does not hold."""
 
-    what_to_do: ClassVar[str] = ("fix data/datasets.yaml (or the dataset name asked for) as the message says, "
-                                 "then materialize again")
+    what_to_do: ClassVar[str] = (
+        "fix data/datasets.yaml (or the dataset name asked for) as the message says, then materialize again"
+    )
 
 
 @dataclass
 class PromptFileError(InputError, ValueError):
     """One or more problems in a prompt file, each with its line."""
 
-    what_to_do: ClassVar[str] = "fix each listed line of the prompt file (path:line: problem), then materialize raw_prompts again"
+    what_to_do: ClassVar[str] = (
+        "fix each listed line of the prompt file (path:line: problem), then materialize raw_prompts again"
+    )
 
     path: Path
     problems: list[tuple[int | None, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
-        shown = [f"{self.path}:{line}: {msg}" if line else f"{self.path}: {msg}" for line, msg in self.problems[:MAX_ERRORS_SHOWN]]
+        shown = [
+            f"{self.path}:{line}: {msg}" if line else f"{self.path}: {msg}"
+            for line, msg in self.problems[:MAX_ERRORS_SHOWN]
+        ]
         more = len(self.problems) - MAX_ERRORS_SHOWN
         if more > 0:
             shown.append(f"... and {more} more problem(s)")
@@ -86,7 +92,9 @@ class PromptFileError(InputError, ValueError):
 class InvalidPrompt(InputError, ValueError):
     """One prompt is not in the project's format (the message says what is wrong)."""
 
-    what_to_do: ClassVar[str] = "correct the prompt as the message says (a sample file's line), or let the importer skip it"
+    what_to_do: ClassVar[str] = (
+        "correct the prompt as the message says (a sample file's line), or let the importer skip it"
+    )
 
 
 class ToolSchemaError(InputError, ValueError):
@@ -98,15 +106,19 @@ class ToolSchemaError(InputError, ValueError):
 class SourceError(InputError, ValueError):
     """The source cannot be read at all (no files, a missing column): a setting to fix, not a bad row."""
 
-    what_to_do: ClassVar[str] = ("fix the dataset's `import:` entry in data/datasets.yaml, or provide its files under "
-                                 "EAGLE3_SOURCES_DIR, as the message says")
+    what_to_do: ClassVar[str] = (
+        "fix the dataset's `import:` entry in data/datasets.yaml, or provide its files under "
+        "EAGLE3_SOURCES_DIR, as the message says"
+    )
 
 
 class TokenizerFolderError(InputError, ValueError):
     """A tokenizer folder is missing, malformed, or has special tokens at unexpected ids."""
 
-    what_to_do: ClassVar[str] = ("point the tokenizer resource at a complete Kimi-K2.5 tokenizer folder "
-                                 "(tiktoken.model and tokenizer_config.json of the pinned revision)")
+    what_to_do: ClassVar[str] = (
+        "point the tokenizer resource at a complete Kimi-K2.5 tokenizer folder "
+        "(tiktoken.model and tokenizer_config.json of the pinned revision)"
+    )
 
 
 # -- completions -----------------------------------------------------------------------------------
@@ -115,27 +127,34 @@ class TokenizerFolderError(InputError, ValueError):
 class CompletionsError(Eagle3Error):
     """A completions run, or the provider it pays, cannot go on."""
 
-    what_to_do: ClassVar[str] = "every finished response is in the journal: fix the cause and materialize again to resume"
+    what_to_do: ClassVar[str] = (
+        "every finished response is in the journal: fix the cause and materialize again to resume"
+    )
 
 
 class DatasetBusy(CompletionsError, RuntimeError):
     """Another run holds the dataset's lock."""
 
-    what_to_do: ClassVar[str] = ("wait for the run named in the message to finish (or terminate it), then materialize "
-                                 "this dataset again")
+    what_to_do: ClassVar[str] = (
+        "wait for the run named in the message to finish (or terminate it), then materialize this dataset again"
+    )
 
 
 class RunFatalError(CompletionsError, RuntimeError):
     """The whole run must stop: bad key, no credits, no endpoint after provider filters."""
 
-    what_to_do: ClassVar[str] = ("fix the cause the message names (the API key, the account's credits, the provider "
-                                 "routing), then materialize again: finished responses are kept")
+    what_to_do: ClassVar[str] = (
+        "fix the cause the message names (the API key, the account's credits, the provider "
+        "routing), then materialize again: finished responses are kept"
+    )
 
 
 class AccountError(CompletionsError, RuntimeError):
     """The provider's account API answered with an error status."""
 
-    what_to_do: ClassVar[str] = "check the API key and the provider's status for the HTTP status in the message, then try again"
+    what_to_do: ClassVar[str] = (
+        "check the API key and the provider's status for the HTTP status in the message, then try again"
+    )
 
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
@@ -164,15 +183,19 @@ class StoreError(Eagle3Error):
 class DiskSpaceError(StoreError, RuntimeError):
     """The volume cannot hold what the extraction would write (raised before any byte is written)."""
 
-    what_to_do: ClassVar[str] = ("free space on the data volume, or lower `max_tokens` / `dataset_weights` in the "
-                                 "hidden_states run config, then materialize again: nothing was written")
+    what_to_do: ClassVar[str] = (
+        "free space on the data volume, or lower `max_tokens` / `dataset_weights` in the "
+        "hidden_states run config, then materialize again: nothing was written"
+    )
 
 
 class StaleShardsError(StoreError, RuntimeError):
     """Committed shards would be deleted because the plan changed; refused unless asked for (GPU hours are at stake)."""
 
-    what_to_do: ClassVar[str] = ("restore the plan the shards were written with, or set `discard_stale_shards: true` "
-                                 "in the hidden_states run config to delete them and extract again")
+    what_to_do: ClassVar[str] = (
+        "restore the plan the shards were written with, or set `discard_stale_shards: true` "
+        "in the hidden_states run config to delete them and extract again"
+    )
 
 
 # -- the SGLang backend ----------------------------------------------------------------------------
@@ -187,22 +210,28 @@ class BackendError(Eagle3Error):
 class SGLangUnavailable(BackendError, RuntimeError):
     """This host cannot run the SGLang backend (no sglang, no CUDA, too few GPUs, API drift)."""
 
-    what_to_do: ClassVar[str] = ("run on a host with the pinned SGLang and enough GPUs (`eagle3 gpu-check` says what is "
-                                 "missing), or choose the transformers backend")
+    what_to_do: ClassVar[str] = (
+        "run on a host with the pinned SGLang and enough GPUs (`eagle3 gpu-check` says what is "
+        "missing), or choose the transformers backend"
+    )
 
 
 class RankError(BackendError, RuntimeError):
     """A rank process failed or died."""
 
-    what_to_do: ClassVar[str] = ("read the rank's traceback in the message (and the run's logs), fix its cause, then "
-                                 "materialize again: committed shards are kept")
+    what_to_do: ClassVar[str] = (
+        "read the rank's traceback in the message (and the run's logs), fix its cause, then "
+        "materialize again: committed shards are kept"
+    )
 
 
 class KVPoolExhausted(BackendError, RuntimeError):
     """SGLang could not allocate a batch's KV slots (raised in the rank, with the figures and the knobs)."""
 
-    what_to_do: ClassVar[str] = ("lower a forward's size (its tokens or requests) or raise SGLang's memory fraction: the message "
-                                 "names the knobs and the figures")
+    what_to_do: ClassVar[str] = (
+        "lower a forward's size (its tokens or requests) or raise SGLang's memory fraction: the message "
+        "names the knobs and the figures"
+    )
 
 
 class HandoffMemoryError(BackendError, RuntimeError):
@@ -229,5 +258,7 @@ class DrafterError(Eagle3Error):
 class FiguresRefused(DrafterError):
     """The benchmark's JSON cannot be recorded (not one of ours, or its drafter's weights changed since)."""
 
-    what_to_do: ClassVar[str] = ("run the benchmark again on this drafter (benchmarks/serving_speculative.py or "
-                                 "sglang_engine_speculative.py) and record its JSON")
+    what_to_do: ClassVar[str] = (
+        "run the benchmark again on this drafter (benchmarks/serving_speculative.py or "
+        "sglang_engine_speculative.py) and record its JSON"
+    )

@@ -110,7 +110,7 @@ class Journal:
                 os.close(self._fd)
                 self._fd = -1
 
-    def __enter__(self) -> "Journal":
+    def __enter__(self) -> Journal:
         return self
 
     def __exit__(self, *exc) -> None:

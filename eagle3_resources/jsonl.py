@@ -28,18 +28,24 @@ class JsonLine:
 
 def _decode(raw: bytes, lineno: int) -> tuple[str | None, str | None]:
     if lineno == 1 and raw.startswith(UTF8_BOM):
-        return None, ("starts with a UTF-8 byte-order mark (EF BB BF); JSON Lines files have none: "
-                      "save the file as UTF-8 without BOM")
+        return None, (
+            "starts with a UTF-8 byte-order mark (EF BB BF); JSON Lines files have none: "
+            "save the file as UTF-8 without BOM"
+        )
     nul = raw.find(b"\x00")
     if nul >= 0:
-        return None, (f"NUL byte (0x00) at byte {nul + 1} of the line: this is binary data or a "
-                      "file cut short and padded, not JSON text")
+        return None, (
+            f"NUL byte (0x00) at byte {nul + 1} of the line: this is binary data or a "
+            "file cut short and padded, not JSON text"
+        )
     try:
         return raw.decode("utf-8"), None
     except UnicodeDecodeError as e:
-        bad = raw[e.start: e.start + 4].hex(" ")
-        return None, (f"not valid UTF-8 at byte {e.start + 1} of the line (bytes {bad}: {e.reason}); "
-                      "the file was probably saved in another encoding (Latin-1, GBK, UTF-16?)")
+        bad = raw[e.start : e.start + 4].hex(" ")
+        return None, (
+            f"not valid UTF-8 at byte {e.start + 1} of the line (bytes {bad}: {e.reason}); "
+            "the file was probably saved in another encoding (Latin-1, GBK, UTF-16?)"
+        )
 
 
 def iter_json_lines(data: bytes) -> Iterator[JsonLine]:

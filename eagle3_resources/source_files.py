@@ -36,7 +36,9 @@ class SourceRow:
         return f"{self.file}:{self.row}"
 
 
-def resolve_files(repo: str | None, pattern: str, revision: str = "main", local_root: str | Path | None = None) -> list[tuple[str, Path]]:
+def resolve_files(
+    repo: str | None, pattern: str, revision: str = "main", local_root: str | Path | None = None
+) -> list[tuple[str, Path]]:
     """(name inside the dataset, local path) of every file the glob matches, sorted by name."""
     if local_root is not None:
         base = Path(local_root).expanduser() / repo if repo else Path(local_root).expanduser()
@@ -82,7 +84,9 @@ def _json_rows(name: str, path: Path) -> Iterator[SourceRow]:
             raise SourceError(f"{name}: a JSON array that does not parse ({e})") from None
         for i, value in enumerate(values, start=1):
             ok = isinstance(value, dict)
-            yield SourceRow(name, i, value if ok else None, None if ok else f"expected a JSON object, got {type(value).__name__}")
+            yield SourceRow(
+                name, i, value if ok else None, None if ok else f"expected a JSON object, got {type(value).__name__}"
+            )
         return
     for line in iter_json_lines(data):
         yield SourceRow(name, line.line, line.value, line.problem)

@@ -74,8 +74,10 @@ class DataLayout:
 class DataStore(dg.ConfigurableResource):
     """The data root every asset reads and writes under (`EAGLE3_DATA_DIR`)."""
 
-    root: str = Field(description="the data root: every asset's files, the stand-ins and the spend ledger live under it "
-                      "(EAGLE3_DATA_DIR, default var/data in the checkout)")
+    root: str = Field(
+        description="the data root: every asset's files, the stand-ins and the spend ledger live under it "
+        "(EAGLE3_DATA_DIR, default var/data in the checkout)"
+    )
 
     @property
     def layout(self) -> DataLayout:

@@ -13,12 +13,18 @@ from pathlib import Path
 import pytest
 from support import free_port, port_open, stop_group, wait_for
 
-
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 # Without the background-networking flags Chromium keeps calling home, which a closed network turns into stalls.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 VIEWPORT = {"width": 1400, "height": 900}
 
 
@@ -32,14 +38,18 @@ def screenshots_dir() -> Path:
 def require_chromium():
     """The sync Playwright API, or a failure that says what to install: this test runs in CI and must not skip."""
     if not CHROMIUM.exists():
-        pytest.fail(f"Chromium is not installed at {CHROMIUM}: the UI test drives Debian's Chromium. Install it with "
-                    "`apt-get install -y chromium` (as root; `.ci/run` does this). Do not run `playwright install`.",
-                    pytrace=False)
+        pytest.fail(
+            f"Chromium is not installed at {CHROMIUM}: the UI test drives Debian's Chromium. Install it with "
+            "`apt-get install -y chromium` (as root; `.ci/run` does this). Do not run `playwright install`.",
+            pytrace=False,
+        )
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("the playwright package is missing: install the test extras, `.venv/bin/pip install -e '.[test]'`",
-                    pytrace=False)
+        pytest.fail(
+            "the playwright package is missing: install the test extras, `.venv/bin/pip install -e '.[test]'`",
+            pytrace=False,
+        )
     return sync_playwright
 
 
@@ -65,13 +75,26 @@ def eagle3_dev(tmp_path: Path, data_dir: Path, **env_vars: str):
     """
     home = tmp_path / "dagster_home"  # made by `eagle3 dev`
     env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}
-    env.update({"DAGSTER_HOME": str(home), "EAGLE3_DATA_DIR": str(data_dir), "EAGLE3_COMPLETIONS_BACKEND": "local",
-                "PYTHONUNBUFFERED": "1", **env_vars})
+    env.update(
+        {
+            "DAGSTER_HOME": str(home),
+            "EAGLE3_DATA_DIR": str(data_dir),
+            "EAGLE3_COMPLETIONS_BACKEND": "local",
+            "PYTHONUNBUFFERED": "1",
+            **env_vars,
+        }
+    )
     port = free_port()
     log = tmp_path / "dev.log"
     with open(log, "w") as out:
-        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        dev = subprocess.Popen(
+            [sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: port_open(port) or dev.poll() is not None, 180, "eagle3 dev to listen", every=0.5)
         assert dev.poll() is None, f"eagle3 dev exited with {dev.returncode}:\n{log_tail(log)}"
@@ -86,8 +109,11 @@ def log_tail(log: Path, lines: int = 40) -> str:
 
 def graphql(base_url: str, query: str, variables: dict | None = None, timeout: float = 60) -> dict:
     """One query against the webserver's GraphQL endpoint (used to know when to look, never instead of looking)."""
-    request = urllib.request.Request(f"{base_url}/graphql", data=json.dumps({"query": query, "variables": variables or {}}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base_url}/graphql",
+        data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         body = json.load(response)
     assert "errors" not in body, body["errors"]

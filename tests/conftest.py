@@ -100,7 +100,9 @@ def ledger_invariants(monkeypatch):
     watch = Watch().install(monkeypatch)
     yield watch
     problems = watch.problems()
-    assert not problems, "the spend ledger disagrees with its own rows or the provider's bills:\n" + "\n".join(problems[:30])
+    assert not problems, "the spend ledger disagrees with its own rows or the provider's bills:\n" + "\n".join(
+        problems[:30]
+    )
 
 
 @pytest.fixture(scope="session")

@@ -83,8 +83,14 @@ def main() -> None:
     if args.slow:
         backend = Slow(backend, args.slow)
     settings = StoreSettings(shard_bytes=SHARD_BYTES, batch_tokens=BATCH_TOKENS, free_bytes=10**12, reserve_bytes=0)
-    report = extract_to_store(samples(model.config.vocab_size), backend, Path(args.root), settings,
-                              identity={"target": "worker"}, progress_every_s=3600)
+    report = extract_to_store(
+        samples(model.config.vocab_size),
+        backend,
+        Path(args.root),
+        settings,
+        identity={"target": "worker"},
+        progress_every_s=3600,
+    )
     print(f"done: {report.shards_written} written, {report.shards_skipped} kept", flush=True)
 
 

@@ -24,15 +24,27 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 STUCK = ("unsettled", "unidentified")
 USD_COLUMNS = ("settled_usd", "live_usd", "stuck_usd", "expired_usd")
 COUNT_COLUMNS = ("settled_tokens", "live_tokens", "stuck_tokens", "attempts")
-ATTEMPT_COLUMNS = ("attempt_id", "run_id", "dataset", "day", "state", "reserved_usd", "reserved_tokens", "cost_usd",
-                   "completion_tokens", "generation_id", "source")
+ATTEMPT_COLUMNS = (
+    "attempt_id",
+    "run_id",
+    "dataset",
+    "day",
+    "state",
+    "reserved_usd",
+    "reserved_tokens",
+    "cost_usd",
+    "completion_tokens",
+    "generation_id",
+    "source",
+)
 
 
 def _rows(cur, sql: str) -> list[dict[str, Any]]:
@@ -51,7 +63,9 @@ def read_ledger(location: str) -> tuple[list[dict[str, Any]], dict[str, dict[str
         conn = psycopg2.connect(location.replace("postgresql+psycopg2:", "postgresql:"))
         try:
             with conn.cursor() as cur:
-                cur.execute("select 1 from information_schema.tables where table_schema = 'eagle3_spend' and table_name = 'scopes'")
+                cur.execute(
+                    "select 1 from information_schema.tables where table_schema = 'eagle3_spend' and table_name = 'scopes'"
+                )
                 if cur.fetchone() is None:
                     return None
                 cur.execute("set search_path to eagle3_spend")
@@ -152,9 +166,12 @@ def bill_problems(rows: list[dict[str, Any]], bills: list[BillRecord]) -> list[s
             problems.append(f"bill {b.id} ${b.cost:.6f}: {row['state']} in the ledger, ${row['reserved_usd']:.6f} held")
     for r in rows:
         if r["cost_usd"] and r["source"] != "journal-import" and r["generation_id"] not in billed:
-            problems.append(f"attempt {r['attempt_id']} settled at ${r['cost_usd']:.6f} for {r['generation_id']}: "
-                            "no such bill")
-    if not any(r["state"] in STUCK + ("expired",) or (r["cost_usd"] is None and r["state"] != "released") for r in rows):
+            problems.append(
+                f"attempt {r['attempt_id']} settled at ${r['cost_usd']:.6f} for {r['generation_id']}: no such bill"
+            )
+    if not any(
+        r["state"] in STUCK + ("expired",) or (r["cost_usd"] is None and r["state"] != "released") for r in rows
+    ):
         settled = math.fsum(r["cost_usd"] or 0.0 for r in rows if r["source"] != "journal-import")
         total = math.fsum(b.cost for b in bills)
         if not math.isclose(settled, total, rel_tol=1e-9, abs_tol=1e-12):
@@ -167,7 +184,9 @@ def unfinished(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["cost_usd"] is None and r["state"] not in ("released", "expired")]
 
 
-def check_ledgers(locations: Iterable[str], bills: list[BillRecord] | None = None, *, settled: bool = False) -> list[str]:
+def check_ledgers(
+    locations: Iterable[str], bills: list[BillRecord] | None = None, *, settled: bool = False
+) -> list[str]:
     """Every check above on the ledgers at `locations` (paths or PostgreSQL URLs); [] when all hold. `bills`: the
     provider's, when a fake was driven (None: no provider to compare with). `settled`: nothing may be live or stuck."""
     problems, all_rows, read_any = [], [], False
@@ -179,7 +198,9 @@ def check_ledgers(locations: Iterable[str], bills: list[BillRecord] | None = Non
         rows, scopes = read
         problems += [f"{where}: {p}" for p in scope_problems(rows, scopes)]
         if settled:
-            problems += [f"{where}: attempt {r['attempt_id']} of {r['dataset']} still {r['state']}" for r in unfinished(rows)]
+            problems += [
+                f"{where}: attempt {r['attempt_id']} of {r['dataset']} still {r['state']}" for r in unfinished(rows)
+            ]
         all_rows += rows
     if bills is not None and read_any:  # (a test that drove a fake with no ledger at all has nothing to compare)
         problems += bill_problems(all_rows, bills)
@@ -193,9 +214,10 @@ class Watch:
     ledgers: list[str] = field(default_factory=list)
     fakes: list[Any] = field(default_factory=list)
 
-    def install(self, monkeypatch) -> "Watch":
-        from eagle3_assets.money.ledger import SpendLedger
+    def install(self, monkeypatch) -> Watch:
         from fakes.openrouter.server import FakeOpenRouter
+
+        from eagle3_assets.money.ledger import SpendLedger
 
         ledger_init, fake_init = SpendLedger.__init__, FakeOpenRouter.__init__
 

@@ -16,8 +16,14 @@ STEP_SECONDS = float(os.environ.get("EAGLE3_TEST_STEP_SECONDS", "2"))
 
 
 def record(context: dg.AssetExecutionContext, event: str) -> None:
-    line = {"run": context.run_id, "step": context.op.name, "partition": context.partition_key if context.has_partition_key else None,
-            "pid": os.getpid(), "event": event, "t": time.time()}
+    line = {
+        "run": context.run_id,
+        "step": context.op.name,
+        "partition": context.partition_key if context.has_partition_key else None,
+        "pid": os.getpid(),
+        "event": event,
+        "t": time.time(),
+    }
     with open(os.environ["EAGLE3_TEST_STEP_LOG"], "a") as f:  # one short append per line: whole lines, any writers
         f.write(json.dumps(line) + "\n")
 
@@ -40,6 +46,8 @@ def gpu_stage(context: dg.AssetExecutionContext) -> None:
 
 defs = dg.Definitions(
     assets=[dataset_stage, gpu_stage],
-    jobs=[dg.define_asset_job("dataset_job", [dataset_stage], partitions_def=DATASETS),
-          dg.define_asset_job("gpu_job", [gpu_stage])],
+    jobs=[
+        dg.define_asset_job("dataset_job", [dataset_stage], partitions_def=DATASETS),
+        dg.define_asset_job("gpu_job", [gpu_stage]),
+    ],
 )

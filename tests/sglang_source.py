@@ -44,8 +44,22 @@ def sglang_source(version: str | None = None) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(iter(sorted(wheels.glob(f"sglang-{version}-*.whl"))), None)
     if wheel is None:
-        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps", "--only-binary=:all:",
-               "--platform", "manylinux_2_34_x86_64", "--python-version", "3.11", "-d", str(wheels), "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"sglang=={version}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            "--python-version",
+            "3.11",
+            "-d",
+            str(wheels),
+            "-q",
+        ]
         subprocess.run(cmd, check=True, timeout=600)
         wheel = next(iter(sorted(wheels.glob(f"sglang-{version}-*.whl"))))
     partial = root.with_name(root.name + ".partial")

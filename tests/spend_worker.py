@@ -34,8 +34,11 @@ def synthetic(tok, dataset: str, n: int) -> list[CompletionRequest]:
     out = []
     for i in range(n):
         messages = [{"role": "user", "content": f"{dataset} question {i}: what is {i} times {i + 3}, and why?"}]
-        out.append(CompletionRequest(f"{dataset}-{i:04d}", messages, None,
-                                     tok.encode(render_messages(messages, None), allow_special=True)))
+        out.append(
+            CompletionRequest(
+                f"{dataset}-{i:04d}", messages, None, tok.encode(render_messages(messages, None), allow_special=True)
+            )
+        )
     return out
 
 
@@ -53,7 +56,9 @@ def main() -> None:
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=400)
-    p.add_argument("--stream", type=int, default=1, help="0: non-streaming requests (no generation id before the answer)")
+    p.add_argument(
+        "--stream", type=int, default=1, help="0: non-streaming requests (no generation id before the answer)"
+    )
     a = p.parse_args()
     tok = load_tokenizer(Path(a.tokenizer))
     layout = DataLayout(a.data)
@@ -62,13 +67,34 @@ def main() -> None:
     requests = {d: synthetic(tok, d, a.prompts) for d in a.datasets.split(",")}
     time.sleep(max(0.0, a.start_at - time.time()))  # several workers start together
     for dataset, reqs in requests.items():
-        backend = OpenRouterBackend(a.url, a.key, concurrency=a.concurrency, backoff_base_s=0.05, backoff_cap_s=0.5,
-                                    stream=bool(a.stream))
-        run = run_completions(dataset, reqs, backend, SamplingSettings(max_tokens=a.max_tokens), layout.completions_journal(dataset),
-                              ledger=ledger, caps=caps, pricing=PRICING, run_id=a.run_id, log=lambda m: print(m, file=sys.stderr),
-                              settle_window_s=5.0)
-        print(json.dumps({"dataset": dataset, "sent": run.sent, "stopped_by": run.stopped_by, "billed_usd": run.cost_usd,
-                          "results": dict(run.results)}), flush=True)
+        backend = OpenRouterBackend(
+            a.url, a.key, concurrency=a.concurrency, backoff_base_s=0.05, backoff_cap_s=0.5, stream=bool(a.stream)
+        )
+        run = run_completions(
+            dataset,
+            reqs,
+            backend,
+            SamplingSettings(max_tokens=a.max_tokens),
+            layout.completions_journal(dataset),
+            ledger=ledger,
+            caps=caps,
+            pricing=PRICING,
+            run_id=a.run_id,
+            log=lambda m: print(m, file=sys.stderr),
+            settle_window_s=5.0,
+        )
+        print(
+            json.dumps(
+                {
+                    "dataset": dataset,
+                    "sent": run.sent,
+                    "stopped_by": run.stopped_by,
+                    "billed_usd": run.cost_usd,
+                    "results": dict(run.results),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -27,16 +27,25 @@ def test_progress_is_observed_on_the_partition_while_it_runs(data_dir_with_stand
     monkeypatch.setattr(completions_logic, "PROGRESS_EVERY_S", 0.0)  # a report per result
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.05))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance,
-                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
-                                run_config={"ops": {"completions": {"config": {"pilot_size": 0}}}})
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="B6",
+            instance=instance,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+            run_config={"ops": {"completions": {"config": {"pilot_size": 0}}}},
+        )
         assert result.success
         observations = instance.fetch_observations(dg.AssetKey("completions"), limit=1000).records
         materialized = instance.fetch_materializations(dg.AssetKey("completions"), limit=1).records[0]
         progress_lines = run_progress(instance, result.run_id)
-        board = status_board(dg.build_sensor_context(instance=instance, resources={"store": DataStore(root=str(data_dir_with_standin))}))
-        again = status_board(dg.build_sensor_context(instance=instance, cursor=board.cursor,
-                                                     resources={"store": DataStore(root=str(data_dir_with_standin))}))
+        board = status_board(
+            dg.build_sensor_context(instance=instance, resources={"store": DataStore(root=str(data_dir_with_standin))})
+        )
+        again = status_board(
+            dg.build_sensor_context(
+                instance=instance, cursor=board.cursor, resources={"store": DataStore(root=str(data_dir_with_standin))}
+            )
+        )
     rows = pl.read_parquet(data_dir_with_standin / "completions" / "B6.parquet").height
     table = board.asset_events[0].metadata["board"].value
     b6 = next(line for line in table.splitlines() if line.startswith("| B6 |"))
@@ -67,8 +76,12 @@ def test_the_gpu_pool_has_a_stored_limit_so_the_ui_lists_it(tmp_path, monkeypatc
 
 
 def test_the_schedule_names_each_dataset_it_requests():
-    with dg.instance_for_test() as instance, dg.build_schedule_context(
-            instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC)) as context:
+    with (
+        dg.instance_for_test() as instance,
+        dg.build_schedule_context(
+            instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC)
+        ) as context,
+    ):
         requests = missing_partitions_nightly(context)  # a context left open keeps the instance current for later tests
     assert [r.tags["eagle3/dataset"] for r in requests] == [r.partition_key for r in requests] and len(requests) == 10
 
@@ -87,13 +100,22 @@ def test_a_pilot_then_the_rest_against_a_provider_that_caps_requests_per_second(
     # in the rest's, and the run died ("Lock ... is bound to a different event loop").
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, max_rps=1.0))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, raise_on_error=False,
-                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
-                                run_config={"ops": {"completions": {"config": {"pilot_size": 8}}}})
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="B6",
+            instance=instance,
+            raise_on_error=False,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+            run_config={"ops": {"completions": {"config": {"pilot_size": 8}}}},
+        )
     assert result.success, [e.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert fake.billing.statuses.count(429) > 0  # the cap was met, so the limiter learnt it in the pilot
     statuses = pl.read_parquet(data_dir_with_standin / "completions" / "B6.parquet")["status"].to_list()
-    assert statuses.count("ok") == len(statuses) == pl.read_parquet(data_dir_with_standin / "raw_prompts" / "B6.parquet").height
+    assert (
+        statuses.count("ok")
+        == len(statuses)
+        == pl.read_parquet(data_dir_with_standin / "raw_prompts" / "B6.parquet").height
+    )
 
 
 def test_progress_is_reported_while_no_answer_arrives(monkeypatch):

@@ -1,6 +1,5 @@
 """Completion backends against real parts: the stand-in model in-process, loopback HTTP servers."""
 
-
 import pytest
 from aiohttp import web
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
@@ -49,8 +48,16 @@ def test_local_backend_generates_and_resume_sends_nothing(tok, target_model, tmp
 
 def test_token_budget_stops_admission(tok, target_model, tmp_path, ledger):
     _, reqs = requests_for(tok, "A1", 8)
-    run = run_completions("A1", reqs, TransformersBackend(target_model, tok, batch_size=2), SamplingSettings(max_tokens=32),
-                          tmp_path / "j.jsonl", caps=Caps(token_budget=100), ledger=ledger, log=print)
+    run = run_completions(
+        "A1",
+        reqs,
+        TransformersBackend(target_model, tok, batch_size=2),
+        SamplingSettings(max_tokens=32),
+        tmp_path / "j.jsonl",
+        caps=Caps(token_budget=100),
+        ledger=ledger,
+        log=print,
+    )
     assert run.stopped_by and "token budget" in run.stopped_by
     assert 1 <= run.sent < 8
     # Admission counts the worst case of what is in flight: the budget is never overshot.
@@ -87,7 +94,15 @@ def test_openrouter_request_shape_and_ledger(tok, fake_openrouter, tmp_path, led
     fake, url = fake_openrouter
     df, reqs = requests_for(tok, "A2", 5)
     settings = SamplingSettings(max_tokens=4096)
-    run = run_completions("A2", reqs, OpenRouterBackend(url, "k-test", concurrency=3), settings, tmp_path / "j.jsonl", ledger=ledger, log=print)
+    run = run_completions(
+        "A2",
+        reqs,
+        OpenRouterBackend(url, "k-test", concurrency=3),
+        settings,
+        tmp_path / "j.jsonl",
+        ledger=ledger,
+        log=print,
+    )
     assert run.results["ok"] == 5
     body = fake.billing.requests[0]
     assert body["model"] == "moonshotai/kimi-k2.5" and body["max_tokens"] == 4096
@@ -105,7 +120,9 @@ def test_openrouter_retries_429_without_duplicates(tok, tmp_path, ledger):
     fake = FakeOpenRouter(tok, FakeSettings(api_key="k", rate_429=0.4, retry_after_s=0.01, seed=3))
     _, reqs = requests_for(tok, "B6", 20)
     with ServerThread(fake.app) as server:
-        backend = OpenRouterBackend(f"{server.base_url}/api/v1", "k", concurrency=8, max_attempts=12, backoff_base_s=0.01)
+        backend = OpenRouterBackend(
+            f"{server.base_url}/api/v1", "k", concurrency=8, max_attempts=12, backoff_base_s=0.01
+        )
         run = run_completions("B6", reqs, backend, SamplingSettings(), tmp_path / "j.jsonl", ledger=ledger, log=print)
     assert 429 in fake.billing.statuses and run.results["ok"] == 20
     done, _ = final_results(tmp_path / "j.jsonl")
@@ -116,8 +133,15 @@ def test_openrouter_bad_key_stops_the_run(tok, fake_openrouter, tmp_path, ledger
     _, url = fake_openrouter
     _, reqs = requests_for(tok, "B4", 6)
     with pytest.raises(RunFatalError, match="401"):
-        run_completions("B4", reqs, OpenRouterBackend(url, "wrong", concurrency=2), SamplingSettings(), tmp_path / "j.jsonl",
-                        ledger=ledger, log=print)
+        run_completions(
+            "B4",
+            reqs,
+            OpenRouterBackend(url, "wrong", concurrency=2),
+            SamplingSettings(),
+            tmp_path / "j.jsonl",
+            ledger=ledger,
+            log=print,
+        )
     done, _ = final_results(tmp_path / "j.jsonl")
     assert done == {}  # nothing was served, so everything is sent again on resume
 
@@ -125,8 +149,15 @@ def test_openrouter_bad_key_stops_the_run(tok, fake_openrouter, tmp_path, ledger
 def test_openrouter_length_is_recorded_as_truncated(tok, fake_openrouter, tmp_path, ledger):
     _, url = fake_openrouter
     _, reqs = requests_for(tok, "B5", 2)
-    run = run_completions("B5", reqs, OpenRouterBackend(url, "k-test"), SamplingSettings(max_tokens=5), tmp_path / "j.jsonl",
-                          ledger=ledger, log=print)
+    run = run_completions(
+        "B5",
+        reqs,
+        OpenRouterBackend(url, "k-test"),
+        SamplingSettings(max_tokens=5),
+        tmp_path / "j.jsonl",
+        ledger=ledger,
+        log=print,
+    )
     assert run.results["truncated"] == 2
 
 
@@ -143,18 +174,37 @@ def test_sglang_backend_keeps_server_ids(tok, tmp_path, ledger):
         body = await request.json()
         received.append(body)
         out = tok.encode("thinking") + [163607] + tok.encode("answer") + [163586]
-        return web.json_response({"text": "thinking</think>answer", "output_ids": out,
-                                  "meta_info": {"id": "r1", "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(out),
-                                                "finish_reason": {"type": "stop", "matched": 163586}}})
+        return web.json_response(
+            {
+                "text": "thinking</think>answer",
+                "output_ids": out,
+                "meta_info": {
+                    "id": "r1",
+                    "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": len(out),
+                    "finish_reason": {"type": "stop", "matched": 163586},
+                },
+            }
+        )
 
     app = web.Application()
     app.router.add_post("/generate", generate)
     df, reqs = requests_for(tok, "A1", 3)
     with ServerThread(app) as server:
-        run = run_completions("A1", reqs, SGLangBackend(server.base_url, tok, concurrency=2), SamplingSettings(max_tokens=64),
-                              tmp_path / "j.jsonl", ledger=ledger, log=print)
+        run = run_completions(
+            "A1",
+            reqs,
+            SGLangBackend(server.base_url, tok, concurrency=2),
+            SamplingSettings(max_tokens=64),
+            tmp_path / "j.jsonl",
+            ledger=ledger,
+            log=print,
+        )
     assert run.results["ok"] == 3
-    assert received[0]["input_ids"] == reqs[0].prompt_ids and received[0]["sampling_params"]["stop_token_ids"] == [163586, 163585]
+    assert received[0]["input_ids"] == reqs[0].prompt_ids and received[0]["sampling_params"]["stop_token_ids"] == [
+        163586,
+        163585,
+    ]
     frame = completions_frame("A1", reqs, tmp_path / "j.jsonl", df)
     row = frame.row(0, named=True)
     assert row["reasoning"] == "thinking" and row["content"] == "answer" and row["completion_ids"][-1] == 163586

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --- the rule, on faked inputs -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "affinity, quota, busy, expected",
     [
@@ -47,7 +48,9 @@ def test_rule(affinity, quota, busy, expected):
     assert f"{affinity} CPU" in choice.reason and "EAGLE3_TORCH_THREADS unset" in choice.reason
 
 
-@pytest.mark.parametrize("affinity, busy, processes, expected", [(16, 0.0, 4, 4), (16, 4.0, 4, 3), (16, 0.0, 3, 5), (2, 0.0, 4, 1)])
+@pytest.mark.parametrize(
+    "affinity, busy, processes, expected", [(16, 0.0, 4, 4), (16, 4.0, 4, 3), (16, 0.0, 3, 5), (2, 0.0, 4, 1)]
+)
 def test_torchrun_processes_share_the_cpus(affinity, busy, processes, expected):
     choice = choose_threads(CpuPicture(affinity, None, busy, processes=processes))
     assert choice.threads == expected and f"shared by {processes} processes" in choice.reason
@@ -59,7 +62,9 @@ def test_reason_says_what_it_saw():
     assert "cgroup quota 1.5" in choose_threads(CpuPicture(8, 1.5, 0.0)).reason
 
 
-@pytest.mark.parametrize("raw, expected", [(None, None), ("", None), ("auto", None), (" AUTO ", None), ("1", 1), (" 12 ", 12)])
+@pytest.mark.parametrize(
+    "raw, expected", [(None, None), ("", None), ("auto", None), (" AUTO ", None), ("1", 1), (" 12 ", 12)]
+)
 def test_override_values(raw, expected):
     assert parse_override(raw) == expected
 
@@ -80,6 +85,7 @@ def test_bad_override_is_a_clear_error(bad, monkeypatch):
 
 
 # --- the measurements, on faked files ------------------------------------------------------------
+
 
 def test_cgroup_v2_quota_tightest_of_the_path(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
@@ -107,10 +113,12 @@ def test_cgroup_v1_quota(tmp_path):
 def test_proc_stat_counts_only_our_cpus_and_not_nice_time(tmp_path):
     stat = tmp_path / "stat"
     #                user nice system idle iowait irq softirq steal
-    stat.write_text("cpu  300 100 30 900 0 0 0 0 0 0\n"
-                    "cpu0 100 50 10 300 0 0 0 0 0 0\n"
-                    "cpu1 100 50 10 300 0 0 0 5 0 0\n"
-                    "cpu2 100 0 10 300 0 0 0 0 0 0\n")
+    stat.write_text(
+        "cpu  300 100 30 900 0 0 0 0 0 0\n"
+        "cpu0 100 50 10 300 0 0 0 0 0 0\n"
+        "cpu1 100 50 10 300 0 0 0 5 0 0\n"
+        "cpu2 100 0 10 300 0 0 0 0 0 0\n"
+    )
     assert cpu._proc_stat([0, 1], count_nice=False, stat=stat) == (225, 925)
     assert cpu._proc_stat([0, 1], count_nice=True, stat=stat) == (325, 925)
     assert cpu._proc_stat([7], count_nice=False, stat=stat) is None
@@ -130,17 +138,24 @@ print(json.dumps({"threads": n, "torch": torch.get_num_threads(), "log": lines,
 
 
 def probe(env: dict[str, str] | None = None) -> dict:
-    env = {**{k: v for k, v in os.environ.items() if k not in (cpu.ENV, "LOCAL_WORLD_SIZE")}, "PYTHONPATH": str(ROOT),
-           **(env or {})}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300, check=True)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in (cpu.ENV, "LOCAL_WORLD_SIZE")},
+        "PYTHONPATH": str(ROOT),
+        **(env or {}),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_override_applies_in_a_real_process():
     got = probe({cpu.ENV: "3"})
     assert got["threads"] == got["torch"] == 3
-    assert got["log"] == [f"torch threads for probe: 3 (EAGLE3_TORCH_THREADS=3; {len(cpu.affinity_cpus())} CPUs"
-                          + got["log"][0].split("CPUs", 1)[1]]
+    assert got["log"] == [
+        f"torch threads for probe: 3 (EAGLE3_TORCH_THREADS=3; {len(cpu.affinity_cpus())} CPUs"
+        + got["log"][0].split("CPUs", 1)[1]
+    ]
 
 
 def test_bad_override_fails_a_real_process():
@@ -159,8 +174,9 @@ def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
     busy = [sys.executable, "-c", "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"]
     first = subprocess.Popen(busy, process_group=0, stdout=subprocess.PIPE)  # a process group of its own
     try:
-        loops = [first] + [subprocess.Popen(busy, process_group=first.pid, stdout=subprocess.PIPE)
-                           for _ in range(2 * len(cpus) - 1)]
+        loops = [first] + [
+            subprocess.Popen(busy, process_group=first.pid, stdout=subprocess.PIPE) for _ in range(2 * len(cpus) - 1)
+        ]
         for loop in loops:
             assert loop.stdout.read(1) == b"x"
         time.sleep(0.2)

@@ -62,8 +62,10 @@ def described():
 @pytest.mark.timeout(600)
 def test_every_name_a_user_reads_has_a_description_with_special_tokens_quoted():
     seen = dict(described())
-    assert {k for k in seen if k.startswith("config completions.")} >= {"config completions.max_run_usd",
-                                                                        "config completions.provider.order"}
+    assert {k for k in seen if k.startswith("config completions.")} >= {
+        "config completions.max_run_usd",
+        "config completions.provider.order",
+    }
     missing = [what for what, text in seen.items() if not (text or "").strip()]
     assert not missing, f"no description: {missing}"
     unquoted = {what: unquoted_special_tokens(text) for what, text in seen.items() if unquoted_special_tokens(text)}

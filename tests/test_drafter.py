@@ -15,16 +15,35 @@ from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, effecti
 
 # ../shared/reference/eagle3.md, written out here on purpose
 REFERENCE_KEYS = {
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 }
 
 
 def tiny_drafter(vocab=1000, draft=64, H=32):
-    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=8,
-                        num_key_value_heads=8, head_dim=4, vocab_size=vocab, draft_vocab_size=draft)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        target_hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=4,
+        vocab_size=vocab,
+        draft_vocab_size=draft,
+    )
     torch.manual_seed(0)
     return Eagle3Drafter(cfg, torch.randn(vocab, H), torch.arange(0, 2 * draft, 2))
 
@@ -40,7 +59,11 @@ def test_export_has_exactly_the_sglang_keys(tmp_path):
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert (tensors["d2t"] + torch.arange(64)).tolist() == list(range(0, 128, 2))
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["vocab_size"] == 1000 and cfg["draft_vocab_size"] == 64
+    assert (
+        cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        and cfg["vocab_size"] == 1000
+        and cfg["draft_vocab_size"] == 64
+    )
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # vLLM: the inputs of the layers after
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
@@ -73,7 +96,11 @@ def test_every_target_gets_a_drafter_that_loads_at_tp_1_2_4_8():
             assert kv_split_ok(cfg.num_attention_heads, cfg.num_key_value_heads, tp), (name, tp, cfg)
             assert loads_at_tp(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
     kimi = drafter_config(TARGET_CONFIGS["Kimi-K2.5"], 7168, 32000, 163840)
-    assert (kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim) == (56, 8, 128)  # SpecForge's DeepSeek-V3 draft
+    assert (kimi.num_attention_heads, kimi.num_key_value_heads, kimi.head_dim) == (
+        56,
+        8,
+        128,
+    )  # SpecForge's DeepSeek-V3 draft
     assert not loads_at_tp(56, 7, 8) and not kv_split_ok(56, 7, 8)  # the old Kimi shape
     assert default_learning_rate(7168) == 1e-4 and default_learning_rate(64) == 2e-3
 
@@ -81,7 +108,9 @@ def test_every_target_gets_a_drafter_that_loads_at_tp_1_2_4_8():
 def test_layer_ids_are_written_in_each_servers_convention(tmp_path):
     out = export_checkpoint(tiny_drafter(), tmp_path / "a", [2, 4, 6])  # not starting at 1: SGLang adds nothing
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 7] == cfg["eagle_aux_hidden_state_layer_ids"]
+    assert (
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 5, 7] == cfg["eagle_aux_hidden_state_layer_ids"]
+    )
     cfg["eagle_aux_hidden_state_layer_ids"] = [1, 29, 57]  # vLLM's ids copied from SGLang's: off by one
     (out / "config.json").write_text(json.dumps(cfg))
     assert any("name different target layers" in p for p in check_checkpoint(out))
@@ -118,10 +147,10 @@ def test_ttt_step_k_at_t_sees_nothing_after_its_own_input():
         base = model.unroll(aux, tokens, pos, steps)
         t = 4
         aux2, tokens2 = aux.clone(), tokens.clone()
-        aux2[t + 1:] = torch.randn(L - t - 1, 96)
+        aux2[t + 1 :] = torch.randn(L - t - 1, 96)
         for k in range(steps):
             tokens3 = tokens2.clone()
-            tokens3[t + 2 + k:] = torch.randint(0, 1000, (L - t - 2 - k,))
+            tokens3[t + 2 + k :] = torch.randint(0, 1000, (L - t - 2 - k,))
             changed = model.unroll(aux2, tokens3, pos, steps)
             for j in range(k + 1):  # steps 0..k at position t only read tokens up to t+1+j <= t+1+k
                 torch.testing.assert_close(changed[j][t], base[j][t])
@@ -146,7 +175,7 @@ def test_fused_ttt_attention_equals_the_written_out_softmax_and_its_gradients():
     from eagle3_assets.stages.eagle3_drafter.model import ttt_attention
 
     g = torch.Generator().manual_seed(3)
-    h, L, d, scale = 4, 23, 8, 8 ** -0.5
+    h, L, d, scale = 4, 23, 8, 8**-0.5
     for steps, spread in ((0, 1.0), (1, 1.0), (3, 1.0), (6, 1.0), (3, 12.0), (3, 0.05)):
         # spread 12: scores of hundreds, where one side's sum swamps the other's; 0.05: nearly uniform
         q, k0, v0 = (torch.randn(h, L, d, generator=g, dtype=torch.float64) * s for s in (spread, spread, 1.0))
@@ -166,8 +195,9 @@ def test_fused_ttt_attention_equals_the_written_out_softmax_and_its_gradients():
     # bf16, as under CUDA autocast: the sink's constant is rounded to bf16, and the merge stays as close to
     # the exact softmax (on the same bf16 inputs) as the written-out attention computed in bf16 is
     q, k0, v0, *chain = (torch.randn(h, L, d, generator=g).mul(3).bfloat16() for _ in range(7))
-    exact = _reference_ttt_attention(q.float(), k0.float(), v0.float(), [x.float() for x in chain[:2]],
-                                     [x.float() for x in chain[2:]], scale)
+    exact = _reference_ttt_attention(
+        q.float(), k0.float(), v0.float(), [x.float() for x in chain[:2]], [x.float() for x in chain[2:]], scale
+    )
     in_bf16 = _reference_ttt_attention(q, k0, v0, chain[:2], chain[2:], scale).float()
     got = ttt_attention(q, k0, v0, chain[:2], chain[2:], scale).float()
     assert (got - exact).abs().max() <= 2 * (in_bf16 - exact).abs().max()

@@ -24,8 +24,16 @@ LENGTHS = [7, 1, 12, 7, 3, 12, 2]
 
 
 def tiny_drafter(vocab=300, draft=40, H=32, dtype=torch.float64) -> Eagle3Drafter:
-    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, vocab_size=vocab, draft_vocab_size=draft)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        target_hidden_size=H,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=vocab,
+        draft_vocab_size=draft,
+    )
     torch.manual_seed(0)
     return Eagle3Drafter(cfg, torch.randn(vocab, H), torch.arange(0, 2 * draft, 2)).to(dtype)
 
@@ -49,7 +57,7 @@ def written_out_packed(q, k0, v0, chain_k, chain_v, scale, lengths):
 
 def test_packed_ttt_attention_equals_a_written_out_document_mask_and_its_gradients():
     g = torch.Generator().manual_seed(5)
-    h, d, scale = 3, 8, 8 ** -0.5
+    h, d, scale = 3, 8, 8**-0.5
     L = sum(LENGTHS)
     for waste in (1.0, 2.0, 100.0):  # every document alone, some grouped, all in one padded group
         layout = DocLayout(LENGTHS, waste=waste)
@@ -64,7 +72,9 @@ def test_packed_ttt_attention_equals_a_written_out_document_mask_and_its_gradien
             want = written_out_packed(q, k0, v0, chain_k, chain_v, scale, LENGTHS)
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
             w = torch.randn(h, L, d, generator=g, dtype=torch.float64)
-            for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
+            for a, b in zip(
+                torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)
+            ):
                 torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
     assert len(DocLayout(LENGTHS, waste=1.0).groups) == 5  # equal lengths share a call even without waste
     assert len(DocLayout(LENGTHS, waste=100.0).groups) == 1
@@ -147,10 +157,12 @@ def synthetic_run(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     source = {}
     for i, n in enumerate([40, 13, 64, 25, 31, 50, 8, 64, 17, 29, 33, 60]):
-        source[f"s{i}"] = {"input_ids": torch.randint(0, 300, (n,), generator=g, dtype=torch.int32),
-                           "loss_mask": (torch.arange(n) >= n // 3).to(torch.int8),
-                           "aux_hidden_states": torch.randn(n, 96, generator=g).bfloat16(),
-                           "final_hidden_state": torch.randn(n, 32, generator=g).bfloat16()}
+        source[f"s{i}"] = {
+            "input_ids": torch.randint(0, 300, (n,), generator=g, dtype=torch.int32),
+            "loss_mask": (torch.arange(n) >= n // 3).to(torch.int8),
+            "aux_hidden_states": torch.randn(n, 96, generator=g).bfloat16(),
+            "final_hidden_state": torch.randn(n, 32, generator=g).bfloat16(),
+        }
     windows = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 48).windows
     head = torch.randn(300, 32, generator=g)
     settings = TrainSettings(ttt_steps=3, epochs=1, batch_tokens=100, max_len=48, checkpoint_every=0, warmup_steps=1)
@@ -162,9 +174,18 @@ def test_a_training_step_reads_nothing_back_from_the_device():
     reads = ScalarReads()
     at_step: list[int] = []
     with reads:
-        history = train(model, source, windows, [], settings, head=head, device=torch.device("cpu"), log=print,
-                        teacher=Teacher(head, model.draft_ids, torch.device("cpu")),
-                        on_step=lambda step, tokens: at_step.append(reads.count))
+        history = train(
+            model,
+            source,
+            windows,
+            [],
+            settings,
+            head=head,
+            device=torch.device("cpu"),
+            log=print,
+            teacher=Teacher(head, model.draft_ids, torch.device("cpu")),
+            on_step=lambda step, tokens: at_step.append(reads.count),
+        )
     assert len(at_step) >= 5 and len(history.step_loss) == len(at_step) == len(history.grad_norm)
     per_step = [b - a for a, b in zip(at_step, at_step[1:])]
     assert per_step == [0] * len(per_step), f"host reads of device values per training step: {per_step}"
@@ -179,8 +200,9 @@ def test_the_first_steps_gradient_is_the_documented_loss_gradient():
 
     model, source, windows, head, settings = synthetic_run(seed=3)
     reference = copy.deepcopy(model)
-    history = train(model, source, windows, [], settings, head=head, device=torch.device("cpu"), log=print,
-                    stop_after_steps=1)
+    history = train(
+        model, source, windows, [], settings, head=head, device=torch.device("cpu"), log=print, stop_after_steps=1
+    )
     step = [windows[i] for i in plan_steps(windows, settings.batch_tokens, settings.seed, 0)[0]]
     assert len(step) > 1
     head_draft = head[reference.draft_ids]

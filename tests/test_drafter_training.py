@@ -26,7 +26,9 @@ from eagle3_resources.hidden_states.store import StoredSample
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = TrainSettings(ttt_steps=3, epochs=2, batch_tokens=200, max_len=64, seed=1, checkpoint_every=3, warmup_steps=2)
+SETTINGS = TrainSettings(
+    ttt_steps=3, epochs=2, batch_tokens=200, max_len=64, seed=1, checkpoint_every=3, warmup_steps=2
+)
 
 
 def corpus(tok, n: int = 16) -> pl.DataFrame:
@@ -35,11 +37,19 @@ def corpus(tok, n: int = 16) -> pl.DataFrame:
     rows = []
     for i in range(n):
         prompt = tok.encode(lines[3 * i][:120])
-        answer = tok.encode(" ".join(lines[3 * i + 1: 3 * i + 3]))
+        answer = tok.encode(" ".join(lines[3 * i + 1 : 3 * i + 3]))
         ids = (prompt + answer)[:150]
         mask = ([0] * len(prompt) + [1] * len(answer))[:150]
-        rows.append({"sample_id": f"{'AB'[i % 2]}1/{i:03d}", "split": "eval" if i % 4 == 3 else "train",
-                     "dataset": f"{'AB'[i % 2]}1", "input_ids": ids, "loss_mask": mask, "n_tokens": len(ids)})
+        rows.append(
+            {
+                "sample_id": f"{'AB'[i % 2]}1/{i:03d}",
+                "split": "eval" if i % 4 == 3 else "train",
+                "dataset": f"{'AB'[i % 2]}1",
+                "input_ids": ids,
+                "loss_mask": mask,
+                "n_tokens": len(ids),
+            }
+        )
     return pl.DataFrame(rows, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
 
 
@@ -49,10 +59,18 @@ def training_data(tmp_path_factory, tok, target_model, target_resource, tokenize
     root = tmp_path_factory.mktemp("drafter-data")
     merged = corpus(tok)
     merged.write_parquet(root / "merged.parquet")
-    samples = [StoredSample(s, sp, ids, m, ds) for s, sp, ids, m, ds in
-               merged.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()]
-    extract_to_store(samples, TransformersHiddenStates(target_model), root / "hidden_states",
-                     StoreSettings(free_bytes=10**12, reserve_bytes=0), identity={}, progress_every_s=3600)
+    samples = [
+        StoredSample(s, sp, ids, m, ds)
+        for s, sp, ids, m, ds in merged.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()
+    ]
+    extract_to_store(
+        samples,
+        TransformersHiddenStates(target_model),
+        root / "hidden_states",
+        StoreSettings(free_bytes=10**12, reserve_bytes=0),
+        identity={},
+        progress_every_s=3600,
+    )
     return {"root": root, "merged": merged, "target": target_resource.folder(tokenizer_resource)}
 
 
@@ -63,18 +81,34 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 def test_windows_cover_every_token_and_steps_are_reproducible():
     plan = plan_windows([("a", 150), ("b", 64), ("c", 10)], 64)
     assert [(w.sample_id, w.start, w.end) for w in plan.windows] == [
-        ("a", 0, 64), ("a", 64, 128), ("a", 128, 150), ("b", 0, 64), ("c", 0, 10)]
+        ("a", 0, 64),
+        ("a", 64, 128),
+        ("a", 128, 150),
+        ("b", 0, 64),
+        ("c", 0, 10),
+    ]
     assert plan.tokens == sum(w.tokens for w in plan.windows) == 224 and plan.split_samples == 1
     steps = plan_steps(plan.windows, 100, seed=1, epoch=0)
     assert sorted(i for s in steps for i in s) == list(range(5))
     assert all(len(s) == 1 or sum(plan.windows[i].tokens for i in s) <= 100 for s in steps)
-    assert plan_steps(plan.windows, 100, seed=1, epoch=0) == steps and plan_steps(plan.windows, 100, seed=1, epoch=1) != steps
+    assert (
+        plan_steps(plan.windows, 100, seed=1, epoch=0) == steps
+        and plan_steps(plan.windows, 100, seed=1, epoch=1) != steps
+    )
 
 
 def test_training_streams_from_the_store_and_reports_the_windows(training_data, tmp_path):
     logs = []
-    report = train_drafter(training_data["root"] / "hidden_states", training_data["merged"], training_data["target"],
-                           tmp_path / "drafter", SETTINGS, 512, logs.append, device="cpu")
+    report = train_drafter(
+        training_data["root"] / "hidden_states",
+        training_data["merged"],
+        training_data["target"],
+        tmp_path / "drafter",
+        SETTINGS,
+        512,
+        logs.append,
+        device="cpu",
+    )
     merged = training_data["merged"]
     assert report.train_samples == merged.filter(pl.col("split") == "train").height
     assert report.train_tokens == int(merged.filter(pl.col("split") == "train")["n_tokens"].sum())
@@ -89,16 +123,36 @@ def cli(spec: Path, *extra: str, processes: int = 1) -> subprocess.Popen:
     if processes == 1:
         cmd = [sys.executable, "-m", "eagle3_assets.stages.eagle3_drafter.train_cli", "--spec", str(spec), *extra]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               "-m", "eagle3_assets.stages.eagle3_drafter.train_cli", "--spec", str(spec), *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={processes}",
+            "-m",
+            "eagle3_assets.stages.eagle3_drafter.train_cli",
+            "--spec",
+            str(spec),
+            *extra,
+        ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def spec_for(data, out: Path, settings: TrainSettings = SETTINGS, **kw) -> Path:
-    return write_spec(out.with_suffix(".json"), hidden_root=data["root"] / "hidden_states", merged_path=data["root"] / "merged.parquet",
-                      target_folder=data["target"], out_dir=out, settings=settings, draft_vocab_size=512,
-                      report_path=out.with_suffix(".report.json"), device="cpu", **kw)
+    return write_spec(
+        out.with_suffix(".json"),
+        hidden_root=data["root"] / "hidden_states",
+        merged_path=data["root"] / "merged.parquet",
+        target_folder=data["target"],
+        out_dir=out,
+        settings=settings,
+        draft_vocab_size=512,
+        report_path=out.with_suffix(".report.json"),
+        device="cpu",
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -124,7 +178,9 @@ def test_kill_9_during_training_then_resume_reaches_the_uninterrupted_weights(tr
     try:
         deadline = time.monotonic() + 600
         while not state.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() is not None else "timeout"
+            )
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -136,7 +192,9 @@ def test_kill_9_during_training_then_resume_reaches_the_uninterrupted_weights(tr
     assert f"resumed from the checkpoint at step {step}/" in out
     a, b = weights(whole), weights(killed)
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)  # bf16 export of fp32 weights: bit-equal on one thread
+        torch.testing.assert_close(
+            b[k], a[k], rtol=0, atol=0, msg=k
+        )  # bf16 export of fp32 weights: bit-equal on one thread
     ra, rb = (json.loads(p.with_suffix(".report.json").read_text()) for p in (whole, killed))
     assert rb["history"]["step_loss"] == ra["history"]["step_loss"] and rb["trained"] == ra["trained"]
 
@@ -152,8 +210,9 @@ def test_two_gloo_processes_train_like_one_with_the_same_global_batch(training_d
     r1, r2 = (json.loads(p.with_suffix(".report.json").read_text()) for p in (one, two))
     assert r2["history"]["world_size"] == 2 and len(r1["history"]["step_loss"]) == len(r2["history"]["step_loss"])
     # Same windows per step, gradients averaged by DDP: equal up to float summation order (stated tolerance 1e-4).
-    torch.testing.assert_close(torch.tensor(r2["history"]["step_loss"]), torch.tensor(r1["history"]["step_loss"]),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(r2["history"]["step_loss"]), torch.tensor(r1["history"]["step_loss"]), rtol=1e-4, atol=1e-5
+    )
     # Per optimizer step, the gradient before clipping (its global norm): the two ranks' averaged gradient must be the
     # one-process gradient of the same global batch. AdamW's update is nearly blind to a constant gradient factor, so a
     # rank scaling its loss wrongly (halved, doubled) shows here and not in the weights below.
@@ -166,21 +225,56 @@ def test_two_gloo_processes_train_like_one_with_the_same_global_batch(training_d
 
 
 def test_warm_start_continues_from_an_exported_drafter(training_data, tmp_path):
-    first = train_drafter(training_data["root"] / "hidden_states", training_data["merged"], training_data["target"],
-                          tmp_path / "first", SETTINGS, 512, print, device="cpu")
-    warm = train_drafter(training_data["root"] / "hidden_states", training_data["merged"], training_data["target"],
-                         tmp_path / "warm", TrainSettings(**{**SETTINGS.__dict__, "epochs": 1}), 512, print, device="cpu",
-                         init_from=first.checkpoint)
+    first = train_drafter(
+        training_data["root"] / "hidden_states",
+        training_data["merged"],
+        training_data["target"],
+        tmp_path / "first",
+        SETTINGS,
+        512,
+        print,
+        device="cpu",
+    )
+    warm = train_drafter(
+        training_data["root"] / "hidden_states",
+        training_data["merged"],
+        training_data["target"],
+        tmp_path / "warm",
+        TrainSettings(**{**SETTINGS.__dict__, "epochs": 1}),
+        512,
+        print,
+        device="cpu",
+        init_from=first.checkpoint,
+    )
     assert warm.untrained["accept_length"] == pytest.approx(first.trained["accept_length"], abs=0.02)  # bf16 round trip
     assert warm.draft_vocab_size == first.draft_vocab_size
 
 
 def test_online_mode_trains_on_what_the_store_would_hold(training_data, target_model, tmp_path):
-    offline = train_drafter(training_data["root"] / "hidden_states", training_data["merged"], training_data["target"],
-                            tmp_path / "offline", SETTINGS, 512, print, device="cpu")
-    online = train_drafter(None, training_data["merged"], training_data["target"], tmp_path / "online", SETTINGS, 512,
-                           print, device="cpu", online_backend=TransformersHiddenStates(target_model))
+    offline = train_drafter(
+        training_data["root"] / "hidden_states",
+        training_data["merged"],
+        training_data["target"],
+        tmp_path / "offline",
+        SETTINGS,
+        512,
+        print,
+        device="cpu",
+    )
+    online = train_drafter(
+        None,
+        training_data["merged"],
+        training_data["target"],
+        tmp_path / "online",
+        SETTINGS,
+        512,
+        print,
+        device="cpu",
+        online_backend=TransformersHiddenStates(target_model),
+    )
     assert online.train_tokens == offline.train_tokens and online.windows == offline.windows
     # The store was filled in padded batches, online runs one sample at a time: bf16 roundings may differ slightly.
-    torch.testing.assert_close(torch.tensor(online.history.step_loss), torch.tensor(offline.history.step_loss), rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(
+        torch.tensor(online.history.step_loss), torch.tensor(offline.history.step_loss), rtol=2e-2, atol=1e-3
+    )
     assert json.loads((online.checkpoint / "config.json").read_text())["eagle_config"] == offline.config["eagle_config"]

@@ -50,8 +50,12 @@ def exception_classes() -> dict[str, list[tuple[Path, str]]]:
 
 def test_every_error_class_is_defined_in_the_one_tree_under_its_base():
     found = exception_classes()
-    elsewhere = [f"{path.relative_to(REPO)}: {name}" for name, places in found.items() for path, _ in places
-                 if path != ERRORS_MODULE and not name.startswith("_")]
+    elsewhere = [
+        f"{path.relative_to(REPO)}: {name}"
+        for name, places in found.items()
+        for path, _ in places
+        if path != ERRORS_MODULE and not name.startswith("_")
+    ]
     assert not elsewhere, f"error classes outside eagle3_resources/errors.py: {elsewhere}"
     tree = {name for name, places in found.items() if any(path == ERRORS_MODULE for path, _ in places)}
     assert len(tree) >= 19  # the base, its five groups and the project's errors
@@ -67,8 +71,11 @@ def test_private_control_flow_exceptions_never_leave_their_module():
     names = {}  # file -> every name its code uses (variables, attributes, imported names); not its strings
     for package in PACKAGES:
         for path in (REPO / package).rglob("*.py"):
-            names[path] = {getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", None)
-                           for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Name, ast.Attribute, ast.alias))}
+            names[path] = {
+                getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", None)
+                for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, (ast.Name, ast.Attribute, ast.alias))
+            }
     for name, places in found.items():
         if not name.startswith("_"):
             continue
@@ -78,8 +85,11 @@ def test_private_control_flow_exceptions_never_leave_their_module():
 
 
 def test_each_error_says_what_to_do_in_its_own_words():
-    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(c, Eagle3Error) and c.__module__ == errors.__name__]
+    classes = [
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, Eagle3Error) and c.__module__ == errors.__name__
+    ]
     for cls in classes:
         text = cls.__dict__.get("what_to_do")
         assert isinstance(text, str) and text.strip(), f"{cls.__name__} has no what_to_do of its own"
@@ -91,17 +101,27 @@ def materialize_raw_prompts(tmp_path, monkeypatch, prompt_file: Path, tokenizer:
     spec = DatasetSpec(name="A1", prompt_file=prompt_file, format="messages", kind="chat")
     monkeypatch.setattr("eagle3_assets.stages.raw_prompts.asset.DATASETS", {"A1": spec})
     with dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts], partition_key="A1", instance=instance, raise_on_error=False,
-                                resources={**resources(), "store": DataStore(root=str(tmp_path / "data")),
-                                           **({"tokenizer": tokenizer} if tokenizer else {})})
+        result = dg.materialize(
+            [raw_prompts],
+            partition_key="A1",
+            instance=instance,
+            raise_on_error=False,
+            resources={
+                **resources(),
+                "store": DataStore(root=str(tmp_path / "data")),
+                **({"tokenizer": tokenizer} if tokenizer else {}),
+            },
+        )
     assert not result.success
     return result.failure_data_for_node("raw_prompts")
 
 
 def test_a_bad_prompt_file_fails_raw_prompts_with_the_line_and_what_to_do(tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
-                   '{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n')
+    bad.write_text(
+        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+        '{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n'
+    )
     failure = materialize_raw_prompts(tmp_path, monkeypatch, bad)
     description = failure.user_failure_data.description
     assert description.startswith("Bad prompt input (sample prompts); nothing downstream ran.\n\n1 problem(s) in ")

@@ -41,7 +41,10 @@ ENDPOINTS = [
 def serve(tokenizer, **settings):
     settings.setdefault("api_key", KEY)
     fake = FakeOpenRouter(tokenizer, FakeSettings(**settings))
-    with ServerThread(fake.app) as thread, httpx.Client(base_url=f"{thread.base_url}/api/v1", headers=AUTH, timeout=30) as client:
+    with (
+        ServerThread(fake.app) as thread,
+        httpx.Client(base_url=f"{thread.base_url}/api/v1", headers=AUTH, timeout=30) as client,
+    ):
         yield fake, client
 
 
@@ -68,8 +71,9 @@ def test_the_fake_imports_nothing_from_the_project():
         "import fakes.openrouter.server, fakes.openrouter.__main__\n"
         "print('\\n'.join(sorted(m for m in sys.modules if m.startswith(('eagle3', 'fakes')))))\n"
     )
-    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
-                            check=True).stdout.split()
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert "fakes.openrouter.server" in loaded and not [m for m in loaded if m.startswith("eagle3")], loaded
 
 
@@ -82,7 +86,12 @@ def test_the_fake_takes_a_folder_or_an_object_with_one(tok):
 
 def test_long_inputs_are_cut_as_kimi_cuts_them(tok):
     with serve(tok.folder) as (fake, client):
-        for text in ("ab" * 30_001 + " " * 25_001 + "c d", " " * 50_001, "数据模型" * 7_000 + "\n" * 26_000, "x <|im_end|> y"):
+        for text in (
+            "ab" * 30_001 + " " * 25_001 + "c d",
+            " " * 50_001,
+            "数据模型" * 7_000 + "\n" * 26_000,
+            "x <|im_end|> y",
+        ):
             assert fake.encoding.encode(text) == tok.encode(text)
             assert fake.encoding.encode(text, specials=True) == tok.encode(text, allow_special=True)
 
@@ -121,17 +130,27 @@ def test_billed_counts_equal_the_projects_reconstruction_on_every_shipped_prompt
 
 
 def test_tool_declarations_as_moonshot_renders_them():
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "Get weather",
-        "parameters": {"type": "object", "required": ["city"], "properties": {
-            "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
-            "city": {"type": "string", "description": "City name"},
-        }},
-    }}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Get weather",
+                "parameters": {
+                    "type": "object",
+                    "required": ["city"],
+                    "properties": {
+                        "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                        "city": {"type": "string", "description": "City name"},
+                    },
+                },
+            },
+        }
+    ]
     k25 = render_prompt(HI, tools, version="k2.5")
     assert k25.startswith(
         "<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n// Get weather\n"
-        "type get_weather = (_: {\n  // City name\n  city: string,\n  // Default: \"c\"\n  unit?: \"c\" | \"f\"\n}) => any;\n}\n"
+        'type get_weather = (_: {\n  // City name\n  city: string,\n  // Default: "c"\n  unit?: "c" | "f"\n}) => any;\n}\n'
         "<|im_end|><|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
     )
     k2 = render_prompt(HI, tools, version="k2")
@@ -150,8 +169,14 @@ def test_history_reasoning_tool_calls_and_results():
         {"role": "user", "content": "u1"},
         {"role": "assistant", "content": "a1", "reasoning_content": "dropped"},
         {"role": "user", "content": "u2"},
-        {"role": "assistant", "content": "", "reasoning_content": "kept",
-         "tool_calls": [{"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "kept",
+            "tool_calls": [
+                {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+            ],
+        },
         {"role": "tool", "name": "f", "tool_call_id": "functions.f:0", "content": "42"},
     ]
     assert render_prompt(messages) == (
@@ -199,7 +224,10 @@ def test_a_cancelled_stream_is_billed_in_full_later(tok):
         assert (bill.prompt_tokens, bill.completion_tokens) == (full["prompt_tokens"], full["completion_tokens"])
         assert bill.cost == pytest.approx(full["cost"])
         found = client.get("/generation", params={"id": gen}).json()["data"]
-        assert found["total_cost"] == pytest.approx(full["cost"]) and found["tokens_completion"] == full["completion_tokens"]
+        assert (
+            found["total_cost"] == pytest.approx(full["cost"])
+            and found["tokens_completion"] == full["completion_tokens"]
+        )
         assert found["cancelled"] is True
     with serve(tok, **slow) as (fake, client):  # late_bill_s = 0: billed at the disconnect for what was sent
         gen = _cancel_stream_early(client)
@@ -210,7 +238,9 @@ def test_a_cancelled_stream_is_billed_in_full_later(tok):
 def test_never_found_generations_are_billed_and_counted_but_never_found(tok):
     with serve(tok, rate_never_found=1.0, generation_404_s=0.0, nonmonotonic_on_key_call=0) as (fake, client):
         gens = [chat(client).headers["X-Generation-Id"] for _ in range(3)]
-        assert [b.id for b in fake.billing.bills] == gens and all(b.never_found and b.cost > 0 for b in fake.billing.bills)
+        assert [b.id for b in fake.billing.bills] == gens and all(
+            b.never_found and b.cost > 0 for b in fake.billing.bills
+        )
         assert client.get("/key").json()["data"]["usage"] == pytest.approx(fake.billing.total_usd)
         for _ in range(3):
             assert {client.get("/generation", params={"id": g}).status_code for g in gens} == {404}
@@ -222,15 +252,28 @@ def test_never_found_generations_are_billed_and_counted_but_never_found(tok):
         assert 0 < len(hidden) < 20 and {g for g, status in found.items() if status == 404} == hidden
 
 
-@pytest.mark.parametrize("setting, stream", [("rate_error_200", False), ("rate_finish_error", False), ("rate_finish_error", True),
-                                             ("rate_empty", False), ("rate_empty", True)])
+@pytest.mark.parametrize(
+    "setting, stream",
+    [
+        ("rate_error_200", False),
+        ("rate_finish_error", False),
+        ("rate_finish_error", True),
+        ("rate_empty", False),
+        ("rate_empty", True),
+    ],
+)
 def test_failed_generations_get_zero_cost_records(tok, setting, stream):
     with serve(tok, **{setting: 1.0}, generation_404_s=0.0) as (fake, client):
         r = chat(client, stream=stream)
         assert r.status_code == 200
         gen = r.headers["X-Generation-Id"]
         (bill,) = fake.billing.bills
-        assert (bill.id, bill.kind, bill.cost, bill.completion_tokens) == (gen, "failed", 0.0, 0) and bill.prompt_tokens > 0
+        assert (bill.id, bill.kind, bill.cost, bill.completion_tokens) == (
+            gen,
+            "failed",
+            0.0,
+            0,
+        ) and bill.prompt_tokens > 0
         record = client.get("/generation", params={"id": gen}).json()["data"]
         assert record["total_cost"] == 0 and record["native_tokens_prompt"] == bill.prompt_tokens
         assert fake.billing.total_usd == 0
@@ -298,15 +341,24 @@ def test_models_and_endpoints_list_the_configured_prices(tok):
         assert models[0]["pricing"]["request"] == "0" and isinstance(models[0]["context_length"], int)
         data = client.get("/models/moonshotai/kimi-k2.5/endpoints").json()["data"]
         assert data["id"] == "moonshotai/kimi-k2.5" and data["name"]
-        shown = [(e["provider_name"], e["quantization"], e["pricing"]["prompt"], e["pricing"]["completion"], e["status"])
-                 for e in data["endpoints"]]
-        assert shown == [("Moonshot AI", "int4", "0.0000006", "0.0000025", 0), ("Fireworks", "fp8", "0.0000004", "0.000002", 0),
-                         ("DeepInfra", "fp4", "0.0000003", "0.000001", 0)]
+        shown = [
+            (e["provider_name"], e["quantization"], e["pricing"]["prompt"], e["pricing"]["completion"], e["status"])
+            for e in data["endpoints"]
+        ]
+        assert shown == [
+            ("Moonshot AI", "int4", "0.0000006", "0.0000025", 0),
+            ("Fireworks", "fp8", "0.0000004", "0.000002", 0),
+            ("DeepInfra", "fp4", "0.0000003", "0.000001", 0),
+        ]
         assert all(isinstance(e["context_length"], int) and e["name"] for e in data["endpoints"])
         assert client.get("/models/nobody/nothing/endpoints").status_code == 404
     with serve(tok, price_prompt=1e-6, price_completion=3e-6) as (fake, client):  # the default: one endpoint
         (endpoint,) = client.get("/models/moonshotai/kimi-k2.5/endpoints").json()["data"]["endpoints"]
-        assert (endpoint["provider_name"], endpoint["quantization"], endpoint["pricing"]["prompt"]) == ("FakeProvider", "int4", "0.000001")
+        assert (endpoint["provider_name"], endpoint["quantization"], endpoint["pricing"]["prompt"]) == (
+            "FakeProvider",
+            "int4",
+            "0.000001",
+        )
 
 
 ROUTES = [
@@ -337,14 +389,20 @@ def test_routing_by_the_provider_object_and_billing_at_the_serving_prices(tok, f
             r = chat(client, provider=provider)
             if served is None:
                 assert r.status_code == 404, (provider, r.text)
-                assert r.json()["error"]["message"] == "No endpoints found matching your data policy and provider filters"
+                assert (
+                    r.json()["error"]["message"] == "No endpoints found matching your data policy and provider filters"
+                )
                 continue
             data = r.json()
             assert data["provider"] == served, provider
             usage, bill = data["usage"], fake.billing.bills[-1]
             pp, pc = prices[served]
             expected = (usage["prompt_tokens"] * pp + usage["completion_tokens"] * pc) * factor
-            assert usage["cost"] == pytest.approx(expected) and bill.cost == pytest.approx(expected) and bill.provider == served
+            assert (
+                usage["cost"] == pytest.approx(expected)
+                and bill.cost == pytest.approx(expected)
+                and bill.provider == served
+            )
 
 
 def test_the_default_endpoint_keeps_the_known_providers_rule(tok):
@@ -355,10 +413,36 @@ def test_the_default_endpoint_keeps_the_known_providers_rule(tok):
 
 
 def test_every_setting_is_a_cli_flag():
-    _, settings = parse_args(["--late-bill-s", "2", "--rate-never-found", "0.1", "--max-rps", "5", "--rate-limit-retry-after", "true",
-                              "--thinking", "false", "--template-version", "k2", "--billed-price-factor", "1.2",
-                              "--endpoints", json.dumps(ENDPOINTS[:1]), "--foreign-spend-usd-per-s", "0.01"])
-    assert (settings.late_bill_s, settings.rate_never_found, settings.max_rps, settings.rate_limit_retry_after) == (2.0, 0.1, 5.0, True)
+    _, settings = parse_args(
+        [
+            "--late-bill-s",
+            "2",
+            "--rate-never-found",
+            "0.1",
+            "--max-rps",
+            "5",
+            "--rate-limit-retry-after",
+            "true",
+            "--thinking",
+            "false",
+            "--template-version",
+            "k2",
+            "--billed-price-factor",
+            "1.2",
+            "--endpoints",
+            json.dumps(ENDPOINTS[:1]),
+            "--foreign-spend-usd-per-s",
+            "0.01",
+        ]
+    )
+    assert (settings.late_bill_s, settings.rate_never_found, settings.max_rps, settings.rate_limit_retry_after) == (
+        2.0,
+        0.1,
+        5.0,
+        True,
+    )
     assert (settings.thinking, settings.template_version, settings.billed_price_factor) == (False, "k2", 1.2)
-    assert json.loads(settings.endpoints)[0]["provider_name"] == "Moonshot AI" and math.isclose(settings.foreign_spend_usd_per_s, 0.01)
+    assert json.loads(settings.endpoints)[0]["provider_name"] == "Moonshot AI" and math.isclose(
+        settings.foreign_spend_usd_per_s, 0.01
+    )
     assert parse_args([])[1] == FakeSettings()

@@ -60,8 +60,9 @@ def test_the_runtime_packages_hold_and_import_no_fake():
     assert not [p for p in shipped if any(part.startswith("fake") for part in p.split("."))], shipped
     assert not [f for f in files if f.stem.startswith("fake")], files
     uses = [use for f in files for use in fake_uses(f)]
-    assert not uses, "runtime modules importing a fake or an HTTP server (test support belongs in tests/fakes/):\n" + \
-        "\n".join(uses)
+    assert not uses, (
+        "runtime modules importing a fake or an HTTP server (test support belongs in tests/fakes/):\n" + "\n".join(uses)
+    )
 
 
 def rehearsal_fake_commands() -> list[str]:

@@ -76,9 +76,20 @@ def test_commands_started_together_on_fresh_homes_all_work(tmp_path):
         for p in range(PAIRS):
             env = env_for(tmp_path / f"home{p}", tmp_path / f"data{p}")
             for k in range(2):
-                procs.append((p, subprocess.Popen([sys.executable, "-c", GATED, str(gate), str(tmp_path / f"ready{p}-{k}"), "env"],
-                                                  cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                                  start_new_session=True)))
+                procs.append(
+                    (
+                        p,
+                        subprocess.Popen(
+                            [sys.executable, "-c", GATED, str(gate), str(tmp_path / f"ready{p}-{k}"), "env"],
+                            cwd=REPO,
+                            env=env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            start_new_session=True,
+                        ),
+                    )
+                )
         try:
             deadline = time.monotonic() + 600
             while len(list(tmp_path.glob("ready*"))) < len(procs) and time.monotonic() < deadline:
@@ -115,10 +126,29 @@ def test_two_materializations_started_together_on_a_fresh_home(tmp_path, data_di
     home = tmp_path / "home"
     env = env_for(home, data_dir_with_tokenizer)
     eagle3 = str(Path(sys.executable).with_name("eagle3"))
-    procs = {ds: subprocess.Popen([eagle3, "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
-                                   "--select", "raw_prompts", "--partition", ds], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for ds in ("A1", "A2")}
+    procs = {
+        ds: subprocess.Popen(
+            [
+                eagle3,
+                "dagster",
+                "asset",
+                "materialize",
+                "-m",
+                "eagle3_assets.definitions",
+                "--select",
+                "raw_prompts",
+                "--partition",
+                ds,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for ds in ("A1", "A2")
+    }
     try:
         outputs = {ds: proc.communicate(timeout=800)[0] for ds, proc in procs.items()}
     finally:
@@ -131,8 +161,9 @@ def test_two_materializations_started_together_on_a_fresh_home(tmp_path, data_di
     assert_made(home, data_dir_with_tokenizer, runs=2)
     with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
         for ds in ("A1", "A2"):
-            records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("raw_prompts"),
-                                                                            asset_partitions=[ds]), limit=5).records
+            records = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey("raw_prompts"), asset_partitions=[ds]), limit=5
+            ).records
             assert len(records) == 1, ds
             rows = pl.read_parquet(data_dir_with_tokenizer / "raw_prompts" / f"{ds}.parquet").height
             assert rows > 0 and records[0].asset_materialization.metadata["rows"].value == rows

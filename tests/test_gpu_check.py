@@ -60,24 +60,54 @@ def method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
 # ---------------------------------------------------------------- (a) config attributes read without a default
 
 UNKNOWN = object()
-OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
-       ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not, ast.In: lambda a, b: a in b,
-       ast.NotIn: lambda a, b: a not in b}
+OPS = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
 # the tiny model's path: no quantization, not the NextN draft, no hash-routed or DeepSeek-V4 layers, on a CUDA
 # host (SGLang's module-level platform flags: not ROCm/aiter, NPU, XPU, MUSA or CPU)
-KNOWN_NAMES = {"quant_config": None, "is_nextn": False, "is_hash_moe": False, "is_deepseek_v4": False, "None": None,
-               "_is_cuda": True, "_is_hip": False, "_use_aiter": False, "_is_npu": False, "_is_xpu": False,
-               "_is_musa": False, "_is_cpu": False}
+KNOWN_NAMES = {
+    "quant_config": None,
+    "is_nextn": False,
+    "is_hash_moe": False,
+    "is_deepseek_v4": False,
+    "None": None,
+    "_is_cuda": True,
+    "_is_hip": False,
+    "_use_aiter": False,
+    "_is_npu": False,
+    "_is_xpu": False,
+    "_is_musa": False,
+    "_is_cpu": False,
+}
 # the classes that build and run the target (DeepseekV3ForCausalLM is DeepseekV2ForCausalLM under another name)
-MODEL_CLASSES = ("MoEGate", "DeepseekV2MoE", "DeepseekV2MLP", "DeepseekV2AttentionMLA", "DeepseekV2DecoderLayer",
-                 "DeepseekV2Model", "DeepseekV2ForCausalLM")
+MODEL_CLASSES = (
+    "MoEGate",
+    "DeepseekV2MoE",
+    "DeepseekV2MLP",
+    "DeepseekV2AttentionMLA",
+    "DeepseekV2DecoderLayer",
+    "DeepseekV2Model",
+    "DeepseekV2ForCausalLM",
+)
 
 
 def _is_config(node: ast.AST) -> bool:
     """`config` or `self.config`: the HF config object."""
     return (isinstance(node, ast.Name) and node.id == "config") or (
-        isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name)
-        and node.value.id == "self")
+        isinstance(node, ast.Attribute)
+        and node.attr == "config"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
 
 
 class ConfigReads:
@@ -98,8 +128,14 @@ class ConfigReads:
         if isinstance(node, ast.Attribute) and _is_config(node.value) and isinstance(node.ctx, ast.Load):
             self.reads.setdefault(node.attr, node.lineno)
             return self.config.get(node.attr, UNKNOWN)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr") \
-                and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr")
+            and len(node.args) >= 2
+            and _is_config(node.args[0])
+            and isinstance(node.args[1], ast.Constant)
+        ):
             name = node.args[1].value
             if node.func.id == "hasattr":
                 return name in self.config
@@ -197,7 +233,11 @@ def test_config_reader_follows_the_selected_path(deepseek_v2):
 def _assigned_attrs(fn: ast.FunctionDef) -> set[str]:
     targets = [t for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets]
     targets += [e for t in targets if isinstance(t, ast.Tuple) for e in t.elts]  # self.layers, self.start_layer, ... =
-    return {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return {
+        t.attr
+        for t in targets
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
 
 
 def _eval_source(expr: ast.expr, **names):
@@ -212,8 +252,9 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
 def _if_around(fn: ast.FunctionDef, attr: str) -> ast.If:
     """The `if` whose body assigns self.<attr>."""
     for n in ast.walk(fn):
-        if isinstance(n, ast.If) and attr in {t.attr for s in n.body if isinstance(s, ast.Assign) for t in s.targets
-                                              if isinstance(t, ast.Attribute)}:
+        if isinstance(n, ast.If) and attr in {
+            t.attr for s in n.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Attribute)
+        }:
             return n
     raise AssertionError(f"no `if` assigns self.{attr} in {fn.name}")
 
@@ -228,28 +269,48 @@ class SGLangDeepseek:
         # the unquantized FusedMoE method registers the experts' parameters
         self.fused_moe_methods = (source / "sglang/srt/layers/quantization/unquant.py").read_text()
         load = _function(loader, "do_load_weights")
-        stacked = next(n for n in ast.walk(load) if isinstance(n, ast.Assign)
-                       and getattr(n.targets[0], "id", "") == "stacked_params_mapping")
+        stacked = next(
+            n
+            for n in ast.walk(load)
+            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "stacked_params_mapping"
+        )
         self.stacked = ast.literal_eval(stacked.value)
         fused = _function(loader, "_load_fused_expert_tensor")
-        mappings = next(n for n in ast.walk(fused) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "mappings")
+        mappings = next(
+            n for n in ast.walk(fused) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "mappings"
+        )
         self.fused_experts = ast.literal_eval(mappings.value)
-        call = next(n for n in ast.walk(load) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                    and n.func.attr == "make_expert_params_mapping")
+        call = next(
+            n
+            for n in ast.walk(load)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "make_expert_params_mapping"
+        )
         self.expert_kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_experts"}
         moe_layer = ast.parse((source / "sglang/srt/layers/moe/fused_moe_triton/layer.py").read_text())
-        fn = next(n for n in classes(moe_layer)["FusedMoE"].body
-                  if isinstance(n, ast.FunctionDef) and n.name == "make_expert_params_mapping")
+        fn = next(
+            n
+            for n in classes(moe_layer)["FusedMoE"].body
+            if isinstance(n, ast.FunctionDef) and n.name == "make_expert_params_mapping"
+        )
         fn = ast.FunctionDef(fn.name, fn.args, fn.body, [], None, type_params=[])  # drop @classmethod
         namespace: dict = {}
-        exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), "<FusedMoE>", "exec"),
-             {"List": list, "Tuple": tuple, "range": range}, namespace)
+        exec(
+            compile(ast.fix_missing_locations(ast.Module([fn], [])), "<FusedMoE>", "exec"),
+            {"List": list, "Tuple": tuple, "range": range},
+            namespace,
+        )
         self._make_expert_params_mapping = namespace[fn.name]
         # the loader's rules mirrored below, each pinned to its text in the source
-        for anchor in ('if ("mlp.experts." in name) and name not in params_dict:', '"q_a_proj", "fused_qkv_a_proj_with_mqa"',
-                       '"kv_a_proj_with_mqa",\n                                        "fused_qkv_a_proj_with_mqa"',
-                       'f"mlp.experts.{self.config.n_routed_experts}"', 'if "rotary_emb.inv_freq" in name:',
-                       '>= self.config.num_hidden_layers'):
+        for anchor in (
+            'if ("mlp.experts." in name) and name not in params_dict:',
+            '"q_a_proj", "fused_qkv_a_proj_with_mqa"',
+            '"kv_a_proj_with_mqa",\n                                        "fused_qkv_a_proj_with_mqa"',
+            'f"mlp.experts.{self.config.n_routed_experts}"',
+            'if "rotary_emb.inv_freq" in name:',
+            ">= self.config.num_hidden_layers",
+        ):
             assert anchor in self.loader_text, f"the loader's rule changed: {anchor!r} is gone"
 
     def expert_mapping(self, num_experts: int) -> list[tuple[str, str, int, str]]:
@@ -258,18 +319,28 @@ class SGLangDeepseek:
     # -- the parameters the built model has, each module edge checked in the class that assigns it
 
     def _edge(self, cls: str, attr: str) -> None:
-        assert attr in _assigned_attrs(method(self.cls[cls], "__init__")), f"{cls}.__init__ no longer assigns self.{attr}"
+        assert attr in _assigned_attrs(method(self.cls[cls], "__init__")), (
+            f"{cls}.__init__ no longer assigns self.{attr}"
+        )
 
     def parameters(self, config: dict, fused_shared: int) -> set[str]:
         c = SimpleNamespace(**config)
         params = set()
-        for cls, attr in (("DeepseekV2ForCausalLM", "model"), ("DeepseekV2ForCausalLM", "lm_head"),
-                          ("DeepseekV2Model", "embed_tokens"), ("DeepseekV2Model", "norm"), ("DeepseekV2Model", "layers")):
+        for cls, attr in (
+            ("DeepseekV2ForCausalLM", "model"),
+            ("DeepseekV2ForCausalLM", "lm_head"),
+            ("DeepseekV2Model", "embed_tokens"),
+            ("DeepseekV2Model", "norm"),
+            ("DeepseekV2Model", "layers"),
+        ):
             self._edge(cls, attr)
         tied = _eval_source(ast.parse("config.tie_word_embeddings", mode="eval").body, config=c)
         params |= {"model.embed_tokens.weight", "model.norm.weight"} | (set() if tied else {"lm_head.weight"})
-        sparse_rule = next(n for n in ast.walk(method(self.cls["DeepseekV2DecoderLayer"], "_is_layer_sparse"))
-                           if isinstance(n, ast.Return)).value
+        sparse_rule = next(
+            n
+            for n in ast.walk(method(self.cls["DeepseekV2DecoderLayer"], "_is_layer_sparse"))
+            if isinstance(n, ast.Return)
+        ).value
         gate_init = method(self.cls["MoEGate"], "__init__")
         bias_if = _if_around(gate_init, "e_score_correction_bias")
         moe_init = method(self.cls["DeepseekV2MoE"], "__init__")
@@ -284,7 +355,10 @@ class SGLangDeepseek:
             self._edge("DeepseekV2MLP", attr)
         for attr in ("q_b_proj", "q_a_layernorm", "kv_a_layernorm", "kv_b_proj", "o_proj"):
             self._edge("DeepseekV2AttentionMLA", attr)
-        assert 'register_parameter("w13_weight"' in self.fused_moe_methods and 'register_parameter("w2_weight"' in self.fused_moe_methods
+        assert (
+            'register_parameter("w13_weight"' in self.fused_moe_methods
+            and 'register_parameter("w2_weight"' in self.fused_moe_methods
+        )
         for i in range(config["num_hidden_layers"]):
             p = f"model.layers.{i}."
             params |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
@@ -299,8 +373,12 @@ class SGLangDeepseek:
                 params |= {p + "mlp.gate.weight", p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"}
                 if _eval_source(bias_if.test, config=c, is_hash_moe=False):
                     params.add(p + "mlp.gate.e_score_correction_bias")
-                shared = _eval_source(shared_if.test, config=c, self=SimpleNamespace(num_fused_shared_experts=fused_shared),
-                                      _uses_per_rank_shared_slots=False)
+                shared = _eval_source(
+                    shared_if.test,
+                    config=c,
+                    self=SimpleNamespace(num_fused_shared_experts=fused_shared),
+                    _uses_per_rank_shared_slots=False,
+                )
                 if shared:
                     params |= {p + "mlp.shared_experts.gate_up_proj.weight", p + "mlp.shared_experts.down_proj.weight"}
             else:
@@ -380,7 +458,10 @@ def test_tiny_weights_load_into_every_sglang_parameter(tiny_model, sglang_deepse
     unfilled = sorted(params - set(placed.values()))
     assert not unfilled, f"these SGLang parameters get no tensor from the tiny checkpoint: {unfilled[:10]}"
     # per-expert names, as SGLang's expert mapping reads them (and as a real DeepSeek/Kimi checkpoint has them)
-    assert "model.layers.1.mlp.experts.7.up_proj.weight" in keys and "model.layers.1.mlp.gate.e_score_correction_bias" in keys
+    assert (
+        "model.layers.1.mlp.experts.7.up_proj.weight" in keys
+        and "model.layers.1.mlp.gate.e_score_correction_bias" in keys
+    )
 
 
 def test_loader_reading_catches_a_fused_checkpoint_and_a_missing_bias(tiny_model, sglang_deepseek):
@@ -389,10 +470,17 @@ def test_loader_reading_catches_a_fused_checkpoint_and_a_missing_bias(tiny_model
     config = json.loads((tiny_model / "config.json").read_text())
     params = sglang_deepseek.parameters(config, 0)
     assert sglang_deepseek.target("model.layers.1.mlp.experts.3.gate.weight", config, params, 0) is None
-    assert sglang_deepseek.target("model.layers.1.mlp.experts.gate_up_proj", config, params, 0) == "model.layers.1.mlp.experts.w13_weight"
+    assert (
+        sglang_deepseek.target("model.layers.1.mlp.experts.gate_up_proj", config, params, 0)
+        == "model.layers.1.mlp.experts.w13_weight"
+    )
     greedy = dict(config, topk_method="greedy")
-    assert sglang_deepseek.target("model.layers.1.mlp.gate.e_score_correction_bias", greedy,
-                                  sglang_deepseek.parameters(greedy, 0), 0) is None
+    assert (
+        sglang_deepseek.target(
+            "model.layers.1.mlp.gate.e_score_correction_bias", greedy, sglang_deepseek.parameters(greedy, 0), 0
+        )
+        is None
+    )
 
 
 def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
@@ -418,8 +506,14 @@ def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
 def gpu_check(*args: str, env: dict | None = None, json_out: bool = True):
     """`eagle3 gpu-check --no-capture ARGS` as a user runs it; (exit code, rows by name or the screen)."""
     cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--no-capture", "--disk-mib", "16", *args]
-    proc = subprocess.run(cmd + (["--json"] if json_out else []), cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        cmd + (["--json"] if json_out else []),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     if not json_out:
         return proc.returncode, proc.stdout
@@ -467,7 +561,9 @@ def test_disk_space_against_the_planned_capture(tmp_path):
     import pyarrow.parquet as pq
 
     (tmp_path / "merged_dataset").mkdir()
-    pq.write_table(pa.table({"sample_id": ["a", "b"], "n_tokens": [1000, 234]}), tmp_path / "merged_dataset" / "merged.parquet")
+    pq.write_table(
+        pa.table({"sample_id": ["a", "b"], "n_tokens": [1000, 234]}), tmp_path / "merged_dataset" / "merged.parquet"
+    )
     code, rows = gpu_check("--data-dir", str(tmp_path))
     assert rows["disk space"]["status"] == "ok" and rows["disk space"]["data"]["tokens"] == 1234, rows["disk space"]
     assert code == 0
@@ -482,7 +578,11 @@ def test_disk_write_measured_on_the_data_root(tmp_path):
     assert code == 1 and rows["disk write"]["status"] == "fail" and "EAGLE3_DATA_DIR=" in rows["disk write"]["fix"]
     missing = tmp_path / "not-yet"
     code, rows = gpu_check("--data-dir", str(missing), "--tokens", "1000")
-    assert code == 1 and rows["disk write"]["status"] == "fail" and rows["disk write"]["fix"].startswith(f"mkdir -p {missing}")
+    assert (
+        code == 1
+        and rows["disk write"]["status"] == "fail"
+        and rows["disk write"]["fix"].startswith(f"mkdir -p {missing}")
+    )
 
 
 def test_shm_against_the_rank_hand_off(tmp_path):
@@ -502,8 +602,9 @@ def test_shm_against_the_rank_hand_off(tmp_path):
     assert "EAGLE3_SGLANG_MAX_FORWARD_TOKENS" in row["fix"]
     code, rows = gpu_check("--data-dir", str(tmp_path), "--max-forward-tokens", str(fits), "--tp", "1")
     assert rows["/dev/shm"]["status"] == "ok", rows["/dev/shm"]
-    code, rows = gpu_check("--data-dir", str(tmp_path), "--max-forward-tokens", str(fits), "--handoff-slabs", "3",
-                           "--tp", "1")
+    code, rows = gpu_check(
+        "--data-dir", str(tmp_path), "--max-forward-tokens", str(fits), "--handoff-slabs", "3", "--tp", "1"
+    )
     assert rows["/dev/shm"]["status"] == "fail", rows["/dev/shm"]  # a third slab of the same size does not fit
 
 

@@ -70,8 +70,13 @@ def image_install() -> dict:
     m = re.search(r'pip install "uv==\$\{UV_VERSION\}" && uv pip install --override (\S+) -e "\.\[([^\]]+)\]"', run)
     assert m, run
     [python] = [v for k, v in UBUNTU_PYTHON.items() if k in args["CUDA_IMAGE"]]
-    return {"uv": args["UV_VERSION"], "overrides": m.group(1), "extras": m.group(2).split(","), "copies": copies,
-            "python": python}
+    return {
+        "uv": args["UV_VERSION"],
+        "overrides": m.group(1),
+        "extras": m.group(2).split(","),
+        "copies": copies,
+        "python": python,
+    }
 
 
 def uv_binary() -> str:
@@ -80,8 +85,14 @@ def uv_binary() -> str:
     return find_uv_bin()
 
 
-def resolve(out_dir: Path, *inputs: str, extras: list[str] = (), overrides: str | None = None,
-            python: str = "3.12", offline: bool = False) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+def resolve(
+    out_dir: Path,
+    *inputs: str,
+    extras: list[str] = (),
+    overrides: str | None = None,
+    python: str = "3.12",
+    offline: bool = False,
+) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
     """`uv pip compile` for the GPU platform from PyPI alone; (the process, {name: package} of the lock or {}).
 
     Online, one resolution of the SGLang host fetches about 100 MB of index pages and METADATA files (PyPI's
@@ -89,13 +100,34 @@ def resolve(out_dir: Path, *inputs: str, extras: list[str] = (), overrides: str 
     from what an earlier resolution left in the cache.
     """
     out = out_dir / "pylock.toml"
-    cmd = [uv_binary(), "pip", "compile", *inputs, *[a for e in extras for a in ("--extra", e)],
-           *(["--override", overrides] if overrides else []),
-           # The target Python is a marker value: no 3.12 interpreter is looked for or downloaded.
-           "--python", sys.executable, "--no-python-downloads",
-           "--python-platform", PLATFORM, "--python-version", python, "--no-build",
-           "--index-url", PYPI, "--no-config", "--cache-dir", str(cache_dir() / "uv"),
-           "--format", "pylock.toml", "--quiet", "-o", str(out), *(["--offline"] if offline else [])]
+    cmd = [
+        uv_binary(),
+        "pip",
+        "compile",
+        *inputs,
+        *[a for e in extras for a in ("--extra", e)],
+        *(["--override", overrides] if overrides else []),
+        # The target Python is a marker value: no 3.12 interpreter is looked for or downloaded.
+        "--python",
+        sys.executable,
+        "--no-python-downloads",
+        "--python-platform",
+        PLATFORM,
+        "--python-version",
+        python,
+        "--no-build",
+        "--index-url",
+        PYPI,
+        "--no-config",
+        "--cache-dir",
+        str(cache_dir() / "uv"),
+        "--format",
+        "pylock.toml",
+        "--quiet",
+        "-o",
+        str(out),
+        *(["--offline"] if offline else []),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}  # no index or setting from outside
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     lock = tomllib.loads(out.read_text()) if proc.returncode == 0 else {"packages": []}
@@ -107,15 +139,21 @@ def installable_tags(python: str) -> set:
     platforms = [f"manylinux_2_{m}_x86_64" for m in range(GLIBC[1], 4, -1)]
     platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
     return set(cpython_tags((major, minor), platforms=platforms)) | set(
-        compatible_tags((major, minor), interpreter=f"cp{major}{minor}", platforms=platforms))
+        compatible_tags((major, minor), interpreter=f"cp{major}{minor}", platforms=platforms)
+    )
 
 
 @pytest.fixture(scope="module")
 def sglang_host_lock(tmp_path_factory):
     """The cuda image's install, resolved: `uv pip compile pyproject.toml --extra ... --override <file>`."""
     image = image_install()
-    proc, lock = resolve(tmp_path_factory.mktemp("gpu-lock"), "pyproject.toml", extras=image["extras"],
-                         overrides=image["overrides"], python=image["python"])
+    proc, lock = resolve(
+        tmp_path_factory.mktemp("gpu-lock"),
+        "pyproject.toml",
+        extras=image["extras"],
+        overrides=image["overrides"],
+        python=image["python"],
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return lock
 
@@ -141,8 +179,11 @@ def test_sglang_host_install_resolves_for_the_gpu_platform(sglang_host_lock):
     lock = sglang_host_lock
     versions = {name: p["version"] for name, p in lock.items()}
     deps = PYPROJECT["project"]["dependencies"]
-    overrides = [Requirement(line) for line in (REPO / OVERRIDES).read_text().splitlines()
-                 if line.strip() and not line.lstrip().startswith("#")]
+    overrides = [
+        Requirement(line)
+        for line in (REPO / OVERRIDES).read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert [str(r) for r in overrides] == ["torch==2.14.1"]
     assert versions["torch"] == "2.14.1" and versions["sglang"] == pinned_sglang_version() == "0.5.23"
     assert Version(versions["torch"]) not in requirement("torch", deps).specifier  # what the override lifted
@@ -151,17 +192,23 @@ def test_sglang_host_install_resolves_for_the_gpu_platform(sglang_host_lock):
     core = str(requirement("dagster", deps).specifier).removeprefix("==")
     assert core == "1.13.27"
     extras = PYPROJECT["project"]["optional-dependencies"]
-    libraries = {canonicalize_name(r.name): str(r.specifier).removeprefix("==")
-                 for extra in ("k8s", "postgres") for r in map(Requirement, extras[extra])
-                 if r.name.startswith("dagster")}
+    libraries = {
+        canonicalize_name(r.name): str(r.specifier).removeprefix("==")
+        for extra in ("k8s", "postgres")
+        for r in map(Requirement, extras[extra])
+        if r.name.startswith("dagster")
+    }
     assert libraries == {"dagster-k8s": "0.29.27", "dagster-postgres": "0.29.27"}
     dagster = {n: v for n, v in versions.items() if n.startswith("dagster")}
     assert {"dagster", "dagster-webserver", "dagster-graphql", "dagster-pipes", "dagster-shared"} <= set(dagster)
     assert dagster == {n: libraries.get(n, core) for n in dagster}
     # Installable there: every package has a wheel for CPython 3.12 on x86_64 glibc 2.34 (no sdist to build).
     tags = installable_tags(image_install()["python"])
-    unfit = [n for n, p in lock.items()
-             if not any(set(parse_wheel_filename(w["url"].rsplit("/", 1)[1])[3]) & tags for w in p.get("wheels", []))]
+    unfit = [
+        n
+        for n, p in lock.items()
+        if not any(set(parse_wheel_filename(w["url"].rsplit("/", 1)[1])[3]) & tags for w in p.get("wheels", []))
+    ]
     assert unfit == []
     size = sum(max(w["size"] for w in p["wheels"]) for p in lock.values())
     print(f"{len(lock)} packages, about {size / 1e9:.1f} GB of wheels to install")

@@ -54,7 +54,9 @@ def make_samples(n: int, vocab: int) -> list[StoredSample]:
     for i in range(n):
         L = (7, 30, 3, 51, 12)[i % 5]
         ids = torch.randint(0, vocab, (L,), generator=g).tolist()
-        out.append(StoredSample(f"S/{i:03d}", "eval" if i % 3 == 0 else "train", ids, [i % 2] * (L // 2) + [1] * (L - L // 2)))
+        out.append(
+            StoredSample(f"S/{i:03d}", "eval" if i % 3 == 0 else "train", ids, [i % 2] * (L // 2) + [1] * (L - L // 2))
+        )
     return out
 
 
@@ -62,8 +64,14 @@ def test_a_shard_is_a_safetensors_file_holding_what_was_captured(target_model, t
     """safetensors' own loader reads every shard; each sample's rows are the backend's states for it alone, in bf16."""
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(11, target_model.config.vocab_size)
-    extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=40_000, batch_tokens=64, **ROOMY),
-                     identity={}, progress_every_s=3600)
+    extract_to_store(
+        samples,
+        backend,
+        tmp_path,
+        StoreSettings(shard_bytes=40_000, batch_tokens=64, **ROOMY),
+        identity={},
+        progress_every_s=3600,
+    )
     shards = read_manifest(tmp_path)["shards"]
     assert len(shards) > 2
     seen = set()
@@ -81,8 +89,12 @@ def test_a_shard_is_a_safetensors_file_holding_what_was_captured(target_model, t
             assert tensors["loss_mask"][a:b].tolist() == list(s.loss_mask)
             aux, final = backend.extract(list(s.input_ids))  # alone, unpadded: the captured states
             assert tensors["aux_hidden_states"].dtype == torch.bfloat16
-            torch.testing.assert_close(tensors["aux_hidden_states"][a:b].float(), aux.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
-            torch.testing.assert_close(tensors["final_hidden_state"][a:b].float(), final.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(
+                tensors["aux_hidden_states"][a:b].float(), aux.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
+            )
+            torch.testing.assert_close(
+                tensors["final_hidden_state"][a:b].float(), final.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
+            )
             seen.add(sid)
         assert offsets[-1] == tensors["input_ids"].shape[0] == tensors["aux_hidden_states"].shape[0]
     assert seen == {s.sample_id for s in samples}
@@ -103,7 +115,9 @@ def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct, checksum):
     assert digest == LIBRARY_HASH[checksum](on_disk) == file_checksum(tmp_path / "f", checksum)
     assert used_direct == (direct and hasattr(os, "O_DIRECT") and used_direct)  # O_DIRECT only when asked
     # Buffered from a bytes object (not aligned, no room for padding): the same bytes, the same hash.
-    digest2, used2 = write_file(tmp_path / "g", memoryview(bytes(data[:size])), direct=direct, chunk=3 * ALIGN, checksum=checksum)
+    digest2, used2 = write_file(
+        tmp_path / "g", memoryview(bytes(data[:size])), direct=direct, chunk=3 * ALIGN, checksum=checksum
+    )
     assert not used2 and digest2 == digest and (tmp_path / "g").read_bytes() == on_disk
 
 
@@ -142,14 +156,23 @@ def test_a_store_checksummed_with_sha256_stays_readable_and_verifiable(target_mo
     extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     manifest = read_manifest(tmp_path)
     names = sorted(manifest["shards"])
-    assert len(names) >= 3 and all(set(e) == {"key", "xxh3_128", "bytes", "samples", "tokens"} for e in manifest["shards"].values())
+    assert len(names) >= 3 and all(
+        set(e) == {"key", "xxh3_128", "bytes", "samples", "tokens"} for e in manifest["shards"].values()
+    )
     for name, entry in manifest["shards"].items():  # the entries as the sha256 store wrote them (the same shard files)
-        manifest["shards"][name] = {"key": entry["key"], "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(),
-                                    "bytes": entry["bytes"], "samples": entry["samples"], "tokens": entry["tokens"]}
+        manifest["shards"][name] = {
+            "key": entry["key"],
+            "sha256": hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(),
+            "bytes": entry["bytes"],
+            "samples": entry["samples"],
+            "tokens": entry["tokens"],
+        }
     (tmp_path / MANIFEST).write_text(json.dumps(manifest, indent=2))
     old = {n: dict(e) for n, e in manifest["shards"].items()}
     store = HiddenStateStore(tmp_path)
-    assert len(store) == len(samples) and store[samples[3].sample_id]["input_ids"].tolist() == list(samples[3].input_ids)
+    assert len(store) == len(samples) and store[samples[3].sample_id]["input_ids"].tolist() == list(
+        samples[3].input_ids
+    )
     store.close()
 
     report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
@@ -165,7 +188,9 @@ def test_a_store_checksummed_with_sha256_stays_readable_and_verifiable(target_mo
     after = read_manifest(tmp_path)["shards"]
     assert after[names[1]]["xxh3_128"] == file_xxh3(rotten) and "sha256" not in after[names[1]]
     assert {n: e for n, e in after.items() if n != names[1]} == {n: e for n, e in old.items() if n != names[1]}
-    assert hashlib.sha256(rotten.read_bytes()).hexdigest() == old[names[1]]["sha256"]  # redone: the same bytes as before
+    assert (
+        hashlib.sha256(rotten.read_bytes()).hexdigest() == old[names[1]]["sha256"]
+    )  # redone: the same bytes as before
 
 
 def test_a_shard_rotten_on_disk_is_caught_by_its_xxh3_and_redone(target_model, tmp_path):
@@ -180,7 +205,9 @@ def test_a_shard_rotten_on_disk_is_caught_by_its_xxh3_and_redone(target_model, t
     (tmp_path / name).write_bytes(bytes(data))
     kept = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     assert kept.shards_written == 0  # trusted by size alone: the manifest's checksum is read only when verifying
-    redone = extract_to_store(samples, backend, tmp_path, replace(settings, verify_on_resume=True), identity={}, progress_every_s=3600)
+    redone = extract_to_store(
+        samples, backend, tmp_path, replace(settings, verify_on_resume=True), identity={}, progress_every_s=3600
+    )
     assert (redone.shards_written, redone.shards_skipped) == (1, len(before) - 1)
     assert read_manifest(tmp_path)["shards"] == before and file_xxh3(tmp_path / name) == before[name]["xxh3_128"]
 
@@ -234,8 +261,14 @@ def test_the_extraction_leaves_torchs_thread_count_as_it_found_it(target_model, 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        extract_to_store(make_samples(5, target_model.config.vocab_size), TransformersHiddenStates(target_model), tmp_path,
-                         StoreSettings(shard_bytes=20_000, batch_tokens=64, **ROOMY), identity={}, progress_every_s=3600)
+        extract_to_store(
+            make_samples(5, target_model.config.vocab_size),
+            TransformersHiddenStates(target_model),
+            tmp_path,
+            StoreSettings(shard_bytes=20_000, batch_tokens=64, **ROOMY),
+            identity={},
+            progress_every_s=3600,
+        )
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
@@ -275,7 +308,9 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     listed = {n: e["xxh3_128"] for n, e in read_manifest(root)["shards"].items()}
     failed = sorted(whole)[1]
     assert failed not in listed and 1 <= len(listed) < len(whole)
-    assert all(whole[n] == digest == file_xxh3(root / n) for n, digest in listed.items())  # shards already finished were kept
+    assert all(
+        whole[n] == digest == file_xxh3(root / n) for n, digest in listed.items()
+    )  # shards already finished were kept
     partial = root / (failed + ".tmp")
     assert partial.exists() and 0 < partial.stat().st_size  # half a shard on disk, under its temporary name
     assert not (root / failed).exists()
@@ -289,8 +324,14 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
 
 
 def worker(model_folder: Path, root: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "hidden_states_worker.py"), str(model_folder), str(root), *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "hidden_states_worker.py"), str(model_folder), str(root), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.timeout(900)
@@ -355,9 +396,17 @@ class Poisoned:
 def test_non_finite_states_are_caught_where_they_are_computed(target_model, tmp_path):
     samples = make_samples(9, target_model.config.vocab_size)
     nan, inf, huge = samples[1], samples[4], samples[6]
-    backend = Poisoned(TransformersHiddenStates(target_model), list(nan.input_ids), list(inf.input_ids), list(huge.input_ids))
-    report = extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=20_000, batch_tokens=96, **ROOMY),
-                              identity={}, progress_every_s=3600)
+    backend = Poisoned(
+        TransformersHiddenStates(target_model), list(nan.input_ids), list(inf.input_ids), list(huge.input_ids)
+    )
+    report = extract_to_store(
+        samples,
+        backend,
+        tmp_path,
+        StoreSettings(shard_bytes=20_000, batch_tokens=96, **ROOMY),
+        identity={},
+        progress_every_s=3600,
+    )
     assert sorted(report.nan_samples) == sorted([nan.sample_id, inf.sample_id])
     store = HiddenStateStore(tmp_path)
     assert store[huge.sample_id]["aux_hidden_states"].float().isfinite().all()  # stored as it came, and finite

@@ -53,11 +53,17 @@ def make_samples(n: int, vocab: int, lengths=(5, 17, 33, 9, 64, 2, 40)) -> list[
     for i in range(n):
         L = lengths[i % len(lengths)]
         ids = torch.randint(0, vocab, (L,), generator=g).tolist()
-        out.append(StoredSample(f"{'AB'[i % 2]}1/{i:04d}", "eval" if i % 4 == 3 else "train", ids, [0] * (L // 3) + [1] * (L - L // 3)))
+        out.append(
+            StoredSample(
+                f"{'AB'[i % 2]}1/{i:04d}", "eval" if i % 4 == 3 else "train", ids, [0] * (L // 3) + [1] * (L - L // 3)
+            )
+        )
     return out
 
 
-def ground_truth_mismatches(model, ids: list[int], aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int]) -> list[str]:
+def ground_truth_mismatches(
+    model, ids: list[int], aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int]
+) -> list[str]:
     """Compare stored states with transformers' `output_hidden_states=True` on the same ids, in bf16 tolerance.
 
     HF's hidden_states[0] is the embedding output and hidden_states[i + 1] the output of decoder
@@ -69,7 +75,7 @@ def ground_truth_mismatches(model, ids: list[int], aux: torch.Tensor, final: tor
     problems = []
     for j, layer in enumerate(layer_ids):
         want = out.hidden_states[layer + 1][0].to(torch.bfloat16).float()
-        got = aux[:, j * H:(j + 1) * H].float()
+        got = aux[:, j * H : (j + 1) * H].float()
         if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
             problems.append(f"aux block {j} is not the output of layer {layer}")
     want_final = out.last_hidden_state[0].to(torch.bfloat16).float()
@@ -109,7 +115,12 @@ def test_store_holds_each_layer_output_and_the_normed_final_state(target_model, 
         got = store[s.sample_id]
         assert got["input_ids"].tolist() == list(s.input_ids) and got["loss_mask"].tolist() == list(s.loss_mask)
         assert got["aux_hidden_states"].dtype == torch.bfloat16
-        assert ground_truth_mismatches(model, list(s.input_ids), got["aux_hidden_states"], got["final_hidden_state"], [1, 3, 4]) == []
+        assert (
+            ground_truth_mismatches(
+                model, list(s.input_ids), got["aux_hidden_states"], got["final_hidden_state"], [1, 3, 4]
+            )
+            == []
+        )
 
     # The oracle itself: each shifted layer id, and the pre-norm last layer as "final", are caught.
     s = samples[4]
@@ -117,9 +128,12 @@ def test_store_holds_each_layer_output_and_the_normed_final_state(target_model, 
         aux, final = TransformersHiddenStates(model, layer_ids=shifted).extract(list(s.input_ids))
         assert ground_truth_mismatches(model, list(s.input_ids), aux.to(torch.bfloat16), final, [1, 3, 4]), shifted
     good = store[s.sample_id]
-    last_layer = TransformersHiddenStates(model, layer_ids=[model.config.num_hidden_layers - 1]).extract(list(s.input_ids))[0]
+    last_layer = TransformersHiddenStates(model, layer_ids=[model.config.num_hidden_layers - 1]).extract(
+        list(s.input_ids)
+    )[0]
     assert ground_truth_mismatches(model, list(s.input_ids), good["aux_hidden_states"], last_layer, [1, 3, 4]) == [
-        "final is not the normed last hidden state"]
+        "final is not the normed last hidden state"
+    ]
 
 
 def test_a_padded_batch_gives_each_sample_its_own_states(target_model):
@@ -171,7 +185,9 @@ def test_random_reads_come_from_the_index_not_a_scan(target_model, tmp_path, mon
     monkeypatch.setattr(store_module, "OPEN_SHARDS", 2)  # more shards than a reader keeps open
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(12, target_model.config.vocab_size)
-    extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=30_000, **ROOMY), identity={}, progress_every_s=3600)
+    extract_to_store(
+        samples, backend, tmp_path, StoreSettings(shard_bytes=30_000, **ROOMY), identity={}, progress_every_s=3600
+    )
     store = HiddenStateStore(tmp_path)
     assert len({shard for shard, *_ in store.index.values()}) > 2
     # Every sample sits at the rows its offsets name, in the shard the index names.
@@ -190,16 +206,26 @@ def test_disk_check_refuses_before_writing_anything(target_model, tmp_path):
     tokens = sum(len(s.input_ids) for s in samples)
     root = tmp_path / "store"
     with pytest.raises(DiskSpaceError) as err:
-        extract_to_store(samples, backend, root, StoreSettings(free_bytes=tokens * 517 // 2, reserve_bytes=0), identity={})
+        extract_to_store(
+            samples, backend, root, StoreSettings(free_bytes=tokens * 517 // 2, reserve_bytes=0), identity={}
+        )
     text = str(err.value)
     assert f"{tokens:,} tokens" in text and "free" in text and "max_tokens" in text and "dataset_weights" in text
     assert not root.exists()
 
     # Only what is not stored yet counts: half the samples stored, the other half fits in the same space.
-    extract_to_store(samples[:5], backend, root, StoreSettings(shard_bytes=1, **ROOMY), identity={}, progress_every_s=3600)
+    extract_to_store(
+        samples[:5], backend, root, StoreSettings(shard_bytes=1, **ROOMY), identity={}, progress_every_s=3600
+    )
     half = sum(len(s.input_ids) for s in samples[5:]) * 517
-    report = extract_to_store(samples, backend, root, StoreSettings(shard_bytes=1, free_bytes=half + 10, margin_pct=0, reserve_bytes=0),
-                              identity={}, progress_every_s=3600)
+    report = extract_to_store(
+        samples,
+        backend,
+        root,
+        StoreSettings(shard_bytes=1, free_bytes=half + 10, margin_pct=0, reserve_bytes=0),
+        identity={},
+        progress_every_s=3600,
+    )
     assert report.shards_skipped == 5 and report.shards_written == 5
 
 
@@ -238,8 +264,14 @@ def test_shards_another_plan_would_discard_are_kept_unless_asked(target_model, t
     more = [*samples, replace(samples[0], sample_id="C1/new", group="C1")]
     added = extract_to_store(more, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     assert added.shards_written == 1 and added.shards_skipped == 6
-    again = extract_to_store(samples, backend, tmp_path, replace(settings, discard_stale=True), identity={"other": True},
-                             progress_every_s=3600)
+    again = extract_to_store(
+        samples,
+        backend,
+        tmp_path,
+        replace(settings, discard_stale=True),
+        identity={"other": True},
+        progress_every_s=3600,
+    )
     assert again.shards_written == 6 and sorted(p.name for p in tmp_path.glob("*.safetensors")) == sorted(before)
 
 
@@ -264,7 +296,9 @@ def test_a_stop_commits_the_finished_shards_first(target_model, tmp_path):
     samples = make_samples(8, target_model.config.vocab_size)
     settings = StoreSettings(shard_bytes=1, batch_tokens=1, **ROOMY)
     with pytest.raises(KeyboardInterrupt):
-        extract_to_store(samples, Failing(backend, 3, KeyboardInterrupt()), tmp_path, settings, identity={}, progress_every_s=3600)
+        extract_to_store(
+            samples, Failing(backend, 3, KeyboardInterrupt()), tmp_path, settings, identity={}, progress_every_s=3600
+        )
     assert sorted(read_manifest(tmp_path)["shards"]) == [f"all-0000{i}.safetensors" for i in range(3)]
     report = extract_to_store(samples, backend, tmp_path, settings, identity={}, progress_every_s=3600)
     assert report.shards_skipped == 3 and report.shards_written == 5
@@ -288,8 +322,14 @@ def test_a_failing_write_stops_the_extraction_and_keeps_what_was_committed(targe
     backend = Failing(TransformersHiddenStates(target_model), 10**6, RuntimeError())
     samples = make_samples(12, target_model.config.vocab_size)
     with pytest.raises(RuntimeError, match="No space left on device"):
-        extract_to_store(samples, backend, tmp_path, StoreSettings(shard_bytes=1, batch_tokens=1, writers=1, **ROOMY),
-                         identity={}, progress_every_s=3600)
+        extract_to_store(
+            samples,
+            backend,
+            tmp_path,
+            StoreSettings(shard_bytes=1, batch_tokens=1, writers=1, **ROOMY),
+            identity={},
+            progress_every_s=3600,
+        )
     assert sorted(read_manifest(tmp_path)["shards"]) == ["all-00000.safetensors", "all-00001.safetensors"]
     assert 10**6 - backend.left < 12  # stopped before computing every shard
 
@@ -297,8 +337,15 @@ def test_a_failing_write_stops_the_extraction_and_keeps_what_was_committed(targe
 def test_progress_reports_rate_bytes_and_eta(target_model, tmp_path):
     seen = []
     samples = make_samples(5, target_model.config.vocab_size)
-    report = extract_to_store(samples, TransformersHiddenStates(target_model), tmp_path, StoreSettings(shard_bytes=1, batch_tokens=1, **ROOMY),
-                              identity={}, progress_every_s=0.0, on_progress=seen.append)
+    report = extract_to_store(
+        samples,
+        TransformersHiddenStates(target_model),
+        tmp_path,
+        StoreSettings(shard_bytes=1, batch_tokens=1, **ROOMY),
+        identity={},
+        progress_every_s=0.0,
+        on_progress=seen.append,
+    )
     assert len(seen) >= 5
     last = seen[-1]
     assert last["tokens_written"] == last["tokens_pending"] == report.tokens_written
@@ -307,12 +354,20 @@ def test_progress_reports_rate_bytes_and_eta(target_model, tmp_path):
 
 
 def worker(model_folder: Path, root: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "hidden_states_worker.py"), str(model_folder), str(root), *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "hidden_states_worker.py"), str(model_folder), str(root), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.timeout(900)
-def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(target_resource, tokenizer_resource, target_model, tmp_path):
+def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(
+    target_resource, tokenizer_resource, target_model, tmp_path
+):
     folder = target_resource.folder(tokenizer_resource)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = worker(folder, killed, "--slow", "0.3")
@@ -328,8 +383,10 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(target_re
         proc.wait()
     finally:
         stop_group(proc)
-    kept = {n: (e["xxh3_128"], (killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns)
-            for n, e in json.loads((killed / MANIFEST).read_text())["shards"].items()}
+    kept = {
+        n: (e["xxh3_128"], (killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns)
+        for n, e in json.loads((killed / MANIFEST).read_text())["shards"].items()
+    }
     planned = json.loads((killed / MANIFEST).read_text())["planned_shards"]
     assert 2 <= len(kept) < len(planned), "the kill came too late to test anything"
     # What a kill can leave besides: a shard renamed but not yet recorded, and a half-written temporary file.
@@ -346,7 +403,9 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(target_re
     assert uninterrupted.returncode == 0, out
 
     final = json.loads((killed / MANIFEST).read_text())["shards"]
-    assert {n: e["xxh3_128"] for n, e in final.items()} == {n: e["xxh3_128"] for n, e in json.loads((whole / MANIFEST).read_text())["shards"].items()}
+    assert {n: e["xxh3_128"] for n, e in final.items()} == {
+        n: e["xxh3_128"] for n, e in json.loads((whole / MANIFEST).read_text())["shards"].items()
+    }
     for n, (digest, ino, mtime) in kept.items():  # finished shards were not redone
         assert ((killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns) == (ino, mtime)
     for n, e in final.items():  # and every file is what its manifest entry says
@@ -357,12 +416,17 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(target_re
 
 
 def merged_frame(samples: list[StoredSample]) -> pl.DataFrame:
-    return pl.DataFrame({
-        "sample_id": [s.sample_id for s in samples], "split": [s.split for s in samples],
-        "dataset": [s.sample_id.split("/")[0] for s in samples],
-        "input_ids": [list(s.input_ids) for s in samples], "loss_mask": [list(s.loss_mask) for s in samples],
-        "n_tokens": [len(s.input_ids) for s in samples],
-    }, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
+    return pl.DataFrame(
+        {
+            "sample_id": [s.sample_id for s in samples],
+            "split": [s.split for s in samples],
+            "dataset": [s.sample_id.split("/")[0] for s in samples],
+            "input_ids": [list(s.input_ids) for s in samples],
+            "loss_mask": [list(s.loss_mask) for s in samples],
+            "n_tokens": [len(s.input_ids) for s in samples],
+        },
+        schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)},
+    )
 
 
 def test_selection_by_token_budget_and_dataset_mix():
@@ -375,7 +439,9 @@ def test_selection_by_token_budget_and_dataset_mix():
     assert half.group_by("dataset").len().sort("dataset").rows() == [("A1", 10), ("B1", 10)]
     mix = select_samples(merged, max_tokens=120, dataset_weights={"A1": 3, "B1": 1})
     assert dict(mix.group_by("dataset").len().rows()) == {"A1": 9, "B1": 3}
-    assert mix["sample_id"].to_list() == [s for s in merged["sample_id"].to_list() if s in set(mix["sample_id"].to_list())]
+    assert mix["sample_id"].to_list() == [
+        s for s in merged["sample_id"].to_list() if s in set(mix["sample_id"].to_list())
+    ]
     with pytest.raises(ValueError, match="Z9"):
         select_samples(merged, dataset_weights={"Z9": 1})
 
@@ -383,8 +449,14 @@ def test_selection_by_token_budget_and_dataset_mix():
 def test_checks_pass_on_a_good_store_and_name_what_is_wrong(target_model, tmp_path):
     samples = make_samples(6, target_model.config.vocab_size)
     merged = merged_frame(samples)
-    extract_to_store(samples, TransformersHiddenStates(target_model), tmp_path, StoreSettings(shard_bytes=1, **ROOMY), identity={},
-                     progress_every_s=3600)
+    extract_to_store(
+        samples,
+        TransformersHiddenStates(target_model),
+        tmp_path,
+        StoreSettings(shard_bytes=1, **ROOMY),
+        identity={},
+        progress_every_s=3600,
+    )
     file_checks = {name: fn for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
     for name, fn in file_checks.items():
         assert fn(tmp_path, merged).passed, name
@@ -392,7 +464,9 @@ def test_checks_pass_on_a_good_store_and_name_what_is_wrong(target_model, tmp_pa
     # A selection with one sample more than stored, and one fewer.
     count = file_checks["record_count"](tmp_path, merged.head(5))
     assert not count.passed and count.metadata["extra"] == [samples[5].sample_id]
-    longer = merged.with_columns(pl.when(pl.col("sample_id") == samples[1].sample_id).then(99).otherwise(pl.col("n_tokens")).alias("n_tokens"))
+    longer = merged.with_columns(
+        pl.when(pl.col("sample_id") == samples[1].sample_id).then(99).otherwise(pl.col("n_tokens")).alias("n_tokens")
+    )
     shapes = file_checks["shapes"](tmp_path, longer)
     assert not shapes.passed and shapes.metadata["wrong_length"] == [samples[1].sample_id]
 
@@ -424,9 +498,15 @@ def materialize_hidden_states(data_root: Path, config: dict):
 
     standin = str(data_root / "standin")
     return dg.materialize(
-        [hidden_states], raise_on_error=False, run_config={"ops": {"hidden_states": {"config": config}}},
-        resources={"store": DataStore(root=str(data_root)), "tokenizer": TokenizerResource(standin_dir=standin),
-                   "target": TargetModelResource(standin_dir=standin), "hidden_states_backend": HiddenStatesResource()},
+        [hidden_states],
+        raise_on_error=False,
+        run_config={"ops": {"hidden_states": {"config": config}}},
+        resources={
+            "store": DataStore(root=str(data_root)),
+            "tokenizer": TokenizerResource(standin_dir=standin),
+            "target": TargetModelResource(standin_dir=standin),
+            "hidden_states_backend": HiddenStatesResource(),
+        },
     )
 
 
@@ -451,7 +531,9 @@ def test_the_asset_checks_the_disk_first_then_stores_within_two_percent(data_dir
     budget = materialize_hidden_states(data_dir_with_standin, {"max_tokens": 3000, "dataset_weights": {"A1": 1}})
     assert budget.success
     meta = budget.asset_materializations_for_node("hidden_states")[0].metadata
-    assert meta["tokens"].value <= 3000 and "B1" not in {s.split("/")[0] for s in HiddenStateStore(layout.hidden_states()).index}
+    assert meta["tokens"].value <= 3000 and "B1" not in {
+        s.split("/")[0] for s in HiddenStateStore(layout.hidden_states()).index
+    }
 
     whole = materialize_hidden_states(data_dir_with_standin, {})
     assert whole.success

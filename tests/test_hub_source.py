@@ -23,13 +23,29 @@ HUB_ID = "HuggingFaceH4/ultrachat_200k"
 TRAIN = "data/train_sft-00000-of-00001.parquet"
 
 ROWS = [
-    {"prompt": "What is 2+2?", "prompt_id": "p1",
-     "messages": [{"content": "What is 2+2?", "role": "user"}, {"content": "4", "role": "assistant"}]},
-    {"prompt": "Name a colour.", "prompt_id": "p2",
-     "messages": [{"content": "Name a colour.", "role": "user"}, {"content": "Teal — a blue-green.", "role": "assistant"}]},
-    {"prompt": "Say hi", "prompt_id": "p3",
-     "messages": [{"content": "Say hi", "role": "user"}, {"content": "hi", "role": "assistant"},
-                  {"content": "again", "role": "user"}, {"content": "hi again", "role": "assistant"}]},
+    {
+        "prompt": "What is 2+2?",
+        "prompt_id": "p1",
+        "messages": [{"content": "What is 2+2?", "role": "user"}, {"content": "4", "role": "assistant"}],
+    },
+    {
+        "prompt": "Name a colour.",
+        "prompt_id": "p2",
+        "messages": [
+            {"content": "Name a colour.", "role": "user"},
+            {"content": "Teal — a blue-green.", "role": "assistant"},
+        ],
+    },
+    {
+        "prompt": "Say hi",
+        "prompt_id": "p3",
+        "messages": [
+            {"content": "Say hi", "role": "user"},
+            {"content": "hi", "role": "assistant"},
+            {"content": "again", "role": "user"},
+            {"content": "hi again", "role": "assistant"},
+        ],
+    },
 ]
 
 # Prints one JSON object: the files and rows read, or the error raised (its type and message).
@@ -50,16 +66,28 @@ def hub_env(tmp_path: Path, port: int, offline: bool = False) -> dict[str, str]:
     # Nothing of the caller's hub settings, token or proxies: only the fake hub, only loopback.
     drop = ("HF_", "HUGGING", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith(drop)}
-    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", NO_PROXY="127.0.0.1,localhost")
+    env.update(
+        HF_ENDPOINT=f"http://127.0.0.1:{port}",
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        NO_PROXY="127.0.0.1,localhost",
+    )
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     return env
 
 
 def run_snippet(env: dict[str, str], mode: str, pattern: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SNIPPET, mode, HUB_ID, pattern], check=False, cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SNIPPET, mode, HUB_ID, pattern],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -78,8 +106,20 @@ def test_resolve_files_downloads_from_the_hub_and_reads_the_cache_offline(tmp_pa
     train_bytes = build_hub(tmp_path / "hub")
     port = free_port()
     with open(tmp_path / "hub.log", "w") as log:
-        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fakes" / "hub.py"), "--root", str(tmp_path / "hub"),
-                                   "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "fakes" / "hub.py"),
+                "--root",
+                str(tmp_path / "hub"),
+                "--port",
+                str(port),
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: port_open(port), 30, "the fake hub")
         online = run_snippet(hub_env(tmp_path, port), "resolve", "data/train_sft-*.parquet")

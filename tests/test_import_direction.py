@@ -144,8 +144,13 @@ def test_imports_point_one_way_and_close_no_cycle():
 
 def test_the_checker_sees_every_module_of_both_packages():
     known = modules(REPO)
-    assert {"eagle3_assets.definitions", "eagle3_assets.operations.cli", "eagle3_assets.money",
-            "eagle3_assets.stages.completions.run", "eagle3_resources.storage"} <= set(known)
+    assert {
+        "eagle3_assets.definitions",
+        "eagle3_assets.operations.cli",
+        "eagle3_assets.money",
+        "eagle3_assets.stages.completions.run",
+        "eagle3_resources.storage",
+    } <= set(known)
     assert all(layer(m) is not None for m in known)
 
 
@@ -164,8 +169,11 @@ def add_line(path: Path, after: str, line: str) -> None:
 def test_an_upward_import_inside_a_function_is_reported(tmp_path):
     """The checker itself, on a copy of the tree with one lazy import from money up to operations."""
     root = tree_copy(tmp_path)
-    add_line(root / "eagle3_assets/money/__init__.py", "def open_ledger(layout: DataLayout) -> SpendLedger:\n",
-             "    from eagle3_assets.operations.instance import dagster_home  # noqa: F401\n")
+    add_line(
+        root / "eagle3_assets/money/__init__.py",
+        "def open_ledger(layout: DataLayout) -> SpendLedger:\n",
+        "    from eagle3_assets.operations.instance import dagster_home  # noqa: F401\n",
+    )
     found = problems(root)
     assert len(found["upward"]) == 1
     assert "eagle3_assets.money (money) imports eagle3_assets.operations.instance (operations)" in found["upward"][0]
@@ -176,17 +184,26 @@ def test_the_old_status_to_cli_cycle_is_reported(tmp_path):
     """status.py importing cli again (as it once did for `cli._ledger`) closes cli -> definitions -> quality -> status
     -> cli; the checker names that cycle."""
     root = tree_copy(tmp_path)
-    add_line(root / "eagle3_assets/operations/status.py", "def status_command(as_json_output: bool = False) -> int:\n",
-             "    from eagle3_assets.operations.cli import main  # noqa: F401\n")
+    add_line(
+        root / "eagle3_assets/operations/status.py",
+        "def status_command(as_json_output: bool = False) -> int:\n",
+        "    from eagle3_assets.operations.cli import main  # noqa: F401\n",
+    )
     found = problems(root)
     assert found["upward"] == []
-    assert found["cycles"] == ["eagle3_assets.definitions -> eagle3_assets.operations.quality -> "
-                               "eagle3_assets.operations.status -> eagle3_assets.operations.cli -> eagle3_assets.definitions"]
+    assert found["cycles"] == [
+        "eagle3_assets.definitions -> eagle3_assets.operations.quality -> "
+        "eagle3_assets.operations.status -> eagle3_assets.operations.cli -> eagle3_assets.definitions"
+    ]
 
 
 def test_resources_importing_eagle3_assets_is_upward(tmp_path):
     root = tree_copy(tmp_path)
-    add_line(root / "eagle3_resources/storage.py", "from __future__ import annotations\n",
-             "from eagle3_assets.common.registry import DATASETS  # noqa: F401\n")
+    add_line(
+        root / "eagle3_resources/storage.py",
+        "from __future__ import annotations\n",
+        "from eagle3_assets.common.registry import DATASETS  # noqa: F401\n",
+    )
     assert [p.split(": ", 1)[1] for p in problems(root)["upward"]] == [
-        "eagle3_resources.storage (eagle3_resources) imports eagle3_assets.common.registry (common)"]
+        "eagle3_resources.storage (eagle3_resources) imports eagle3_assets.common.registry (common)"
+    ]

@@ -23,8 +23,15 @@ def eagle3(args, tmp_path, data_dir):
     for var in ("EAGLE3_PROMPTS", "EAGLE3_SOURCES_DIR", "EAGLE3_TOKENIZER_DIR", "HF_HUB_OFFLINE"):
         env.pop(var, None)
     env["HF_HUB_OFFLINE"] = "1"  # a test must never reach the hub
-    return subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "prompts", *args], check=False, cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "prompts", *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.mark.timeout(1200)
@@ -34,7 +41,11 @@ def test_eagle3_prompts_real_builds_every_dataset_and_reports_rejects(tmp_path, 
     # the fixtures carry a bad row or two in a handful: far above the 5% limit, so the blocking check fails
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check reject_rate FAILED" in proc.stderr and "B5: 2 of 4 rows rejected (50.00%, limit 5.0%)" in proc.stderr
-    table = {line.split()[0]: line.split()[1:6] for line in proc.stdout.splitlines() if line[:2] in ("A1", "A2") or line[:1] == "B"}
+    table = {
+        line.split()[0]: line.split()[1:6]
+        for line in proc.stdout.splitlines()
+        if line[:2] in ("A1", "A2") or line[:1] == "B"
+    }
     assert table["B3"] == ["9", "3", "5", "0", "1"]  # rows, rejected, duplicates (4 of them B1's), filtered, selected
     assert table["B1"] == ["9", "3", "1", "1", "4"]
     raw = data_dir_with_standin / "raw_prompts"
@@ -55,7 +66,10 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
     sources = build_source_tree(tmp_path / "sources")
     with dg.instance_for_test() as instance:
         result = dg.materialize(
-            [raw_prompts, completions], partition_key="B2", instance=instance, raise_on_error=False,
+            [raw_prompts, completions],
+            partition_key="B2",
+            instance=instance,
+            raise_on_error=False,
             resources={**resources(), "store": DataStore(root=str(data_dir_with_standin))},
             run_config={"ops": {"raw_prompts": {"config": {"prompts": "real", "sources_dir": str(sources)}}}},
         )
@@ -69,8 +83,14 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
     assert meta["settings"].value["repo"] == "nvidia/OpenCodeInstruct"
 
 
-@pytest.mark.parametrize("arg, code, said", [("B3...B1", 2, "B3 comes after B1"), ("B1...B9", 2, "unknown dataset(s) ['B9']"),
-                                             ("A1,B2", 2, "must be a contiguous range")])
+@pytest.mark.parametrize(
+    "arg, code, said",
+    [
+        ("B3...B1", 2, "B3 comes after B1"),
+        ("B1...B9", 2, "unknown dataset(s) ['B9']"),
+        ("A1,B2", 2, "must be a contiguous range"),
+    ],
+)
 def test_dataset_ranges_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys, arg, code, said):
     from eagle3_assets.operations.cli import main
 

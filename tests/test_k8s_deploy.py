@@ -69,12 +69,20 @@ def step_job(step_key: str, tags: dict[str, str]) -> k8s.V1Job:
     """The Job dagster-k8s's K8sStepHandler.launch_step creates: the stage's tag merged over the code location's
     context, then construct_dagster_k8s_job (as executor.py does, less the run launcher's defaults)."""
     context = deployment_context().merge(K8sContainerContext(run_k8s_config=get_user_defined_k8s_config(tags)))
-    job_config = DagsterK8sJobConfig(job_image=IMAGE, dagster_home="/opt/dagster/dagster_home",
-                                     instance_config_map="eagle3-dagster-instance", postgres_password_secret="eagle3-postgresql")
+    job_config = DagsterK8sJobConfig(
+        job_image=IMAGE,
+        dagster_home="/opt/dagster/dagster_home",
+        instance_config_map="eagle3-dagster-instance",
+        postgres_password_secret="eagle3-postgresql",
+    )
     name = f"dagster-step-{get_k8s_job_name('0123abcd-run', step_key)}"
     return construct_dagster_k8s_job(
-        job_config=job_config, args=["dagster", "api", "execute_step"], job_name=name, pod_name=name,
-        component="step_worker", user_defined_k8s_config=context.run_k8s_config,
+        job_config=job_config,
+        args=["dagster", "api", "execute_step"],
+        job_name=name,
+        pod_name=name,
+        component="step_worker",
+        user_defined_k8s_config=context.run_k8s_config,
         labels={"dagster/job": "eagle3_pipeline", "dagster/op": step_key},
     )
 
@@ -240,11 +248,16 @@ def test_values_serve_this_code_location():
 
 
 def test_values_env_and_volumes_are_kubernetes_objects_the_code_reads():
-    for item, kind in [*((e, "V1EnvVar") for e in DEPLOYMENT["env"]), *((v, "V1Volume") for v in DEPLOYMENT["volumes"]),
-                       *((m, "V1VolumeMount") for m in DEPLOYMENT["volumeMounts"])]:
+    for item, kind in [
+        *((e, "V1EnvVar") for e in DEPLOYMENT["env"]),
+        *((v, "V1Volume") for v in DEPLOYMENT["volumes"]),
+        *((m, "V1VolumeMount") for m in DEPLOYMENT["volumeMounts"]),
+    ]:
         back = API.deserialize(SimpleNamespace(data=json.dumps(item)), kind)
         assert API.sanitize_for_serialization(back) == item, item
-    source = "\n".join(p.read_text() for folder in ("eagle3_assets", "eagle3_resources") for p in (REPO / folder).rglob("*.py"))
+    source = "\n".join(
+        p.read_text() for folder in ("eagle3_assets", "eagle3_resources") for p in (REPO / folder).rglob("*.py")
+    )
     for name in (e["name"] for e in DEPLOYMENT["env"]):
         if name.startswith("EAGLE3_"):
             assert f'"{name}"' in source, f"{name} is read nowhere in the code"
@@ -260,8 +273,11 @@ def test_values_concurrency_is_the_local_instance_s():
     assert runs["tagConcurrencyLimits"] == local["concurrency"]["runs"]["tag_concurrency_limits"]
     monitoring = VALUES["dagsterDaemon"]["runMonitoring"]
     assert monitoring["enabled"] == local["run_monitoring"]["enabled"]
-    for camel, snake in [("startTimeoutSeconds", "start_timeout_seconds"), ("cancelTimeoutSeconds", "cancel_timeout_seconds"),
-                         ("pollIntervalSeconds", "poll_interval_seconds")]:
+    for camel, snake in [
+        ("startTimeoutSeconds", "start_timeout_seconds"),
+        ("cancelTimeoutSeconds", "cancel_timeout_seconds"),
+        ("pollIntervalSeconds", "poll_interval_seconds"),
+    ]:
         assert monitoring[camel] == local["run_monitoring"][snake]
 
 
@@ -282,8 +298,11 @@ def without_remote_refs(schema):
     return schema
 
 
-@pytest.mark.skipif(not os.environ.get("EAGLE3_DAGSTER_CHART"), reason="set EAGLE3_DAGSTER_CHART to an unpacked chart: "
-                    "helm pull dagster/dagster --version 1.13.27 --untar --untardir /tmp/chart (then /tmp/chart/dagster)")
+@pytest.mark.skipif(
+    not os.environ.get("EAGLE3_DAGSTER_CHART"),
+    reason="set EAGLE3_DAGSTER_CHART to an unpacked chart: "
+    "helm pull dagster/dagster --version 1.13.27 --untar --untardir /tmp/chart (then /tmp/chart/dagster)",
+)
 def test_values_pass_the_official_chart_schema():
     import jsonschema
 
@@ -362,6 +381,7 @@ def test_deploy_yaml_passes_yamllint():
     assert yamllint, "yamllint comes with the test extras: pip install -e '.[test]'"
     config = "{extends: default, rules: {line-length: {max: 120}, document-start: disable}}"
     files = [str(REPO / "deploy" / "helm" / "values.yaml"), str(REPO / "deploy" / "dagster.yaml")]
-    result = subprocess.run([yamllint, "--strict", "-f", "parsable", "-d", config, *files], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [yamllint, "--strict", "-f", "parsable", "-d", config, *files], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -39,9 +39,29 @@ def start_fake(tmp_path, tok) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "fake.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fakes.openrouter", "--port", str(port), "--tokenizer", str(tok.folder),
-         "--api-key", KEY, "--latency-s", "1.0", "--max-rps", str(RPS), "--rate-window-s", "1.0", "--log-billing"],
-        cwd=REPO / "tests", stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "fakes.openrouter",
+            "--port",
+            str(port),
+            "--tokenizer",
+            str(tok.folder),
+            "--api-key",
+            KEY,
+            "--latency-s",
+            "1.0",
+            "--max-rps",
+            str(RPS),
+            "--rate-window-s",
+            "1.0",
+            "--log-billing",
+        ],
+        cwd=REPO / "tests",
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_for(lambda: port_open(port), 120, "the fake OpenRouter")
     return proc, f"http://127.0.0.1:{port}", log
 
@@ -63,11 +83,38 @@ def bills(log: Path) -> list[dict]:
 
 
 def spend(tmp_path, base: str, tok, data: Path, run_id: str, name: str) -> subprocess.Popen:
-    args = [sys.executable, str(WORKER), "--url", f"{base}/api/v1", "--key", KEY, "--tokenizer", str(tok.folder),
-            "--data", str(data), "--run-id", run_id, "--datasets", "K", "--prompts", str(PROMPTS),
-            "--concurrency", str(CONCURRENCY), "--max-tokens", str(MAX_TOKENS), "--stream", "0"]
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{name}.log", "w"), text=True,
-                            start_new_session=True)
+    args = [
+        sys.executable,
+        str(WORKER),
+        "--url",
+        f"{base}/api/v1",
+        "--key",
+        KEY,
+        "--tokenizer",
+        str(tok.folder),
+        "--data",
+        str(data),
+        "--run-id",
+        run_id,
+        "--datasets",
+        "K",
+        "--prompts",
+        str(PROMPTS),
+        "--concurrency",
+        str(CONCURRENCY),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--stream",
+        "0",
+    ]
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / f"{name}.log", "w"),
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -79,8 +126,11 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
         try:
             # Non-streaming requests: a generation id arrives only with the answer, so a request in flight at the kill
             # is known to the ledger by its send mark alone.
-            wait_for(lambda: stats(base)["answered"].get("200", 0) >= 2 * RPS and stats(base)["generating"], 120,
-                     "paced requests in flight")
+            wait_for(
+                lambda: stats(base)["answered"].get("200", 0) >= 2 * RPS and stats(base)["generating"],
+                120,
+                "paced requests in flight",
+            )
             # Mid-window: this window's turns were taken at its start and answers come at the next one, so nothing is
             # between its send mark and the provider, or between an answer and the journal.
             time.sleep((1.5 - time.time() % 1.0) % 1.0)
@@ -94,10 +144,14 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
         ledger = open_ledger(DataLayout(data))
         live = [r for r in ledger_rows(ledger) if r["state"] in ("reserved", "open")]
         unmarked = [r for r in live if r["sent_at"] is None]
-        in_flight = {b["attempt"] for b in bills(log) if b["kind"] == "after_disconnect"}  # the client left before its answer
-        print(f"at the kill: the provider had received {at_kill['received']} requests, was generating "
-              f"{len(at_kill['generating'])}, answered {at_kill['answered']}; the ledger held {len(live)} live attempts, "
-              f"{len(unmarked)} not marked sent")
+        in_flight = {
+            b["attempt"] for b in bills(log) if b["kind"] == "after_disconnect"
+        }  # the client left before its answer
+        print(
+            f"at the kill: the provider had received {at_kill['received']} requests, was generating "
+            f"{len(at_kill['generating'])}, answered {at_kill['answered']}; the ledger held {len(live)} live attempts, "
+            f"{len(unmarked)} not marked sent"
+        )
         assert in_flight and in_flight == set(at_kill["generating"])
         # Reservations are taken after pacing: ~40 requests were waiting for their turn, none of them reserved (the
         # few that may be between their reservation and their mark are at most one window's turns).
@@ -156,9 +210,17 @@ def test_recovery_releases_reservations_never_marked_sent(tmp_path, ledger_in, b
     else:
         env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # nothing to look up: recovery only
         env["EAGLE3_DATA_DIR"] = str(layout.root)
-        done = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "ledger", "settle"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert f"K: attempts left by a process that ended, put right: {counts}" in done.stdout, done.stdout + done.stderr
+        done = subprocess.run(
+            [sys.executable, "-m", "eagle3_assets.operations.cli", "ledger", "settle"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert f"K: attempts left by a process that ended, put right: {counts}" in done.stdout, (
+            done.stdout + done.stderr
+        )
     states = {r["attempt_id"]: r["state"] for r in ledger_rows(ledger)}
     assert [states[a] for a in ids] == ["unidentified", "unsettled"] + ["released"] * 4
     for scope in ("total", "run:r", "dataset:K"):
@@ -176,8 +238,15 @@ def test_a_ledger_written_before_send_marks_opens_and_keeps_its_live_attempts(tm
     layout = DataLayout(tmp_path / "data")
     where = os.environ.get("EAGLE3_LEDGER_URL") or str(layout.ledger())
     old = SpendLedger(where)
-    ids, _ = old.write(L.reserve, [L.Want("K-0", 1, 0.002, MAX_TOKENS), L.Want("K-1", 1, 0.003, MAX_TOKENS)], run_id="r",
-                       dataset="K", owner="gone:1", caps=Caps(), now=time.time())
+    ids, _ = old.write(
+        L.reserve,
+        [L.Want("K-0", 1, 0.002, MAX_TOKENS), L.Want("K-1", 1, 0.003, MAX_TOKENS)],
+        run_id="r",
+        dataset="K",
+        owner="gone:1",
+        caps=Caps(),
+        now=time.time(),
+    )
     old.write(L.release, ids[1], "refused", time.time())
     old.write(lambda conn: conn.execute("alter table attempts drop column sent_at"))  # as it was written then
     old.close()

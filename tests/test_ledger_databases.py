@@ -31,44 +31,85 @@ def history(ledger: SpendLedger) -> None:
         if i % 4 != 3:
             ledger.write(L.opened, attempt, f"gen-{i}")
     for i in range(0, 6):
-        ledger.write(L.settle, ids[i], cost_usd=0.001 * (i + 1), prompt_tokens=10 + i, completion_tokens=100 + i,
-                     source="stream", now=now + 1 + i, finish_reason="stop", provider="Moonshot AI")
-    assert not ledger.write(L.settle, ids[0], cost_usd=9.0, prompt_tokens=1, completion_tokens=1, source="again", now=now + 9)
+        ledger.write(
+            L.settle,
+            ids[i],
+            cost_usd=0.001 * (i + 1),
+            prompt_tokens=10 + i,
+            completion_tokens=100 + i,
+            source="stream",
+            now=now + 1 + i,
+            finish_reason="stop",
+            provider="Moonshot AI",
+        )
+    assert not ledger.write(
+        L.settle, ids[0], cost_usd=9.0, prompt_tokens=1, completion_tokens=1, source="again", now=now + 9
+    )
     ledger.write(L.release, ids[6], "refused", now + 7)
     assert ledger.write(L.unsettle, ids[7], None, "cut before its id", now + 8) == "unidentified"
     assert ledger.write(L.unsettle, ids[8], "gen-8", "cut", now + 8) == "unsettled"
     assert ledger.write(L.unsettle, ids[9], "gen-9", "cut", now + 8) == "unsettled"
     assert ledger.write(L.unsettle, ids[10], "gen-10", "cut", now + 8) == "unsettled"
-    ledger.write(L.settle, ids[10], cost_usd=0.0015, prompt_tokens=12, completion_tokens=90, source="lookup", now=now + 9,
-                 finish_reason="stop")  # a stuck attempt settled: its worst case leaves the stuck sums
+    ledger.write(
+        L.settle,
+        ids[10],
+        cost_usd=0.0015,
+        prompt_tokens=12,
+        completion_tokens=90,
+        source="lookup",
+        now=now + 9,
+        finish_reason="stop",
+    )  # a stuck attempt settled: its worst case leaves the stuck sums
     for k in range(3):
         ledger.write(L.looked_up_in_vain, ids[8], now + 10 + k)
     ledger.write(L.looked_up_in_vain, ids[9], now + 10)
     ledger.write(L.mark_recovered, [ids[3]], True)
     assert sorted(ledger.write(L.expire, now + 8 + 100, 50.0)) == sorted(
-        (a, "B6", f"p{i}") for i, a in enumerate(ids) if i in (7, 8, 9))
-    ledger.write(L.settle, ids[9], cost_usd=0.002, prompt_tokens=5, completion_tokens=50, source="lookup", now=now + 200,
-                 finish_reason="length")
+        (a, "B6", f"p{i}") for i, a in enumerate(ids) if i in (7, 8, 9)
+    )
+    ledger.write(
+        L.settle,
+        ids[9],
+        cost_usd=0.002,
+        prompt_tokens=5,
+        completion_tokens=50,
+        source="lookup",
+        now=now + 200,
+        finish_reason="length",
+    )
     ledger.write(L.set_hold, ["account balance $0.40 < minimum $0.50"], {"usage": 1.5}, {"min": 0.5}, now + 300)
     ledger.write(L.set_hold, ["daily cap"], {"usage": 2.5}, {"day": 2.0}, now + 301)  # replaced, one row
-    held, _ = ledger.write(L.reserve, [L.Want("q", 1, 0.001, 10)], run_id="r2", dataset="B7", owner="host:2", caps=CAPS,
-                           now=now + 302)
+    held, _ = ledger.write(
+        L.reserve, [L.Want("q", 1, 0.001, 10)], run_id="r2", dataset="B7", owner="host:2", caps=CAPS, now=now + 302
+    )
     assert held == []
     ledger.write(L.lift_hold, now + 400, "topped up")
 
 
 def comparable(ledger: SpendLedger) -> dict:
     """What both databases must agree on; attempt ids are random, so rows are keyed by dataset, prompt and number."""
-    rows = sorted((r["dataset"], r["prompt_id"], r["number"], {k: v for k, v in r.items() if k != "attempt_id"})
-                  for r in ledger_rows(ledger))
+    rows = sorted(
+        (r["dataset"], r["prompt_id"], r["number"], {k: v for k, v in r.items() if k != "attempt_id"})
+        for r in ledger_rows(ledger)
+    )
     scopes = ledger.read(lambda conn: sorted(conn.execute("select * from scopes").fetchall()))
-    log = ledger.read(lambda conn: [tuple(r[:2]) for r in conn.execute("select t, event from hold_log order by t").fetchall()])
+    log = ledger.read(
+        lambda conn: [tuple(r[:2]) for r in conn.execute("select t, event from hold_log order by t").fetchall()]
+    )
     figures = ledger.figures(["r1"], now=1_800_000_000.0 + 500)
-    return {"rows": rows, "scopes": scopes, "hold_log": log, "hold": ledger.hold(), "figures": figures,
-            "due": [g for _, g in ledger.read(L.due_lookups, 1_800_000_000.0 + 10_000, 10)],
-            "lost": sorted(({k: v for k, v in r.items() if k != "attempt_id"} for r in ledger.read(L.lost_answers, "B6")),
-                           key=lambda r: r["prompt_id"]),
-            "blocked": ledger.read(L.blocked_prompts, "B6")}
+    return {
+        "rows": rows,
+        "scopes": scopes,
+        "hold_log": log,
+        "hold": ledger.hold(),
+        "figures": figures,
+        "due": [g for _, g in ledger.read(L.due_lookups, 1_800_000_000.0 + 10_000, 10)],
+        "lost": sorted(
+            ({k: v for k, v in r.items() if k != "attempt_id"} for r in ledger.read(L.lost_answers, "B6")),
+            key=lambda r: r["prompt_id"],
+        ),
+        "blocked": ledger.read(L.blocked_prompts, "B6"),
+    }
 
 
 def test_one_history_gives_the_same_ledger_in_sqlite_and_postgres(tmp_path, postgres_url):
@@ -90,7 +131,9 @@ def test_one_history_gives_the_same_ledger_in_sqlite_and_postgres(tmp_path, post
     with psycopg2.connect(postgres_url) as conn, conn.cursor() as cur:
         cur.execute("select table_name from information_schema.tables where table_schema = 'eagle3_spend' order by 1")
         assert [t for (t,) in cur.fetchall()] == ["attempts", "hold", "hold_log", "meta", "scopes"]
-        cur.execute("select data_type from information_schema.columns where table_name = 'attempts' and column_name = 'cost_usd'")
+        cur.execute(
+            "select data_type from information_schema.columns where table_name = 'attempts' and column_name = 'cost_usd'"
+        )
         assert cur.fetchone() == ("double precision",)
 
 
@@ -105,8 +148,15 @@ def test_writers_on_many_connections_never_share_headroom(postgres_url):
         try:
             barrier.wait()
             for i in range(10):
-                ids, _ = ledger.write(L.reserve, [L.Want(f"w{k}-{i}", 1, 0.001, 10)], run_id=f"r{k}", dataset="B6",
-                                      owner=f"host:{k}", caps=Caps(total_usd=0.0355), now=1_800_000_000.0)
+                ids, _ = ledger.write(
+                    L.reserve,
+                    [L.Want(f"w{k}-{i}", 1, 0.001, 10)],
+                    run_id=f"r{k}",
+                    dataset="B6",
+                    owner=f"host:{k}",
+                    caps=Caps(total_usd=0.0355),
+                    now=1_800_000_000.0,
+                )
                 granted.append(len(ids))
         finally:
             ledger.close()
@@ -131,10 +181,26 @@ def test_open_ledger_follows_the_environment_and_the_writer_commits_in_postgres(
     with LedgerWriter(ledger) as writer:
         done = []
         for i in range(50):
-            writer.post(L.reserve, [L.Want(f"p{i}", 1, 0.001, 10)], run_id="r", dataset="B6", owner="h:1", caps=Caps(),
-                        now=1_800_000_000.0, on_commit=lambda ok, value: done.append(ok))
-        writer.post(L.settle, "no-such-attempt", cost_usd=1.0, prompt_tokens=1, completion_tokens=1, source="x", now=0.0,
-                    on_commit=lambda ok, value: done.append(value))
+            writer.post(
+                L.reserve,
+                [L.Want(f"p{i}", 1, 0.001, 10)],
+                run_id="r",
+                dataset="B6",
+                owner="h:1",
+                caps=Caps(),
+                now=1_800_000_000.0,
+                on_commit=lambda ok, value: done.append(ok),
+            )
+        writer.post(
+            L.settle,
+            "no-such-attempt",
+            cost_usd=1.0,
+            prompt_tokens=1,
+            completion_tokens=1,
+            source="x",
+            now=0.0,
+            on_commit=lambda ok, value: done.append(value),
+        )
     assert done == [True] * 50 + [False]  # a no-op settle of an unknown attempt returns False, committed
     assert ledger.figures().total.attempts == 50
 
@@ -146,8 +212,10 @@ def test_a_connection_the_server_dropped_is_made_again(postgres_url):
 
     def drop() -> None:
         with psycopg2.connect(postgres_url) as conn, conn.cursor() as cur:
-            cur.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name like "
-                        "'eagle3 spend ledger%' and datname = current_database() and pid <> pg_backend_pid()")
+            cur.execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity where application_name like "
+                "'eagle3 spend ledger%' and datname = current_database() and pid <> pg_backend_pid()"
+            )
             assert cur.fetchall() == [(True,)]
 
     try:
@@ -156,8 +224,15 @@ def test_a_connection_the_server_dropped_is_made_again(postgres_url):
         assert ledger.figures().total.attempts == 0  # a read, on a new connection
         assert ledger._db.conn.get_backend_pid() != first
         drop()
-        ids, _ = ledger.write(L.reserve, [L.Want("p", 1, 0.001, 10)], run_id="r", dataset="B6", owner="h:1", caps=Caps(),
-                              now=1_800_000_000.0)
+        ids, _ = ledger.write(
+            L.reserve,
+            [L.Want("p", 1, 0.001, 10)],
+            run_id="r",
+            dataset="B6",
+            owner="h:1",
+            caps=Caps(),
+            now=1_800_000_000.0,
+        )
         assert len(ids) == 1 and ledger.figures().total.attempts == 1  # a write transaction, begun on a new connection
 
         def dropped_midway(conn):
@@ -168,6 +243,7 @@ def test_a_connection_the_server_dropped_is_made_again(postgres_url):
         with pytest.raises(psycopg2.OperationalError):
             ledger.write(dropped_midway)
         assert ledger.read(lambda conn: conn.execute("select state, generation_id from attempts").fetchall()) == [
-            ("reserved", None)]
+            ("reserved", None)
+        ]
     finally:
         ledger.close()

@@ -71,8 +71,16 @@ def complete(fake, tok, layout, dataset, n, **kw):
     settings = kw.pop("settings", SamplingSettings(max_tokens=400))
     options = {k: kw.pop(k) for k in list(kw) if k not in ("concurrency", "stream", "max_attempts")}
     options.setdefault("pricing", PRICING)
-    return run_completions(dataset, synthetic(tok, dataset, n), backend(fake, **kw), settings, layout.completions_journal(dataset),
-                           ledger=open_ledger(layout), log=print, **options)
+    return run_completions(
+        dataset,
+        synthetic(tok, dataset, n),
+        backend(fake, **kw),
+        settings,
+        layout.completions_journal(dataset),
+        ledger=open_ledger(layout),
+        log=print,
+        **options,
+    )
 
 
 def complete_bills_per_prompt(fake) -> collections.Counter:
@@ -90,14 +98,20 @@ def test_a_two_dataset_run_with_a_run_cap_stays_within_it_pilots_included(tmp_pa
         "store": DataStore(root=str(data_dir_with_standin)),
         "tokenizer": TokenizerResource(standin_dir=str(data_dir_with_standin / "standin")),
         "target": TargetModelResource(standin_dir=str(data_dir_with_standin / "standin")),
-        "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=KEY),
+        "completions_backend": CompletionsResource(
+            backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=KEY
+        ),
         "spend_policy": SpendPolicy(),
     }
     with dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts, completions], instance=instance, resources=resources, raise_on_error=False,
-                                tags={ASSET_PARTITION_RANGE_START_TAG: "B6", ASSET_PARTITION_RANGE_END_TAG: "B7"},
-                                run_config={"ops": {"completions": {"config": {"max_tokens": 400, "pilot_size": 4,
-                                                                               "max_run_usd": cap}}}})
+        result = dg.materialize(
+            [raw_prompts, completions],
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+            tags={ASSET_PARTITION_RANGE_START_TAG: "B6", ASSET_PARTITION_RANGE_END_TAG: "B7"},
+            run_config={"ops": {"completions": {"config": {"max_tokens": 400, "pilot_size": 4, "max_run_usd": cap}}}},
+        )
     ledger = open_ledger(DataStore(root=str(data_dir_with_standin)).layout)
     run_scope = ledger.read(L.scope, f"run:{result.run_id}")
     print(f"billed ${fake.billing.total_usd:.6f} of a ${cap} run cap in {len(fake.billing.bills)} bills")
@@ -111,12 +125,32 @@ def test_a_two_dataset_run_with_a_run_cap_stays_within_it_pilots_included(tmp_pa
 
 
 def worker(tmp_path, fake, tok, data_dir, run_id, datasets, *, name, **kw):
-    args = [sys.executable, str(WORKER), "--url", fake.url, "--key", KEY, "--tokenizer", str(tok.folder), "--data", str(data_dir),
-            "--run-id", run_id, "--datasets", datasets]
+    args = [
+        sys.executable,
+        str(WORKER),
+        "--url",
+        fake.url,
+        "--key",
+        KEY,
+        "--tokenizer",
+        str(tok.folder),
+        "--data",
+        str(data_dir),
+        "--run-id",
+        run_id,
+        "--datasets",
+        datasets,
+    ]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{name}.log", "w"), text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / f"{name}.log", "w"),
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -126,8 +160,22 @@ def test_two_processes_started_together_on_one_total_cap_stay_within_it(tmp_path
     data = tmp_path / "data"
     cap = 0.01  # about 31 answers, or 9 worst cases of 400 completion tokens
     start = time.time() + 15.0  # both import, load the tokenizer, then start in the same instant
-    procs = [worker(tmp_path, fake, tok, data, f"run-{i}", f"D{i}", name=f"w{i}", prompts=60, total_usd=cap, start_at=start,
-                    concurrency=4) for i in range(2)]
+    procs = [
+        worker(
+            tmp_path,
+            fake,
+            tok,
+            data,
+            f"run-{i}",
+            f"D{i}",
+            name=f"w{i}",
+            prompts=60,
+            total_usd=cap,
+            start_at=start,
+            concurrency=4,
+        )
+        for i in range(2)
+    ]
     try:
         outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
     finally:
@@ -207,8 +255,17 @@ def test_a_generation_billed_30s_after_a_cancel_is_in_the_ledger_and_its_prompt_
         stop.set()
 
     threading.Thread(target=terminate_after_a_few, daemon=True).start()
-    first = complete(fake, tok, layout, "T", 12, concurrency=6, halt=lambda: "terminated by the operator" if stop.is_set() else None,
-                     halt_poll_s=0.1, on_terminate="cancel")
+    first = complete(
+        fake,
+        tok,
+        layout,
+        "T",
+        12,
+        concurrency=6,
+        halt=lambda: "terminated by the operator" if stop.is_set() else None,
+        halt_poll_s=0.1,
+        on_terminate="cancel",
+    )
     cancelled_at = time.monotonic()
     assert first.attempt_outcomes.get("unsettled", 0) > 0, first.attempt_outcomes
     unsettled = {r["prompt_id"] for r in ledger_rows(ledger) if r["state"] == "unsettled"}
@@ -265,10 +322,14 @@ def test_a_never_found_generation_stays_unsettled_and_blocks_its_prompt_until_th
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize(("ledger_in", "kill_after_s"), [*(("sqlite", s) for s in (0.2, 0.7, 1.5, 3.0, 6.0, 10.0)),
-                                                         ("postgres", 1.5)], indirect=["ledger_in"])
-def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_answer_twice(tmp_path, tok, serve, ledger_in,
-                                                                                        kill_after_s):
+@pytest.mark.parametrize(
+    ("ledger_in", "kill_after_s"),
+    [*(("sqlite", s) for s in (0.2, 0.7, 1.5, 3.0, 6.0, 10.0)), ("postgres", 1.5)],
+    indirect=["ledger_in"],
+)
+def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_answer_twice(
+    tmp_path, tok, serve, ledger_in, kill_after_s
+):
     fake = serve(latency_s=0.2, chunk_latency_s=0.05, mean_reasoning_words=30)
     data = tmp_path / "data"
     run_id = f"run-{uuid.uuid4().hex[:8]}"
@@ -291,8 +352,10 @@ def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_ans
     out, _ = resume.communicate(timeout=600)
     assert resume.returncode == 0, (tmp_path / "resume.log").read_text()[-3000:]
     problems = bills_not_in_ledger(fake, ledger)
-    print(f"killed {kill_after_s}s in with {killed_bills} bills; {len(fake.billing.bills)} after the resume; "
-          f"{ledger.figures().unidentified} cut before their id; {problems}")
+    print(
+        f"killed {kill_after_s}s in with {killed_bills} bills; {len(fake.billing.bills)} after the resume; "
+        f"{ledger.figures().unidentified} cut before their id; {problems}"
+    )
     assert problems == []  # every bill the fake wrote is in the ledger
     assert max(complete_bills_per_prompt(fake).values()) == 1  # no finished answer bought twice
     assert fake.billing.total_usd <= cap  # the run cap held across the two processes
@@ -302,8 +365,11 @@ def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_ans
     rows = ledger_rows(ledger)
     by_generation = {r["generation_id"]: r for r in rows if r["generation_id"]}
     by_attempt = {r["attempt_id"]: r for r in rows}
-    held = sum(b.cost for b in fake.billing.bills
-               if (by_generation.get(b.id) or by_attempt.get(getattr(b, "attempt", None) or "", {})).get("state") != "settled")
+    held = sum(
+        b.cost
+        for b in fake.billing.bills
+        if (by_generation.get(b.id) or by_attempt.get(getattr(b, "attempt", None) or "", {})).get("state") != "settled"
+    )
     assert figures.runs[run_id].settled_usd + held == pytest.approx(fake.billing.total_usd, rel=1e-9)
     done = sum(len(final_results(DataLayout(data).completions_journal(d))[0]) for d in ("K1", "K2"))
     assert done + figures.unidentified == 160  # all answered, but prompts cut before their generation id was known
@@ -311,11 +377,13 @@ def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_ans
 
 # -- prices, projection, configuration ---------------------------------------------------------------------------------
 
-ENDPOINTS = json.dumps([
-    {"provider_name": "Moonshot AI", "quantization": "int4", "price_prompt": 0.60e-6, "price_completion": 2.50e-6},
-    {"provider_name": "Fireworks", "quantization": "fp8", "price_prompt": 0.90e-6, "price_completion": 3.00e-6},
-    {"provider_name": "Cheap FP4", "quantization": "fp4", "price_prompt": 0.30e-6, "price_completion": 9.00e-6},
-])
+ENDPOINTS = json.dumps(
+    [
+        {"provider_name": "Moonshot AI", "quantization": "int4", "price_prompt": 0.60e-6, "price_completion": 2.50e-6},
+        {"provider_name": "Fireworks", "quantization": "fp8", "price_prompt": 0.90e-6, "price_completion": 3.00e-6},
+        {"provider_name": "Cheap FP4", "quantization": "fp4", "price_prompt": 0.30e-6, "price_completion": 9.00e-6},
+    ]
+)
 
 
 def test_prices_come_from_the_api_for_the_endpoints_the_routing_allows(serve):
@@ -334,9 +402,14 @@ def test_prices_come_from_the_api_for_the_endpoints_the_routing_allows(serve):
     assert {e.provider for e in default.endpoints} == {"Moonshot AI", "Fireworks"}
     assert default.pricing().prompt == pytest.approx(0.90e-6) and default.pricing().completion == pytest.approx(3.00e-6)
     capped = ProviderRouting(max_price=MaxPrice(prompt=0.7, completion=2.6), sort="price")
-    assert capped.to_request()["max_price"] == {"prompt": 0.7, "completion": 2.6} and capped.to_request()["sort"] == "price"
+    assert (
+        capped.to_request()["max_price"] == {"prompt": 0.7, "completion": 2.6}
+        and capped.to_request()["sort"] == "price"
+    )
     cheap = asyncio.run(sheet(capped))  # what OpenRouter may route to under max_price: the worst case admission uses
-    assert [e.provider for e in cheap.endpoints] == ["Moonshot AI"] and cheap.pricing().completion == pytest.approx(2.50e-6)
+    assert [e.provider for e in cheap.endpoints] == ["Moonshot AI"] and cheap.pricing().completion == pytest.approx(
+        2.50e-6
+    )
     assert any("Fireworks" in x and "max_price" in x for x in cheap.excluded)
 
 
@@ -345,14 +418,24 @@ def materialize_b6(data_dir, fake, config, **resource):
         "store": DataStore(root=str(data_dir)),
         "tokenizer": TokenizerResource(standin_dir=str(data_dir / "standin")),
         "target": TargetModelResource(standin_dir=str(data_dir / "standin")),
-        "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=KEY,
-                                                   **resource),
+        "completions_backend": CompletionsResource(
+            backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=KEY, **resource
+        ),
         "spend_policy": SpendPolicy(),
     }
     with dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, resources=resources,
-                                raise_on_error=False, run_config={"ops": {"completions": {"config": config}}})
-        failure = next((e.event_specific_data.error.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"), None)
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="B6",
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+            run_config={"ops": {"completions": {"config": config}}},
+        )
+        failure = next(
+            (e.event_specific_data.error.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"),
+            None,
+        )
         materialization = result.asset_materializations_for_node("completions")
         return result, failure, (materialization[0].metadata if materialization else None)
 
@@ -361,7 +444,9 @@ def test_a_pilot_billed_above_the_listed_prices_stops_the_run_before_the_rest(da
     fake = serve(billed_price_factor=1.3)  # this provider bills 30% above what the endpoint list advertises
     result, failure, _ = materialize_b6(data_dir_with_standin, fake, {"pilot_size": 4, "max_tokens": 400})
     assert not result.success and "pilot" in failure
-    checks = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    checks = [
+        e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    ]
     pilot = next(c for c in checks if c.check_name == "pilot")
     assert not pilot.passed and "every cap would be priced wrong" in pilot.description
     assert len(fake.billing.requests) == 4  # only the pilot was bought
@@ -369,18 +454,24 @@ def test_a_pilot_billed_above_the_listed_prices_stops_the_run_before_the_rest(da
 
 def test_the_projection_is_recorded_and_stops_a_partition_that_would_cost_too_much(data_dir_with_standin, serve):
     fake = serve(latency_s=0.05)
-    result, failure, _ = materialize_b6(data_dir_with_standin, fake, {"pilot_size": 4, "max_tokens": 400,
-                                                                      "max_projected_usd": 0.001})
+    result, failure, _ = materialize_b6(
+        data_dir_with_standin, fake, {"pilot_size": 4, "max_tokens": 400, "max_projected_usd": 0.001}
+    )
     assert not result.success and "more than max_projected_usd $0.00" in failure and "should cost about $" in failure
     assert len(fake.billing.requests) == 4
     # Raised: the rest is sent, and the projection made after the pilot is close to what it then cost.
-    result, _, metadata = materialize_b6(data_dir_with_standin, fake, {"pilot_size": 4, "max_tokens": 400, "max_projected_usd": 1.0})
+    result, _, metadata = materialize_b6(
+        data_dir_with_standin, fake, {"pilot_size": 4, "max_tokens": 400, "max_projected_usd": 1.0}
+    )
     assert result.success
     rest = sum(b.cost for b in fake.billing.bills[4:])
     assert "projection" not in metadata  # the pilot passed in the first run: no new pilot, no new projection
     ledger = open_ledger(DataStore(root=str(data_dir_with_standin)).layout)
-    first_projection = [r for r in read_journal(data_dir_with_standin / "completions" / "B6" / "journal.jsonl").records
-                        if r.get("type") == "projection"]
+    first_projection = [
+        r
+        for r in read_journal(data_dir_with_standin / "completions" / "B6" / "journal.jsonl").records
+        if r.get("type") == "projection"
+    ]
     assert first_projection and first_projection[0]["usd"] == pytest.approx(rest, rel=0.35)
     assert bills_not_in_ledger(fake, ledger) == []
 
@@ -396,13 +487,25 @@ def test_a_partial_launchpad_config_keeps_the_backend_the_environment_chose(monk
 
     @dg.asset
     def probe(completions_backend: CompletionsResource) -> None:
-        seen.update(kind=completions_backend.backend_kind(), concurrency=completions_backend.concurrency,
-                    backend=type(completions_backend.make_backend(None, lambda: None)).__name__,
-                    sources=completions_backend.sources())
+        seen.update(
+            kind=completions_backend.backend_kind(),
+            concurrency=completions_backend.concurrency,
+            backend=type(completions_backend.make_backend(None, lambda: None)).__name__,
+            sources=completions_backend.sources(),
+        )
 
     defs = dg.Definitions(assets=[probe], resources={"completions_backend": CompletionsResource(backend="openrouter")})
     job = defs.get_implicit_global_asset_job_def()
-    assert job.execute_in_process(run_config={"resources": {"completions_backend": {"config": {"concurrency": 2000}}}}).success
-    assert seen == {"kind": "openrouter", "concurrency": 2000, "backend": "OpenRouterBackend",
-                    "sources": {"backend": "$EAGLE3_COMPLETIONS_BACKEND", "openrouter_base_url": "$OPENROUTER_BASE_URL",
-                                "sglang_url": "default"}}
+    assert job.execute_in_process(
+        run_config={"resources": {"completions_backend": {"config": {"concurrency": 2000}}}}
+    ).success
+    assert seen == {
+        "kind": "openrouter",
+        "concurrency": 2000,
+        "backend": "OpenRouterBackend",
+        "sources": {
+            "backend": "$EAGLE3_COMPLETIONS_BACKEND",
+            "openrouter_base_url": "$OPENROUTER_BASE_URL",
+            "sglang_url": "default",
+        },
+    }

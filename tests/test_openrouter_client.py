@@ -9,6 +9,7 @@ import time
 
 import pytest
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
+from support import bills_not_in_ledger, ledger_rows, wait_for
 
 from eagle3_assets.money import Caps, Pricing, SpendLedger
 from eagle3_assets.stages.completions.run import final_results, run_completions
@@ -25,7 +26,6 @@ from eagle3_resources.completions.types import (
 )
 from eagle3_resources.errors import RunFatalError, StreamError
 from eagle3_resources.journal import read_journal
-from support import bills_not_in_ledger, ledger_rows, wait_for
 
 KEY = "k-test"
 PRICING = Pricing(0.60e-6, 2.50e-6)  # the fake's prices
@@ -52,8 +52,16 @@ def ledger_of(tmp_path) -> SpendLedger:
 def run(server, tok, tmp_path, reqs, settings=None, **kw):
     options = {k: kw.pop(k) for k in ("caps", "pricing", "resend_unsettled", "unsettled_wait_s", "run_id") if k in kw}
     options.setdefault("pricing", Pricing(0.60e-6, 2.50e-6))
-    return run_completions("T", reqs, backend_for(server, **kw), settings or SamplingSettings(max_tokens=4096),
-                           tmp_path / "journal.jsonl", ledger=ledger_of(tmp_path), log=print, **options)
+    return run_completions(
+        "T",
+        reqs,
+        backend_for(server, **kw),
+        settings or SamplingSettings(max_tokens=4096),
+        tmp_path / "journal.jsonl",
+        ledger=ledger_of(tmp_path),
+        log=print,
+        **options,
+    )
 
 
 def billed_in_ledger(tmp_path) -> float:
@@ -84,11 +92,26 @@ def requests_per_prompt(server):
 
 
 def test_sse_keepalives_usage_chunk_and_done():
-    lines = [": OPENROUTER PROCESSING", "", 'data: {"id": "gen-1", "choices": [{"delta": {"role": "assistant", "content": ""}}]}', "",
-             'data: {"choices": [{"delta": {"reasoning": "thin"}}]}', "", ": OPENROUTER PROCESSING", "",
-             'data: {"choices": [{"delta": {"reasoning": "king"}}]}', "", 'data: {"choices": [{"delta": {"content": "ok"}}]}', "",
-             'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}', "",
-             'data: {"choices": [], "usage": {"completion_tokens": 5, "cost": 0.01}}', "", "data: [DONE]", ""]
+    lines = [
+        ": OPENROUTER PROCESSING",
+        "",
+        'data: {"id": "gen-1", "choices": [{"delta": {"role": "assistant", "content": ""}}]}',
+        "",
+        'data: {"choices": [{"delta": {"reasoning": "thin"}}]}',
+        "",
+        ": OPENROUTER PROCESSING",
+        "",
+        'data: {"choices": [{"delta": {"reasoning": "king"}}]}',
+        "",
+        'data: {"choices": [{"delta": {"content": "ok"}}]}',
+        "",
+        'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}',
+        "",
+        'data: {"choices": [], "usage": {"completion_tokens": 5, "cost": 0.01}}',
+        "",
+        "data: [DONE]",
+        "",
+    ]
     folded, decoder = StreamedResponse(), SSEDecoder()
     for line in lines:
         fold_events(decoder.line(line), folded)
@@ -101,22 +124,50 @@ def test_sse_keepalives_usage_chunk_and_done():
 def test_sse_error_chunk_midstream():
     folded, decoder = StreamedResponse(), SSEDecoder()
     with pytest.raises(StreamError, match="mid-stream"):
-        for line in ['data: {"choices": [{"delta": {"content": "a"}}]}', 'data: {"error": {"code": 502, "message": "down"}}']:
+        for line in [
+            'data: {"choices": [{"delta": {"content": "a"}}]}',
+            'data: {"error": {"code": 502, "message": "down"}}',
+        ]:
             fold_events(decoder.line(line), folded)
 
 
 def test_sse_tool_call_deltas_are_joined():
     folded = StreamedResponse()
-    folded.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "functions.f:0", "function": {"name": "f", "arguments": "{\"a\""}}]}}]})
-    folded.add({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls"}]})
+    folded.add(
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "id": "functions.f:0", "function": {"name": "f", "arguments": '{"a"'}}
+                        ]
+                    }
+                }
+            ]
+        }
+    )
+    folded.add(
+        {
+            "choices": [
+                {
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                    "finish_reason": "tool_calls",
+                }
+            ]
+        }
+    )
     call = folded.as_body()["choices"][0]["message"]["tool_calls"][0]
-    assert call["id"] == "functions.f:0" and call["function"] == {"name": "f", "arguments": "{\"a\": 1}"}
+    assert call["id"] == "functions.f:0" and call["function"] == {"name": "f", "arguments": '{"a": 1}'}
 
 
 # -- outcome classes -----------------------------------------------------------------------
 
 
-RETRYABLE = [(f, stream) for f in ("rate_429", "rate_503", "rate_408", "rate_500", "rate_reset", "rate_truncate") for stream in (True, False)]
+RETRYABLE = [
+    (f, stream)
+    for f in ("rate_429", "rate_503", "rate_408", "rate_500", "rate_reset", "rate_truncate")
+    for stream in (True, False)
+]
 RETRYABLE += [("rate_error_200", False), ("rate_error_midstream", True)]  # an error inside HTTP 200 / inside the stream
 
 
@@ -152,7 +203,11 @@ def test_a_broken_non_streaming_request_is_not_resent(tok, fake, tmp_path):
 
 @pytest.mark.parametrize(
     "setting, status, error_code",
-    [("rate_content_filter", "filtered", None), ("rate_finish_error", "failed", "finish:502"), ("rate_empty", "failed", "empty")],
+    [
+        ("rate_content_filter", "filtered", None),
+        ("rate_finish_error", "failed", "finish:502"),
+        ("rate_empty", "failed", "empty"),
+    ],
 )
 def test_per_sample_outcomes_are_recorded_and_never_resent(tok, fake, tmp_path, setting, status, error_code):
     server, thread = fake(**{setting: 1.0})
@@ -172,8 +227,15 @@ def test_length_and_bad_request_are_per_sample(tok, fake, tmp_path):
     server, thread = fake(context_limit=5000)
     result = run(thread, tok, tmp_path, synthetic_requests(tok, 3), settings=SamplingSettings(max_tokens=4))
     assert result.results["truncated"] == 3
-    result = run_completions("T2", synthetic_requests(tok, 3, "big"), backend_for(thread), SamplingSettings(max_tokens=9000),
-                             tmp_path / "big.jsonl", ledger=ledger_of(tmp_path), log=print)
+    result = run_completions(
+        "T2",
+        synthetic_requests(tok, 3, "big"),
+        backend_for(thread),
+        SamplingSettings(max_tokens=9000),
+        tmp_path / "big.jsonl",
+        ledger=ledger_of(tmp_path),
+        log=print,
+    )
     assert result.results["failed"] == 3 and dict(result.errors) == {"400@-": 3}
     assert server.billing.statuses.count(400) == 3  # never re-sent
 
@@ -205,7 +267,9 @@ def test_one_throttle_shrinks_concurrency_a_little_and_successes_restore_it():
 )
 def test_run_fatal_errors_stop_admission_at_once(tok, fake, tmp_path, kw, server_kw, status):
     server, thread = fake(**server_kw)
-    settings = SamplingSettings(provider=ProviderRouting(only=["NoSuchProvider"])) if status == "404" else SamplingSettings()
+    settings = (
+        SamplingSettings(provider=ProviderRouting(only=["NoSuchProvider"])) if status == "404" else SamplingSettings()
+    )
     with pytest.raises(RunFatalError, match=status):
         run(thread, tok, tmp_path, synthetic_requests(tok, 200), settings=settings, concurrency=4, **kw)
     if status == "404":
@@ -219,8 +283,15 @@ def test_run_fatal_errors_stop_admission_at_once(tok, fake, tmp_path, kw, server
 def test_inflight_402_is_retried_after_retry_after(tok, fake, tmp_path):
     # Credit for ~3 worst-case requests at a time: the rest get the in-flight 402 and wait.
     server, thread = fake(credit_usd=0.04, latency_s=0.05)
-    result = run(thread, tok, tmp_path, synthetic_requests(tok, 12), settings=SamplingSettings(max_tokens=4096),
-                 concurrency=12, max_attempts=60)
+    result = run(
+        thread,
+        tok,
+        tmp_path,
+        synthetic_requests(tok, 12),
+        settings=SamplingSettings(max_tokens=4096),
+        concurrency=12,
+        max_attempts=60,
+    )
     assert 402 in server.billing.statuses and result.results["ok"] == 12
 
 
@@ -248,8 +319,16 @@ def test_dollar_cap_is_never_overshot_and_is_reported(tok, fake, tmp_path, on_ca
     pricing = Pricing(prompt=0.60e-6, completion=2.50e-6)
     settings = SamplingSettings(max_tokens=400)
     cap = 0.003  # about 3 requests' worst case; actual answers cost much less
-    result = run(thread, tok, tmp_path, synthetic_requests(tok, 60), settings=settings, concurrency=8,
-                 caps=Caps(run_usd=cap, on_cap=on_cap), pricing=pricing)
+    result = run(
+        thread,
+        tok,
+        tmp_path,
+        synthetic_requests(tok, 60),
+        settings=settings,
+        concurrency=8,
+        caps=Caps(run_usd=cap, on_cap=on_cap),
+        pricing=pricing,
+    )
     assert result.stopped_by and "run dollar cap $0.00" in result.stopped_by
     assert server.billing.total_usd <= cap + 1e-12
     assert result.cost_usd <= cap and 0 < result.sent < 60
@@ -260,14 +339,29 @@ def test_dollar_cap_is_never_overshot_and_is_reported(tok, fake, tmp_path, on_ca
 def test_total_cap_counts_the_whole_ledger(tok, fake, tmp_path):
     _, thread = fake()
     pricing = Pricing(prompt=0.60e-6, completion=2.50e-6)
-    result = run(thread, tok, tmp_path, synthetic_requests(tok, 20), settings=SamplingSettings(max_tokens=200),
-                 caps=Caps(total_usd=1.0), pricing=pricing)
+    result = run(
+        thread,
+        tok,
+        tmp_path,
+        synthetic_requests(tok, 20),
+        settings=SamplingSettings(max_tokens=200),
+        caps=Caps(total_usd=1.0),
+        pricing=pricing,
+    )
     assert result.results["ok"] == 20
     spent = billed_in_ledger(tmp_path)
     # Another dataset, another run: the total cap sees what every earlier run billed.
-    result = run_completions("U", synthetic_requests(tok, 20, "q"), backend_for(thread), SamplingSettings(max_tokens=200),
-                             tmp_path / "other.jsonl", ledger=ledger_of(tmp_path), caps=Caps(total_usd=spent + 1e-6),
-                             pricing=pricing, log=print)
+    result = run_completions(
+        "U",
+        synthetic_requests(tok, 20, "q"),
+        backend_for(thread),
+        SamplingSettings(max_tokens=200),
+        tmp_path / "other.jsonl",
+        ledger=ledger_of(tmp_path),
+        caps=Caps(total_usd=spent + 1e-6),
+        pricing=pricing,
+        log=print,
+    )
     assert result.sent == 0 and "total dollar cap" in result.stopped_by
 
 
@@ -293,8 +387,16 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     threading.Thread(target=interrupt, daemon=True).start()
     ledger = ledger_of(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        run_completions("T", reqs, backend_for(thread, concurrency=32), SamplingSettings(max_tokens=4096), journal,
-                        ledger=ledger, pricing=PRICING, log=print)
+        run_completions(
+            "T",
+            reqs,
+            backend_for(thread, concurrency=32),
+            SamplingSettings(max_tokens=4096),
+            journal,
+            ledger=ledger,
+            pricing=PRICING,
+            log=print,
+        )
     stopped_in = time.monotonic() - sent_at["t"]
     assert stopped_in < 2.0, stopped_in
     time.sleep(0.3)  # let the server account for the streams it saw cancelled
@@ -310,8 +412,16 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     seen = {info.attempt for info in server.billing.request_info}
     held = {r["attempt_id"] for r in ledger_rows(ledger) if r["state"] in ("unsettled", "unidentified")}
     assert {r["attempt_id"] for r in aborted if r["attempt_id"] in seen} <= held <= {r["attempt_id"] for r in aborted}
-    again = run_completions("T", reqs, backend_for(thread, concurrency=32), SamplingSettings(max_tokens=4096), journal,
-                            ledger=ledger, pricing=PRICING, log=print)
+    again = run_completions(
+        "T",
+        reqs,
+        backend_for(thread, concurrency=32),
+        SamplingSettings(max_tokens=4096),
+        journal,
+        ledger=ledger,
+        pricing=PRICING,
+        log=print,
+    )
     # The resume looked up the cancelled streams' bills before sending their prompts again (an answer the provider had
     # finished is fetched from its stored content instead of being bought twice); a stream cut before its generation
     # id reached us cannot be looked up, and its prompt waits (blocked) for the horizon.
@@ -320,9 +430,10 @@ def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, t
     assert again.blocked == ledger.figures().unidentified
     counts = requests_per_prompt(server)
     done_before = {r["prompt_id"] for r in records if r.get("type") == "result" and r["status"] == "ok"}
-    assert all(counts[f"Question number {int(p[1:])}: what is {int(p[1:])} plus {int(p[1:])}?"] == 1 for p in done_before)
+    assert all(
+        counts[f"Question number {int(p[1:])}: what is {int(p[1:])} plus {int(p[1:])}?"] == 1 for p in done_before
+    )
     assert bills_not_in_ledger(server, ledger) == []  # every dollar the server billed, cancelled streams included
-
 
 
 # -- the fake server's account endpoints and billing -----------------------------------------
@@ -346,7 +457,9 @@ def test_fake_account_endpoints_lag_and_move_the_wrong_way_once(tok, fake, tmp_p
         assert third < second  # and once moves the wrong way
         assert client.get("/credits").status_code == 403  # needs a management key
         gen = server.billing.bills[0].id
-        assert client.get("/generation", params={"id": gen}).json()["data"]["total_cost"] == server.billing.bills[0].cost
+        assert (
+            client.get("/generation", params={"id": gen}).json()["data"]["total_cost"] == server.billing.bills[0].cost
+        )
 
 
 def test_fake_bills_a_non_streaming_request_after_its_client_left(tok, fake):
@@ -357,9 +470,15 @@ def test_fake_bills_a_non_streaming_request_after_its_client_left(tok, fake):
     server, thread = fake(latency_s=0.5)
 
     async def leave_early():
-        async with httpx.AsyncClient(base_url=f"{thread.base_url}/api/v1", headers={"Authorization": f"Bearer {KEY}"}) as c:
+        async with httpx.AsyncClient(
+            base_url=f"{thread.base_url}/api/v1", headers={"Authorization": f"Bearer {KEY}"}
+        ) as c:
             with pytest.raises(httpx.TimeoutException):
-                await c.post("/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=0.1)
+                await c.post(
+                    "/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    timeout=0.1,
+                )
 
     asyncio.run(leave_early())
     wait_for(lambda: server.billing.bills, 30, "the fake to bill the abandoned request")

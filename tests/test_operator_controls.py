@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections import namedtuple
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
@@ -61,16 +61,32 @@ def resources_for(data_dir, fake_url, **backend):
         "store": DataStore(root=str(data_dir)),
         "tokenizer": TokenizerResource(standin_dir=standin),
         "target": TargetModelResource(standin_dir=standin),
-        "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY, **backend),
+        "completions_backend": CompletionsResource(
+            backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY, **backend
+        ),
         "spend_policy": SpendPolicy(),
     }
 
 
 def completion_frame(rows):
     base = {c: None for c in COMPLETION_COLUMNS}
-    return pl.DataFrame([{**base, "dataset": "T", "prompt_id": f"p{i}", "status": "ok", "cost_usd": 0.0, "attempts": 1,
-                          "messages_json": json.dumps([{"role": "user", "content": f"q{i}"}]), "content": f"a{i}", **r}
-                         for i, r in enumerate(rows)], schema=COMPLETION_COLUMNS)
+    return pl.DataFrame(
+        [
+            {
+                **base,
+                "dataset": "T",
+                "prompt_id": f"p{i}",
+                "status": "ok",
+                "cost_usd": 0.0,
+                "attempts": 1,
+                "messages_json": json.dumps([{"role": "user", "content": f"q{i}"}]),
+                "content": f"a{i}",
+                **r,
+            }
+            for i, r in enumerate(rows)
+        ],
+        schema=COMPLETION_COLUMNS,
+    )
 
 
 # -- checks: pass on good data, fail on crafted bad data -----------------------------------
@@ -80,28 +96,47 @@ def test_completion_checks_pass_on_good_and_fail_on_bad_data():
     good = completion_frame([{}] * 40)
     for name, (fn, _) in COMPLETION_CHECKS.items():
         assert fn(good).passed, name
-    assert not COMPLETION_CHECKS["complete"][0](completion_frame([{}] * 40 + [{"status": "pending", "content": None}])).passed
-    assert not COMPLETION_CHECKS["error_rate"][0](completion_frame([{}] * 30 + [{"status": "failed", "error_code": "502"}] * 5)).passed
-    assert not COMPLETION_CHECKS["truncated_share"][0](completion_frame([{}] * 30 + [{"status": "truncated"}] * 6)).passed
+    assert not COMPLETION_CHECKS["complete"][0](
+        completion_frame([{}] * 40 + [{"status": "pending", "content": None}])
+    ).passed
+    assert not COMPLETION_CHECKS["error_rate"][0](
+        completion_frame([{}] * 30 + [{"status": "failed", "error_code": "502"}] * 5)
+    ).passed
+    assert not COMPLETION_CHECKS["truncated_share"][0](
+        completion_frame([{}] * 30 + [{"status": "truncated"}] * 6)
+    ).passed
     dup = completion_frame([{}] * 10 + [{"messages_json": json.dumps([{"role": "user", "content": "q0"}])}])
     assert not COMPLETION_CHECKS["no_duplicates"][0](dup).passed
 
 
 def test_checks_judge_each_dataset_of_a_multi_partition_run_on_its_own():
     # B1: 6 of 30 failed (20%); B2..B5: none of 120. Together 6 of 150 = 4%, under the 5% limit.
-    bad = completion_frame([{}] * 24 + [{"status": "failed", "error_code": "502"}] * 6).with_columns(dataset=pl.lit("B1"))
-    good = [completion_frame([{}] * 30).with_columns(dataset=pl.lit(f"B{i}"), prompt_id=pl.format("g{}", "prompt_id"))
-            for i in range(2, 6)]
+    bad = completion_frame([{}] * 24 + [{"status": "failed", "error_code": "502"}] * 6).with_columns(
+        dataset=pl.lit("B1")
+    )
+    good = [
+        completion_frame([{}] * 30).with_columns(dataset=pl.lit(f"B{i}"), prompt_id=pl.format("g{}", "prompt_id"))
+        for i in range(2, 6)
+    ]
     df = pl.concat([bad, *good])
     assert COMPLETION_CHECKS["error_rate"][0](df).passed  # the aggregate would hide B1
-    outcomes = per_dataset(COMPLETION_CHECKS, {d: part for (d,), part in df.partition_by("dataset", as_dict=True).items()})
+    outcomes = per_dataset(
+        COMPLETION_CHECKS, {d: part for (d,), part in df.partition_by("dataset", as_dict=True).items()}
+    )
     assert [d for d, o in outcomes.items() if not o["error_rate"].passed] == ["B1"]
     assert outcomes["B1"]["error_rate"].description.startswith("6 of 30 completions failed (20.0%")
 
 
 def test_training_checks_pass_on_good_and_fail_on_bad_data(tmp_path):
-    merged = pl.DataFrame({"dataset": ["A1", "A2"], "input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]],
-                           "n_tokens": [3, 2], "completion_len": [2, 1]})
+    merged = pl.DataFrame(
+        {
+            "dataset": ["A1", "A2"],
+            "input_ids": [[1, 2, 3], [4, 5]],
+            "loss_mask": [[0, 1, 1], [0, 1]],
+            "n_tokens": [3, 2],
+            "completion_len": [2, 1],
+        }
+    )
     assert dataset_mix(merged, ["A1", "A2"]).passed and not dataset_mix(merged, ["A1", "A2", "B1"]).passed
     assert token_totals(merged).passed
     assert not token_totals(merged.with_columns(loss_mask=pl.Series([[0, 0, 0], [0, 1]]))).passed
@@ -120,12 +155,17 @@ def test_a_pilot_of_malformed_data_stops_the_partition(tmp_path, data_dir_with_s
     pilot, concurrency = 5, 3
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
         result = dg.materialize(
-            [raw_prompts, completions], partition_key="A2", instance=instance, raise_on_error=False,
+            [raw_prompts, completions],
+            partition_key="A2",
+            instance=instance,
+            raise_on_error=False,
             resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1", concurrency=concurrency),
             run_config={"ops": {"completions": {"config": {"pilot_size": pilot}}}},
         )
         assert not result.success  # the blocking pilot check failed the run
-        evaluations = [e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+        evaluations = [
+            e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
     assert len(fake.billing.requests) <= pilot + concurrency
     pilot_check = next(e for e in evaluations if e.check_name == "pilot")
     assert not pilot_check.passed and "with tools" in pilot_check.description
@@ -158,9 +198,18 @@ def test_the_run_queue_holds_a_second_run_of_a_dataset_however_it_was_launched(t
 def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp_path, data_dir_with_standin, tok):
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY))
     journal = data_dir_with_standin / "completions" / "B7" / "journal.jsonl"
-    with ServerThread(fake.app) as server, dg.instance_for_test() as instance, partition_lock(journal, "run-holding-b7"):
-        result = dg.materialize([raw_prompts, completions], partition_key="B7", instance=instance, raise_on_error=False,
-                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"))
+    with (
+        ServerThread(fake.app) as server,
+        dg.instance_for_test() as instance,
+        partition_lock(journal, "run-holding-b7"),
+    ):
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="B7",
+            instance=instance,
+            raise_on_error=False,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+        )
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "B7 is being completed by run run-holding-b7" in failure.event_specific_data.error.message
@@ -169,19 +218,29 @@ def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp
 
 @pytest.mark.parametrize("how", ["hold", "terminate"])
 @pytest.mark.parametrize("pilot_size", [0, 8])
-def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(tmp_path, data_dir_with_standin, tok, how,
-                                                                              pilot_size):
+def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(
+    tmp_path, data_dir_with_standin, tok, how, pilot_size
+):
     # `dagster asset materialize` and `eagle3 run` execute in-process: the launcher cannot signal them, so the
     # completions run polls for the hold and for its own CANCELING status (what terminate from the UI sets).
     # With a pilot the halt comes during the pilot: it gets no verdict and the rest is not started.
-    reason = {"hold": "spending hold: account balance $0.40 < minimum $0.50", "terminate": "the run is being cancelled"}[how]
+    reason = {
+        "hold": "spending hold: account balance $0.40 < minimum $0.50",
+        "terminate": "the run is being cancelled",
+    }[how]
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.3, chunk_latency_s=0.1))
     held = {}
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
+
         def hold_after_a_few():
             wait_for(lambda: len(fake.billing.requests) >= 4, 300, "the first answers")
             if how == "hold":
-                set_hold(open_ledger(DataStore(root=str(data_dir_with_standin)).layout), ["account balance $0.40 < minimum $0.50"], {}, {})
+                set_hold(
+                    open_ledger(DataStore(root=str(data_dir_with_standin)).layout),
+                    ["account balance $0.40 < minimum $0.50"],
+                    {},
+                    {},
+                )
             else:
                 (run,) = instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
                 instance.report_run_canceling(run)
@@ -189,9 +248,14 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(t
 
         holder = threading.Thread(target=hold_after_a_few)
         holder.start()
-        result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, raise_on_error=False,
-                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1", concurrency=2),
-                                run_config={"ops": {"completions": {"config": {"pilot_size": pilot_size, "max_tokens": 48}}}})
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="B6",
+            instance=instance,
+            raise_on_error=False,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1", concurrency=2),
+            run_config={"ops": {"completions": {"config": {"pilot_size": pilot_size, "max_tokens": 48}}}},
+        )
         stopped_in = time.monotonic() - held["t"]
         holder.join()
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
@@ -199,7 +263,9 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(t
     assert f"halted: {reason}" in failure.event_specific_data.error.message
     records = read_journal(data_dir_with_standin / "completions" / "B6" / "journal.jsonl").records
     assert records[-1]["type"] == "end" and records[-1]["stopped_by"] == f"halted: {reason}"
-    assert [r["type"] for r in records if r.get("type") in ("start", "pilot")] == ["start"]  # one batch, no pilot verdict
+    assert [r["type"] for r in records if r.get("type") in ("start", "pilot")] == [
+        "start"
+    ]  # one batch, no pilot verdict
     received = len(fake.billing.requests)  # requests the server received, finished or not
     assert held["received"] <= received < 28 and received - held["received"] <= 4  # at most one poll (1 s) of new ones
     print(f"halted {stopped_in:.1f}s after the {how}; {received - held['received']} requests sent after it")
@@ -213,13 +279,18 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, rate_finish_error=0.3, seed=5))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
         result = dg.materialize(
-            [raw_prompts, completions], partition_key="B6", instance=instance,
+            [raw_prompts, completions],
+            partition_key="B6",
+            instance=instance,
             resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
             run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}},
         )
         assert result.success
-        failed = [e.asset_check_evaluation_data for e in result.all_events
-                  if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.asset_check_evaluation_data.passed]
+        failed = [
+            e.asset_check_evaluation_data
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.asset_check_evaluation_data.passed
+        ]
         assert {e.check_name for e in failed} == {"error_rate", "truncated_share"}
         sink = AlertSink(webhook_url=webhook.url)
         from eagle3_assets.definitions import defs
@@ -230,24 +301,39 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
         assert len(webhook.alerts) == len(failed)
         titles = sorted(a["title"] for a in webhook.alerts)
         assert titles == ["Check failed: completions.error_rate [B6]", "Check failed: completions.truncated_share [B6]"]
-        in_run_log = [e.message for e in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
-                      if e.message.startswith("ALERT ")]  # also in the log of the run that failed the check
+        in_run_log = [
+            e.message
+            for e in instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
+            if e.message.startswith("ALERT ")
+        ]  # also in the log of the run that failed the check
         assert sorted(m.splitlines()[0] for m in in_run_log) == ["ALERT " + t for t in titles]
         error_alert = next(a for a in webhook.alerts if "error_rate" in a["title"])
         assert error_alert["figures"]["failed"] > 0 and "share_pct" in error_alert["figures"] and "text" in error_alert
-        again = check_failure_alert(dg.build_sensor_context(instance=instance, cursor=first.cursor, resources={"alerts": sink},
-                                                            repository_def=repo))
-        assert len(webhook.alerts) == len(failed) and again.cursor == first.cursor  # one alert per failure, not per tick
+        again = check_failure_alert(
+            dg.build_sensor_context(
+                instance=instance, cursor=first.cursor, resources={"alerts": sink}, repository_def=repo
+            )
+        )
+        assert (
+            len(webhook.alerts) == len(failed) and again.cursor == first.cursor
+        )  # one alert per failure, not per tick
 
         # Two more runs fail the same checks between two ticks (re-materializing resumes: nothing is re-sent):
         # each failure is alerted, none collapsed into the latest.
         for _ in range(2):
-            dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance,
-                           resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
-                           run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}})
+            dg.materialize(
+                [raw_prompts, completions],
+                partition_key="B6",
+                instance=instance,
+                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+                run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}},
+            )
         webhook.alerts.clear()
-        check_failure_alert(dg.build_sensor_context(instance=instance, cursor=again.cursor, resources={"alerts": sink},
-                                                    repository_def=repo))
+        check_failure_alert(
+            dg.build_sensor_context(
+                instance=instance, cursor=again.cursor, resources={"alerts": sink}, repository_def=repo
+            )
+        )
         assert sorted(a["title"] for a in webhook.alerts) == sorted(titles * 2)
         assert len({a["figures"]["run_id"] for a in webhook.alerts}) == 2
 
@@ -255,16 +341,27 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
 def test_failed_run_alert(tmp_path, data_dir_with_standin, tok, webhook):
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, prompt_token_offset=9))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts, completions], partition_key="A2", instance=instance, raise_on_error=False,
-                                resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
-                                run_config={"ops": {"completions": {"config": {"pilot_size": 4}}}})
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="A2",
+            instance=instance,
+            raise_on_error=False,
+            resources=resources_for(data_dir_with_standin, f"{server.base_url}/api/v1"),
+            run_config={"ops": {"completions": {"config": {"pilot_size": 4}}}},
+        )
         run = instance.get_run_by_id(result.run_id)
-        failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE) \
-            if any(e.event_type == dg.DagsterEventType.RUN_FAILURE for e in result.all_events) else \
-            instance.all_logs(result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
-        context = dg.build_run_status_sensor_context(sensor_name="run_failure_alert", dagster_event=failure,
-                                                     dagster_instance=instance, dagster_run=run,
-                                                     resources={"alerts": AlertSink(webhook_url=webhook.url)}).for_run_failure()
+        failure = (
+            next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE)
+            if any(e.event_type == dg.DagsterEventType.RUN_FAILURE for e in result.all_events)
+            else instance.all_logs(result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
+        )
+        context = dg.build_run_status_sensor_context(
+            sensor_name="run_failure_alert",
+            dagster_event=failure,
+            dagster_instance=instance,
+            dagster_run=run,
+            resources={"alerts": AlertSink(webhook_url=webhook.url)},
+        ).for_run_failure()
         run_failure_alert(context)
     assert len(webhook.alerts) == 1
     alert = webhook.alerts[0]
@@ -280,11 +377,19 @@ def test_schedule_requests_exactly_the_missing_partitions():
         for done in ("A1", "B2", "B7"):
             instance.report_runless_asset_event(dg.AssetMaterialization("token_ids", partition=done))
         # In flight: a run for B5, and a UI backfill's run over B3..B4 (tagged with a range, no partition tag).
-        busy = [{PARTITION_NAME_TAG: "B5"}, {ASSET_PARTITION_RANGE_START_TAG: "B3", ASSET_PARTITION_RANGE_END_TAG: "B4"}]
+        busy = [
+            {PARTITION_NAME_TAG: "B5"},
+            {ASSET_PARTITION_RANGE_START_TAG: "B3", ASSET_PARTITION_RANGE_END_TAG: "B4"},
+        ]
         for tags in busy:
-            instance.add_run(dg.DagsterRun(job_name="eagle3_pipeline", run_id=str(uuid.uuid4()), tags=tags,
-                                           status=dg.DagsterRunStatus.STARTED))
-        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=timezone.utc))
+            instance.add_run(
+                dg.DagsterRun(
+                    job_name="eagle3_pipeline", run_id=str(uuid.uuid4()), tags=tags, status=dg.DagsterRunStatus.STARTED
+                )
+            )
+        context = dg.build_schedule_context(
+            instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC)
+        )
         requests = missing_partitions_nightly(context)
     assert sorted(r.partition_key for r in requests) == sorted(set(DATASETS) - {"A1", "B2", "B7", "B3", "B4", "B5"})
     assert len({r.run_key for r in requests}) == len(requests)
@@ -297,8 +402,9 @@ def test_schedule_requests_exactly_the_missing_partitions():
 # Both modes, both instance storages, in two runs (each is a minute or more): the hold mode's path does not depend on
 # where the instance keeps its runs.
 @pytest.mark.parametrize(("storage", "hold_mode"), [("sqlite", "drain"), ("postgres", "cancel")])
-def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_standin, tok, monkeypatch, request, storage,
-                                                   hold_mode):
+def test_credit_sensor_halts_spending_and_holds_it(
+    tmp_path, data_dir_with_standin, tok, monkeypatch, request, storage, hold_mode
+):
     from dagster_graphql import DagsterGraphQLClient
 
     # With storage "postgres" the instance (runs, sensor ticks, the queue) is in a real PostgreSQL server.
@@ -308,20 +414,35 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
         monkeypatch.delenv("EAGLE3_POSTGRES_URL", raising=False)
 
     # Credit for about 10 answers; the sensor must hold spending once less than $0.0040 remains.
-    fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, credit_usd=0.006, latency_s=0.4, chunk_latency_s=0.1,
-                                            price_completion=2.5e-5))
+    fake = FakeOpenRouter(
+        tok, FakeSettings(api_key=KEY, credit_usd=0.006, latency_s=0.4, chunk_latency_s=0.1, price_completion=2.5e-5)
+    )
     home = tmp_path / "home"
     home.mkdir()
     ledger = open_ledger(DataStore(root=str(data_dir_with_standin)).layout)
     journal = data_dir_with_standin / "completions" / "B6" / "journal.jsonl"
     with ServerThread(fake.app) as server:
         url = f"{server.base_url}/api/v1"
-        env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir_with_standin), PYTHONUNBUFFERED="1",
-                   EAGLE3_COMPLETIONS_BACKEND="openrouter", OPENROUTER_BASE_URL=url, OPENROUTER_API_KEY=KEY,
-                   EAGLE3_MIN_BALANCE_USD="0.004", EAGLE3_HOLD_MODE=hold_mode)
+        env = dict(
+            os.environ,
+            DAGSTER_HOME=str(home),
+            EAGLE3_DATA_DIR=str(data_dir_with_standin),
+            PYTHONUNBUFFERED="1",
+            EAGLE3_COMPLETIONS_BACKEND="openrouter",
+            OPENROUTER_BASE_URL=url,
+            OPENROUTER_API_KEY=KEY,
+            EAGLE3_MIN_BALANCE_USD="0.004",
+            EAGLE3_HOLD_MODE=hold_mode,
+        )
         port = free_port()
-        dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
-                               stdout=open(tmp_path / "dev.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        dev = subprocess.Popen(
+            [sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=open(tmp_path / "dev.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         monkeypatch.setenv("DAGSTER_HOME", str(home))
         try:
             client = DagsterGraphQLClient("127.0.0.1", port_number=port, timeout=60)
@@ -329,8 +450,11 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
             run_id = None
             while run_id is None:
                 try:
-                    run_id = client.submit_job_execution("eagle3_pipeline", tags={"dagster/partition": "B6"},
-                                                         run_config={"ops": {"completions": {"config": {"pilot_size": 0, "max_tokens": 48}}}})
+                    run_id = client.submit_job_execution(
+                        "eagle3_pipeline",
+                        tags={"dagster/partition": "B6"},
+                        run_config={"ops": {"completions": {"config": {"pilot_size": 0, "max_tokens": 48}}}},
+                    )
                 except Exception:
                     if time.monotonic() > deadline:
                         raise
@@ -347,24 +471,42 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
                 else:  # drained: admission stopped at the hold, in-flight requests finished and were kept
                     assert run.status == dg.DagsterRunStatus.FAILURE
                     failure = instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE)[0]
-                    assert "halted: spending hold: account balance" in failure.dagster_event.event_specific_data.error.message
-                    records = read_journal(journal).records  # nothing in flight was cancelled (retries were refused, unpaid)
-                    assert not [r for r in records if r.get("status") == "aborted" and r.get("error_code") == "cancelled"]
+                    assert (
+                        "halted: spending hold: account balance"
+                        in failure.dagster_event.event_specific_data.error.message
+                    )
+                    records = read_journal(
+                        journal
+                    ).records  # nothing in flight was cancelled (retries were refused, unpaid)
+                    assert not [
+                        r for r in records if r.get("status") == "aborted" and r.get("error_code") == "cancelled"
+                    ]
                 hold = get_hold(ledger)
-                assert "account balance" in hold["reasons"][0] and hold["figures"]["account"]["limit_remaining_usd"] < 0.004
+                assert (
+                    "account balance" in hold["reasons"][0]
+                    and hold["figures"]["account"]["limit_remaining_usd"] < 0.004
+                )
                 records = read_journal(journal).records
                 assert records[-1]["type"] == "end"  # the journal is intact and closed
                 # The hold bites in the next admission (it is read in the ledger's own transaction): the requests the
                 # server saw after the sensor set it were at most those already admitted (concurrency 256 here).
                 spent_requests = len(fake.billing.requests)
-                print(f"{hold_mode}: run stopped {stopped_in:.1f}s after the hold; {spent_requests - received_at_hold} requests "
-                      "reached the server after it")
+                print(
+                    f"{hold_mode}: run stopped {stopped_in:.1f}s after the hold; {spent_requests - received_at_hold} requests "
+                    "reached the server after it"
+                )
 
                 # While the hold stands, a new spending run does not spend.
-                second = client.submit_job_execution("eagle3_pipeline", tags={"dagster/partition": "B6"},
-                                                     run_config={"ops": {"completions": {"config": {"max_tokens": 48}}}})
+                second = client.submit_job_execution(
+                    "eagle3_pipeline",
+                    tags={"dagster/partition": "B6"},
+                    run_config={"ops": {"completions": {"config": {"max_tokens": 48}}}},
+                )
                 wait_for(lambda: instance.get_run_by_id(second).is_finished, 120, "the second run to be stopped")
-                assert instance.get_run_by_id(second).status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)
+                assert instance.get_run_by_id(second).status in (
+                    dg.DagsterRunStatus.CANCELED,
+                    dg.DagsterRunStatus.FAILURE,
+                )
                 assert len(fake.billing.requests) == spent_requests
 
                 # Top up: the sensor lifts the hold by itself once no threshold is crossed any more.
@@ -377,9 +519,13 @@ def test_credit_sensor_halts_spending_and_holds_it(tmp_path, data_dir_with_stand
         assert spent_requests - received_at_hold <= 8
         assert stopped_in < (15 if hold_mode == "cancel" else 60)
         with dg.instance_for_test() as instance:
-            result = dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance,
-                                    resources=resources_for(data_dir_with_standin, url),
-                                    run_config={"ops": {"completions": {"config": {"max_tokens": 400}}}})
+            result = dg.materialize(
+                [raw_prompts, completions],
+                partition_key="B6",
+                instance=instance,
+                resources=resources_for(data_dir_with_standin, url),
+                run_config={"ops": {"completions": {"config": {"max_tokens": 400}}}},
+            )
         assert result.success
         done, _ = final_results(journal)
         assert len(done) == 28

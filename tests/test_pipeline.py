@@ -23,7 +23,9 @@ ASSETS = ["raw_prompts", "completions", "token_ids", "merged_dataset", "hidden_s
 
 
 def env_for(tmp_path, data_dir):
-    env = dict(os.environ, DAGSTER_HOME=str(tmp_path / "dagster_home"), EAGLE3_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ, DAGSTER_HOME=str(tmp_path / "dagster_home"), EAGLE3_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1"
+    )
     for var in ("EAGLE3_COMPLETIONS_BACKEND", "EAGLE3_TOKENIZER_DIR", "EAGLE3_TARGET_DIR", "OPENROUTER_API_KEY"):
         env.pop(var, None)
     return env
@@ -32,8 +34,14 @@ def env_for(tmp_path, data_dir):
 @pytest.mark.timeout(1800)
 def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_dir_with_standin):
     env = env_for(tmp_path, data_dir_with_standin)
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6,B7"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1700)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6,B7"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SUCCESS" in proc.stdout
 
@@ -46,7 +54,9 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
                 assert instance.get_latest_materialization_event(dg.AssetKey(key)) is not None, key
             for ds in ("B6", "B7"):
                 assert ds in instance.get_materialized_partitions(dg.AssetKey("token_ids"))
-            meta = instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter")).asset_materialization.metadata
+            meta = instance.get_latest_materialization_event(
+                dg.AssetKey("eagle3_drafter")
+            ).asset_materialization.metadata
             assert_each_dataset_has_its_own_figures_and_checks(instance, data_dir_with_standin, ("B6", "B7"))
     finally:
         os.environ.pop("DAGSTER_HOME", None)
@@ -72,23 +82,33 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
 
 def assert_each_dataset_has_its_own_figures_and_checks(instance, data_dir, datasets):
     """One run over several datasets: each dataset's page shows its own rows, path, preview and checks."""
-    for asset, file in (("raw_prompts", "raw_prompts/{}.parquet"), ("completions", "completions/{}.parquet"),
-                        ("token_ids", "token_ids/{}.parquet")):
+    for asset, file in (
+        ("raw_prompts", "raw_prompts/{}.parquet"),
+        ("completions", "completions/{}.parquet"),
+        ("token_ids", "token_ids/{}.parquet"),
+    ):
         rows = {ds: pl.read_parquet(data_dir / file.format(ds)).height for ds in datasets}
         assert len(set(rows.values())) > 1, rows  # else equal figures could not tell the datasets apart
         for ds in datasets:
-            records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[ds]), limit=1)
+            records = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[ds]), limit=1
+            )
             meta = records.records[0].asset_materialization.metadata
             assert meta["rows"].value == rows[ds], (asset, ds)
             assert meta["path"].value == str(data_dir / file.format(ds)), (asset, ds)
             others = [d for d in datasets if d != ds]
-            assert f"{ds}-" in meta["preview"].value and not any(f"{d}-" in meta["preview"].value for d in others), (asset, ds)
+            assert f"{ds}-" in meta["preview"].value and not any(f"{d}-" in meta["preview"].value for d in others), (
+                asset,
+                ds,
+            )
         if asset == "completions":  # the local backend's settings, not OpenRouter's routing
             settings = meta["request_settings"].value
             assert "provider" not in settings and "kimi" not in settings["model"], settings
             assert len(repr(meta["this_run_duration_s"].value).split(".")[-1]) <= 1
         for name in CHECK_NAMES[asset]:
-            history = instance.event_log_storage.get_asset_check_execution_history(dg.AssetCheckKey(dg.AssetKey(asset), name), limit=20)
+            history = instance.event_log_storage.get_asset_check_execution_history(
+                dg.AssetCheckKey(dg.AssetKey(asset), name), limit=20
+            )
             by_partition = {r.event.dagster_event.asset_check_evaluation_data.partition: r for r in history if r.event}
             assert set(datasets) <= set(by_partition), (asset, name, list(by_partition))
             for ds in datasets:
@@ -96,28 +116,44 @@ def assert_each_dataset_has_its_own_figures_and_checks(instance, data_dir, datas
                 assert description.startswith(f"{ds}: ") and not unquoted_special_tokens(description), description
 
 
-CHECK_NAMES = {"raw_prompts": ["reject_rate"], "completions": ["complete", "pilot", "error_rate"],
-               "token_ids": ["billed_completion_tokens_match", "separator_and_end_token", "no_leaked_special_tokens"]}
+CHECK_NAMES = {
+    "raw_prompts": ["reject_rate"],
+    "completions": ["complete", "pilot", "error_rate"],
+    "token_ids": ["billed_completion_tokens_match", "separator_and_end_token", "no_leaked_special_tokens"],
+}
 
 
 def test_definitions_validate(tmp_path):
     env = env_for(tmp_path, tmp_path / "data")
     os.makedirs(env["DAGSTER_HOME"])
-    proc = subprocess.run([str(Path(sys.executable).with_name("dagster")), "definitions", "validate", "-w", "workspace.yaml"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("dagster")), "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "All code locations passed validation" in proc.stderr + proc.stdout
 
 
 def test_bad_prompt_file_fails_raw_prompts_before_anything_downstream(tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n')
+    bad.write_text(
+        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n'
+    )
     spec = DatasetSpec(name="A1", prompt_file=bad, format="messages", kind="chat")
     monkeypatch.setattr("eagle3_assets.stages.raw_prompts.asset.DATASETS", {"A1": spec})
     with dg.instance_for_test() as instance:
-        result = dg.materialize([raw_prompts, completions], partition_key="A1", instance=instance,
-                                resources={**resources(), "store": DataStore(root=str(tmp_path / "data"))}, raise_on_error=False,
-                                selection=[raw_prompts, completions])
+        result = dg.materialize(
+            [raw_prompts, completions],
+            partition_key="A1",
+            instance=instance,
+            resources={**resources(), "store": DataStore(root=str(tmp_path / "data"))},
+            raise_on_error=False,
+            selection=[raw_prompts, completions],
+        )
     assert not result.success
     failure = result.failure_data_for_node("raw_prompts")
     assert f"{bad}:2: b: message 1: unknown role 'robot'" in failure.user_failure_data.description

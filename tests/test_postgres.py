@@ -31,8 +31,14 @@ def query(url: str, sql: str) -> list[tuple]:
 
 def clean_env(home: Path, url: str | None) -> dict[str, str]:
     env = dict(os.environ, DAGSTER_HOME=str(home), PYTHONUNBUFFERED="1")
-    for var in ("EAGLE3_POSTGRES_URL", "EAGLE3_COMPLETIONS_BACKEND", "EAGLE3_TOKENIZER_DIR", "EAGLE3_TARGET_DIR",
-                "OPENROUTER_API_KEY", "EAGLE3_EXECUTOR"):
+    for var in (
+        "EAGLE3_POSTGRES_URL",
+        "EAGLE3_COMPLETIONS_BACKEND",
+        "EAGLE3_TOKENIZER_DIR",
+        "EAGLE3_TARGET_DIR",
+        "OPENROUTER_API_KEY",
+        "EAGLE3_EXECUTOR",
+    ):
         env.pop(var, None)
     if url:
         env["EAGLE3_POSTGRES_URL"] = url
@@ -64,7 +70,10 @@ def test_the_team_instance_keeps_runs_events_schedules_and_slots_in_postgres(pos
         assert isinstance(instance.run_coordinator, QueuedRunCoordinator)
         queue = instance.get_concurrency_config().run_queue_config
         assert queue.max_concurrent_runs == 4
-        assert {limit["key"] for limit in queue.tag_concurrency_limits} == {"dagster/partition", "dagster/asset_partition_range_start"}
+        assert {limit["key"] for limit in queue.tag_concurrency_limits} == {
+            "dagster/partition",
+            "dagster/asset_partition_range_start",
+        }
         instance.add_run(dg.DagsterRun(job_name="probe", run_id="0" * 36))
     # What the server holds: the gpu pool's limit (shown on the UI's Concurrency page) and the run just added.
     assert query(postgres_url, 'select concurrency_key, "limit" from concurrency_limits') == [("gpu", 1)]
@@ -94,14 +103,26 @@ def test_a_home_that_disagrees_with_the_variable_is_refused(tmp_path, postgres_u
 @pytest.mark.timeout(1800)
 def test_eagle3_run_on_postgres_records_its_run_and_assets_there(tmp_path, data_dir_with_standin, postgres_url):
     env = clean_env(tmp_path / "dagster_home", postgres_url) | {"EAGLE3_DATA_DIR": str(data_dir_with_standin)}
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1700)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     [(run_id, status)] = query(postgres_url, "select run_id, status from runs")
     assert status == "SUCCESS" and run_id in proc.stdout
     stored = query(postgres_url, "select asset_key from asset_keys")
-    assert {json.loads(key)[0] for (key,) in stored} >= {"raw_prompts", "completions", "token_ids", "merged_dataset",
-                                                          "hidden_states", "eagle3_drafter"}
+    assert {json.loads(key)[0] for (key,) in stored} >= {
+        "raw_prompts",
+        "completions",
+        "token_ids",
+        "merged_dataset",
+        "hidden_states",
+        "eagle3_drafter",
+    }
     # The GPU stages took the pool's one slot in the database and gave it back.
     assert query(postgres_url, "select count(*) from concurrency_slots where concurrency_key = 'gpu'") == [(1,)]
     assert query(postgres_url, "select count(*) from concurrency_slots where run_id is not null") == [(0,)]
@@ -149,25 +170,48 @@ def overlap(a: tuple[float, float, str | None], b: tuple[float, float, str | Non
 
 
 @pytest.mark.timeout(900)
-def test_two_eagle3_dev_on_one_instance_run_one_daemon_that_keeps_the_dataset_queue_and_the_gpu_pool(tmp_path, postgres_url):
+def test_two_eagle3_dev_on_one_instance_run_one_daemon_that_keeps_the_dataset_queue_and_the_gpu_pool(
+    tmp_path, postgres_url
+):
     # Dagster runs one daemon per instance: two dequeue the same queued run, which is then launched twice (measured:
     # a run marked failed while its step ran). So a second `eagle3 dev` on a team's instance serves the UI only.
     home = tmp_path / "dagster_home"
-    env = clean_env(home, postgres_url) | {"EAGLE3_TEST_STEP_LOG": str(tmp_path / "steps.jsonl"), "EAGLE3_TEST_STEP_SECONDS": "15"}
+    env = clean_env(home, postgres_url) | {
+        "EAGLE3_TEST_STEP_LOG": str(tmp_path / "steps.jsonl"),
+        "EAGLE3_TEST_STEP_SECONDS": "15",
+    }
     devs = []
 
     def dev(name: str) -> subprocess.Popen:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port), "--workspace", str(WORKSPACE)],
-                                cwd=REPO, env=env, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eagle3_assets.operations.cli",
+                "dev",
+                "--port",
+                str(port),
+                "--workspace",
+                str(WORKSPACE),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=open(tmp_path / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         devs.append(proc)
         wait_for(lambda: port_open(port), 180, f"{name}'s UI", every=0.5)
         return proc
 
     try:
         dev("first")
-        wait_for(lambda: query(postgres_url, "select count(*) from daemon_heartbeats") != [(0,)], 180, "the daemon's heartbeat")
+        wait_for(
+            lambda: query(postgres_url, "select count(*) from daemon_heartbeats") != [(0,)],
+            180,
+            "the daemon's heartbeat",
+        )
         dev("second")
         assert "starting the UI only" in (tmp_path / "second.log").read_text()
         assert len(daemons_of(home)) == 1, daemons_of(home)

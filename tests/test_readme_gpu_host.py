@@ -25,7 +25,7 @@ def gpu_host_section() -> str:
     text = (REPO / "README.md").read_text()
     start = text.index("\n## GPU host")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 def section_commands() -> list[tuple[str, str]]:
@@ -100,11 +100,18 @@ def test_every_command_without_a_gpu_is_run_here():
     runnable = {c for c, comment in commands if not needs_gpu(comment)}
     assert runnable == set(RUNNERS), (
         f"in the README but run by no test: {sorted(runnable - set(RUNNERS))}; "
-        f"run here but no longer in the README: {sorted(set(RUNNERS) - runnable)}")
+        f"run here but no longer in the README: {sorted(set(RUNNERS) - runnable)}"
+    )
     # Each GPU command is a real command, not prose: it starts with a program this project ships or installs.
     for command, comment in commands:
         if needs_gpu(comment):
-            assert shlex.split(command)[0] in {"export", "python", "python3.12", ".venv/bin/eagle3", ".venv/bin/python"}, command
+            assert shlex.split(command)[0] in {
+                "export",
+                "python",
+                "python3.12",
+                ".venv/bin/eagle3",
+                ".venv/bin/python",
+            }, command
 
 
 @pytest.mark.timeout(1800)

@@ -29,7 +29,8 @@ CAP_USD = 0.003  # about 10 of B6's 28 worst cases ($0.0082 in all): the cap, no
 
 @pytest.mark.timeout(600)
 def test_a_run_capped_in_dagster_never_bills_beyond_its_cap_when_every_answer_costs_its_worst_case(
-        data_dir_with_standin, tok, monkeypatch):
+    data_dir_with_standin, tok, monkeypatch
+):
     for var in ("EAGLE3_MAX_RUN_USD", "EAGLE3_MAX_DAY_USD", "EAGLE3_MAX_TOTAL_USD", "EAGLE3_MIN_BALANCE_USD"):
         monkeypatch.delenv(var, raising=False)
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.1, mean_reasoning_words=400))
@@ -39,14 +40,21 @@ def test_a_run_capped_in_dagster_never_bills_beyond_its_cap_when_every_answer_co
             "store": store,
             "tokenizer": TokenizerResource(standin_dir=str(data_dir_with_standin / "standin")),
             "target": TargetModelResource(standin_dir=str(data_dir_with_standin / "standin")),
-            "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=f"{server.base_url}/api/v1",
-                                                       openrouter_api_key=KEY),
+            "completions_backend": CompletionsResource(
+                backend="openrouter", openrouter_base_url=f"{server.base_url}/api/v1", openrouter_api_key=KEY
+            ),
             "spend_policy": SpendPolicy(),
         }
-        result = dg.materialize([raw_prompts, completions], instance=instance, resources=resources, partition_key="B6",
-                                raise_on_error=False,
-                                run_config={"ops": {"completions": {"config": {"max_tokens": MAX_TOKENS, "pilot_size": 0,
-                                                                               "max_run_usd": CAP_USD}}}})
+        result = dg.materialize(
+            [raw_prompts, completions],
+            instance=instance,
+            resources=resources,
+            partition_key="B6",
+            raise_on_error=False,
+            run_config={
+                "ops": {"completions": {"config": {"max_tokens": MAX_TOKENS, "pilot_size": 0, "max_run_usd": CAP_USD}}}
+            },
+        )
     bills = fake.billing.bills
     billed = fake.billing.total_usd
     print(f"{len(bills)} bills, ${billed:.6f} billed under a ${CAP_USD} run cap")

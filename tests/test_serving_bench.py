@@ -36,22 +36,60 @@ bench = load_bench()
 
 # ----------------------------------------------------------------------------------------------- commands
 
+
 def test_baseline_command_exact():
     assert bench.server_command("/models/Kimi-K2.5", port=30000, python="python") == [
-        "python", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5", "--tp-size", "8",
-        "--trust-remote-code", "--host", "127.0.0.1", "--port", "30000",
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/Kimi-K2.5",
+        "--tp-size",
+        "8",
+        "--trust-remote-code",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30000",
     ]
 
 
 def test_eagle3_command_exact():
-    cmd = bench.server_command("/models/Kimi-K2.5", port=30001, draft_model_path="/data/eagle3/eagle3_drafter",
-                               mem_fraction_static=0.8, extra_args=["--attention-backend", "flashinfer"], python="python")
+    cmd = bench.server_command(
+        "/models/Kimi-K2.5",
+        port=30001,
+        draft_model_path="/data/eagle3/eagle3_drafter",
+        mem_fraction_static=0.8,
+        extra_args=["--attention-backend", "flashinfer"],
+        python="python",
+    )
     assert cmd == [
-        "python", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5", "--tp-size", "8",
-        "--trust-remote-code", "--host", "127.0.0.1", "--port", "30001", "--mem-fraction-static", "0.8",
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/data/eagle3/eagle3_drafter",
-        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-        "--attention-backend", "flashinfer",
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/Kimi-K2.5",
+        "--tp-size",
+        "8",
+        "--trust-remote-code",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30001",
+        "--mem-fraction-static",
+        "0.8",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/data/eagle3/eagle3_drafter",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--attention-backend",
+        "flashinfer",
     ]
 
 
@@ -63,31 +101,61 @@ def test_more_draft_tokens_than_the_tree_holds_is_refused():
 def test_dry_run_prints_both_commands_and_imports_nothing_heavy():
     """The script runs on a host without this project's extras: no sglang, dagster, polars or pyarrow at import."""
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-path", "/models/Kimi-K2.5", "--draft-model-path", "/data/eagle3/eagle3_drafter",
-         "--python", "python3", "--port", "30000", "--dry-run"],
-        capture_output=True, text=True, timeout=60, check=True,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-path",
+            "/models/Kimi-K2.5",
+            "--draft-model-path",
+            "/data/eagle3/eagle3_drafter",
+            "--python",
+            "python3",
+            "--port",
+            "30000",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     lines = out.splitlines()
     assert lines[0] == "# baseline" and lines[2] == "# eagle3"
     assert shlex.split(lines[1]) == bench.server_command("/models/Kimi-K2.5", port=30000, python="python3")
-    assert shlex.split(lines[3]) == bench.server_command("/models/Kimi-K2.5", port=30000, python="python3",
-                                                         draft_model_path="/data/eagle3/eagle3_drafter")
+    assert shlex.split(lines[3]) == bench.server_command(
+        "/models/Kimi-K2.5", port=30000, python="python3", draft_model_path="/data/eagle3/eagle3_drafter"
+    )
     probe = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('b', {str(SCRIPT)!r})\n"
         "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
         "print(sorted(m for m in ('sglang', 'dagster', 'polars', 'pyarrow', 'torch') if m in sys.modules))\n"
     )
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert loaded.strip() == "[]"
 
 
 # ------------------------------------------------------------------------------------------------ summary
 
+
 def test_summarize_aggregates_accept_length_as_sum_over_sum():
     records = [
-        {"completion_tokens": 60, "spec_verify_ct": 20, "spec_accept_length": 3.0, "latency_s": 1.0, "finish_reason": "length"},
-        {"completion_tokens": 30, "spec_verify_ct": 15, "spec_accept_length": 2.0, "latency_s": 2.0, "finish_reason": "stop"},
+        {
+            "completion_tokens": 60,
+            "spec_verify_ct": 20,
+            "spec_accept_length": 3.0,
+            "latency_s": 1.0,
+            "finish_reason": "length",
+        },
+        {
+            "completion_tokens": 30,
+            "spec_verify_ct": 15,
+            "spec_accept_length": 2.0,
+            "latency_s": 2.0,
+            "finish_reason": "stop",
+        },
     ]
     s = bench.summarize(records, wall_s=3.0, baseline_tokens_per_s=10.0)
     assert s["accept_length"] == pytest.approx(90 / 35)  # not the mean of the ratios, 2.5
@@ -101,15 +169,22 @@ def test_summarize_aggregates_accept_length_as_sum_over_sum():
 
 def test_jsonl_prompts_keep_the_split_and_cut_at_prompt_len(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"sample_id": "a", "split": "eval", "input_ids": [1, 2, 3, 4], "prompt_len": 2},
-        {"sample_id": "b", "split": "train", "input_ids": [9, 9]},
-        {"sample_id": "c", "prompt_ids": [5, 6]},
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"sample_id": "a", "split": "eval", "input_ids": [1, 2, 3, 4], "prompt_len": 2},
+                {"sample_id": "b", "split": "train", "input_ids": [9, 9]},
+                {"sample_id": "c", "prompt_ids": [5, 6]},
+            ]
+        )
+        + "\n"
+    )
     assert bench.load_prompts(path, 10) == [[1, 2], [5, 6]]
 
 
 # ---------------------------------------------------------------------------------- the loopback SGLang
+
 
 class FakeSGLang:
     """Answers like SGLang 0.5.x: `/health` 503 while "starting" then 200, `/flush_cache`, and `/generate` on
@@ -184,11 +259,22 @@ class FakeSGLang:
     def answer(self, body: dict) -> dict:
         ids, sp = body["input_ids"], body["sampling_params"]
         n, verifies = self.tokens_and_verifies(len(ids), sp["max_new_tokens"])
-        meta = {"id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
-                "completion_tokens": n, "cached_tokens": 0, "e2e_latency": self.delay_s}
+        meta = {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": n},
+            "prompt_tokens": len(ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "e2e_latency": self.delay_s,
+        }
         if self.speculative:
-            meta.update(spec_verify_ct=verifies, spec_accept_length=n / verifies, spec_num_correct_drafts=n - verifies,
-                        spec_num_proposed_drafts=verifies * 3, spec_accept_rate=(n - verifies) / (verifies * 3))
+            meta.update(
+                spec_verify_ct=verifies,
+                spec_accept_length=n / verifies,
+                spec_num_correct_drafts=n - verifies,
+                spec_num_proposed_drafts=verifies * 3,
+                spec_accept_rate=(n - verifies) / (verifies * 3),
+            )
         return {"text": "x" * n, "output_ids": list(range(n)), "meta_info": meta}
 
     def __enter__(self):
@@ -208,9 +294,19 @@ def write_merged(path: Path, n_eval: int, n_train: int) -> list[list[int]]:
         plen = 5 + i % 7
         ids = [1000 + i * 10 + k for k in range(plen)] + [7] * 4
         split = "eval" if i < n_eval else "train"
-        rows.append({"sample_id": f"ds/p{i:03d}", "dataset": "ds", "prompt_id": f"p{i:03d}", "split": split,
-                     "input_ids": ids, "loss_mask": [0] * plen + [1] * 4, "prompt_len": plen, "completion_len": 4,
-                     "n_tokens": plen + 4})
+        rows.append(
+            {
+                "sample_id": f"ds/p{i:03d}",
+                "dataset": "ds",
+                "prompt_id": f"p{i:03d}",
+                "split": split,
+                "input_ids": ids,
+                "loss_mask": [0] * plen + [1] * 4,
+                "prompt_len": plen,
+                "completion_len": 4,
+                "n_tokens": plen + 4,
+            }
+        )
         if split == "eval":
             evals.append(ids[:plen])
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -224,10 +320,29 @@ def test_client_end_to_end_against_a_loopback_sglang(tmp_path):
     out = tmp_path / "results.json"
     with FakeSGLang(d_base, speculative=False) as base, FakeSGLang(d_spec, speculative=True) as spec:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--url", spec.url, "--baseline-url", base.url, "--dataset", str(dataset),
-             "--num-prompts", str(n), "--batch-sizes", "1,16", "--max-new-tokens", str(max_new), "--warmup", "2",
-             "--output", str(out)],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--url",
+                spec.url,
+                "--baseline-url",
+                base.url,
+                "--dataset",
+                str(dataset),
+                "--num-prompts",
+                str(n),
+                "--batch-sizes",
+                "1,16",
+                "--max-new-tokens",
+                str(max_new),
+                "--warmup",
+                "2",
+                "--output",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 0, proc.stderr + proc.stdout
         fakes = {"baseline": base, "eagle3": spec}
@@ -276,7 +391,7 @@ def test_client_end_to_end_against_a_loopback_sglang(tmp_path):
 
 # ------------------------------------------------------------------------------ launch mode, a fake launcher
 
-FAKE_LAUNCHER = r'''
+FAKE_LAUNCHER = r"""
 import json, os, subprocess, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -315,7 +430,7 @@ class H(BaseHTTPRequestHandler):
         self.reply(200, {"text": "", "meta_info": meta})
 
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+"""
 
 
 def running(pid: int) -> bool:
@@ -340,10 +455,34 @@ def test_launch_mode_starts_and_stops_each_server_as_a_process_group(tmp_path):
     port = free_port()
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-path", "/models/Kimi-K2.5", "--draft-model-path", "/d", "--python", str(launcher),
-         "--port", str(port), "--dataset", str(dataset), "--num-prompts", "4", "--batch-sizes", "1,4", "--max-new-tokens", "32",
-         "--warmup", "0", "--output", str(out)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "FAKE_LAUNCHES": str(launches)},
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-path",
+            "/models/Kimi-K2.5",
+            "--draft-model-path",
+            "/d",
+            "--python",
+            str(launcher),
+            "--port",
+            str(port),
+            "--dataset",
+            str(dataset),
+            "--num-prompts",
+            "4",
+            "--batch-sizes",
+            "1,4",
+            "--max-new-tokens",
+            "32",
+            "--warmup",
+            "0",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FAKE_LAUNCHES": str(launches)},
         preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}),
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout

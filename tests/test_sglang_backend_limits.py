@@ -16,8 +16,8 @@ allocation. What they show:
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import logging
 import random
@@ -59,8 +59,13 @@ def release_functions(pkg: Path, module: str, names: set[str], namespace: dict) 
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
     assert {n.name for n in found} == names, f"{module} lacks {names - {n.name for n in found}}"
-    code = compile(ast.Module(body=found, type_ignores=[]), str(path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    code = compile(
+        ast.Module(body=found, type_ignores=[]),
+        str(path),
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
     exec(code, namespace)
     return namespace
 
@@ -69,12 +74,19 @@ def release_functions(pkg: Path, module: str, names: set[str], namespace: dict) 
 def sglang_alloc(sglang_release_source) -> dict:
     """SGLang 0.5.23's KV allocation entry points and the helpers they call, compiled from the release."""
     pkg = sglang_api.package_dir(sglang_release_source)
-    ns: dict = {"torch": torch, "Optional": Optional, "logger": logging.getLogger("sglang-release"),
-                "BasePrefixCache": object, "PageInterleavePoolAllocator": type("PageInterleavePoolAllocator", (), {})}
+    ns: dict = {
+        "torch": torch,
+        "Optional": Optional,
+        "logger": logging.getLogger("sglang-release"),
+        "BasePrefixCache": object,
+        "PageInterleavePoolAllocator": type("PageInterleavePoolAllocator", (), {}),
+    }
     release_functions(pkg, "sglang.srt.mem_cache.common", {"evict_from_tree_cache", "available_and_evictable_str"}, ns)
     release_functions(pkg, "sglang.srt.mem_cache.allocator.page_interleave", {"page_interleave_shard_size"}, ns)
     release_functions(pkg, "sglang.srt.utils.common", {"get_num_new_pages"}, ns)
-    release_functions(pkg, "sglang.srt.mem_cache.allocation", {"alloc_token_slots", "alloc_paged_token_slots_extend"}, ns)
+    release_functions(
+        pkg, "sglang.srt.mem_cache.allocation", {"alloc_token_slots", "alloc_paged_token_slots_extend"}, ns
+    )
     return ns
 
 
@@ -116,8 +128,14 @@ def sglang_extend_alloc(alloc: dict, tree_cache, lengths: list[int]):
     seq = torch.tensor(lengths, dtype=torch.int64)
     zeros = torch.zeros_like(seq)
     return alloc["alloc_paged_token_slots_extend"](
-        tree_cache=tree_cache, prefix_lens=zeros, prefix_lens_cpu=zeros, seq_lens=seq, seq_lens_cpu=seq,
-        last_loc=torch.full((len(lengths),), -1, dtype=torch.int64), extend_num_tokens=sum(lengths))
+        tree_cache=tree_cache,
+        prefix_lens=zeros,
+        prefix_lens_cpu=zeros,
+        seq_lens=seq,
+        seq_lens_cpu=seq,
+        last_loc=torch.full((len(lengths),), -1, dtype=torch.int64),
+        extend_num_tokens=sum(lengths),
+    )
 
 
 # ---------------------------------------------------------------- a recording stand-in for the sglang modules the rank imports
@@ -281,7 +299,8 @@ def fake_sglang(tmp_path, monkeypatch, sglang_alloc):
 
     _recorder.ALLOC.update(
         allocator=lambda size, page: PoolAllocator(size, page, sglang_alloc["get_num_new_pages"]),
-        extend=lambda tree_cache, lengths: sglang_extend_alloc(sglang_alloc, tree_cache, lengths))
+        extend=lambda tree_cache, lengths: sglang_extend_alloc(sglang_alloc, tree_cache, lengths),
+    )
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: _recorder.record("torch.cuda.set_device", device))
     yield _recorder
     for name in set(sys.modules) - before:
@@ -290,8 +309,13 @@ def fake_sglang(tmp_path, monkeypatch, sglang_alloc):
 
 
 def spec(**kw) -> EngineSpec:
-    base = dict(model_path="/m", tp_size=4, capture_argument=(3, 5, 7), capture_rule=CaptureRule.PLUS_ONE_IF_FIRST_IS_1,
-                nccl_port=29500)
+    base = dict(
+        model_path="/m",
+        tp_size=4,
+        capture_argument=(3, 5, 7),
+        capture_rule=CaptureRule.PLUS_ONE_IF_FIRST_IS_1,
+        nccl_port=29500,
+    )
     return EngineSpec(**{**base, **kw})
 
 
@@ -314,9 +338,14 @@ def test_sglang_resolution_asks_torch_about_the_current_device(sglang_release_so
     sites = []
     for path in sorted((pkg / "srt" / "arg_groups").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "get_device_capability" and ast.unparse(node.func.value) == "torch.cuda"
-                    and not node.args and not node.keywords):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get_device_capability"
+                and ast.unparse(node.func.value) == "torch.cuda"
+                and not node.args
+                and not node.keywords
+            ):
                 sites.append(f"{path.relative_to(pkg)}:{node.lineno}")
     assert len(sites) >= 3, sites  # overrides.py (3), attention_hook.py (3), model_hook.py in 0.5.23
 
@@ -349,8 +378,13 @@ def test_sglang_kv_pool_is_sized_to_one_forward(sglang_release_source):
 
 
 def test_a_batch_of_hundreds_of_thousands_of_tokens_is_split_into_bounded_forwards():
-    pool = Limits(max_tokens=400_000, max_requests=4096, max_length=32768, page_size=64,
-                  max_forward_tokens=DEFAULT_MAX_FORWARD_TOKENS)
+    pool = Limits(
+        max_tokens=400_000,
+        max_requests=4096,
+        max_length=32768,
+        page_size=64,
+        max_forward_tokens=DEFAULT_MAX_FORWARD_TOKENS,
+    )
     groups = plan_sub_batches([1000] * 300, pool)  # 300,000 tokens that the KV pool alone would take at once
     assert [len(g) for g in groups] == [32] * 9 + [12]  # 1000 tokens are 1024 in pages of 64: 32 per 32,768
     assert [i for g in groups for i in g] == list(range(300))
@@ -359,8 +393,9 @@ def test_a_batch_of_hundreds_of_thousands_of_tokens_is_split_into_bounded_forwar
 @pytest.mark.parametrize("page_size", [1, 16, 64, 128])
 def test_every_planned_forward_fits_the_bound_in_whole_pages(page_size):
     rng = random.Random(page_size)
-    limits = Limits(max_tokens=1_000_000, max_requests=48, max_length=8192, page_size=page_size,
-                    max_forward_tokens=8192)
+    limits = Limits(
+        max_tokens=1_000_000, max_requests=48, max_length=8192, page_size=page_size, max_forward_tokens=8192
+    )
     for _ in range(200):
         lengths = [rng.choice([rng.randint(1, 200), rng.randint(1, 8192)]) for _ in range(rng.randint(1, 120))]
         groups = plan_sub_batches(lengths, limits)
@@ -385,7 +420,9 @@ def test_a_forward_must_hold_the_longest_sample(tmp_path):
     with pytest.raises(ValueError, match="sglang_max_forward_requests must be at least 1"):
         SGLangHiddenStates(str(tmp_path), max_forward_requests=0)
     info = {"max_total_num_tokens": 30_000, "max_requests": 512, "page_size": 64}
-    with pytest.raises(SGLangUnavailable, match=r"holds 29952 tokens .* fewer than a max_length sample takes \(30016\)"):
+    with pytest.raises(
+        SGLangUnavailable, match=r"holds 29952 tokens .* fewer than a max_length sample takes \(30016\)"
+    ):
         limits_of([info, info], max_length=30_000, max_forward_tokens=32768)
     limits = limits_of([info, {**info, "max_total_num_tokens": 29_000}], max_length=20_000, max_forward_tokens=32768)
     assert (limits.max_tokens, limits.forward_tokens, limits.page_size) == (29_000, 28_992, 64)
@@ -404,13 +441,19 @@ def test_the_bounds_are_resource_settings(tmp_path, monkeypatch):
 
     resource = HiddenStatesResource()
     assert (resource.sglang_max_forward_tokens, resource.sglang_max_forward_requests) == (
-        DEFAULT_MAX_FORWARD_TOKENS, DEFAULT_MAX_FORWARD_REQUESTS)
+        DEFAULT_MAX_FORWARD_TOKENS,
+        DEFAULT_MAX_FORWARD_REQUESTS,
+    )
     monkeypatch.setenv("EAGLE3_SGLANG_MAX_FORWARD_TOKENS", "16384")
     assert hidden_states_resource().process_config_and_initialize().sglang_max_forward_tokens == 16384
-    resource = HiddenStatesResource(backend=HiddenStatesBackendKind.SGLANG, max_length=32768, sglang_max_forward_tokens=16384)
+    resource = HiddenStatesResource(
+        backend=HiddenStatesBackendKind.SGLANG, max_length=32768, sglang_max_forward_tokens=16384
+    )
     with pytest.raises(ValueError, match="is 16384, below max_length 32768"):
-        resource.make_backend(TargetModelResource(path=str(tmp_path), standin_dir=str(tmp_path)),
-                              TokenizerResource(standin_dir=str(tmp_path)))
+        resource.make_backend(
+            TargetModelResource(path=str(tmp_path), standin_dir=str(tmp_path)),
+            TokenizerResource(standin_dir=str(tmp_path)),
+        )
 
 
 # ---------------------------------------------------------------- 5. a full pool says so
@@ -427,11 +470,17 @@ def tree_cache_members_reached(tree: SourceTree, cache) -> dict[str, list[str]]:
 
     def is_cache(node) -> bool:
         return (isinstance(node, ast.Name) and node.id == "tree_cache") or (
-            isinstance(node, ast.Attribute) and node.attr == "tree_cache")
+            isinstance(node, ast.Attribute) and node.attr == "tree_cache"
+        )
 
     def is_false(node, false_names) -> bool:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_cache(node.func.value) \
-                and node.func.attr.startswith("supports_") and not node.args:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and is_cache(node.func.value)
+            and node.func.attr.startswith("supports_")
+            and not node.args
+        ):
             answer = getattr(cache, node.func.attr, None)  # a missing one is reported as missing, below
             return answer is not None and answer() is False
         if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
@@ -448,12 +497,16 @@ def tree_cache_members_reached(tree: SourceTree, cache) -> dict[str, list[str]]:
         where, false_names = f"{found.module}:{qualname}", set()
 
         def visit(node) -> None:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
-                    and is_false(node.value, false_names):
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and is_false(node.value, false_names)
+            ):
                 false_names.add(node.targets[0].id)
             if isinstance(node, (ast.If, ast.IfExp, ast.While)) and is_false(node.test, false_names):
                 visit(node.test)
-                for child in (node.orelse if isinstance(node.orelse, list) else [node.orelse]):
+                for child in node.orelse if isinstance(node.orelse, list) else [node.orelse]:
                     visit(child)
                 return
             if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):  # short-circuit at a False operand
@@ -466,14 +519,22 @@ def tree_cache_members_reached(tree: SourceTree, cache) -> dict[str, list[str]]:
                 reached.setdefault(node.attr, []).append(f"{where}:{node.lineno}")
             if isinstance(node, ast.Call):
                 f = node.func
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (
-                        (f.value.id == "self" and cls == "ScheduleBatch") or f.value.id == "batch"):
+                if (
+                    isinstance(f, ast.Attribute)
+                    and isinstance(f.value, ast.Name)
+                    and ((f.value.id == "self" and cls == "ScheduleBatch") or f.value.id == "batch")
+                ):
                     visit_function("sglang.srt.managers.schedule_batch", f"ScheduleBatch.{f.attr}", "ScheduleBatch")
                 elif isinstance(f, ast.Name):
                     target = tree.find(found.module, f.id)
-                    if target is not None and isinstance(target.node, ast.FunctionDef) and (
+                    if (
+                        target is not None
+                        and isinstance(target.node, ast.FunctionDef)
+                        and (
                             target.module == "sglang.srt.managers.schedule_batch"
-                            or target.module.startswith("sglang.srt.mem_cache")):
+                            or target.module.startswith("sglang.srt.mem_cache")
+                        )
+                    ):
                         visit_function(target.module, f.id, None)
             for child in ast.iter_child_nodes(node):
                 visit(child)
@@ -541,6 +602,6 @@ def test_forwards_planned_in_whole_pages_fit_a_paged_pool(fake_sglang):
         engine.capture([[i + 1] * lengths[i] for i in g])
     raw = Limits(max_tokens=512, max_requests=64, max_length=256)  # page size ignored: 393 tokens "fit"
     first = plan_sub_batches(lengths, raw)[0]
-    assert first == [0, 1, 2, 3, 4, 5, 6, 7][:len(first)] and len(first) >= 5
+    assert first == [0, 1, 2, 3, 4, 5, 6, 7][: len(first)] and len(first) >= 5
     with pytest.raises(KVPoolExhausted, match="in whole KV pages of 128"):
         engine.capture([[i + 1] * lengths[i] for i in first])

@@ -66,7 +66,9 @@ def test_contract_against_installed_sglang():
     assert sglang_api.capture_rule() is not None
 
 
-@pytest.mark.skipif(not os.environ.get("SGLANG_SOURCE"), reason="set SGLANG_SOURCE to an sglang source tree (its python/ dir)")
+@pytest.mark.skipif(
+    not os.environ.get("SGLANG_SOURCE"), reason="set SGLANG_SOURCE to an sglang source tree (its python/ dir)"
+)
 def test_contract_against_source_tree():
     root = Path(os.environ["SGLANG_SOURCE"])
     assert sglang_api.package_dir(root) is not None, f"no sglang package under {root}"
@@ -94,24 +96,46 @@ def test_contract_against_the_pinned_release(sglang_release_source):
 SRT = "sglang/srt/"
 
 
-@pytest.mark.parametrize("rel, old, new, problem", [
-    (SRT + "model_executor/model_runner.py", "    def init_attention_backends(self):",
-     "    def init_attention_backend_list(self):",
-     "sglang.srt.model_executor.model_runner.ModelRunner: no attribute init_attention_backends"),
-    (SRT + "arg_groups/fields/exec_.py", "    enable_return_aux_hidden_states: A[", "    enable_aux_hidden_states: A[",
-     "sglang.srt.server_args.ServerArgs: no parameter enable_return_aux_hidden_states"),
-    (SRT + "runtime_context.py", "    ranks: SpawnRanks | None = None,", "    spawn_ranks: SpawnRanks | None = None,",
-     "sglang.srt.runtime_context.publish: no parameter ranks"),
-    (SRT + "models/deepseek_v2.py", "    def set_eagle3_layers_to_capture(self, layer_ids",
-     "    def set_aux_layers_to_capture(self, layer_ids",
-     "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: not found"),
-    (SRT + "models/deepseek_v2.py", "layer_ids[0] == 1:\n                self.model.layers_to_capture = [val + 1 for",
-     "layer_ids[0] == 1:\n                self.model.layers_to_capture = [val + 2 for",
-     "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: "
-     "layer-id rule not recognised in its source"),
-], ids=["ModelRunner method", "ServerArgs field", "publish keyword", "capture setter", "capture rule"])
-def test_contract_on_a_copy_of_the_release_reports_one_renamed_name(sglang_release_source, tmp_path, rel, old, new,
-                                                                     problem):
+@pytest.mark.parametrize(
+    "rel, old, new, problem",
+    [
+        (
+            SRT + "model_executor/model_runner.py",
+            "    def init_attention_backends(self):",
+            "    def init_attention_backend_list(self):",
+            "sglang.srt.model_executor.model_runner.ModelRunner: no attribute init_attention_backends",
+        ),
+        (
+            SRT + "arg_groups/fields/exec_.py",
+            "    enable_return_aux_hidden_states: A[",
+            "    enable_aux_hidden_states: A[",
+            "sglang.srt.server_args.ServerArgs: no parameter enable_return_aux_hidden_states",
+        ),
+        (
+            SRT + "runtime_context.py",
+            "    ranks: SpawnRanks | None = None,",
+            "    spawn_ranks: SpawnRanks | None = None,",
+            "sglang.srt.runtime_context.publish: no parameter ranks",
+        ),
+        (
+            SRT + "models/deepseek_v2.py",
+            "    def set_eagle3_layers_to_capture(self, layer_ids",
+            "    def set_aux_layers_to_capture(self, layer_ids",
+            "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: not found",
+        ),
+        (
+            SRT + "models/deepseek_v2.py",
+            "layer_ids[0] == 1:\n                self.model.layers_to_capture = [val + 1 for",
+            "layer_ids[0] == 1:\n                self.model.layers_to_capture = [val + 2 for",
+            "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: "
+            "layer-id rule not recognised in its source",
+        ),
+    ],
+    ids=["ModelRunner method", "ServerArgs field", "publish keyword", "capture setter", "capture rule"],
+)
+def test_contract_on_a_copy_of_the_release_reports_one_renamed_name(
+    sglang_release_source, tmp_path, rel, old, new, problem
+):
     """The release's source copied, one name the backend relies on renamed: the checker reports exactly that."""
     shutil.copytree(sglang_release_source / "sglang", tmp_path / "sglang")
     path = tmp_path / rel
@@ -158,14 +182,23 @@ FAKE = {
 }
 
 FAKE_CONTRACT = (
-    Name("sglang.srt.runner", "Runner", kwargs=("model_config", "gpu_id", "nccl_port"),
-         attrs=("model", "forward", "alloc_memory_pool", "pool", "page_size")),
+    Name(
+        "sglang.srt.runner",
+        "Runner",
+        kwargs=("model_config", "gpu_id", "nccl_port"),
+        attrs=("model", "forward", "alloc_memory_pool", "pool", "page_size"),
+    ),
     Name("sglang.srt.runner", "Runner.forward"),
     Name("sglang.srt.utils", "require_mlp_sync"),
     Name("sglang.srt.modes", "Mode", attrs=("FULL",)),
     Name("sglang.srt.flexible", "anything", kwargs=("whatever",)),
-    Name("sglang.srt.args", "ServerArgs", kwargs=("model_path", "tp_size"), attrs=("resolve_once",),
-         fields_from="sglang.srt.fields"),
+    Name(
+        "sglang.srt.args",
+        "ServerArgs",
+        kwargs=("model_path", "tp_size"),
+        attrs=("resolve_once",),
+        fields_from="sglang.srt.fields",
+    ),
 )
 
 
@@ -174,16 +207,25 @@ def test_checker_accepts_a_tree_that_has_every_name(tmp_path):
     assert sglang_api.check_contract(root, contract=FAKE_CONTRACT) == []
 
 
-@pytest.mark.parametrize("edit, problem", [
-    (("sglang/srt/runner.py", "def forward(", "def run_forward("), "Runner.forward: not found"),
-    (("sglang/srt/runner.py", "gpu_id, nccl_port=None", "gpu_id"), "Runner: no parameter nccl_port"),
-    (("sglang/srt/base.py", "self.pool =", "self.kv_pool ="), "Runner: no attribute pool"),
-    (("sglang/srt/base.py", "page_size: int = 1", "page: int = 1"), "Runner: no attribute page_size"),
-    (("sglang/srt/utils/common.py", "def require_mlp_sync", "def require_sync"), "utils.require_mlp_sync: not found"),
-    (("sglang/srt/modes.py", "FULL = 2", "ALL = 2"), "Mode: no attribute FULL"),
-    (("sglang/srt/flexible.py", "a, **kwargs", "a"), "anything: no parameter whatever"),
-    (("sglang/srt/fields/model.py", "tp_size: int", "tensor_parallel_size: int"), "ServerArgs: no parameter tp_size"),
-])
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (("sglang/srt/runner.py", "def forward(", "def run_forward("), "Runner.forward: not found"),
+        (("sglang/srt/runner.py", "gpu_id, nccl_port=None", "gpu_id"), "Runner: no parameter nccl_port"),
+        (("sglang/srt/base.py", "self.pool =", "self.kv_pool ="), "Runner: no attribute pool"),
+        (("sglang/srt/base.py", "page_size: int = 1", "page: int = 1"), "Runner: no attribute page_size"),
+        (
+            ("sglang/srt/utils/common.py", "def require_mlp_sync", "def require_sync"),
+            "utils.require_mlp_sync: not found",
+        ),
+        (("sglang/srt/modes.py", "FULL = 2", "ALL = 2"), "Mode: no attribute FULL"),
+        (("sglang/srt/flexible.py", "a, **kwargs", "a"), "anything: no parameter whatever"),
+        (
+            ("sglang/srt/fields/model.py", "tp_size: int", "tensor_parallel_size: int"),
+            "ServerArgs: no parameter tp_size",
+        ),
+    ],
+)
 def test_checker_catches_renames_and_missing_parameters(tmp_path, edit, problem):
     rel, old, new = edit
     files = dict(FAKE)
@@ -255,13 +297,16 @@ def test_capture_argument_asks_for_the_outputs_of_our_layers():
                     assert layers_to_capture(arg, rule) == [i + 1 for i in ids], (ids, rule)
 
 
-@pytest.mark.parametrize("ids, n, rule, message", [
-    ([0, 3, 5], 8, POST, "output of layer 0"),
-    ([1, 3, 7], 8, POST, "0..6"),  # the last layer's output is the pre-norm final state: not capturable
-    ([4, 2, 6], 8, POST, "ascending"),
-    ([2, 2, 6], 8, PRE, "distinct"),
-    ([], 8, PRE, "ascending"),
-])
+@pytest.mark.parametrize(
+    "ids, n, rule, message",
+    [
+        ([0, 3, 5], 8, POST, "output of layer 0"),
+        ([1, 3, 7], 8, POST, "0..6"),  # the last layer's output is the pre-norm final state: not capturable
+        ([4, 2, 6], 8, POST, "ascending"),
+        ([2, 2, 6], 8, PRE, "distinct"),
+        ([], 8, PRE, "ascending"),
+    ],
+)
 def test_capture_argument_refuses_what_sglang_cannot_capture(ids, n, rule, message):
     with pytest.raises(ValueError, match=message):
         capture_argument(ids, n, rule)
@@ -285,17 +330,21 @@ def test_the_backend_imports_only_names_in_the_contract():
     listed = {(n.module, n.qualname.split(".")[0]) for n in sglang_api.CONTRACT}
     modules = {n.module for n in sglang_api.CONTRACT}
     source = (REPO / "eagle3_resources/hidden_states/sglang_backend.py").read_text()
-    imported = [(node.module, a.name) for node in ast.walk(ast.parse(source))
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang")
-                for a in node.names]
+    imported = [
+        (node.module, a.name)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang")
+        for a in node.names
+    ]
     assert len(imported) >= 15
     unlisted = [(m, x) for m, x in imported if (m, x) not in listed and f"{m}.{x}" not in modules]
     assert unlisted == []
 
 
 def test_read_text_shape_handles_the_multimodal_wrapper(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61, "hidden_size": 7168}})
+    )
     assert read_text_shape(tmp_path).num_layers == 61
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": 64}))
     assert read_text_shape(tmp_path).hidden_size == 64
@@ -340,7 +389,9 @@ def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
 
     from fakes.sglang import ECHO_SLAB, HIDDEN, echo_engine
 
-    pool = RankPool(2, functools.partial(echo_engine), handoff=ECHO_SLAB, start_timeout_s=120, batch_timeout_s=60, stop_grace_s=10)
+    pool = RankPool(
+        2, functools.partial(echo_engine), handoff=ECHO_SLAB, start_timeout_s=120, batch_timeout_s=60, stop_grace_s=10
+    )
     try:
         infos = pool.start()
         assert [i["rank"] for i in infos] == [0, 1] and infos[0]["pid"] != infos[1]["pid"]
@@ -359,8 +410,14 @@ def test_rank_pool_reports_a_failing_rank_and_stops_all():
 
     from fakes.sglang import ECHO_SLAB, echo_engine
 
-    pool = RankPool(2, functools.partial(echo_engine, fail_on_batch_with=13), handoff=ECHO_SLAB, start_timeout_s=120,
-                    batch_timeout_s=60, stop_grace_s=10)
+    pool = RankPool(
+        2,
+        functools.partial(echo_engine, fail_on_batch_with=13),
+        handoff=ECHO_SLAB,
+        start_timeout_s=120,
+        batch_timeout_s=60,
+        stop_grace_s=10,
+    )
     pool.start()
     assert pool.run([[1, 2]])[0].shape[0] == 2
     with pytest.raises(RankError, match="rank 1 failed on batch 1") as err:
@@ -376,7 +433,9 @@ def test_rank_pool_reports_a_rank_that_dies_while_starting():
 
     from fakes.sglang import ECHO_SLAB, echo_engine
 
-    pool = RankPool(2, functools.partial(echo_engine, die_on_start=True), handoff=ECHO_SLAB, start_timeout_s=120, stop_grace_s=10)
+    pool = RankPool(
+        2, functools.partial(echo_engine, die_on_start=True), handoff=ECHO_SLAB, start_timeout_s=120, stop_grace_s=10
+    )
     with pytest.raises(RankError, match="exited while starting"):
         pool.start()
     assert not pool.alive
@@ -393,8 +452,14 @@ def test_backend_fails_fast_without_sglang(tmp_path):
 
 
 def test_gpu_check_json_on_this_host():
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--json"], check=False, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--json"],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(proc.stdout)
     rows = {c["name"]: c for c in report["checks"]}
     assert rows["transformers capture"]["status"] == "ok", rows["transformers capture"]

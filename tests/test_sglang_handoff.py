@@ -36,8 +36,15 @@ LIMITS = Limits(max_tokens=MAX_TOKENS, max_requests=4, max_length=MAX_TOKENS)
 
 
 def make_pool(slabs: int = 2, **engine) -> RankPool:
-    return RankPool(2, functools.partial(echo_engine, **engine), handoff=ECHO_SLAB, slabs=slabs,
-                    start_timeout_s=120, batch_timeout_s=30, stop_grace_s=10)
+    return RankPool(
+        2,
+        functools.partial(echo_engine, **engine),
+        handoff=ECHO_SLAB,
+        slabs=slabs,
+        start_timeout_s=120,
+        batch_timeout_s=30,
+        stop_grace_s=10,
+    )
 
 
 def batch(k: int) -> list[list[int]]:
@@ -153,8 +160,9 @@ def test_back_pressure_rank_zero_waits_while_the_caller_holds_every_slab():
         pool.close()
 
 
-@pytest.mark.parametrize("rank_delay_s, parent_delay_s", [(0.05, 0.0), (0.0, 0.05)],
-                         ids=["rank0-slower", "parent-slower"])
+@pytest.mark.parametrize(
+    "rank_delay_s, parent_delay_s", [(0.05, 0.0), (0.0, 0.05)], ids=["rank0-slower", "parent-slower"]
+)
 def test_every_batch_arrives_in_order_whichever_side_is_slower(rank_delay_s, parent_delay_s):
     pool = make_pool(slabs=2, delay_s=rank_delay_s)
     try:
@@ -238,14 +246,22 @@ class EchoBackend:
 
 def test_extract_to_store_keeps_the_lent_rows_exactly(tmp_path):
     """The store's copy out of the slab is the only one: what it keeps is the engine's rows, bit for bit."""
-    samples = [StoredSample(f"S/{i:03d}", "train", [(5 * i + t) % 90 + 1 for t in range(3 + i % 11)], [1] * (3 + i % 11))
-               for i in range(40)]
+    samples = [
+        StoredSample(f"S/{i:03d}", "train", [(5 * i + t) % 90 + 1 for t in range(3 + i % 11)], [1] * (3 + i % 11))
+        for i in range(40)
+    ]
     pool = make_pool(slabs=2)
     try:
         pool.start()
-        extract_to_store(samples, EchoBackend(pool), tmp_path,
-                         StoreSettings(shard_bytes=16_384, batch_tokens=48, free_bytes=10**12, reserve_bytes=0),
-                         identity={}, progress_every_s=3600, log=lambda _: None)
+        extract_to_store(
+            samples,
+            EchoBackend(pool),
+            tmp_path,
+            StoreSettings(shard_bytes=16_384, batch_tokens=48, free_bytes=10**12, reserve_bytes=0),
+            identity={},
+            progress_every_s=3600,
+            log=lambda _: None,
+        )
         assert pool.stats["batches"] >= 10
     finally:
         pool.close()

@@ -27,8 +27,12 @@ from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_he
 from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, effective_draft_vocab_size
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
-         "Speculative decoding drafts several tokens", "1, 2, 3, 4, 5,"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b",
+    "Speculative decoding drafts several tokens",
+    "1, 2, 3, 4, 5,",
+]
 K = 3
 NO_EOS: tuple[int, ...] = ()
 
@@ -101,8 +105,9 @@ def forward_log(model):
 
 
 def test_untrained_drafter_is_lossless(target_model, untrained, prompts):
-    report = evaluate_speculative(target_model, untrained, prompts, draft_steps=K, max_new_tokens=24, proxy=True,
-                                  eos_token_ids=NO_EOS)
+    report = evaluate_speculative(
+        target_model, untrained, prompts, draft_steps=K, max_new_tokens=24, proxy=True, eos_token_ids=NO_EOS
+    )
     totals = report.totals()
     assert report.lossless is True and totals["mismatched_prompts"] == 0 and totals["tokens"] == 24 * len(prompts)
     assert 1.0 <= totals["accept_length_per_round"] <= K + 1
@@ -116,9 +121,16 @@ def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(ta
     rounds = 5
     log, handle = forward_log(target_model)
     try:
-        report = evaluate_speculative(target_model, oracle(references), prompts, draft_steps=K,
-                                      max_new_tokens=1 + rounds * (K + 1), proxy=True, eos_token_ids=NO_EOS,
-                                      compare_greedy=False)
+        report = evaluate_speculative(
+            target_model,
+            oracle(references),
+            prompts,
+            draft_steps=K,
+            max_new_tokens=1 + rounds * (K + 1),
+            proxy=True,
+            eos_token_ids=NO_EOS,
+            compare_greedy=False,
+        )
     finally:
         handle.remove()
     for p, result in zip(prompts, report.prompts):
@@ -126,8 +138,10 @@ def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(ta
         assert run.output_ids == references[tuple(p)][: 1 + rounds * (K + 1)]
         assert run.accepted == [K] * rounds
         assert accept_lengths(run.tokens, run.accepted) == {
-            "accept_length_sglang": (1 + rounds * (K + 1)) / rounds, "accept_length_per_round": K + 1,
-            "accept_length_vllm": K + 1}
+            "accept_length_sglang": (1 + rounds * (K + 1)) / rounds,
+            "accept_length_per_round": K + 1,
+            "accept_length_vllm": K + 1,
+        }
         assert position_acceptance(run.accepted, K) == [1.0] * K
     assert len(log) == len(prompts) * (1 + rounds)  # one prefill + one verify per round, nothing else
     assert report.totals()["accept_length_per_round"] == K + 1
@@ -138,8 +152,15 @@ def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(ta
 
 
 def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, references):
-    report = evaluate_speculative(target_model, adversary(references), prompts[:3], draft_steps=K, max_new_tokens=12,
-                                  proxy=True, eos_token_ids=NO_EOS)
+    report = evaluate_speculative(
+        target_model,
+        adversary(references),
+        prompts[:3],
+        draft_steps=K,
+        max_new_tokens=12,
+        proxy=True,
+        eos_token_ids=NO_EOS,
+    )
     assert report.lossless is True
     for result in report.prompts:
         assert result.spec.accepted == [0] * 11
@@ -151,12 +172,18 @@ def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, ref
 
 def test_accept_length_definitions_on_a_hand_checked_case():
     # Rounds accept 3, 0 and 2 drafts of k=3: 4 + 1 + 3 = 8 tokens from rounds, + 1 from the prefill.
-    assert accept_lengths(9, [3, 0, 2]) == {"accept_length_sglang": 3.0, "accept_length_per_round": 8 / 3,
-                                            "accept_length_vllm": 1 + 5 / 3}
+    assert accept_lengths(9, [3, 0, 2]) == {
+        "accept_length_sglang": 3.0,
+        "accept_length_per_round": 8 / 3,
+        "accept_length_vllm": 1 + 5 / 3,
+    }
     # Position 1: reached 3 times, accepted twice; 2: reached twice (3, 2), accepted twice; 3: reached twice, once.
     assert position_acceptance([3, 0, 2], 3) == [2 / 3, 1.0, 0.5]
-    assert accept_lengths(1, []) == {"accept_length_sglang": None, "accept_length_per_round": None,
-                                     "accept_length_vllm": None}
+    assert accept_lengths(1, []) == {
+        "accept_length_sglang": None,
+        "accept_length_per_round": None,
+        "accept_length_vllm": None,
+    }
 
 
 def test_a_rejected_middle_draft_rolls_back_target_and_drafter(target_model, prompts, references):
@@ -210,8 +237,16 @@ def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, u
 
 def test_incremental_chain_computes_what_ttt_trains():
     """Teacher-forced, the incremental drafter's chain logits equal `unroll`'s at the chain's root."""
-    cfg = DrafterConfig(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, vocab_size=500, draft_vocab_size=64)
+    cfg = DrafterConfig(
+        hidden_size=32,
+        target_hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=500,
+        draft_vocab_size=64,
+    )
     torch.manual_seed(1)
     model = Eagle3Drafter(cfg, torch.randn(500, 32), torch.arange(0, 128, 2)).eval()
     L, steps = 20, 4
@@ -252,7 +287,7 @@ def uncached_greedy(model, prompt_ids, n, eos=()):
             ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
             if ids[-1] in eos:
                 break
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def test_the_greedy_reference_is_the_targets_own_decoding_without_any_cache(target_model, prompts, references):
@@ -308,19 +343,27 @@ def drafts_accepted_unverified():
 
 
 @pytest.mark.parametrize("corruption", ["none", "target_verify", "cache_rollback", "unverified_drafts"])
-def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(target_model, untrained, prompts, references,
-                                                                       corruption):
+def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
+    target_model, untrained, prompts, references, corruption
+):
     """The asset's `speculative_gain` check, fed the figures the asset computes (SpeculativeQuality.figures), with
     the margin at -inf so that losslessness alone decides. An honest decode passes; a corrupted target, or a loop
     that keeps rejected drafts or accepts drafts unverified, fails it, for the trained (oracle) and untrained
     (random) drafter alike."""
-    corrupt = {"none": nullcontext, "target_verify": lambda: verify_forwards_corrupted(target_model),
-               "cache_rollback": rejected_drafts_kept_in_the_cache, "unverified_drafts": drafts_accepted_unverified}[corruption]
+    corrupt = {
+        "none": nullcontext,
+        "target_verify": lambda: verify_forwards_corrupted(target_model),
+        "cache_rollback": rejected_drafts_kept_in_the_cache,
+        "unverified_drafts": drafts_accepted_unverified,
+    }[corruption]
     chosen = prompts[:3]
     with corrupt():
-        reports = [evaluate_speculative(target_model, drafter, chosen, draft_steps=K, max_new_tokens=16, proxy=True,
-                                        eos_token_ids=NO_EOS) for drafter in (ScriptedDrafter(references, [True, True, False]),
-                                                                              untrained)]
+        reports = [
+            evaluate_speculative(
+                target_model, drafter, chosen, draft_steps=K, max_new_tokens=16, proxy=True, eos_token_ids=NO_EOS
+            )
+            for drafter in (ScriptedDrafter(references, [True, True, False]), untrained)
+        ]
     outcome = drafter_beats_floor(SpeculativeQuality(*reports).figures(), margin=-math.inf)
     print(corruption, outcome.description)
     if corruption == "none":

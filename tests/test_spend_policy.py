@@ -35,8 +35,12 @@ from eagle3_resources.alerts import AlertSink
 from eagle3_resources.storage import DataStore
 
 # $12 billed in all, $3 today; two runs in flight.
-LEDGER = Figures(total=Scope(settled_usd=12.0), today=Scope(settled_usd=3.0), day="2026-12-03",
-                 runs={"run-a": Scope(settled_usd=2.0), "run-b": Scope(settled_usd=7.5)})
+LEDGER = Figures(
+    total=Scope(settled_usd=12.0),
+    today=Scope(settled_usd=3.0),
+    day="2026-12-03",
+    runs={"run-a": Scope(settled_usd=2.0), "run-b": Scope(settled_usd=7.5)},
+)
 
 
 def thresholds(**kw):
@@ -48,13 +52,17 @@ def test_each_threshold_is_crossed_with_its_figures(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     account = Account(usage_usd=12.0, limit_remaining_usd=4.0, t=0.0)
     assert crossed(thresholds(), account, LEDGER).reasons == []  # nothing set, nothing enforced
-    within = crossed(thresholds(min_balance_usd=3.0, max_run_usd=8, max_day_usd=3.0, max_total_usd=12.0), account, LEDGER)
+    within = crossed(
+        thresholds(min_balance_usd=3.0, max_run_usd=8, max_day_usd=3.0, max_total_usd=12.0), account, LEDGER
+    )
     assert within.reasons == [] and within.runs == {}
     (balance,) = crossed(thresholds(min_balance_usd=5.0), account, LEDGER).reasons
     assert "$4.00 < minimum $5.00" in balance
     # A run over its own threshold is about that run: it is not a reason to hold everything.
     over = crossed(thresholds(max_run_usd=5.0), account, LEDGER)
-    assert over.reasons == [] and list(over.runs) == ["run-b"] and over.runs["run-b"].startswith("run run-b spent $7.50")
+    assert (
+        over.reasons == [] and list(over.runs) == ["run-b"] and over.runs["run-b"].startswith("run run-b spent $7.50")
+    )
     assert "today $3.00 > $2.00" in crossed(thresholds(max_day_usd=2.0), account, LEDGER).reasons[0]
     assert "in all $12.00 > $10.00" in crossed(thresholds(max_total_usd=10.0), account, LEDGER).reasons[0]
     # Without the account, the ledger's thresholds still hold and the balance one cannot fire.
@@ -65,8 +73,12 @@ def test_thresholds_fall_back_to_the_environment_field_by_field(monkeypatch):
     monkeypatch.setenv("EAGLE3_MAX_DAY_USD", "40")
     monkeypatch.setenv("EAGLE3_MAX_TOTAL_USD", "500")
     # A launchpad that sets one field does not drop the others (Dagster replaces the whole resource config).
-    assert SpendPolicy(max_total_usd=90.0).thresholds() == {"min_balance_usd": None, "max_run_usd": None,
-                                                           "max_day_usd": 40.0, "max_total_usd": 90.0}
+    assert SpendPolicy(max_total_usd=90.0).thresholds() == {
+        "min_balance_usd": None,
+        "max_run_usd": None,
+        "max_day_usd": 40.0,
+        "max_total_usd": 90.0,
+    }
     monkeypatch.setenv("EAGLE3_HOLD_MODE", "sideways")
     with pytest.raises(ValueError, match="hold_mode"):
         SpendPolicy().hold_action
@@ -93,9 +105,12 @@ def test_ledger_gap_is_drift_from_the_first_reading():
 
 def bill(ledger, usd, dataset="A1", run_id="r"):
     """One attempt reserved and settled in the ledger, as a run would."""
-    (attempt,), _ = ledger.write(L.reserve, [L.Want("p", 1, usd, 10)], run_id=run_id, dataset=dataset, owner="test",
-                                 caps=Caps(), now=time.time())
-    ledger.write(L.settle, attempt, cost_usd=usd, prompt_tokens=1, completion_tokens=1, source="response", now=time.time())
+    (attempt,), _ = ledger.write(
+        L.reserve, [L.Want("p", 1, usd, 10)], run_id=run_id, dataset=dataset, owner="test", caps=Caps(), now=time.time()
+    )
+    ledger.write(
+        L.settle, attempt, cost_usd=usd, prompt_tokens=1, completion_tokens=1, source="response", now=time.time()
+    )
 
 
 class FakeAccount:
@@ -116,9 +131,16 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
     hook = Webhook()
     account = FakeAccount(usage=5.0, remaining=95.0)
     ledger = open_ledger(DataStore(root=str(tmp_path)).layout)
-    with ServerThread(hook.app) as hook_server, ServerThread(account.app) as account_server, dg.instance_for_test() as instance:
-        resources = {"spend_policy": SpendPolicy(account_base_url=f"{account_server.base_url}/api/v1", account_api_key="k"),
-                     "store": DataStore(root=str(tmp_path)), "alerts": AlertSink(webhook_url=f"{hook_server.base_url}/hook")}
+    with (
+        ServerThread(hook.app) as hook_server,
+        ServerThread(account.app) as account_server,
+        dg.instance_for_test() as instance,
+    ):
+        resources = {
+            "spend_policy": SpendPolicy(account_base_url=f"{account_server.base_url}/api/v1", account_api_key="k"),
+            "store": DataStore(root=str(tmp_path)),
+            "alerts": AlertSink(webhook_url=f"{hook_server.base_url}/hook"),
+        }
         cursor = None
 
         def tick():
@@ -144,7 +166,9 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
         assert any("usage went DOWN" in t for t in titles) and any("balance went UP" in t for t in titles)
         account.down = True  # the balance threshold cannot be enforced: said once, and once when it is back
         titles, _ = tick()
-        assert len(titles) == 1 and titles[0].startswith("Spend watch degraded: could not read the account (HTTPStatusError")
+        assert len(titles) == 1 and titles[0].startswith(
+            "Spend watch degraded: could not read the account (HTTPStatusError"
+        )
         assert tick()[0] == []
         account.down = False
         assert tick()[0] == ["The account can be read again"]
@@ -153,10 +177,18 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
 
 def _run(instance, job_name, asset_selection=None, status=dg.DagsterRunStatus.QUEUED, tags=None):
     """A run as the UI or the CLI would queue it (a queued run must name the code location it comes from)."""
-    origin = RemoteJobOrigin(repository_origin=RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("eagle3"), "__repository__"),
-                             job_name=job_name)
-    run = dg.DagsterRun(job_name=job_name, run_id=str(uuid.uuid4()), status=status, tags=tags or {}, remote_job_origin=origin,
-                        asset_selection=frozenset(asset_selection) if asset_selection is not None else None)
+    origin = RemoteJobOrigin(
+        repository_origin=RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("eagle3"), "__repository__"),
+        job_name=job_name,
+    )
+    run = dg.DagsterRun(
+        job_name=job_name,
+        run_id=str(uuid.uuid4()),
+        status=status,
+        tags=tags or {},
+        remote_job_origin=origin,
+        asset_selection=frozenset(asset_selection) if asset_selection is not None else None,
+    )
     return instance.add_run(run)
 
 
@@ -176,17 +208,41 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled(hol
         # (holding its dataset's queue slot) for good.
         created = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.NOT_STARTED)
         started = _run(instance, "eagle3_pipeline", status=dg.DagsterRunStatus.STARTED)
-        assert [spends(r) for r in (materialize, pipeline, downstream, other, marked)] == [True, True, False, False, True]
+        assert [spends(r) for r in (materialize, pipeline, downstream, other, marked)] == [
+            True,
+            True,
+            False,
+            False,
+            True,
+        ]
 
         graph = defs.resolve_asset_graph()
         backfill = PartitionBackfill.from_asset_partitions(
-            backfill_id="bf-spend", asset_graph=graph, partition_names=["A1", "B8"],
-            asset_selection=[dg.AssetKey("raw_prompts"), dg.AssetKey("completions")], backfill_timestamp=time.time(), tags={},
-            dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None)
+            backfill_id="bf-spend",
+            asset_graph=graph,
+            partition_names=["A1", "B8"],
+            asset_selection=[dg.AssetKey("raw_prompts"), dg.AssetKey("completions")],
+            backfill_timestamp=time.time(),
+            tags={},
+            dynamic_partitions_store=instance,
+            all_partitions=False,
+            title=None,
+            description=None,
+            run_config=None,
+        )
         harmless = PartitionBackfill.from_asset_partitions(
-            backfill_id="bf-ids", asset_graph=graph, partition_names=["A1"],
-            asset_selection=[dg.AssetKey("token_ids")], backfill_timestamp=time.time(), tags={},
-            dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None)
+            backfill_id="bf-ids",
+            asset_graph=graph,
+            partition_names=["A1"],
+            asset_selection=[dg.AssetKey("token_ids")],
+            backfill_timestamp=time.time(),
+            tags={},
+            dynamic_partitions_store=instance,
+            all_partitions=False,
+            title=None,
+            description=None,
+            run_config=None,
+        )
         instance.add_backfill(backfill)
         instance.add_backfill(harmless)
 
@@ -197,27 +253,45 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled(hol
             expected.append(started.run_id)
         assert sorted(cancelled) == sorted(expected)
         assert stopped == ["bf-spend"]
-        status = {r.run_id: instance.get_run_by_id(r.run_id).status
-                  for r in (materialize, pipeline, downstream, other, marked, finished, created, started)}
-        assert status[materialize.run_id] == status[pipeline.run_id] == status[marked.run_id] == dg.DagsterRunStatus.CANCELED
+        status = {
+            r.run_id: instance.get_run_by_id(r.run_id).status
+            for r in (materialize, pipeline, downstream, other, marked, finished, created, started)
+        }
+        assert (
+            status[materialize.run_id]
+            == status[pipeline.run_id]
+            == status[marked.run_id]
+            == dg.DagsterRunStatus.CANCELED
+        )
         assert status[created.run_id] == dg.DagsterRunStatus.CANCELED
         assert status[downstream.run_id] == status[other.run_id] == dg.DagsterRunStatus.QUEUED
         assert status[finished.run_id] == dg.DagsterRunStatus.SUCCESS
         # No process owns this test's "started" run: cancelling it must end it, not leave it CANCELING.
-        assert status[started.run_id] == (dg.DagsterRunStatus.CANCELED if hold_mode == "cancel" else dg.DagsterRunStatus.STARTED)
+        assert status[started.run_id] == (
+            dg.DagsterRunStatus.CANCELED if hold_mode == "cancel" else dg.DagsterRunStatus.STARTED
+        )
         assert instance.get_backfill("bf-spend").status == BulkActionStatus.CANCELING
         assert instance.get_backfill("bf-ids").status == BulkActionStatus.REQUESTED
 
 
 def sensor_tick(instance, ledger_root, policy, hook_url, cursor=None):
-    resources = {"spend_policy": policy, "store": DataStore(root=str(ledger_root)), "alerts": AlertSink(webhook_url=hook_url)}
+    resources = {
+        "spend_policy": policy,
+        "store": DataStore(root=str(ledger_root)),
+        "alerts": AlertSink(webhook_url=hook_url),
+    }
     return credit_sensor(dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources))
 
 
 def test_a_run_over_its_own_threshold_is_stopped_and_old_figures_hold_nothing(tmp_path, monkeypatch):
     """A per-run threshold is about that run; a finished run's or yesterday's spend never holds today's spending."""
-    for var in ("EAGLE3_MIN_BALANCE_USD", "EAGLE3_MAX_RUN_USD", "EAGLE3_MAX_DAY_USD", "EAGLE3_MAX_TOTAL_USD",
-                "OPENROUTER_API_KEY"):
+    for var in (
+        "EAGLE3_MIN_BALANCE_USD",
+        "EAGLE3_MAX_RUN_USD",
+        "EAGLE3_MAX_DAY_USD",
+        "EAGLE3_MAX_TOTAL_USD",
+        "OPENROUTER_API_KEY",
+    ):
         monkeypatch.delenv(var, raising=False)
     hook = Webhook()
     ledger = open_ledger(DataStore(root=str(tmp_path)).layout)
@@ -229,17 +303,21 @@ def test_a_run_over_its_own_threshold_is_stopped_and_old_figures_hold_nothing(tm
         yesterday = time.time() - 86400
         for run, usd in ((finished, 9.0), (running, 6.0)):
             bill(ledger, usd, run_id=run.run_id)
-        (old,), _ = ledger.write(L.reserve, [L.Want("q", 1, 50.0, 10)], run_id="older", dataset="A1", owner="t", caps=Caps(),
-                                 now=yesterday)
-        ledger.write(L.settle, old, cost_usd=50.0, prompt_tokens=1, completion_tokens=1, source="response", now=yesterday)
+        (old,), _ = ledger.write(
+            L.reserve, [L.Want("q", 1, 50.0, 10)], run_id="older", dataset="A1", owner="t", caps=Caps(), now=yesterday
+        )
+        ledger.write(
+            L.settle, old, cost_usd=50.0, prompt_tokens=1, completion_tokens=1, source="response", now=yesterday
+        )
         policy = SpendPolicy(max_run_usd=5.0, max_day_usd=20.0)  # $15 today, $50 yesterday; run over $5: only `running`
 
         result = sensor_tick(instance, tmp_path, policy, url)
         assert get_hold(ledger) is None  # nothing global is crossed: today's $15 < $20, the finished run is history
         assert instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED
         assert instance.get_run_by_id(finished.run_id).status == dg.DagsterRunStatus.SUCCESS
-        assert [a["title"] for a in hook.alerts] == [f"Run over its spend threshold, cancelled: run {running.run_id[:8]} spent "
-                                                     "$6.00 > $5.00 per run"]
+        assert [a["title"] for a in hook.alerts] == [
+            f"Run over its spend threshold, cancelled: run {running.run_id[:8]} spent $6.00 > $5.00 per run"
+        ]
         hook.alerts.clear()
         sensor_tick(instance, tmp_path, policy, url, result.cursor)
         assert hook.alerts == []  # said once
@@ -266,10 +344,13 @@ def test_the_sensor_settles_what_runs_left_unsettled(tmp_path, tok, monkeypatch)
         import httpx
 
         body = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
-        resp = httpx.post(f"{server.base_url}/api/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        resp = httpx.post(
+            f"{server.base_url}/api/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"}
+        )
         gen = resp.headers["x-generation-id"]
-        (attempt,), _ = ledger.write(L.reserve, [L.Want("p", 1, 0.01, 50)], run_id="gone", dataset="A1", owner="t", caps=Caps(),
-                                     now=time.time())
+        (attempt,), _ = ledger.write(
+            L.reserve, [L.Want("p", 1, 0.01, 50)], run_id="gone", dataset="A1", owner="t", caps=Caps(), now=time.time()
+        )
         ledger.write(L.unsettle, attempt, gen, "its stream was cut", time.time())
         assert ledger.figures().unsettled == 1
         monkeypatch.setenv("OPENROUTER_API_KEY", "k")
@@ -301,11 +382,17 @@ def test_the_spend_asset_is_observed_when_a_figure_changes_not_on_every_tick(tmp
         assert second["spend_over_time"].value.startswith("![plot](data:image/png;base64,")
         bill(ledger, 4.0, dataset="B7")  # crosses max_total_usd: the hold and its reasons are in the next observation
         held = sensor_tick(instance, tmp_path, SpendPolicy(), None, cursor).asset_events[0]
-        assert held.metadata["spending"].value.startswith("ON HOLD since") and "spent in all $5.25 > $5.00" in held.metadata["spending"].value
+        assert (
+            held.metadata["spending"].value.startswith("ON HOLD since")
+            and "spent in all $5.25 > $5.00" in held.metadata["spending"].value
+        )
         assert held.description.startswith("ON HOLD")
         # Observe in the UI reads the same figures now, without the sensor
-        assert observe([spend], instance=instance, resources={"store": DataStore(root=str(tmp_path)),
-                                                              "spend_policy": SpendPolicy()}).success
+        assert observe(
+            [spend],
+            instance=instance,
+            resources={"store": DataStore(root=str(tmp_path)), "spend_policy": SpendPolicy()},
+        ).success
         observed = instance.fetch_observations(dg.AssetKey("spend"), limit=1).records[0].asset_observation.metadata
         assert observed["spent_total_usd"].value == 5.25 and observed["spent_B7_usd"].value == 4.0
         assert observed["summary"].value.startswith("ON HOLD since")

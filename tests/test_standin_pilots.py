@@ -35,8 +35,10 @@ def test_every_dataset_pilot_passes_on_the_standin_with_margin(tok, target_model
     settings = config.settings(BackendKind.LOCAL)
     backend = CompletionsResource(backend=BackendKind.LOCAL).make_backend(tok, lambda: target_model, log=lambda m: None)
     assert isinstance(backend, TransformersBackend)
-    length = PromptLength(render=lambda m, t: render_messages(m, t, version=TemplateVersion.K2_5, thinking=True),
-                          count=lambda text: len(tok.encode(text, allow_special=True)))
+    length = PromptLength(
+        render=lambda m, t: render_messages(m, t, version=TemplateVersion.K2_5, thinking=True),
+        count=lambda text: len(tok.encode(text, allow_special=True)),
+    )
     sets = build_prompt_sets(list(DATASETS), DATASETS, mode="sample", length=length, log=lambda m: None)
     assert list(sets) == list(DATASETS) and len(sets) == 10
     figures = {}
@@ -47,8 +49,13 @@ def test_every_dataset_pilot_passes_on_the_standin_with_margin(tok, target_model
         run_completions(name, requests, backend, settings, journal, ledger=ledger, log=lambda m: None)
         frame = completions_frame(name, requests, journal, df)
         outcome = pilot_outcome(frame, build_token_ids(frame, tok))
-        figures[name] = (outcome.passed, outcome.metadata["pilot_requests"], outcome.metadata["ok"],
-                         outcome.metadata["ok_with_final_answer"], outcome.description)
+        figures[name] = (
+            outcome.passed,
+            outcome.metadata["pilot_requests"],
+            outcome.metadata["ok"],
+            outcome.metadata["ok_with_final_answer"],
+            outcome.description,
+        )
     print(figures)
     n = config.pilot_size
     for name, (passed, requests, ok, answered, description) in figures.items():

@@ -62,8 +62,14 @@ def home_with_yaml(tmp_path) -> Path:
 def cli_status(home: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     env.pop("NO_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "status", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "status", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def resources_for(data_dir: Path, fake_url: str) -> dict:
@@ -72,14 +78,18 @@ def resources_for(data_dir: Path, fake_url: str) -> dict:
         "store": DataStore(root=str(data_dir)),
         "tokenizer": TokenizerResource(standin_dir=standin),
         "target": TargetModelResource(standin_dir=standin),
-        "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY),
+        "completions_backend": CompletionsResource(
+            backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY
+        ),
         "spend_policy": SpendPolicy(),
     }
 
 
 def widest(text: str) -> int:
     """The widest line, paths aside (a path is as long as it is)."""
-    return max(len(line) for line in text.splitlines() if not line.startswith(("DAGSTER_HOME ", "data root ", "ledger ")))
+    return max(
+        len(line) for line in text.splitlines() if not line.startswith(("DAGSTER_HOME ", "data root ", "ledger "))
+    )
 
 
 @pytest.fixture
@@ -133,8 +143,9 @@ def test_fresh_instance_prints_every_dataset_not_materialized_and_exits_0(tmp_pa
 
 def _add_run(instance, status, job="eagle3_pipeline", **tags):
     """A run as the UI or the CLI would record it (a queued run must name the code location it comes from)."""
-    origin = RemoteJobOrigin(repository_origin=RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("eagle3"), "__repository__"),
-                             job_name=job)
+    origin = RemoteJobOrigin(
+        repository_origin=RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("eagle3"), "__repository__"), job_name=job
+    )
     run = dg.DagsterRun(job_name=job, run_id=str(uuid.uuid4()), status=status, tags=tags, remote_job_origin=origin)
     instance.add_run(run)
     return run
@@ -146,11 +157,20 @@ def _report_check(instance, run_id, asset, name, passed, partition=None, metadat
     )
     from dagster._core.events import DagsterEvent, DagsterEventType
 
-    evaluation = AssetCheckEvaluation(asset_key=dg.AssetKey(asset), check_name=name, passed=passed, partition=partition,
-                                      severity=getattr(dg.AssetCheckSeverity, severity), metadata=metadata or {},
-                                      description=f"{name} {'passed' if passed else 'failed'}")
-    event = DagsterEvent(event_type_value=DagsterEventType.ASSET_CHECK_EVALUATION.value, job_name="eagle3_pipeline",
-                         event_specific_data=evaluation)
+    evaluation = AssetCheckEvaluation(
+        asset_key=dg.AssetKey(asset),
+        check_name=name,
+        passed=passed,
+        partition=partition,
+        severity=getattr(dg.AssetCheckSeverity, severity),
+        metadata=metadata or {},
+        description=f"{name} {'passed' if passed else 'failed'}",
+    )
+    event = DagsterEvent(
+        event_type_value=DagsterEventType.ASSET_CHECK_EVALUATION.value,
+        job_name="eagle3_pipeline",
+        event_specific_data=evaluation,
+    )
     instance.report_dagster_event(event, run_id)
 
 
@@ -162,8 +182,11 @@ def _report_materialization(instance, run_id, asset, partition, metadata):
     )
 
     mat = dg.AssetMaterialization(asset_key=asset, partition=partition, metadata=metadata)
-    event = DagsterEvent(event_type_value=DagsterEventType.ASSET_MATERIALIZATION.value, job_name="eagle3_pipeline",
-                         event_specific_data=StepMaterializationData(mat))
+    event = DagsterEvent(
+        event_type_value=DagsterEventType.ASSET_MATERIALIZATION.value,
+        job_name="eagle3_pipeline",
+        event_specific_data=StepMaterializationData(mat),
+    )
     instance.report_dagster_event(event, run_id)
 
 
@@ -173,16 +196,23 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
     ledger = SpendLedger(tmp_path / "ledger" / "spend.sqlite")
     now = time.time()
     # B1: one attempt billed $0.25; B2: one in flight (worst $0.5) and one cut with a generation id (unsettled, worst $0.125)
-    (billed,), _ = ledger.write(L.reserve, [L.Want("p1", 1, 0.75, 100)], run_id="r1", dataset="B1", owner="t", caps=Caps(), now=now)
+    (billed,), _ = ledger.write(
+        L.reserve, [L.Want("p1", 1, 0.75, 100)], run_id="r1", dataset="B1", owner="t", caps=Caps(), now=now
+    )
     ledger.write(L.settle, billed, cost_usd=0.25, prompt_tokens=10, completion_tokens=40, source="test", now=now)
     ledger.write(L.reserve, [L.Want("p2", 1, 0.5, 100)], run_id="r2", dataset="B2", owner="t", caps=Caps(), now=now)
-    (cut,), _ = ledger.write(L.reserve, [L.Want("p3", 1, 0.125, 100)], run_id="r2", dataset="B2", owner="t", caps=Caps(), now=now)
+    (cut,), _ = ledger.write(
+        L.reserve, [L.Want("p3", 1, 0.125, 100)], run_id="r2", dataset="B2", owner="t", caps=Caps(), now=now
+    )
     ledger.write(L.unsettle, cut, "gen-1", "stream cut", now)
     set_hold(ledger, ["daily spend $0.25 above max_day_usd $0.20"], {}, {"max_day_usd": 0.2})
 
     with dg.DagsterInstance.get() as instance:
-        queued = _add_run(instance, dg.DagsterRunStatus.QUEUED,
-                          **{ASSET_PARTITION_RANGE_START_TAG: "B1", ASSET_PARTITION_RANGE_END_TAG: "B3"})
+        queued = _add_run(
+            instance,
+            dg.DagsterRunStatus.QUEUED,
+            **{ASSET_PARTITION_RANGE_START_TAG: "B1", ASSET_PARTITION_RANGE_END_TAG: "B3"},
+        )
         started = _add_run(instance, dg.DagsterRunStatus.STARTED, **{PARTITION_NAME_TAG: "B6"})
         _add_run(instance, dg.DagsterRunStatus.SUCCESS, **{PARTITION_NAME_TAG: "B7"})  # finished: not shown
         # A run over B1...B3 recorded one combined verdict with no partition (older instances): it failed for B2 only.
@@ -196,18 +226,36 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
         later = _add_run(instance, dg.DagsterRunStatus.SUCCESS, **{PARTITION_NAME_TAG: "B1"})
         _report_check(instance, later.run_id, "completions", "complete", False, partition="B1", severity="ERROR")
         # The drafter: lossless speculative decoding measured 3.21, the teacher-forced simulation says 5.09.
-        _report_materialization(instance, later.run_id, "eagle3_drafter", None, {
-            "accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "accept_length_simulated": 5.09,
-            "accept_length_simulated_untrained": 1.8, "final_loss": 2.5})
+        _report_materialization(
+            instance,
+            later.run_id,
+            "eagle3_drafter",
+            None,
+            {
+                "accept_length_real": 3.21,
+                "accept_length_real_untrained": 1.52,
+                "accept_length_simulated": 5.09,
+                "accept_length_simulated_untrained": 1.8,
+                "final_loss": 2.5,
+            },
+        )
         check_keys = [dg.AssetCheckKey(dg.AssetKey("completions"), n) for n in ("complete", "error_rate")]
         status = gather_status(instance, ledger, check_keys=check_keys, now=now + 90)
 
     assert status.errors == []
     assert [(r.run_id, r.status, r.datasets) for r in status.runs] == [
-        (queued.run_id, "QUEUED", ["B1", "B2", "B3"]), (started.run_id, "STARTED", ["B6"])]
+        (queued.run_id, "QUEUED", ["B1", "B2", "B3"]),
+        (started.run_id, "STARTED", ["B6"]),
+    ]
     m = status.money
     assert (m.billed_usd, m.today_usd, m.in_flight, m.in_flight_worst_usd, m.unsettled, m.unsettled_worst_usd) == (
-        0.25, 0.25, 1, 0.5, 1, 0.125)
+        0.25,
+        0.25,
+        1,
+        0.5,
+        1,
+        0.125,
+    )
     assert m.per_dataset["B1"]["billed_usd"] == 0.25 and m.per_dataset["B2"]["unsettled_worst_usd"] == 0.125
     assert m.hold["reasons"] == ["daily spend $0.25 above max_day_usd $0.20"]
 
@@ -228,7 +276,11 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
     assert widest(text) <= 120
     assert "B1...B3" in text and "QUEUED" in text and "STARTED" in text and "spends" in text
     assert "SPENDING HELD since" in text and "daily spend $0.25 above max_day_usd $0.20" in text
-    assert "billed $0.2500 in all" in text and "in flight 1 (worst $0.5000)" in text and "unsettled 1 (worst $0.1250)" in text
+    assert (
+        "billed $0.2500 in all" in text
+        and "in flight 1 (worst $0.5000)" in text
+        and "unsettled 1 (worst $0.1250)" in text
+    )
     b1_line = dataset_line(text, "B1")
     assert " 3 " in b1_line and "1 ERROR" in b1_line and " 0.2500 " in b1_line
     assert " 0.0000 " in dataset_line(text, "B2") and "*" not in text  # each its own dollars, none a run total
@@ -250,19 +302,26 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
 
 
 @pytest.mark.timeout(1800)
-def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(tmp_path, data_dir_with_tokenizer, tok, monkeypatch):
+def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(
+    tmp_path, data_dir_with_tokenizer, tok, monkeypatch
+):
     ds = "B6"
     home = home_with_yaml(tmp_path)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     # Some answers end in an error or are cut by max_tokens: completions' error_rate and truncated_share checks fail.
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, rate_finish_error=0.3, seed=5))
     with ServerThread(fake.app) as server, dg.DagsterInstance.get() as instance:
-        result = dg.materialize([raw_prompts, completions, token_ids], partition_key=ds, instance=instance,
-                                resources=resources_for(data_dir_with_tokenizer, f"{server.base_url}/api/v1"),
-                                run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}})
+        result = dg.materialize(
+            [raw_prompts, completions, token_ids],
+            partition_key=ds,
+            instance=instance,
+            resources=resources_for(data_dir_with_tokenizer, f"{server.base_url}/api/v1"),
+            run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}},
+        )
         assert result.success
-        evaluations = [e.asset_check_evaluation_data for e in result.all_events
-                       if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+        evaluations = [
+            e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
         started = time.monotonic()
         status = gather_status(instance, open_ledger(DataStore(root=str(data_dir_with_tokenizer)).layout))
         print(f"gather_status: {time.monotonic() - started:.2f} s")
@@ -277,8 +336,14 @@ def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(tmp_path, 
         "completions": {"rows": answers.height, "tokens": int(answers["completion_tokens"].fill_null(0).sum())},
         "token_ids": {"rows": ids.height, "tokens": int((ids["prompt_len"] + ids["completion_len"]).sum())},
     }
-    failing = {stage: sorted(f"{e.severity.value} {e.check_name}" for e in evaluations
-                             if e.asset_key == dg.AssetKey(stage) and not e.passed) for stage in STAGES}
+    failing = {
+        stage: sorted(
+            f"{e.severity.value} {e.check_name}"
+            for e in evaluations
+            if e.asset_key == dg.AssetKey(stage) and not e.passed
+        )
+        for stage in STAGES
+    }
     names = {stage: {e.check_name for e in evaluations if e.asset_key == dg.AssetKey(stage)} for stage in STAGES}
     assert {"WARN error_rate", "WARN truncated_share"} <= set(failing["completions"])
 
@@ -328,8 +393,14 @@ def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, 
     # `eagle3 prompts` builds raw_prompts for A1 and A2 in one run (one step, two partitions).
     home = home_with_yaml(tmp_path)
     env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE3_DATA_DIR=str(data_dir_with_tokenizer), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "eagle3_assets.operations.cli", "prompts", "--datasets", "A1,A2"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "prompts", "--datasets", "A1,A2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     proc = cli_status(home, data_dir_with_tokenizer, "--json")
@@ -364,4 +435,8 @@ def test_the_drafter_metadata_leads_with_the_real_accept_length():
     assert meta["accept_length_real_change"] == 0.21 and meta["accept_length_simulated_change"] == 0.19
     assert "accept_length" not in meta  # no unnamed figure
     without = accept_length_metadata(report, None, None)  # a target too big to decode with here: simulated only, named
-    assert list(without) == ["accept_length_simulated", "accept_length_simulated_untrained", "accept_length_simulated_source"]
+    assert list(without) == [
+        "accept_length_simulated",
+        "accept_length_simulated_untrained",
+        "accept_length_simulated_source",
+    ]

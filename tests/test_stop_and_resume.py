@@ -34,15 +34,24 @@ SECRET = "sk-or-v1-SECRET-must-never-be-stored-0123456789"
 
 @pytest.fixture
 def slow_fake(tok):
-    fake = FakeOpenRouter(tok, FakeSettings(api_key=SECRET, latency_s=0.5, chunk_latency_s=0.15, mean_reasoning_words=30))
+    fake = FakeOpenRouter(
+        tok, FakeSettings(api_key=SECRET, latency_s=0.5, chunk_latency_s=0.15, mean_reasoning_words=30)
+    )
     with ServerThread(fake.app) as server:
         fake.url = f"{server.base_url}/api/v1"
         yield fake
 
 
 def env_for(tmp_path, data_dir, fake):
-    env = dict(os.environ, DAGSTER_HOME=str(tmp_path / "home"), EAGLE3_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1",
-               EAGLE3_COMPLETIONS_BACKEND="openrouter", OPENROUTER_BASE_URL=fake.url, OPENROUTER_API_KEY=SECRET)
+    env = dict(
+        os.environ,
+        DAGSTER_HOME=str(tmp_path / "home"),
+        EAGLE3_DATA_DIR=str(data_dir),
+        PYTHONUNBUFFERED="1",
+        EAGLE3_COMPLETIONS_BACKEND="openrouter",
+        OPENROUTER_BASE_URL=fake.url,
+        OPENROUTER_API_KEY=SECRET,
+    )
     Path(env["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
     return env
 
@@ -53,22 +62,26 @@ def resources_for(data_dir, fake):
         "store": DataStore(root=str(data_dir)),
         "tokenizer": TokenizerResource(standin_dir=standin),
         "target": TargetModelResource(standin_dir=standin),
-        "completions_backend": CompletionsResource(backend="openrouter", openrouter_base_url=fake.url,
-                                                   openrouter_api_key=dg.EnvVar("OPENROUTER_API_KEY")),
+        "completions_backend": CompletionsResource(
+            backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=dg.EnvVar("OPENROUTER_API_KEY")
+        ),
         "spend_policy": SpendPolicy(),
     }
 
 
 def materialize_b6(data_dir, fake, instance):
-    return dg.materialize([raw_prompts, completions], partition_key="B6", instance=instance, resources=resources_for(data_dir, fake))
-
-
+    return dg.materialize(
+        [raw_prompts, completions], partition_key="B6", instance=instance, resources=resources_for(data_dir, fake)
+    )
 
 
 def recovered(journal: Path) -> int:
     """Answers billed but lost at the stop, fetched from the provider's stored content instead of bought again."""
-    return sum(1 for r in read_journal(journal).records
-               if r.get("type") == "result" and (r.get("extra") or {}).get("recovered_from") == "generation/content")
+    return sum(
+        1
+        for r in read_journal(journal).records
+        if r.get("type") == "result" and (r.get("extra") or {}).get("recovered_from") == "generation/content"
+    )
 
 
 def ok_count(journal: Path) -> int:
@@ -79,19 +92,23 @@ def requests_per_prompt(fake) -> collections.Counter:
     return collections.Counter(json.dumps(b["messages"], sort_keys=True) for b in fake.billing.requests)
 
 
-
-
-
-
 @pytest.mark.timeout(900)
-def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(tmp_path, data_dir_with_standin, slow_fake, monkeypatch):
+def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(
+    tmp_path, data_dir_with_standin, slow_fake, monkeypatch
+):
     from dagster_graphql import DagsterGraphQLClient
 
     monkeypatch.setenv("OPENROUTER_API_KEY", SECRET)
     env = env_for(tmp_path, data_dir_with_standin, slow_fake)
     port = free_port()
-    dev = subprocess.Popen([sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)], cwd=REPO, env=env,
-                           stdout=open(tmp_path / "dev.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    dev = subprocess.Popen(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "dev", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp_path / "dev.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     journal = data_dir_with_standin / "completions" / "B6" / "journal.jsonl"
     try:
         client = DagsterGraphQLClient("127.0.0.1", port_number=port, timeout=60)
@@ -134,7 +151,9 @@ def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(tmp_pat
     assert result.success
     done, _ = final_results(journal)
     ledger = open_ledger(DataStore(root=str(data_dir_with_standin)).layout)
-    blocked = ledger.figures().unidentified  # cancelled before their generation id arrived: not re-sent before the horizon
+    blocked = (
+        ledger.figures().unidentified
+    )  # cancelled before their generation id arrived: not re-sent before the horizon
     assert len(done) + blocked == 28 and {r["status"] for r in done.values()} == {"ok"}
     # No finished answer was bought twice; the streams the terminate cancelled were billed for what they had generated
     # (looked up), and their prompts were sent again: the price of cancelling rather than draining (on_terminate).
@@ -147,10 +166,23 @@ def test_kill_9_then_resume_never_resends_a_journaled_prompt(tmp_path, data_dir_
     monkeypatch.setenv("OPENROUTER_API_KEY", SECRET)
     env = env_for(tmp_path, data_dir_with_standin, slow_fake)
     journal = data_dir_with_standin / "completions" / "B6" / "journal.jsonl"
-    cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", "dagster", "asset", "materialize", "-m", "eagle3_assets.definitions",
-           "--select", "raw_prompts,completions", "--partition", "B6"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3_assets.operations.cli",
+        "dagster",
+        "asset",
+        "materialize",
+        "-m",
+        "eagle3_assets.definitions",
+        "--select",
+        "raw_prompts,completions",
+        "--partition",
+        "B6",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         wait_for(lambda: ok_count(journal) >= 4, 300, "the first paid responses")
         os.killpg(proc.pid, signal.SIGKILL)
@@ -194,14 +226,20 @@ def test_api_key_never_reaches_storage_logs_or_run_config(tmp_path, data_dir_wit
             assert result.success and fake.billing.bills
             run = instance.get_run_by_id(result.run_id)
             assert SECRET not in json.dumps(run.run_config, default=str)
-            for record in instance.get_event_records(dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_MATERIALIZATION)):
+            for record in instance.get_event_records(
+                dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+            ):
                 assert SECRET not in str(record.event_log_entry)
             for entry in instance.all_logs(result.run_id):
                 assert SECRET not in (entry.message or "") and SECRET not in str(entry.dagster_event)
     stored = [p for p in home.rglob("*") if p.is_file()]
     assert any(b"request_settings" in p.read_bytes() for p in stored)  # the scan does read the event storage
     leaks = [p for p in stored if SECRET.encode() in p.read_bytes()]
-    leaks += [p for p in data_dir_with_standin.rglob("*") if p.is_file() and p.stat().st_size < 50e6 and SECRET.encode() in p.read_bytes()]
+    leaks += [
+        p
+        for p in data_dir_with_standin.rglob("*")
+        if p.is_file() and p.stat().st_size < 50e6 and SECRET.encode() in p.read_bytes()
+    ]
     assert leaks == []
     out, err = capfd.readouterr()
     assert SECRET not in out and SECRET not in err

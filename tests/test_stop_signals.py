@@ -74,6 +74,7 @@ def test_an_interrupt_raised_in_a_task_cancels_the_work_then_reaches_the_previou
     log: list[str] = []
     with pytest.raises(Interrupted):
         with StopSignals() as signals:
+
             async def main() -> None:
                 signals.attach()
                 await work(log, signal_from_a_task=True)
@@ -89,6 +90,7 @@ def test_ctrl_c_becomes_keyboard_interrupt_after_a_clean_cancel():
     with sigint(signal.default_int_handler):
         with pytest.raises(KeyboardInterrupt):
             with StopSignals() as signals:
+
                 async def main() -> None:
                     signals.attach()
                     asyncio.get_running_loop().call_later(0.05, signal.raise_signal, signal.SIGINT)  # from a callback
@@ -108,6 +110,7 @@ def test_a_second_signal_is_handed_back_at_once_and_only_once():
 
     with sigint(handler), pytest.raises(KeyboardInterrupt):
         with StopSignals() as signals:
+
             async def main() -> None:
                 signals.attach()
                 signal.raise_signal(signal.SIGINT)  # the first: a clean cancel is under way
@@ -138,6 +141,7 @@ def test_a_signal_before_the_loop_starts_cancels_it_at_once():
 def test_an_ignored_signal_stays_ignored():
     with sigint(signal.SIG_IGN):
         with StopSignals() as signals:
+
             async def main() -> str:
                 signals.attach()
                 signal.raise_signal(signal.SIGINT)

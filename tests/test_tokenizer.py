@@ -17,11 +17,25 @@ from eagle3_resources.tokenizer.kimi import (
 from eagle3_resources.tokenizer.special_tokens import KIMI_SPECIAL_TOKENS, VOCAB_SIZE
 
 REFERENCE_TABLE = {  # ../shared/reference/kimi-k25.md, written out here on purpose
-    "[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_user|>": 163587, "<|im_assistant|>": 163588,
-    "<|start_header_id|>": 163590, "<|end_header_id|>": 163591, "[EOT]": 163593, "<|im_system|>": 163594,
-    "<|tool_calls_section_begin|>": 163595, "<|tool_calls_section_end|>": 163596, "<|tool_call_begin|>": 163597,
-    "<|tool_call_argument_begin|>": 163598, "<|tool_call_end|>": 163599, "<|im_middle|>": 163601,
-    "<think>": 163606, "</think>": 163607, "[UNK]": 163838, "[PAD]": 163839,
+    "[BOS]": 163584,
+    "[EOS]": 163585,
+    "<|im_end|>": 163586,
+    "<|im_user|>": 163587,
+    "<|im_assistant|>": 163588,
+    "<|start_header_id|>": 163590,
+    "<|end_header_id|>": 163591,
+    "[EOT]": 163593,
+    "<|im_system|>": 163594,
+    "<|tool_calls_section_begin|>": 163595,
+    "<|tool_calls_section_end|>": 163596,
+    "<|tool_call_begin|>": 163597,
+    "<|tool_call_argument_begin|>": 163598,
+    "<|tool_call_end|>": 163599,
+    "<|im_middle|>": 163601,
+    "<think>": 163606,
+    "</think>": 163607,
+    "[UNK]": 163838,
+    "[PAD]": 163839,
 }
 
 
@@ -66,8 +80,14 @@ def test_moved_special_id_is_reported(tok, tmp_path):
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello, world!", "你好，世界。今天天气很好", "emoji 😀👩‍💻🇯🇵 mixed 中文 and English", "tabs\t\tand   spaces\n\n\nnew", "x" * 30_000,
-     " " * 26_000 + "end"],
+    [
+        "Hello, world!",
+        "你好，世界。今天天气很好",
+        "emoji 😀👩‍💻🇯🇵 mixed 中文 and English",
+        "tabs\t\tand   spaces\n\n\nnew",
+        "x" * 30_000,
+        " " * 26_000 + "end",
+    ],
 )
 def test_encode_decode_roundtrip(tok, text):
     assert tok.decode(tok.encode(text)) == text
@@ -102,42 +122,60 @@ def test_chat_format_turns_defaults_and_history():
     )
 
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather",
-        "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]},
-                                                         "city": {"type": "string", "description": "City name"}},
-                       "required": ["city"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                    "city": {"type": "string", "description": "City name"},
+                },
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def test_tools_declared_first_then_system_and_results_rendered():
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
-                                                               "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": "{\"t\": 21}"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "name": "get_weather", "content": '{"t": 21}'},
     ]
     text = render_messages(messages, TOOLS)
     ts = (
         "# Tools\n\n## functions\nnamespace functions {\n// Get the weather\n"
-        "type get_weather = (_: {\n  // City name\n  city: string,\n  unit?: \"c\" | \"f\"\n}) => any;\n}\n"
+        'type get_weather = (_: {\n  // City name\n  city: string,\n  unit?: "c" | "f"\n}) => any;\n}\n'
     )
     assert text == (
         f"<|im_system|>tool_declare<|im_middle|>{ts}<|im_end|>"
         "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
         "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|><|tool_call_begin|>"
-        "functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
-        "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n{\"t\": 21}<|im_end|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+        '<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n{"t": 21}<|im_end|>'
         "<|im_assistant|>assistant<|im_middle|><think>"
     )
     k2 = render_messages(messages[1:2], TOOLS, version=TemplateVersion.K2)
-    assert k2.startswith('<|im_system|>tool_declare<|im_middle|>[{"function":{"description":"Get the weather","name":"get_weather",')
+    assert k2.startswith(
+        '<|im_system|>tool_declare<|im_middle|>[{"function":{"description":"Get the weather","name":"get_weather",'
+    )
 
 
 def test_special_token_table_matches_reference():

@@ -32,7 +32,9 @@ NUX_MODAL = "Join the Dagster community"
 
 LOAD_MS = 180_000  # the first page of a cold webserver on a shared 2-core machine
 UI_MS = 60_000
-RUN_TIMEOUT_S = 900  # the local stand-in generates on CPU: 1-3 min for a partition when the machine is idle, more when not
+RUN_TIMEOUT_S = (
+    900  # the local stand-in generates on CPU: 1-3 min for a partition when the machine is idle, more when not
+)
 FINISHED = {"SUCCESS", "FAILURE", "CANCELED"}
 
 
@@ -55,7 +57,9 @@ def test_materialize_a_partition_from_the_ui(tmp_path, data_dir_with_standin):
             spend(page, base, shots)
         except BaseException:
             page.screenshot(path=shots / "failure.png")
-            print(f"page at failure: {page.url} (screenshot {shots / 'failure.png'})\n-- eagle3 dev log --\n{log_tail(log)}")
+            print(
+                f"page at failure: {page.url} (screenshot {shots / 'failure.png'})\n-- eagle3 dev log --\n{log_tail(log)}"
+            )
             raise
     print(f"UI test: {time.monotonic() - started:.0f} s; screenshots in {shots}")
 
@@ -89,7 +93,8 @@ def lineage_and_launch(page, base: str, shots) -> str:
     page.screenshot(path=shots / "lineage.png")
     missing = [name for name in PIPELINE_ASSETS if not graph.get_by_text(name, exact=True).first.is_visible()]
     assert not missing, f"the global asset lineage does not show {missing}; it shows: " + ", ".join(
-        sorted(set(t.strip() for t in graph.locator("text, div, span").all_inner_texts() if t.strip())))
+        sorted(set(t.strip() for t in graph.locator("text, div, span").all_inner_texts() if t.strip()))
+    )
 
     graph.get_by_text("raw_prompts", exact=True).first.click()
     graph.get_by_text("completions", exact=True).last.click(modifiers=["Shift"])  # the node, not its group's title
@@ -105,7 +110,9 @@ def lineage_and_launch(page, base: str, shots) -> str:
 
     toast = page.get_by_text(re.compile(r"^Launched run [0-9a-f]{8}"))
     toast.wait_for()
-    page.get_by_role("button", name="View", exact=True).or_(page.get_by_role("link", name="View", exact=True)).first.click()
+    page.get_by_role("button", name="View", exact=True).or_(
+        page.get_by_role("link", name="View", exact=True)
+    ).first.click()
     page.wait_for_url(re.compile(r"/runs/[0-9a-f-]{36}"))
     return page.url.split("/runs/")[1].split("?")[0].split("/")[0]
 
@@ -122,8 +129,10 @@ def wait_for_success(page, base: str, run_id: str, log, shots) -> None:
     header = page.get_by_text(re.compile(r"^(Success|Failure|Canceled|Started|Queued|Starting|Canceling)$")).first
     header.wait_for(timeout=LOAD_MS)
     page.screenshot(path=shots / "run.png")
-    assert status == "SUCCESS", f"run {run_id} for {DATASET} is {status} after {RUN_TIMEOUT_S} s at most; the run page says " \
+    assert status == "SUCCESS", (
+        f"run {run_id} for {DATASET} is {status} after {RUN_TIMEOUT_S} s at most; the run page says "
         f"{header.inner_text()!r}\n-- eagle3 dev log --\n{log_tail(log)}"
+    )
     page.get_by_text("Success", exact=True).first.wait_for()
 
 

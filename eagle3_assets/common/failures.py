@@ -38,12 +38,14 @@ def failure_for_operator(fn: F) -> F:
     Dagster reads for the context, config and resources.
     """
     if inspect.isgeneratorfunction(fn):
+
         @functools.wraps(fn)
         def generator(*args, **kwargs):
             try:
                 yield from fn(*args, **kwargs)
             except Eagle3Error as e:
                 raise operator_failure(e) from e
+
         return generator  # type: ignore[return-value]
 
     @functools.wraps(fn)
@@ -52,4 +54,5 @@ def failure_for_operator(fn: F) -> F:
             return fn(*args, **kwargs)
         except Eagle3Error as e:
             raise operator_failure(e) from e
+
     return function  # type: ignore[return-value]

@@ -128,7 +128,9 @@ def api_pod_config(cpu: str | None = None, memory: str | None = None, model_clai
     memory = memory or _amount("EAGLE3_K8S_MEMORY", "8Gi")
     claim = _setting("EAGLE3_K8S_MODEL_CLAIM", "eagle3-models") if model_claim is None else model_claim
     volumes, mounts = model_volume(claim)
-    container: dict[str, Any] = {"resources": {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}}
+    container: dict[str, Any] = {
+        "resources": {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    }
     config: K8sConfig = {"container_config": container}
     if volumes:
         container["volumeMounts"] = mounts

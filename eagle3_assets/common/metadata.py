@@ -24,7 +24,9 @@ def _cell(value: Any) -> str:
     return text if len(text) <= CELL_CHARS else text[: CELL_CHARS - 1] + "…"
 
 
-def markdown_table(df: pl.DataFrame, columns: Sequence[str] | None = None, rows: int = PREVIEW_ROWS) -> dg.MetadataValue:
+def markdown_table(
+    df: pl.DataFrame, columns: Sequence[str] | None = None, rows: int = PREVIEW_ROWS
+) -> dg.MetadataValue:
     cols = list(columns or df.columns)
     head = df.select(cols).head(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -50,8 +50,11 @@ def metadata_value(value: Any):
 def to_results(checks: Checks, outcomes: dict[str, CheckOutcome]) -> list[dg.AssetCheckResult]:
     return [
         dg.AssetCheckResult(
-            check_name=name, passed=outcome.passed, severity=getattr(dg.AssetCheckSeverity, checks[name][1]),
-            description=outcome.description, metadata={k: metadata_value(v) for k, v in outcome.metadata.items()},
+            check_name=name,
+            passed=outcome.passed,
+            severity=getattr(dg.AssetCheckSeverity, checks[name][1]),
+            description=outcome.description,
+            metadata={k: metadata_value(v) for k, v in outcome.metadata.items()},
         )
         for name, outcome in outcomes.items()
     ]

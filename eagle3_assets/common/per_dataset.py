@@ -33,19 +33,27 @@ def dataset_check_specs(asset: str, checks: Checks, blocking: set[str] = frozens
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.PreviewWarning)  # partitioned checks are "preview" in 1.13; they work
         return [
-            dg.AssetCheckSpec(name, asset=asset, description=check_description(fn), blocking=name in blocking,
-                              partitions_def=dataset_partitions)
+            dg.AssetCheckSpec(
+                name,
+                asset=asset,
+                description=check_description(fn),
+                blocking=name in blocking,
+                partitions_def=dataset_partitions,
+            )
             for name, (fn, _) in checks.items()
         ]
 
 
 def _latest_materialization(instance: dg.DagsterInstance, asset_key: dg.AssetKey, partition: str):
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition]), limit=1)
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition]), limit=1
+    )
     if not records.records:
         return None
     record = records.records[0]
-    return AssetCheckEvaluationTargetMaterializationData(storage_id=record.storage_id, run_id=record.run_id,
-                                                         timestamp=record.timestamp)
+    return AssetCheckEvaluationTargetMaterializationData(
+        storage_id=record.storage_id, run_id=record.run_id, timestamp=record.timestamp
+    )
 
 
 def per_dataset_results(
@@ -66,7 +74,9 @@ def per_dataset_results(
     asset_key = context.assets_def.key
     selected = {k.name for k in context.selected_asset_check_keys if k.asset_key == asset_key}
     for name in sorted(selected):  # each check's output, once; its evaluations follow, one per dataset
-        yield dg.Output(None, output_name=context.assets_def.get_output_name_for_asset_check_key(dg.AssetCheckKey(asset_key, name)))
+        yield dg.Output(
+            None, output_name=context.assets_def.get_output_name_for_asset_check_key(dg.AssetCheckKey(asset_key, name))
+        )
     specs = {spec.name: spec for spec in context.assets_def.check_specs}
     for dataset, by_check in outcomes.items():
         target = _latest_materialization(context.instance, asset_key, dataset)
@@ -74,8 +84,13 @@ def per_dataset_results(
             if name not in selected:
                 continue
             yield AssetCheckEvaluation(
-                asset_key=asset_key, check_name=name, passed=outcome.passed, partition=dataset,
-                severity=getattr(dg.AssetCheckSeverity, checks[name][1]), blocking=specs[name].blocking,
-                description=f"{dataset}: {outcome.description}", target_materialization_data=target,
+                asset_key=asset_key,
+                check_name=name,
+                passed=outcome.passed,
+                partition=dataset,
+                severity=getattr(dg.AssetCheckSeverity, checks[name][1]),
+                blocking=specs[name].blocking,
+                description=f"{dataset}: {outcome.description}",
+                target_materialization_data=target,
                 metadata={k: metadata_value(v) for k, v in outcome.metadata.items()},
             )

@@ -26,8 +26,23 @@ NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
 
 
 SCHEMAS = ("glaive", "instruction", "messages", "sharegpt")
-IMPORT_FIELDS = {"schema", "repo", "revision", "subset", "split", "files", "instruction_column", "system", "seed",
-                 "languages", "min_prompt_tokens", "max_prompt_tokens", "min_turns", "max_turns", "max_reject_rate"}
+IMPORT_FIELDS = {
+    "schema",
+    "repo",
+    "revision",
+    "subset",
+    "split",
+    "files",
+    "instruction_column",
+    "system",
+    "seed",
+    "languages",
+    "min_prompt_tokens",
+    "max_prompt_tokens",
+    "min_turns",
+    "max_turns",
+    "max_reject_rate",
+}
 
 
 @dataclass(frozen=True)
@@ -109,15 +124,26 @@ def _import_spec(entry, where: str) -> ImportSpec:
     rate = entry.get("max_reject_rate", 0.05)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
         raise RegistryError(f"{where}: max_reject_rate must be a fraction between 0 and 1, got {rate!r}")
-    bounds = {k: _positive_or_none(entry.get(k), f"{where}: {k}") for k in ("min_prompt_tokens", "max_prompt_tokens", "min_turns", "max_turns")}
+    bounds = {
+        k: _positive_or_none(entry.get(k), f"{where}: {k}")
+        for k in ("min_prompt_tokens", "max_prompt_tokens", "min_turns", "max_turns")
+    }
     for low, high in (("min_prompt_tokens", "max_prompt_tokens"), ("min_turns", "max_turns")):
         if bounds[low] and bounds[high] and bounds[low] > bounds[high]:
             raise RegistryError(f"{where}: {low} {bounds[low]} is above {high} {bounds[high]}")
     return ImportSpec(
-        schema=entry["schema"], files=entry["files"], repo=entry.get("repo"), revision=entry.get("revision") or "main",
-        subset=entry.get("subset") or "default", split=entry.get("split") or "train",
-        instruction_column=entry.get("instruction_column") or "input", system=entry.get("system", "keep"), seed=seed,
-        languages=tuple(languages), max_reject_rate=float(rate), **bounds,
+        schema=entry["schema"],
+        files=entry["files"],
+        repo=entry.get("repo"),
+        revision=entry.get("revision") or "main",
+        subset=entry.get("subset") or "default",
+        split=entry.get("split") or "train",
+        instruction_column=entry.get("instruction_column") or "input",
+        system=entry.get("system", "keep"),
+        seed=seed,
+        languages=tuple(languages),
+        max_reject_rate=float(rate),
+        **bounds,
     )
 
 
@@ -139,7 +165,16 @@ def load_registry(path: str | os.PathLike[str]) -> dict[str, DatasetSpec]:
             raise RegistryError(f"{where}: names are a letter then letters, digits or _ (at most 32)")
         if not isinstance(entry, dict):
             raise RegistryError(f"{where}: expected a mapping")
-        unknown = set(entry) - {"description", "prompt_file", "format", "kind", "token_budget", "sample_cap", "source", "import"}
+        unknown = set(entry) - {
+            "description",
+            "prompt_file",
+            "format",
+            "kind",
+            "token_budget",
+            "sample_cap",
+            "source",
+            "import",
+        }
         if unknown:
             raise RegistryError(f"{where}: unknown field(s) {sorted(unknown)}")
         for field in ("prompt_file", "format", "kind"):
@@ -175,9 +210,7 @@ def dataset_spec(name: str, registry: dict[str, DatasetSpec] | None = None) -> D
     try:
         return registry[name]
     except KeyError:
-        raise RegistryError(
-            f"unknown dataset {name!r}: {REGISTRY_PATH} lists {', '.join(registry)}"
-        ) from None
+        raise RegistryError(f"unknown dataset {name!r}: {REGISTRY_PATH} lists {', '.join(registry)}") from None
 
 
 def run_datasets(tags: Mapping[str, str]) -> list[str]:
@@ -192,4 +225,4 @@ def run_datasets(tags: Mapping[str, str]) -> list[str]:
     keys = list(DATASETS)
     if start not in keys or end not in keys:
         return []
-    return keys[keys.index(start): keys.index(end) + 1]
+    return keys[keys.index(start) : keys.index(end) + 1]

@@ -23,7 +23,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -37,7 +37,7 @@ class StopSignals:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handed_back = False
-        self.on_first: Optional[Callable[[], None]] = None
+        self.on_first: Callable[[], None] | None = None
         self._draining = False
 
     def __enter__(self) -> StopSignals:

@@ -62,6 +62,20 @@ def open_data_root_ledger() -> SpendLedger:
 
 
 __all__ = [
-    "ACTIVE_STATUSES", "Caps", "DEFAULT_HORIZON_S", "Figures", "Pricing", "SpendLedger", "SpendPolicy", "cancel_spending",
-    "cancelling", "get_hold", "lift_hold", "open_data_root_ledger", "open_ledger", "set_hold", "spends", "tighter",
+    "ACTIVE_STATUSES",
+    "Caps",
+    "DEFAULT_HORIZON_S",
+    "Figures",
+    "Pricing",
+    "SpendLedger",
+    "SpendPolicy",
+    "cancel_spending",
+    "cancelling",
+    "get_hold",
+    "lift_hold",
+    "open_data_root_ledger",
+    "open_ledger",
+    "set_hold",
+    "spends",
+    "tighter",
 ]

@@ -30,7 +30,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Optional
+from typing import Any
 
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.caps import Caps, Pricing
@@ -60,7 +60,7 @@ class Admission:
         resend_unsettled: bool = False,
         unsettled_wait_s: float = 60.0,
         horizon_s: float = L.DEFAULT_HORIZON_S,
-        lookup: Optional[Lookup] = None,
+        lookup: Lookup | None = None,
         owner: str | None = None,
     ):
         self.pending: deque[CompletionRequest] = deque(pending)
@@ -86,7 +86,7 @@ class Admission:
         self.in_flight_at_stop: int | None = None
         self.billed_at_stop: float | None = None
         self.unsettled_ids: list[str] = []
-        self._waiters: deque[tuple[asyncio.Future, Optional[Attempt], bool]] = deque()
+        self._waiters: deque[tuple[asyncio.Future, Attempt | None, bool]] = deque()
         self._wake: asyncio.Event | None = None
         self._settled: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -111,7 +111,7 @@ class Admission:
         for attempt in list(self.live.values()):
             self.unbilled(attempt, generated=None if attempt.sent else False, why="the run ended with it in flight")
 
-    async def _ask(self, previous: Optional[Attempt], wait: bool = True) -> Optional[Attempt]:
+    async def _ask(self, previous: Attempt | None, wait: bool = True) -> Attempt | None:
         self._bind()
         if self.stopped_by:
             return None
@@ -120,7 +120,7 @@ class Admission:
         self._wake.set()
         return await future
 
-    async def take(self, wait: bool = True) -> Optional[Attempt]:
+    async def take(self, wait: bool = True) -> Attempt | None:
         """The next request's first attempt, admitted; None when there is none or admission has stopped.
 
         wait=False: None also when it does not fit *now* (a backend filling a batch must not wait on
@@ -133,18 +133,26 @@ class Admission:
         """Requests whose first attempt has not been admitted yet (a backend need not pace for more than these)."""
         return len(self.pending)
 
-    async def retry(self, previous: Attempt, why: str, pace: Optional[Callable[[], Awaitable[Any]]] = None) -> Attempt | Refusal:
+    async def retry(
+        self, previous: Attempt, why: str, pace: Callable[[], Awaitable[Any]] | None = None
+    ) -> Attempt | Refusal:
         """The next attempt of the request `previous` belongs to (which must have ended).
 
         `pace`: the backend's wait before a send, awaited once the retry is allowed and before it is reserved."""
         if previous.outcome == "unsettled" and not self.resend_unsettled:
             found = await self._wait_for_bill(previous)
             if not found:
-                return Refusal("deferred", f"{why}; generation {previous.generation_id} was not billed within "
-                               f"{self.unsettled_wait_s:.0f} s, so the prompt is not sent again until it is")
+                return Refusal(
+                    "deferred",
+                    f"{why}; generation {previous.generation_id} was not billed within "
+                    f"{self.unsettled_wait_s:.0f} s, so the prompt is not sent again until it is",
+                )
         elif previous.outcome == "unidentified" and not self.resend_unsettled:
-            return Refusal("deferred", f"{why}; the attempt was cut short before its generation id arrived: it cannot be "
-                           "looked up, so the prompt is not sent again before the horizon passes")
+            return Refusal(
+                "deferred",
+                f"{why}; the attempt was cut short before its generation id arrived: it cannot be "
+                "looked up, so the prompt is not sent again before the horizon passes",
+            )
         if pace is not None:
             await pace()
         nxt = await self._ask(previous)
@@ -156,8 +164,14 @@ class Admission:
     async def _wait_for_bill(self, previous: Attempt) -> bool:
         if self.lookup is None:
             return False
-        report = await settle_due(self.writer, self.lookup, deadline_s=self.unsettled_wait_s, horizon_s=self.horizon_s,
-                                  attempt_ids=[previous.attempt_id], stop=lambda: self.stopped_by is not None)
+        report = await settle_due(
+            self.writer,
+            self.lookup,
+            deadline_s=self.unsettled_wait_s,
+            horizon_s=self.horizon_s,
+            attempt_ids=[previous.attempt_id],
+            stop=lambda: self.stopped_by is not None,
+        )
         if previous.attempt_id in report.found_ids:
             previous.outcome = "settled"
             self.billed_usd += report.found_usd
@@ -183,7 +197,7 @@ class Admission:
 
     async def _round(self) -> bool:
         """One reservation transaction for everyone waiting. False: wait for a wake-up before the next."""
-        slots: list[tuple[asyncio.Future, CompletionRequest, Optional[Attempt], bool]] = []
+        slots: list[tuple[asyncio.Future, CompletionRequest, Attempt | None, bool]] = []
         wants: list[L.Want] = []
         taken_firsts = 0
         while self._waiters and len(slots) < BATCH:
@@ -199,12 +213,27 @@ class Admission:
             else:
                 req, number = previous.request, previous.number + 1
             slots.append((future, req, previous, wait))
-            wants.append(L.Want(req.prompt_id, number, self.pricing.worst_case(len(req.prompt_ids), self.max_tokens),
-                                self.max_tokens))
+            wants.append(
+                L.Want(
+                    req.prompt_id,
+                    number,
+                    self.pricing.worst_case(len(req.prompt_ids), self.max_tokens),
+                    self.max_tokens,
+                )
+            )
         if not slots:
             return True
-        reserving = asyncio.ensure_future(self.writer.call(L.reserve, wants, run_id=self.run_id, dataset=self.dataset,
-                                                           owner=self.owner, caps=self.caps, now=time.time()))
+        reserving = asyncio.ensure_future(
+            self.writer.call(
+                L.reserve,
+                wants,
+                run_id=self.run_id,
+                dataset=self.dataset,
+                owner=self.owner,
+                caps=self.caps,
+                now=time.time(),
+            )
+        )
         try:
             ids, block = await asyncio.shield(reserving)
         except asyncio.CancelledError:  # the run is ending: what was reserved for nobody is given back, never left live
@@ -230,7 +259,7 @@ class Admission:
                 self.admitted += 1
             future.set_result(attempt)
         self.pending.extendleft(reversed(returned))
-        refused = slots[len(ids):]
+        refused = slots[len(ids) :]
         if block is not None and not (block.hold or block.reached or not self.live):
             for future, _, _, wait in refused:  # it may fit later: those who will not wait are told now
                 if not wait and not future.done():
@@ -248,15 +277,17 @@ class Admission:
         if not self.live:  # only other processes' reservations stand in the way: they settle, or go stale
             since = self._waiting_on_others_since = self._waiting_on_others_since or time.monotonic()
             if time.monotonic() - since > OTHERS_WAIT_S:
-                block = L.Block(f"{block.reason}; other processes' reservations did not settle within {OTHERS_WAIT_S:.0f} s",
-                                reached=True)
+                block = L.Block(
+                    f"{block.reason}; other processes' reservations did not settle within {OTHERS_WAIT_S:.0f} s",
+                    reached=True,
+                )
         if block.reached:
             self.stop(block.reason, cancel_inflight=self.caps.on_cap == "cancel")
             return True
         self._settled.clear()  # wait for one of ours to settle (or for another process's, polled)
         try:
             await asyncio.wait_for(self._settled.wait(), RECHECK_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return True
 
@@ -290,17 +321,34 @@ class Admission:
         if attempt.generation_id == generation_id:
             return
         attempt.generation_id = generation_id
-        self.note({"type": "inflight", "prompt_id": attempt.request.prompt_id, "generation_id": generation_id,
-                   "attempt_id": attempt.attempt_id, "attempt": attempt.number})
+        self.note(
+            {
+                "type": "inflight",
+                "prompt_id": attempt.request.prompt_id,
+                "generation_id": generation_id,
+                "attempt_id": attempt.attempt_id,
+                "attempt": attempt.number,
+            }
+        )
         self.writer.post(L.opened, attempt.attempt_id, generation_id)
 
-    def billed(self, attempt: Attempt, *, cost_usd: float, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+    def billed(
+        self, attempt: Attempt, *, cost_usd: float, prompt_tokens: int | None, completion_tokens: int | None
+    ) -> None:
         if not self._end(attempt, "settled"):
             return
         self.billed_usd += cost_usd
-        self.writer.post(L.settle, attempt.attempt_id, cost_usd=cost_usd, prompt_tokens=prompt_tokens,
-                         completion_tokens=completion_tokens, source="response", now=time.time(),
-                         generation_id=attempt.generation_id, on_commit=self._on_commit)
+        self.writer.post(
+            L.settle,
+            attempt.attempt_id,
+            cost_usd=cost_usd,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            source="response",
+            now=time.time(),
+            generation_id=attempt.generation_id,
+            on_commit=self._on_commit,
+        )
 
     def unbilled(self, attempt: Attempt, *, generated: bool | None, why: str) -> None:
         if generated is False or not attempt.sent or self.pricing.free:
@@ -311,7 +359,9 @@ class Admission:
         if self._end(attempt, state):
             if state == "unsettled":
                 self.unsettled_ids.append(attempt.attempt_id)
-            self.writer.post(L.unsettle, attempt.attempt_id, attempt.generation_id, why, time.time(), on_commit=self._on_commit)
+            self.writer.post(
+                L.unsettle, attempt.attempt_id, attempt.generation_id, why, time.time(), on_commit=self._on_commit
+            )
 
     def _end(self, attempt: Attempt, outcome: str) -> bool:
         if attempt.outcome is not None:

@@ -10,7 +10,9 @@ from eagle3_resources.storage import DataStore
 
 
 @dg.observable_source_asset(
-    key="spend", group_name="completions", kinds={"openrouter", "sqlite"},
+    key="spend",
+    group_name="completions",
+    kinds={"openrouter", "sqlite"},
     description="Money at a glance, observed by the credit sensor when a figure changes (else every 15 min), or now with "
     "Observe: the OpenRouter balance and usage, dollars billed today and in all, per dataset and per run, requests in "
     "flight, unsettled attempts and their worst case, the projected cost of the prompts still pending, the thresholds, "
@@ -27,5 +29,8 @@ def spend(context, store: DataStore, spend_policy: SpendPolicy) -> dg.ObserveRes
         account = None
     hold, thresholds = get_hold(ledger), spend_policy.thresholds()
     figures = view.current_figures(context.instance, ledger, asdict(account) if account else None, hold, thresholds)
-    return dg.ObserveResult(metadata=view.observation_metadata({"summary": view.headline(figures, hold), **figures},
-                                                               view.picture(ledger, thresholds, hold)))
+    return dg.ObserveResult(
+        metadata=view.observation_metadata(
+            {"summary": view.headline(figures, hold), **figures}, view.picture(ledger, thresholds, hold)
+        )
+    )

@@ -199,4 +199,3 @@ def is_database_url(where: str | os.PathLike[str]) -> bool:
 def connect(where: str | os.PathLike[str]) -> Database:
     """A PostgreSQL URL, or the path of an SQLite file."""
     return PostgresDatabase(str(where)) if is_database_url(where) else SqliteDatabase(where)
-

@@ -16,7 +16,7 @@ raised threshold).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import dagster as dg
 
@@ -27,20 +27,25 @@ SPENDING_ASSET = dg.AssetKey("completions")
 SPENDING_JOBS = {"eagle3_pipeline"}
 SPEND_TAG = "eagle3/spends"  # optional: runs can also be marked by hand
 ACTIVE_STATUSES = [
-    dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
 ]
 NOT_RUNNING = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED)
 
 
-def get_hold(ledger: SpendLedger) -> Optional[dict[str, Any]]:
+def get_hold(ledger: SpendLedger) -> dict[str, Any] | None:
     return ledger.read(L.get_hold)
 
 
-def set_hold(ledger: SpendLedger, reasons: list[str], figures: dict[str, Any], thresholds: dict[str, Any]) -> dict[str, Any]:
+def set_hold(
+    ledger: SpendLedger, reasons: list[str], figures: dict[str, Any], thresholds: dict[str, Any]
+) -> dict[str, Any]:
     return ledger.write(L.set_hold, reasons, figures, thresholds, time.time())
 
 
-def lift_hold(ledger: SpendLedger, why: str = "lifted by the operator") -> Optional[dict[str, Any]]:
+def lift_hold(ledger: SpendLedger, why: str = "lifted by the operator") -> dict[str, Any] | None:
     return ledger.write(L.lift_hold, time.time(), why)
 
 
@@ -54,7 +59,7 @@ def spends(run: dg.DagsterRun) -> bool:
     return run.job_name in SPENDING_JOBS
 
 
-def cancelling(instance: dg.DagsterInstance, run_id: str) -> Optional[str]:
+def cancelling(instance: dg.DagsterInstance, run_id: str) -> str | None:
     """Why a running completions run must stop admitting requests now (a terminate from the UI), if it must."""
     run = instance.get_run_by_id(run_id)
     if run is not None and run.status == dg.DagsterRunStatus.CANCELING:
@@ -75,7 +80,9 @@ def cancel_run(instance: dg.DagsterInstance, run: dg.DagsterRun) -> None:
     if now is None or now.is_finished:
         return
     if not terminated and (run.status in NOT_RUNNING or now.status == dg.DagsterRunStatus.CANCELING):
-        instance.report_run_canceled(now, message="Canceled by the spend hold before its process started (nothing to terminate)")
+        instance.report_run_canceled(
+            now, message="Canceled by the spend hold before its process started (nothing to terminate)"
+        )
 
 
 def cancel_spending(instance: dg.DagsterInstance, hold_mode: str = "drain") -> tuple[list[str], list[str]]:

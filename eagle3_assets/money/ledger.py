@@ -1,4 +1,4 @@
-"""The spend ledger: one database shared by every process that spends. By default an SQLite file under
+r"""The spend ledger: one database shared by every process that spends. By default an SQLite file under
 the data root; with EAGLE3_LEDGER_URL, a PostgreSQL database that processes on several hosts share
 (eagle3_assets/money/database.py).
 
@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from eagle3_assets.money.caps import Caps
 from eagle3_assets.money.database import Connection, connect
@@ -112,7 +112,7 @@ create table if not exists hold_log (t real not null, event text not null, hold 
 
 
 def utc_day(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d")
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d")
 
 
 def process_owner() -> str:
@@ -196,7 +196,9 @@ def _scope_keys(run_id: str, dataset: str, day: str) -> tuple[str, str, str, str
 def _read_scope(conn: Connection, key: str) -> Scope:
     row = conn.execute(
         "select settled_usd, live_usd, stuck_usd, expired_usd, settled_tokens, live_tokens, stuck_tokens, attempts "
-        "from scopes where scope = ?", (key,)).fetchone()
+        "from scopes where scope = ?",
+        (key,),
+    ).fetchone()
     return Scope(*row) if row else Scope()
 
 
@@ -311,7 +313,7 @@ class SpendLedger:
     def figures(self, run_ids: list[str] | None = None, now: float | None = None) -> Figures:
         return self.read(figures, run_ids or [], time.time() if now is None else now)
 
-    def hold(self) -> Optional[dict[str, Any]]:
+    def hold(self) -> dict[str, Any] | None:
         return self.read(get_hold)
 
 
@@ -328,8 +330,9 @@ def _add_sent_at(conn: Connection, schema: Callable[[str], str]) -> None:
 # -- operations: each takes a connection inside a transaction ---------------------------------
 
 
-def reserve(conn: Connection, wants: list[Want], *, run_id: str, dataset: str, owner: str, caps: Caps,
-            now: float) -> tuple[list[str], Block | None]:  # reads scopes: run unbatched (reserve.reads_scopes)
+def reserve(
+    conn: Connection, wants: list[Want], *, run_id: str, dataset: str, owner: str, caps: Caps, now: float
+) -> tuple[list[str], Block | None]:  # reads scopes: run unbatched (reserve.reads_scopes)
     """Reserve the longest prefix of `wants` that fits every cap; returns their attempt ids and what blocked the rest.
 
     Checked against settled + live + stuck spend of every process (this transaction holds the
@@ -349,13 +352,17 @@ def reserve(conn: Connection, wants: list[Want], *, run_id: str, dataset: str, o
         if block is not None:
             break
         attempt_id = os.urandom(12).hex()
-        granted.append((attempt_id, run_id, dataset, want.prompt_id, want.number, owner, day, now, want.worst_usd, want.tokens))
+        granted.append(
+            (attempt_id, run_id, dataset, want.prompt_id, want.number, owner, day, now, want.worst_usd, want.tokens)
+        )
         added_usd += want.worst_usd
         added_tokens += want.tokens
     if granted:
         conn.executemany(
             "insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, reserved_usd, "
-            "reserved_tokens, state) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'reserved')", granted)
+            "reserved_tokens, state) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'reserved')",
+            granted,
+        )
         _bump(conn, keys, live_usd=added_usd, live_tokens=added_tokens, attempts=len(granted))
     return [g[0] for g in granted], block
 
@@ -363,28 +370,40 @@ def reserve(conn: Connection, wants: list[Want], *, run_id: str, dataset: str, o
 reserve.reads_scopes = True  # type: ignore[attr-defined]
 
 
-def _does_not_fit(want: Want, caps: Caps, total: Scope, today: Scope, run: Scope, ds: Scope, added_usd: float,
-                  added_tokens: int) -> Block | None:
+def _does_not_fit(
+    want: Want, caps: Caps, total: Scope, today: Scope, run: Scope, ds: Scope, added_usd: float, added_tokens: int
+) -> Block | None:
     if caps.token_budget is not None:
         committed = ds.committed_tokens + added_tokens
         if committed + want.tokens > caps.token_budget:
             reached = ds.settled_tokens + ds.stuck_tokens + want.tokens > caps.token_budget
-            return Block(f"token budget {caps.token_budget:,} reached ({ds.settled_tokens:,} completion tokens billed, "
-                         f"{ds.live_tokens + ds.stuck_tokens + added_tokens:,} reserved, next request up to {want.tokens:,})", reached)
-    for cap, scope, what in ((caps.run_usd, run, "run"), (caps.day_usd, today, "daily"), (caps.total_usd, total, "total")):
+            return Block(
+                f"token budget {caps.token_budget:,} reached ({ds.settled_tokens:,} completion tokens billed, "
+                f"{ds.live_tokens + ds.stuck_tokens + added_tokens:,} reserved, next request up to {want.tokens:,})",
+                reached,
+            )
+    for cap, scope, what in (
+        (caps.run_usd, run, "run"),
+        (caps.day_usd, today, "daily"),
+        (caps.total_usd, total, "total"),
+    ):
         if cap is None:
             continue
         if scope.committed_usd + added_usd + want.worst_usd > cap:
             reached = scope.settled_usd + scope.stuck_usd + want.worst_usd > cap
-            return Block(f"{what} dollar cap ${cap:.2f} reached (${scope.settled_usd:.4f} billed, "
-                         f"${scope.live_usd + scope.stuck_usd + added_usd:.4f} reserved, next request up to ${want.worst_usd:.4f})",
-                         reached)
+            return Block(
+                f"{what} dollar cap ${cap:.2f} reached (${scope.settled_usd:.4f} billed, "
+                f"${scope.live_usd + scope.stuck_usd + added_usd:.4f} reserved, next request up to ${want.worst_usd:.4f})",
+                reached,
+            )
     return None
 
 
-def _row(conn: Connection, attempt_id: str) -> Optional[tuple]:
-    return conn.execute("select state, reserved_usd, reserved_tokens, run_id, dataset, day from attempts where attempt_id = ?",
-                        (attempt_id,)).fetchone()
+def _row(conn: Connection, attempt_id: str) -> tuple | None:
+    return conn.execute(
+        "select state, reserved_usd, reserved_tokens, run_id, dataset, day from attempts where attempt_id = ?",
+        (attempt_id,),
+    ).fetchone()
 
 
 def sending(conn: Connection, attempt_id: str, now: float) -> None:
@@ -394,13 +413,27 @@ def sending(conn: Connection, attempt_id: str, now: float) -> None:
 
 def opened(conn: Connection, attempt_id: str, generation_id: str) -> None:
     """The response's headers named the generation: from now on it can be looked up."""
-    conn.execute("update attempts set state = case when state = 'reserved' then 'open' else state end, generation_id = ? "
-                 "where attempt_id = ?", (generation_id, attempt_id))
+    conn.execute(
+        "update attempts set state = case when state = 'reserved' then 'open' else state end, generation_id = ? "
+        "where attempt_id = ?",
+        (generation_id, attempt_id),
+    )
 
 
-def settle(conn: Connection, attempt_id: str, *, cost_usd: float, prompt_tokens: int | None,
-           completion_tokens: int | None, source: str, now: float, generation_id: str | None = None,
-           state: str = "settled", finish_reason: str | None = None, provider: str | None = None) -> bool:
+def settle(
+    conn: Connection,
+    attempt_id: str,
+    *,
+    cost_usd: float,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+    source: str,
+    now: float,
+    generation_id: str | None = None,
+    state: str = "settled",
+    finish_reason: str | None = None,
+    provider: str | None = None,
+) -> bool:
     """Record what an attempt cost (idempotent: a settled attempt stays as it is). False if nothing changed."""
     row = _row(conn, attempt_id)
     if row is None or row[0] in ("settled", "released"):
@@ -409,23 +442,58 @@ def settle(conn: Connection, attempt_id: str, *, cost_usd: float, prompt_tokens:
     keys = _scope_keys(run_id, dataset, day)
     tokens = completion_tokens or 0
     if old in LIVE:
-        _bump(conn, keys, live_usd=-reserved_usd, live_tokens=-reserved_tokens, settled_usd=cost_usd, settled_tokens=tokens)
+        _bump(
+            conn,
+            keys,
+            live_usd=-reserved_usd,
+            live_tokens=-reserved_tokens,
+            settled_usd=cost_usd,
+            settled_tokens=tokens,
+        )
     elif old in STUCK:
-        _bump(conn, keys, stuck_usd=-reserved_usd, stuck_tokens=-reserved_tokens, settled_usd=cost_usd, settled_tokens=tokens)
+        _bump(
+            conn,
+            keys,
+            stuck_usd=-reserved_usd,
+            stuck_tokens=-reserved_tokens,
+            settled_usd=cost_usd,
+            settled_tokens=tokens,
+        )
     else:  # expired, then found after all
         _bump(conn, keys, expired_usd=-reserved_usd, settled_usd=cost_usd, settled_tokens=tokens)
     conn.execute(
         "update attempts set state = ?, cost_usd = ?, prompt_tokens = ?, completion_tokens = ?, source = ?, settled_at = ?, "
         "ended_at = coalesce(ended_at, ?), generation_id = coalesce(?, generation_id), finish_reason = ?, provider = ? "
         "where attempt_id = ?",
-        (state, cost_usd, prompt_tokens, completion_tokens, source, now, now, generation_id, finish_reason, provider, attempt_id))
+        (
+            state,
+            cost_usd,
+            prompt_tokens,
+            completion_tokens,
+            source,
+            now,
+            now,
+            generation_id,
+            finish_reason,
+            provider,
+            attempt_id,
+        ),
+    )
     return True
 
 
 def release(conn: Connection, attempt_id: str, why: str, now: float) -> bool:
     """Nothing was generated (refused, never sent): the reservation is given back, $0."""
-    return settle(conn, attempt_id, cost_usd=0.0, prompt_tokens=None, completion_tokens=None, source=why, now=now,
-                  state="released")
+    return settle(
+        conn,
+        attempt_id,
+        cost_usd=0.0,
+        prompt_tokens=None,
+        completion_tokens=None,
+        source=why,
+        now=now,
+        state="released",
+    )
 
 
 def unsettle(conn: Connection, attempt_id: str, generation_id: str | None, why: str, now: float) -> str | None:
@@ -435,10 +503,19 @@ def unsettle(conn: Connection, attempt_id: str, generation_id: str | None, why: 
         return None
     _, reserved_usd, reserved_tokens, run_id, dataset, day = row
     state = "unsettled" if generation_id else "unidentified"
-    _bump(conn, _scope_keys(run_id, dataset, day), live_usd=-reserved_usd, live_tokens=-reserved_tokens,
-          stuck_usd=reserved_usd, stuck_tokens=reserved_tokens)
-    conn.execute("update attempts set state = ?, generation_id = coalesce(?, generation_id), ended_at = ?, next_lookup_at = ?, "
-                 "note = ? where attempt_id = ?", (state, generation_id, now, now, why, attempt_id))
+    _bump(
+        conn,
+        _scope_keys(run_id, dataset, day),
+        live_usd=-reserved_usd,
+        live_tokens=-reserved_tokens,
+        stuck_usd=reserved_usd,
+        stuck_tokens=reserved_tokens,
+    )
+    conn.execute(
+        "update attempts set state = ?, generation_id = coalesce(?, generation_id), ended_at = ?, next_lookup_at = ?, "
+        "note = ? where attempt_id = ?",
+        (state, generation_id, now, now, why, attempt_id),
+    )
     return state
 
 
@@ -448,75 +525,123 @@ def looked_up_in_vain(conn: Connection, attempt_id: str, now: float) -> None:
     if row is None:
         return
     delay = min(LOOKUP_BACKOFF_CAP_S, 0.5 * 2 ** min(row[0], 8))
-    conn.execute("update attempts set lookups = lookups + 1, next_lookup_at = ? where attempt_id = ?", (now + delay, attempt_id))
+    conn.execute(
+        "update attempts set lookups = lookups + 1, next_lookup_at = ? where attempt_id = ?", (now + delay, attempt_id)
+    )
 
 
 def expire(conn: Connection, now: float, horizon_s: float) -> list[tuple[str, str, str]]:
     """Stuck attempts older than the horizon give up their reservation: (attempt, dataset, prompt) each."""
-    rows = conn.execute(f"select attempt_id, dataset, prompt_id, reserved_usd, reserved_tokens, run_id, day from attempts "
-                        f"where {UNFINISHED} and state in ('unsettled', 'unidentified') and ended_at < ?", (now - horizon_s,)).fetchall()
+    rows = conn.execute(
+        f"select attempt_id, dataset, prompt_id, reserved_usd, reserved_tokens, run_id, day from attempts "
+        f"where {UNFINISHED} and state in ('unsettled', 'unidentified') and ended_at < ?",
+        (now - horizon_s,),
+    ).fetchall()
     for attempt_id, dataset, _, reserved_usd, reserved_tokens, run_id, day in rows:
-        _bump(conn, _scope_keys(run_id, dataset, day), stuck_usd=-reserved_usd, stuck_tokens=-reserved_tokens,
-              expired_usd=reserved_usd)
+        _bump(
+            conn,
+            _scope_keys(run_id, dataset, day),
+            stuck_usd=-reserved_usd,
+            stuck_tokens=-reserved_tokens,
+            expired_usd=reserved_usd,
+        )
         conn.execute("update attempts set state = 'expired', settled_at = ? where attempt_id = ?", (now, attempt_id))
     return [(r[0], r[1], r[2]) for r in rows]
 
 
-def due_lookups(conn: Connection, now: float, limit: int, attempt_ids: list[str] | None = None) -> list[tuple[str, str]]:
+def due_lookups(
+    conn: Connection, now: float, limit: int, attempt_ids: list[str] | None = None
+) -> list[tuple[str, str]]:
     """(attempt id, generation id) of unsettled attempts whose next look-up is due, oldest first."""
     if attempt_ids is not None:
         marks = ",".join("?" * len(attempt_ids))
-        return conn.execute(f"select attempt_id, generation_id from attempts where state = 'unsettled' and attempt_id in ({marks})",
-                            attempt_ids).fetchall()
-    return conn.execute("select attempt_id, generation_id from attempts where state = 'unsettled' and next_lookup_at <= ? "
-                        "order by next_lookup_at limit ?", (now, limit)).fetchall()
+        return conn.execute(
+            f"select attempt_id, generation_id from attempts where state = 'unsettled' and attempt_id in ({marks})",
+            attempt_ids,
+        ).fetchall()
+    return conn.execute(
+        "select attempt_id, generation_id from attempts where state = 'unsettled' and next_lookup_at <= ? "
+        "order by next_lookup_at limit ?",
+        (now, limit),
+    ).fetchall()
 
 
 def blocked_prompts(conn: Connection, dataset: str) -> dict[str, str]:
     """prompt id -> state, for prompts of a dataset with an attempt not yet final (never to be sent twice)."""
-    return dict(conn.execute("select prompt_id, state from attempts where dataset = ? and state in "
-                             "('reserved', 'open', 'unsettled', 'unidentified')", (dataset,)).fetchall())
+    return dict(
+        conn.execute(
+            "select prompt_id, state from attempts where dataset = ? and state in "
+            "('reserved', 'open', 'unsettled', 'unidentified')",
+            (dataset,),
+        ).fetchall()
+    )
 
 
 def unsettled_ids(conn: Connection, dataset: str, max_lookups: int = 3) -> list[str]:
     """A dataset's unsettled attempts not yet looked up `max_lookups` times (worth waiting for; older ones are left to
     the backoff, so a generation that is never found does not delay every later run of its dataset)."""
-    return [r[0] for r in conn.execute(f"select attempt_id from attempts where {UNFINISHED} and dataset = ? and state = 'unsettled' "
-                                       "and lookups < ?", (dataset, max_lookups))]
+    return [
+        r[0]
+        for r in conn.execute(
+            f"select attempt_id from attempts where {UNFINISHED} and dataset = ? and state = 'unsettled' "
+            "and lookups < ?",
+            (dataset, max_lookups),
+        )
+    ]
 
 
 def lost_answers(conn: Connection, dataset: str) -> list[dict[str, Any]]:
     """Finished generations a look-up found billed whose answer never reached the journal (a kill, a cut stream)."""
-    cur = conn.execute("select attempt_id, prompt_id, generation_id, cost_usd, prompt_tokens, completion_tokens, finish_reason, "
-                       "provider "
-                       "from attempts where dataset = ? and state = 'settled' and source = 'lookup' and recovered is null "
-                       "and finish_reason in ('stop', 'length', 'content_filter')", (dataset,))
+    cur = conn.execute(
+        "select attempt_id, prompt_id, generation_id, cost_usd, prompt_tokens, completion_tokens, finish_reason, "
+        "provider "
+        "from attempts where dataset = ? and state = 'settled' and source = 'lookup' and recovered is null "
+        "and finish_reason in ('stop', 'length', 'content_filter')",
+        (dataset,),
+    )
     cols = [c[0] for c in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
 def mark_recovered(conn: Connection, attempt_ids: list[str], recovered: bool) -> None:
-    conn.executemany("update attempts set recovered = ? where attempt_id = ?", [(int(recovered), a) for a in attempt_ids])
+    conn.executemany(
+        "update attempts set recovered = ? where attempt_id = ?", [(int(recovered), a) for a in attempt_ids]
+    )
 
 
 def live_attempts(conn: Connection, dataset: str) -> list[tuple[str, str, str | None, float, float | None]]:
     """(attempt, prompt, generation id, reserved_usd, sent_at) of a dataset's live attempts."""
-    return conn.execute(f"select attempt_id, prompt_id, generation_id, reserved_usd, sent_at from attempts "
-                        f"where {UNFINISHED} and dataset = ? and state in ('reserved', 'open')", (dataset,)).fetchall()
+    return conn.execute(
+        f"select attempt_id, prompt_id, generation_id, reserved_usd, sent_at from attempts "
+        f"where {UNFINISHED} and dataset = ? and state in ('reserved', 'open')",
+        (dataset,),
+    ).fetchall()
 
 
 def datasets_with_live_attempts(conn: Connection) -> list[str]:
-    return [r[0] for r in conn.execute(f"select distinct dataset from attempts where {UNFINISHED} and state in ('reserved', 'open')")]
+    return [
+        r[0]
+        for r in conn.execute(
+            f"select distinct dataset from attempts where {UNFINISHED} and state in ('reserved', 'open')"
+        )
+    ]
 
 
 def figures(conn: Connection, run_ids: list[str], now: float) -> Figures:
     day = utc_day(now)
-    counts = dict(conn.execute("select state, count(*) from attempts where state in ('reserved', 'open', 'unsettled', "
-                               "'unidentified') group by state").fetchall())
+    counts = dict(
+        conn.execute(
+            "select state, count(*) from attempts where state in ('reserved', 'open', 'unsettled', "
+            "'unidentified') group by state"
+        ).fetchall()
+    )
     return Figures(
-        total=_read_scope(conn, "total"), today=_read_scope(conn, f"day:{day}"), day=day,
+        total=_read_scope(conn, "total"),
+        today=_read_scope(conn, f"day:{day}"),
+        day=day,
         runs={r: _read_scope(conn, f"run:{r}") for r in run_ids},
-        unsettled=counts.get("unsettled", 0), unidentified=counts.get("unidentified", 0),
+        unsettled=counts.get("unsettled", 0),
+        unidentified=counts.get("unidentified", 0),
         live=counts.get("reserved", 0) + counts.get("open", 0),
     )
 
@@ -526,8 +651,11 @@ def scope(conn: Connection, key: str) -> Scope:
 
 
 def stuck_attempts(conn: Connection, limit: int = 20) -> list[dict[str, Any]]:
-    cur = conn.execute(f"select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
-                       f"where {UNFINISHED} and state in ('unsettled', 'unidentified') order by ended_at limit ?", (limit,))
+    cur = conn.execute(
+        f"select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
+        f"where {UNFINISHED} and state in ('unsettled', 'unidentified') order by ended_at limit ?",
+        (limit,),
+    )
     cols = [c[0] for c in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
@@ -535,23 +663,32 @@ def stuck_attempts(conn: Connection, limit: int = 20) -> list[dict[str, Any]]:
 # -- the hold: one row, read by every admission ----------------------------------------------
 
 
-def get_hold(conn: Connection) -> Optional[dict[str, Any]]:
+def get_hold(conn: Connection) -> dict[str, Any] | None:
     row = conn.execute("select since, reasons, figures, thresholds from hold where id = 1").fetchone()
     if row is None:
         return None
-    return {"since": row[0], "reasons": json.loads(row[1]), "figures": json.loads(row[2]), "thresholds": json.loads(row[3])}
+    return {
+        "since": row[0],
+        "reasons": json.loads(row[1]),
+        "figures": json.loads(row[2]),
+        "thresholds": json.loads(row[3]),
+    }
 
 
-def set_hold(conn: Connection, reasons: list[str], figs: dict[str, Any], thresholds: dict[str, Any], now: float) -> dict[str, Any]:
+def set_hold(
+    conn: Connection, reasons: list[str], figs: dict[str, Any], thresholds: dict[str, Any], now: float
+) -> dict[str, Any]:
     hold = {"since": now, "reasons": reasons, "figures": figs, "thresholds": thresholds}
-    conn.execute("insert into hold(id, since, reasons, figures, thresholds) values (1, ?, ?, ?, ?) on conflict (id) do update "
-                 "set since = excluded.since, reasons = excluded.reasons, figures = excluded.figures, thresholds = excluded.thresholds",
-                 (now, json.dumps(reasons), json.dumps(figs, default=str), json.dumps(thresholds)))
+    conn.execute(
+        "insert into hold(id, since, reasons, figures, thresholds) values (1, ?, ?, ?, ?) on conflict (id) do update "
+        "set since = excluded.since, reasons = excluded.reasons, figures = excluded.figures, thresholds = excluded.thresholds",
+        (now, json.dumps(reasons), json.dumps(figs, default=str), json.dumps(thresholds)),
+    )
     conn.execute("insert into hold_log values (?, 'set', ?)", (now, json.dumps(hold, default=str)))
     return hold
 
 
-def lift_hold(conn: Connection, now: float, why: str) -> Optional[dict[str, Any]]:
+def lift_hold(conn: Connection, now: float, why: str) -> dict[str, Any] | None:
     hold = get_hold(conn)
     if hold is not None:
         conn.execute("delete from hold where id = 1")
@@ -578,10 +715,23 @@ def import_journals(conn: Connection, journals: list[Path]) -> dict[str, Any]:
             t = float(r.get("t") or 0.0)
             attempt_id = f"import:{dataset}:{i}"
             run_id, day = r.get("run_id") or "", utc_day(t)
-            conn.execute("insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
-                         "reserved_usd, reserved_tokens, state, generation_id, cost_usd, completion_tokens, source, settled_at) "
-                         "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?) on conflict do nothing",
-                         (attempt_id, run_id, dataset, r.get("prompt_id") or "", day, t, r.get("generation_id"), cost, tokens, t))
+            conn.execute(
+                "insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
+                "reserved_usd, reserved_tokens, state, generation_id, cost_usd, completion_tokens, source, settled_at) "
+                "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?) on conflict do nothing",
+                (
+                    attempt_id,
+                    run_id,
+                    dataset,
+                    r.get("prompt_id") or "",
+                    day,
+                    t,
+                    r.get("generation_id"),
+                    cost,
+                    tokens,
+                    t,
+                ),
+            )
             _bump(conn, _scope_keys(run_id, dataset, day), settled_usd=cost, settled_tokens=tokens, attempts=1)
             imported["bills"] += 1
             imported["usd"] += cost

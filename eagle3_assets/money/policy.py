@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import dagster as dg
 import httpx
@@ -21,30 +21,52 @@ from eagle3_resources.completions.resource import OPENROUTER_DEFAULT_URL
 from eagle3_resources.env import setting
 
 HOLD_MODES = ("drain", "cancel")
-THRESHOLD_ENV = {"min_balance_usd": "EAGLE3_MIN_BALANCE_USD", "max_run_usd": "EAGLE3_MAX_RUN_USD",
-                 "max_day_usd": "EAGLE3_MAX_DAY_USD", "max_total_usd": "EAGLE3_MAX_TOTAL_USD"}
+THRESHOLD_ENV = {
+    "min_balance_usd": "EAGLE3_MIN_BALANCE_USD",
+    "max_run_usd": "EAGLE3_MAX_RUN_USD",
+    "max_day_usd": "EAGLE3_MAX_DAY_USD",
+    "max_total_usd": "EAGLE3_MAX_TOTAL_USD",
+}
 
 
 class SpendPolicy(dg.ConfigurableResource):
     """Thresholds the credit sensor and the client enforce (each unset here: its environment variable; none: not enforced)."""
 
-    min_balance_usd: Optional[float] = Field(default=None, description="hold when the account's remaining credit falls below "
-                                             "(EAGLE3_MIN_BALANCE_USD)")
-    max_run_usd: Optional[float] = Field(default=None, description="dollars one Dagster run may spend, all its datasets and "
-                                         "pilots together (EAGLE3_MAX_RUN_USD)")
-    max_day_usd: Optional[float] = Field(default=None, description="dollars per UTC day, every run together (EAGLE3_MAX_DAY_USD)")
-    max_total_usd: Optional[float] = Field(default=None, description="dollars the whole ledger may reach (EAGLE3_MAX_TOTAL_USD)")
-    ledger_tolerance_usd: Optional[float] = Field(default=None, description="warn when ledger and account usage drift apart by "
-                                                  "more (EAGLE3_LEDGER_TOLERANCE_USD, default 1.0)")
-    hold_mode: Optional[str] = Field(default=None, description='what a hold does to requests in flight: "drain" (finish and '
-                                     'keep them, the default) or "cancel" (EAGLE3_HOLD_MODE)')
-    unsettled_horizon_s: Optional[float] = Field(default=None, description="how long a started generation with no bill is "
-                                                 "looked up and blocks its prompt (EAGLE3_UNSETTLED_HORIZON_S, default 900)")
-    account_base_url: Optional[str] = Field(default=None, description="OpenRouter API base URL for /key and look-ups "
-                                            "(OPENROUTER_BASE_URL)")
-    account_api_key: Optional[str] = Field(default=None, description="OPENROUTER_API_KEY (read from the environment when unset)")
+    min_balance_usd: float | None = Field(
+        default=None, description="hold when the account's remaining credit falls below (EAGLE3_MIN_BALANCE_USD)"
+    )
+    max_run_usd: float | None = Field(
+        default=None,
+        description="dollars one Dagster run may spend, all its datasets and pilots together (EAGLE3_MAX_RUN_USD)",
+    )
+    max_day_usd: float | None = Field(
+        default=None, description="dollars per UTC day, every run together (EAGLE3_MAX_DAY_USD)"
+    )
+    max_total_usd: float | None = Field(
+        default=None, description="dollars the whole ledger may reach (EAGLE3_MAX_TOTAL_USD)"
+    )
+    ledger_tolerance_usd: float | None = Field(
+        default=None,
+        description="warn when ledger and account usage drift apart by more (EAGLE3_LEDGER_TOLERANCE_USD, default 1.0)",
+    )
+    hold_mode: str | None = Field(
+        default=None,
+        description='what a hold does to requests in flight: "drain" (finish and '
+        'keep them, the default) or "cancel" (EAGLE3_HOLD_MODE)',
+    )
+    unsettled_horizon_s: float | None = Field(
+        default=None,
+        description="how long a started generation with no bill is "
+        "looked up and blocks its prompt (EAGLE3_UNSETTLED_HORIZON_S, default 900)",
+    )
+    account_base_url: str | None = Field(
+        default=None, description="OpenRouter API base URL for /key and look-ups (OPENROUTER_BASE_URL)"
+    )
+    account_api_key: str | None = Field(
+        default=None, description="OPENROUTER_API_KEY (read from the environment when unset)"
+    )
 
-    def thresholds(self) -> dict[str, Optional[float]]:
+    def thresholds(self) -> dict[str, float | None]:
         return {name: setting(getattr(self, name), env, None, float) for name, env in THRESHOLD_ENV.items()}
 
     @property
@@ -62,14 +84,14 @@ class SpendPolicy(dg.ConfigurableResource):
     def horizon_s(self) -> float:
         return setting(self.unsettled_horizon_s, "EAGLE3_UNSETTLED_HORIZON_S", DEFAULT_HORIZON_S, float)
 
-    def account_endpoint(self) -> Optional[tuple[str, str]]:
+    def account_endpoint(self) -> tuple[str, str] | None:
         """(base URL, key) of the account, or None where there is no key."""
         key = setting(self.account_api_key, "OPENROUTER_API_KEY")
         if not key:
             return None
         return setting(self.account_base_url, "OPENROUTER_BASE_URL", OPENROUTER_DEFAULT_URL).rstrip("/"), key
 
-    def read_account(self) -> Optional["Account"]:
+    def read_account(self) -> Account | None:
         endpoint = self.account_endpoint()
         if endpoint is None:
             return None
@@ -77,13 +99,15 @@ class SpendPolicy(dg.ConfigurableResource):
         resp = httpx.get(f"{url}/key", headers={"Authorization": f"Bearer {key}"}, timeout=15)
         resp.raise_for_status()
         data = resp.json()["data"]
-        return Account(usage_usd=float(data.get("usage") or 0.0), limit_remaining_usd=data.get("limit_remaining"), t=time.time())
+        return Account(
+            usage_usd=float(data.get("usage") or 0.0), limit_remaining_usd=data.get("limit_remaining"), t=time.time()
+        )
 
 
 @dataclass
 class Account:
     usage_usd: float
-    limit_remaining_usd: Optional[float]
+    limit_remaining_usd: float | None
     t: float
 
 
@@ -95,7 +119,7 @@ class Crossing:
     runs: dict[str, str]  # run id -> why that run is over its threshold
 
 
-def crossed(thresholds: dict[str, Optional[float]], account: Optional[Account], ledger: Figures) -> Crossing:
+def crossed(thresholds: dict[str, float | None], account: Account | None, ledger: Figures) -> Crossing:
     """Every threshold the figures cross. Per-run figures are those of runs in flight (`ledger.runs`)."""
     out: list[str] = []
     runs: dict[str, str] = {}
@@ -115,16 +139,21 @@ def crossed(thresholds: dict[str, Optional[float]], account: Optional[Account], 
     return Crossing(out, runs)
 
 
-def account_moves(previous: Optional[dict[str, Any]], account: Optional[Account]) -> list[str]:
+def account_moves(previous: dict[str, Any] | None, account: Account | None) -> list[str]:
     """Moves an account never makes between two readings: usage going down, balance going up."""
     out: list[str] = []
     if not previous or account is None:
         return out
     if account.usage_usd < previous["usage_usd"] - 1e-9:
         out.append(f"account usage went DOWN from ${previous['usage_usd']:.4f} to ${account.usage_usd:.4f}")
-    if (account.limit_remaining_usd is not None and previous.get("limit_remaining_usd") is not None
-            and account.limit_remaining_usd > previous["limit_remaining_usd"] + 1e-9):
-        out.append(f"account balance went UP from ${previous['limit_remaining_usd']:.4f} to ${account.limit_remaining_usd:.4f}")
+    if (
+        account.limit_remaining_usd is not None
+        and previous.get("limit_remaining_usd") is not None
+        and account.limit_remaining_usd > previous["limit_remaining_usd"] + 1e-9
+    ):
+        out.append(
+            f"account balance went UP from ${previous['limit_remaining_usd']:.4f} to ${account.limit_remaining_usd:.4f}"
+        )
     return out
 
 
@@ -142,15 +171,23 @@ class LedgerGap:
     open: bool
 
     @classmethod
-    def measure(cls, previous: Optional[dict[str, Any]], account: Account, ledger_usd: float, tolerance: float) -> LedgerGap:
-        offset = previous["offset_usd"] if previous and previous.get("offset_usd") is not None else account.usage_usd - ledger_usd
+    def measure(
+        cls, previous: dict[str, Any] | None, account: Account, ledger_usd: float, tolerance: float
+    ) -> LedgerGap:
+        offset = (
+            previous["offset_usd"]
+            if previous and previous.get("offset_usd") is not None
+            else account.usage_usd - ledger_usd
+        )
         drift = account.usage_usd - ledger_usd - offset
         return cls(offset_usd=offset, drift_usd=drift, open=abs(drift) > tolerance)
 
     def describe(self, account: Account, ledger_usd: float, tolerance: float) -> str:
-        return (f"ledger ${ledger_usd:.4f} and account usage ${account.usage_usd:.4f} have drifted ${self.drift_usd:+.4f} "
-                f"apart (more than ${tolerance:.2f}) since the first reading (offset ${self.offset_usd:.4f})")
+        return (
+            f"ledger ${ledger_usd:.4f} and account usage ${account.usage_usd:.4f} have drifted ${self.drift_usd:+.4f} "
+            f"apart (more than ${tolerance:.2f}) since the first reading (offset ${self.offset_usd:.4f})"
+        )
 
 
-def figures(account: Optional[Account], ledger: Figures) -> dict[str, Any]:
+def figures(account: Account | None, ledger: Figures) -> dict[str, Any]:
     return {"account": asdict(account) if account else None, "ledger": ledger.as_dict()}

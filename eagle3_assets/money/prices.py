@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import polars as pl
 
@@ -24,7 +24,7 @@ PER_MILLION = 1e6
 @dataclass(frozen=True)
 class EndpointPrice:
     provider: str
-    quantization: Optional[str]
+    quantization: str | None
     prompt: float  # USD per token
     completion: float
 
@@ -41,18 +41,31 @@ class PriceSheet:
     def pricing(self) -> Pricing:
         if not self.endpoints:
             return Pricing(source=self.source)
-        return Pricing(prompt=max(e.prompt for e in self.endpoints), completion=max(e.completion for e in self.endpoints),
-                       source=self.source)
+        return Pricing(
+            prompt=max(e.prompt for e in self.endpoints),
+            completion=max(e.completion for e in self.endpoints),
+            source=self.source,
+        )
 
-    def for_provider(self, provider: Optional[str]) -> list[EndpointPrice]:
+    def for_provider(self, provider: str | None) -> list[EndpointPrice]:
         name = _norm(provider or "")
         return [e for e in self.endpoints if _norm(e.provider) == name]
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.model, "source": self.source,
-                "endpoints": [{"provider": e.provider, "quantization": e.quantization, "usd_per_m_prompt": round(e.prompt * PER_MILLION, 6),
-                               "usd_per_m_completion": round(e.completion * PER_MILLION, 6)} for e in self.endpoints],
-                "excluded_by_routing": self.excluded}
+        return {
+            "model": self.model,
+            "source": self.source,
+            "endpoints": [
+                {
+                    "provider": e.provider,
+                    "quantization": e.quantization,
+                    "usd_per_m_prompt": round(e.prompt * PER_MILLION, 6),
+                    "usd_per_m_completion": round(e.completion * PER_MILLION, 6),
+                }
+                for e in self.endpoints
+            ],
+            "excluded_by_routing": self.excluded,
+        }
 
 
 def _usd(value: Any) -> float:
@@ -82,8 +95,12 @@ def allowed(endpoints: list[dict[str, Any]], routing: dict[str, Any]) -> tuple[l
     keep, excluded = [], []
     for e in endpoints:
         name = str(e.get("provider_name") or "")
-        price = EndpointPrice(name, e.get("quantization"), _usd((e.get("pricing") or {}).get("prompt")),
-                              _usd((e.get("pricing") or {}).get("completion")))
+        price = EndpointPrice(
+            name,
+            e.get("quantization"),
+            _usd((e.get("pricing") or {}).get("prompt")),
+            _usd((e.get("pricing") or {}).get("completion")),
+        )
         why = None
         if only and not _named(e, only):
             why = "not in only"
@@ -91,12 +108,18 @@ def allowed(endpoints: list[dict[str, Any]], routing: dict[str, Any]) -> tuple[l
             why = "ignored"
         elif order and routing.get("allow_fallbacks") is False and not _named(e, order):
             why = "not in order (no fallbacks)"
-        elif quantizations and price.quantization and price.quantization not in quantizations and not (
-                "fp4" in quantizations and "fp4" in price.quantization):
+        elif (
+            quantizations
+            and price.quantization
+            and price.quantization not in quantizations
+            and not ("fp4" in quantizations and "fp4" in price.quantization)
+        ):
             why = f"quantization {price.quantization}"
         elif max_price.get("prompt") is not None and price.prompt * PER_MILLION > max_price["prompt"] + 1e-12:
             why = "above max_price.prompt"
-        elif max_price.get("completion") is not None and price.completion * PER_MILLION > max_price["completion"] + 1e-12:
+        elif (
+            max_price.get("completion") is not None and price.completion * PER_MILLION > max_price["completion"] + 1e-12
+        ):
             why = "above max_price.completion"
         if why:
             excluded.append(f"{name} ({price.quantization}): {why}")
@@ -105,7 +128,7 @@ def allowed(endpoints: list[dict[str, Any]], routing: dict[str, Any]) -> tuple[l
     return keep, excluded
 
 
-async def fetch_prices(account: OpenRouterAccount, model: str, routing: dict[str, Any]) -> Optional[PriceSheet]:
+async def fetch_prices(account: OpenRouterAccount, model: str, routing: dict[str, Any]) -> PriceSheet | None:
     """The model's price sheet under this routing, from the endpoint list (else the model list); None if the API has neither."""
     endpoints = await account.endpoints(model)
     if endpoints:
@@ -114,14 +137,20 @@ async def fetch_prices(account: OpenRouterAccount, model: str, routing: dict[str
     entry = await account.model(model)
     if entry and entry.get("pricing"):
         p = entry["pricing"]
-        return PriceSheet(model, [EndpointPrice("*", None, _usd(p.get("prompt")), _usd(p.get("completion")))],
-                          f"{account.base_url}/models")
+        return PriceSheet(
+            model,
+            [EndpointPrice("*", None, _usd(p.get("prompt")), _usd(p.get("completion")))],
+            f"{account.base_url}/models",
+        )
     return None
 
 
 def configured(model: str, usd_per_m_prompt: float, usd_per_m_completion: float) -> PriceSheet:
-    return PriceSheet(model, [EndpointPrice("*", None, usd_per_m_prompt / PER_MILLION, usd_per_m_completion / PER_MILLION)],
-                      "run config (usd_per_m_prompt_tokens, usd_per_m_completion_tokens)")
+    return PriceSheet(
+        model,
+        [EndpointPrice("*", None, usd_per_m_prompt / PER_MILLION, usd_per_m_completion / PER_MILLION)],
+        "run config (usd_per_m_prompt_tokens, usd_per_m_completion_tokens)",
+    )
 
 
 @dataclass
@@ -133,8 +162,10 @@ class PriceCheck:
     expected_high_usd: float
 
     def figures(self) -> dict[str, Any]:
-        return {"observed_usd": round(self.observed_usd, 6), "expected_usd": [round(self.expected_low_usd, 6),
-                                                                              round(self.expected_high_usd, 6)]}
+        return {
+            "observed_usd": round(self.observed_usd, 6),
+            "expected_usd": [round(self.expected_low_usd, 6), round(self.expected_high_usd, 6)],
+        }
 
 
 def check_billed(frame: pl.DataFrame, sheet: PriceSheet, tolerance: float) -> PriceCheck:
@@ -143,7 +174,9 @@ def check_billed(frame: pl.DataFrame, sheet: PriceSheet, tolerance: float) -> Pr
     observed = lo = hi = 0.0
     problems: list[str] = []
     unknown: set[str] = set()
-    for provider, prompt, completion, cost in billed.select("provider", "prompt_tokens", "completion_tokens", "cost_usd").rows():
+    for provider, prompt, completion, cost in billed.select(
+        "provider", "prompt_tokens", "completion_tokens", "cost_usd"
+    ).rows():
         prices = sheet.for_provider(provider) or ([e for e in sheet.endpoints if e.provider == "*"])
         if not prices:
             unknown.add(str(provider))
@@ -155,6 +188,8 @@ def check_billed(frame: pl.DataFrame, sheet: PriceSheet, tolerance: float) -> Pr
     if unknown:
         problems.append(f"billed by provider(s) {sorted(unknown)} that the price list ({sheet.source}) does not allow")
     if observed and (observed > hi * (1 + tolerance) or observed < lo * (1 - tolerance)):
-        problems.append(f"the pilot was billed ${observed:.6f}, its tokens cost ${lo:.6f}-${hi:.6f} at the listed prices "
-                        f"({sheet.source}): more than {tolerance:.0%} apart, so every cap would be priced wrong")
+        problems.append(
+            f"the pilot was billed ${observed:.6f}, its tokens cost ${lo:.6f}-${hi:.6f} at the listed prices "
+            f"({sheet.source}): more than {tolerance:.0%} apart, so every cap would be priced wrong"
+        )
     return PriceCheck(not problems, problems, observed, lo, hi)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import polars as pl
 
@@ -21,17 +21,31 @@ class Projection:
     basis: str
 
     def line(self, dataset: str) -> str:
-        return (f"{dataset}: the remaining {self.prompts:,} prompts should cost about ${self.usd:,.2f} (at most "
-                f"${self.usd_worst:,.2f}) and take about {self.duration_s / 60:.1f} min ({self.basis})")
+        return (
+            f"{dataset}: the remaining {self.prompts:,} prompts should cost about ${self.usd:,.2f} (at most "
+            f"${self.usd_worst:,.2f}) and take about {self.duration_s / 60:.1f} min ({self.basis})"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["usd"], out["usd_worst"], out["duration_s"] = round(self.usd, 4), round(self.usd_worst, 4), round(self.duration_s, 1)
+        out["usd"], out["usd_worst"], out["duration_s"] = (
+            round(self.usd, 4),
+            round(self.usd_worst, 4),
+            round(self.duration_s, 1),
+        )
         return out
 
 
-def project(pilot: pl.DataFrame, remaining_prompt_tokens: list[int], *, pricing: Pricing, max_tokens: int,
-            token_budget_left: Optional[int], concurrency: int, max_rps: Optional[float] = None) -> Projection:
+def project(
+    pilot: pl.DataFrame,
+    remaining_prompt_tokens: list[int],
+    *,
+    pricing: Pricing,
+    max_tokens: int,
+    token_budget_left: int | None,
+    concurrency: int,
+    max_rps: float | None = None,
+) -> Projection:
     """From the pilot's billed answers (tokens, cost, latency) to the rest of the partition.
 
     Cost: the remaining prompts' exact prompt tokens plus the pilot's mean completion tokens, at the
@@ -49,7 +63,9 @@ def project(pilot: pl.DataFrame, remaining_prompt_tokens: list[int], *, pricing:
     completion_tokens = int(round(n * mean_completion))
     if token_budget_left is not None:
         completion_tokens = min(completion_tokens, max(0, token_budget_left))
-    listed = float((done["prompt_tokens"].fill_null(0) * pricing.prompt + done["completion_tokens"] * pricing.completion).sum())
+    listed = float(
+        (done["prompt_tokens"].fill_null(0) * pricing.prompt + done["completion_tokens"] * pricing.completion).sum()
+    )
     billed = float(done["cost_usd"].sum())
     ratio = billed / listed if listed > 0 else 1.0
     usd = ratio * (prompt_tokens * pricing.prompt + completion_tokens * pricing.completion)
@@ -58,6 +74,13 @@ def project(pilot: pl.DataFrame, remaining_prompt_tokens: list[int], *, pricing:
     if max_rps:
         rate = min(rate, max_rps)
     duration = n / rate if rate and rate != float("inf") else 0.0
-    return Projection(n, prompt_tokens, completion_tokens, usd, usd_worst, duration,
-                      f"pilot of {done.height}: {mean_completion:.0f} completion tokens and {latency:.1f} s per prompt, "
-                      f"billed {ratio:.2f}x the listed worst-case price")
+    return Projection(
+        n,
+        prompt_tokens,
+        completion_tokens,
+        usd,
+        usd_worst,
+        duration,
+        f"pilot of {done.height}: {mean_completion:.0f} completion tokens and {latency:.1f} s per prompt, "
+        f"billed {ratio:.2f}x the listed worst-case price",
+    )

@@ -13,13 +13,13 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.writer import LedgerWriter
 from eagle3_resources.completions.openrouter_account import GenerationBill
 
-Lookup = Callable[[str], Awaitable[Optional[GenerationBill]]]  # generation id -> its bill, None while unknown
+Lookup = Callable[[str], Awaitable[GenerationBill | None]]  # generation id -> its bill, None while unknown
 
 
 @dataclass
@@ -31,14 +31,23 @@ class SettleReport:
     expired: list[tuple[str, str, str]] = field(default_factory=list)
 
     def line(self) -> str:
-        return (f"{len(self.ids)} unsettled generation(s) looked up ({self.looked_up} look-ups): {len(self.found_ids)} billed "
-                f"(${self.found_usd:.4f}), {len(self.ids) - len(self.found_ids)} not found yet"
-                + (f"; {len(self.expired)} expired past the horizon" if self.expired else ""))
+        return (
+            f"{len(self.ids)} unsettled generation(s) looked up ({self.looked_up} look-ups): {len(self.found_ids)} billed "
+            f"(${self.found_usd:.4f}), {len(self.ids) - len(self.found_ids)} not found yet"
+            + (f"; {len(self.expired)} expired past the horizon" if self.expired else "")
+        )
 
 
-async def settle_due(writer: LedgerWriter, lookup: Lookup, *, deadline_s: float, horizon_s: float,
-                     attempt_ids: list[str] | None = None, stop: Callable[[], bool] = lambda: False,
-                     concurrency: int = 16) -> SettleReport:
+async def settle_due(
+    writer: LedgerWriter,
+    lookup: Lookup,
+    *,
+    deadline_s: float,
+    horizon_s: float,
+    attempt_ids: list[str] | None = None,
+    stop: Callable[[], bool] = lambda: False,
+    concurrency: int = 16,
+) -> SettleReport:
     """Look up unsettled generations; settle the ones found.
 
     Without `attempt_ids`: one pass over every look-up that is due (each miss is scheduled again
@@ -61,9 +70,18 @@ async def settle_due(writer: LedgerWriter, lookup: Lookup, *, deadline_s: float,
         if bill is None:
             await writer.call(L.looked_up_in_vain, attempt_id, time.time())
             return False
-        if await writer.call(L.settle, attempt_id, cost_usd=bill.cost_usd, prompt_tokens=bill.prompt_tokens,
-                             completion_tokens=bill.completion_tokens, source="lookup", now=time.time(),
-                             generation_id=generation_id, finish_reason=bill.finish_reason, provider=bill.provider):
+        if await writer.call(
+            L.settle,
+            attempt_id,
+            cost_usd=bill.cost_usd,
+            prompt_tokens=bill.prompt_tokens,
+            completion_tokens=bill.completion_tokens,
+            source="lookup",
+            now=time.time(),
+            generation_id=generation_id,
+            finish_reason=bill.finish_reason,
+            provider=bill.provider,
+        ):
             report.found_ids.add(attempt_id)
             report.found_usd += bill.cost_usd
         return True
@@ -93,7 +111,9 @@ async def settle_due(writer: LedgerWriter, lookup: Lookup, *, deadline_s: float,
     return report
 
 
-def recover_dataset(conn: Any, dataset: str, records: list[dict[str, Any]], *, free: bool, now: float) -> dict[str, int]:
+def recover_dataset(
+    conn: Any, dataset: str, records: list[dict[str, Any]], *, free: bool, now: float
+) -> dict[str, int]:
     """Live attempts of a dataset whose process is gone (the caller holds the dataset's lock), put right.
 
     The journal is written before the ledger (its records reach the OS at once), so it knows what a
@@ -117,9 +137,16 @@ def recover_dataset(conn: Any, dataset: str, records: list[dict[str, Any]], *, f
         result = results.get(attempt_id)
         generation_id = generation_id or generations.get(attempt_id)
         if result is not None:
-            L.settle(conn, attempt_id, cost_usd=float(result.get("cost_usd") or 0.0), prompt_tokens=result.get("prompt_tokens"),
-                     completion_tokens=result.get("completion_tokens"), source="journal", now=now,
-                     generation_id=result.get("generation_id"))
+            L.settle(
+                conn,
+                attempt_id,
+                cost_usd=float(result.get("cost_usd") or 0.0),
+                prompt_tokens=result.get("prompt_tokens"),
+                completion_tokens=result.get("completion_tokens"),
+                source="journal",
+                now=now,
+                generation_id=result.get("generation_id"),
+            )
             counts["settled_from_journal"] += 1
         elif free:
             L.release(conn, attempt_id, "its process ended (free backend: nothing to settle)", now)
@@ -128,6 +155,8 @@ def recover_dataset(conn: Any, dataset: str, records: list[dict[str, Any]], *, f
             L.release(conn, attempt_id, "never sent: its process ended before sending it", now)
             counts["released"] += 1
         else:
-            state = L.unsettle(conn, attempt_id, generation_id, "its process ended before it was settled (killed?)", now)
+            state = L.unsettle(
+                conn, attempt_id, generation_id, "its process ended before it was settled (killed?)", now
+            )
             counts[state or "released"] += 1
     return counts

@@ -36,17 +36,26 @@ def dataset_scopes(ledger, datasets: list[str]) -> dict[str, Scope]:
 
 def settled_series(conn: Connection) -> list[tuple[str, float, float]]:
     """(dataset, settled_at, cost) of every billed attempt, in time order."""
-    return conn.execute("select dataset, settled_at, cost_usd from attempts where settled_at is not null and cost_usd > 0 "
-                        "order by settled_at").fetchall()
+    return conn.execute(
+        "select dataset, settled_at, cost_usd from attempts where settled_at is not null and cost_usd > 0 "
+        "order by settled_at"
+    ).fetchall()
 
 
-def spend_figures(ledger: Figures, by_dataset: Mapping[str, Scope], account: dict[str, Any] | None,
-                  hold: dict[str, Any] | None, thresholds: Mapping[str, float | None],
-                  projected: Mapping[str, float]) -> dict[str, Any]:
+def spend_figures(
+    ledger: Figures,
+    by_dataset: Mapping[str, Scope],
+    account: dict[str, Any] | None,
+    hold: dict[str, Any] | None,
+    thresholds: Mapping[str, float | None],
+    projected: Mapping[str, float],
+) -> dict[str, Any]:
     """The figures of one observation (numbers stay numbers in the metadata)."""
     out: dict[str, Any] = {
         "spending": f"ON HOLD since {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(hold['since']))}: "
-                    + "; ".join(hold["reasons"]) if hold else "allowed (no hold)",
+        + "; ".join(hold["reasons"])
+        if hold
+        else "allowed (no hold)",
         "spent_total_usd": usd(ledger.total.settled_usd),
         "spent_today_usd": usd(ledger.today.settled_usd),
         "in_flight": ledger.live,
@@ -79,10 +88,12 @@ def fingerprint(figures: Mapping[str, Any]) -> str:
     The per-run figures once stayed out of it: a run that started, or spent its first dollars while the totals
     moved by less than a cent, left the last observation showing it at $0 (docs/images/spend_while_running.png).
     """
+
     def rounded(v):
         if isinstance(v, dict):
             return {k: rounded(x) for k, x in v.items()}
         return round(v, 2) if isinstance(v, float) else v
+
     keep = {k: rounded(v) for k, v in figures.items()}
     keep["runs_billed"] = {run: value > 0 for run, value in (figures.get("spent_by_run_usd") or {}).items()}
     return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -141,8 +152,9 @@ def pending_projections(instance: dg.DagsterInstance, datasets: list[str]) -> di
     """Dollars the prompts still pending should cost, per dataset: its pilot's projection, scaled to what is left."""
     out = {}
     for name in datasets:
-        records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"),
-                                                                        asset_partitions=[name]), limit=1).records
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[name]), limit=1
+        ).records
         meta = records[0].asset_materialization.metadata if records else {}
         if "projection" not in meta or "status_pending" not in meta:
             continue
@@ -152,8 +164,14 @@ def pending_projections(instance: dg.DagsterInstance, datasets: list[str]) -> di
     return out
 
 
-def current_figures(instance: dg.DagsterInstance, ledger, account: dict[str, Any] | None, hold: dict[str, Any] | None,
-                    thresholds: Mapping[str, float | None], runs: list[str] | None = None) -> dict[str, Any]:
+def current_figures(
+    instance: dg.DagsterInstance,
+    ledger,
+    account: dict[str, Any] | None,
+    hold: dict[str, Any] | None,
+    thresholds: Mapping[str, float | None],
+    runs: list[str] | None = None,
+) -> dict[str, Any]:
     """Every figure of the `spend` asset, read now from the ledger, the account and the instance.
 
     `runs`: the ids of the runs spending now (looked up when not given; the credit sensor has them already).
@@ -163,16 +181,24 @@ def current_figures(instance: dg.DagsterInstance, ledger, account: dict[str, Any
 
     if runs is None:
         runs = [r.run_id for r in active_spending_runs(instance)]
-    return spend_figures(ledger.figures(runs), dataset_scopes(ledger, list(DATASETS)), account, hold, thresholds,
-                         pending_projections(instance, list(DATASETS)))
+    return spend_figures(
+        ledger.figures(runs),
+        dataset_scopes(ledger, list(DATASETS)),
+        account,
+        hold,
+        thresholds,
+        pending_projections(instance, list(DATASETS)),
+    )
 
 
 def headline(figures: Mapping[str, Any], hold: dict[str, Any] | None) -> str:
     """The observation's description: the hold first, when there is one."""
     if hold:
         return figures["spending"]
-    return (f"${figures['spent_today_usd']:,.4f} billed today, ${figures['spent_total_usd']:,.4f} in all; "
-            f"{figures['unsettled']} unsettled")
+    return (
+        f"${figures['spent_today_usd']:,.4f} billed today, ${figures['spent_total_usd']:,.4f} in all; "
+        f"{figures['unsettled']} unsettled"
+    )
 
 
 def picture(ledger, thresholds: Mapping[str, float | None], hold: dict[str, Any] | None) -> dg.MetadataValue:

@@ -79,7 +79,9 @@ class LedgerWriter:
                             outcomes.append((done, False, e))
                 finally:
                     scopes.close()
-        except DATABASE_ERRORS as e:  # the commit itself failed (disk full, locked too long, server gone): every operation failed
+        except (
+            DATABASE_ERRORS
+        ) as e:  # the commit itself failed (disk full, locked too long, server gone): every operation failed
             outcomes = [(done, False, e) for _, _, _, done in batch]
         for done, ok, value in outcomes:
             if not ok and done is None:

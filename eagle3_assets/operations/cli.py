@@ -52,7 +52,7 @@ def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
             if names.index(first) > names.index(last):
                 print(f"{item}: {first} comes after {last} in the registry order: " + ", ".join(names), file=sys.stderr)
                 return None
-            chosen += names[names.index(first): names.index(last) + 1]
+            chosen += names[names.index(first) : names.index(last) + 1]
         else:
             chosen += [first, last] if last else [first]
     unknown = [d for d in chosen if d not in DATASETS]
@@ -110,26 +110,36 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
         return 2
     start, end = span
     config = {"prompts": mode, **({"sources_dir": str(Path(sources).resolve())} if sources else {})}
-    print(f"building raw_prompts for {start}...{end} from the {mode} prompts"
-          + (f" (sources under {sources})" if sources else " (real: from the Hugging Face Hub)" if mode == "real" else ""))
+    print(
+        f"building raw_prompts for {start}...{end} from the {mode} prompts"
+        + (f" (sources under {sources})" if sources else " (real: from the Hugging Face Hub)" if mode == "real" else "")
+    )
     started = time.monotonic()
     result, run = _execute(_import_job, start, end, {"ops": {"raw_prompts": {"config": config}}})
     print(f"run {result.run_id}: {run.status.value} in {time.monotonic() - started:.1f} s")
     for event in result.all_events:
         if event.event_type_value == "STEP_FAILURE":
-            print(event.step_failure_data.user_failure_data.description if event.step_failure_data.user_failure_data
-                  else event.message, file=sys.stderr)
+            print(
+                event.step_failure_data.user_failure_data.description
+                if event.step_failure_data.user_failure_data
+                else event.message,
+                file=sys.stderr,
+            )
     mats = result.asset_materializations_for_node("raw_prompts")  # one per dataset, each with its own figures
     if mats:
         print(f"{'dataset':8} {'rows':>9} {'rejected':>9} {'dups':>7} {'filtered':>9} {'selected':>9}  prompts file")
     for mat in mats:
         r, name = mat.metadata["import_report"].value, mat.partition
         dups = r["duplicates_within"] + sum(r["duplicates_of_earlier"].values())
-        print(f"{name:8} {r['rows']:>9,} {r['rejected']:>9,} {dups:>7,} {sum(r['filtered'].values()):>9,} "
-              f"{r['selected']:>9,}  {mat.metadata['path'].value}")
+        print(
+            f"{name:8} {r['rows']:>9,} {r['rejected']:>9,} {dups:>7,} {sum(r['filtered'].values()):>9,} "
+            f"{r['selected']:>9,}  {mat.metadata['path'].value}"
+        )
         if "rejects_file" in mat.metadata and r["rejected"]:
-            print(f"{'':8} rejects: {mat.metadata['rejects_file'].value} "
-                  f"({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})")
+            print(
+                f"{'':8} rejects: {mat.metadata['rejects_file'].value} "
+                f"({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})"
+            )
     failed = [c for c in result.get_asset_check_evaluations() if not c.passed]
     for check in failed:  # the description starts with the dataset
         print(f"check {check.check_name} FAILED: {check.description}", file=sys.stderr)
@@ -146,18 +156,26 @@ def _print_ledger(ledger) -> None:
     from eagle3_assets.money import ledger as L
 
     figs = ledger.figures()
-    print(f"ledger {ledger.location}: billed ${figs.total.settled_usd:.4f} in all, ${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
-          f"in flight {figs.live} (worst ${figs.total.live_usd:.4f})")
+    print(
+        f"ledger {ledger.location}: billed ${figs.total.settled_usd:.4f} in all, ${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
+        f"in flight {figs.live} (worst ${figs.total.live_usd:.4f})"
+    )
     stuck = figs.unsettled + figs.unidentified
-    print(f"unsettled: {stuck} attempt(s) started without a bill, worst case ${figs.total.stuck_usd:.4f} "
-          f"({figs.unsettled} with a generation id, looked up; {figs.unidentified} cut before their id arrived)")
+    print(
+        f"unsettled: {stuck} attempt(s) started without a bill, worst case ${figs.total.stuck_usd:.4f} "
+        f"({figs.unsettled} with a generation id, looked up; {figs.unidentified} cut before their id arrived)"
+    )
     for row in ledger.read(L.stuck_attempts, 10):
         age = time.time() - (row["ended_at"] or time.time())
-        print(f"  {row['dataset']}/{row['prompt_id']}: {row['state']} {row['generation_id'] or '(no id)'} up to "
-              f"${row['reserved_usd']:.4f}, {age / 60:.1f} min ago, {row['lookups']} look-up(s)")
+        print(
+            f"  {row['dataset']}/{row['prompt_id']}: {row['state']} {row['generation_id'] or '(no id)'} up to "
+            f"${row['reserved_usd']:.4f}, {age / 60:.1f} min ago, {row['lookups']} look-up(s)"
+        )
     if stuck:
-        print("their prompts are not sent again until they settle or the horizon passes (EAGLE3_UNSETTLED_HORIZON_S); "
-              "`eagle3 ledger settle` looks them up now")
+        print(
+            "their prompts are not sent again until they settle or the horizon passes (EAGLE3_UNSETTLED_HORIZON_S); "
+            "`eagle3 ledger settle` looks them up now"
+        )
 
 
 def hold_command(action: str) -> int:
@@ -178,7 +196,10 @@ def hold_command(action: str) -> int:
         print("hold lifted")
         still = crossed(SpendPolicy().thresholds(), None, ledger.figures()).reasons
         if still:
-            print("still crossed now, so the credit sensor sets it again (raise the threshold to go on): " + "; ".join(still))
+            print(
+                "still crossed now, so the credit sensor sets it again (raise the threshold to go on): "
+                + "; ".join(still)
+            )
     return 0
 
 
@@ -209,8 +230,12 @@ def ledger_command(action: str, wait_s: float) -> int:
                 async with OpenRouterAccount(*endpoint) as account:
                     deadline = time.monotonic() + wait_s
                     while True:
-                        report = await settle_due(writer, account.generation, deadline_s=max(1.0, deadline - time.monotonic()),
-                                                  horizon_s=policy.horizon_s)
+                        report = await settle_due(
+                            writer,
+                            account.generation,
+                            deadline_s=max(1.0, deadline - time.monotonic()),
+                            horizon_s=policy.horizon_s,
+                        )
                         print(report.line())
                         if not ledger.figures().unsettled or time.monotonic() >= deadline:
                             return
@@ -250,9 +275,12 @@ def dev_command(port: int, workspace: str) -> int:
             return run_in_group([str(bin_dir / "dagster"), "dev", "-w", workspace, "-h", "127.0.0.1", "-p", str(port)])
         finally:
             forget_daemon()  # stopped (its process group is gone): a restart need not wait for the heartbeat to age
-    print(f"a daemon already serves this instance (its last heartbeat {age:.0f} s ago): starting the UI only, as "
-          "Dagster runs one daemon per instance. If that daemon has stopped, run `eagle3 dev` again once its "
-          f"heartbeat is older than {DAEMON_LIVE_S:.0f} s.", flush=True)
+    print(
+        f"a daemon already serves this instance (its last heartbeat {age:.0f} s ago): starting the UI only, as "
+        "Dagster runs one daemon per instance. If that daemon has stopped, run `eagle3 dev` again once its "
+        f"heartbeat is older than {DAEMON_LIVE_S:.0f} s.",
+        flush=True,
+    )
     return run_in_group([str(bin_dir / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)])
 
 
@@ -262,7 +290,14 @@ def run_in_group(cmd: list[str]) -> int:
     Started from a non-interactive shell `dagster dev` ignores SIGINT/SIGTERM and its code
     servers outlive it, so default handlers are restored and the group is signalled.
     """
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    proc = subprocess.Popen(
+        cmd,
+        start_new_session=True,
+        preexec_fn=lambda: (
+            signal.signal(signal.SIGINT, signal.SIG_DFL),
+            signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        ),
+    )
 
     def stop(signum, _frame):
         try:
@@ -284,26 +319,39 @@ def run_in_group(cmd: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run eagle3_pipeline now and wait for it")
     p_run.add_argument("--datasets", help="contiguous datasets: A1,A2 or B1...B6 (default: all)")
-    p_run.add_argument("--real-prompts", action="store_true", help="import each dataset's real source (EAGLE3_PROMPTS=real)")
+    p_run.add_argument(
+        "--real-prompts", action="store_true", help="import each dataset's real source (EAGLE3_PROMPTS=real)"
+    )
     p_prompts = sub.add_parser("prompts", help="build raw_prompts only and report the import (nothing is spent)")
     p_prompts.add_argument("--datasets", help="contiguous datasets: A1,A2 or B1...B6 (default: all)")
     p_prompts.add_argument("--real", action="store_true", help="import the real sources named in data/datasets.yaml")
-    p_prompts.add_argument("--sources", help="a local copy of the sources (<dir>/<hub id>/<files>); default: "
-                           "EAGLE3_SOURCES_DIR, else the Hugging Face Hub")
+    p_prompts.add_argument(
+        "--sources",
+        help="a local copy of the sources (<dir>/<hub id>/<files>); default: "
+        "EAGLE3_SOURCES_DIR, else the Hugging Face Hub",
+    )
     p_dev = sub.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1")
     p_dev.add_argument("--port", type=int, default=3000)
-    p_dev.add_argument("--workspace", default="workspace.yaml",
-                       help="the workspace file, relative to the project (default: workspace.yaml, this project's code)")
+    p_dev.add_argument(
+        "--workspace",
+        default="workspace.yaml",
+        help="the workspace file, relative to the project (default: workspace.yaml, this project's code)",
+    )
     p_dg = sub.add_parser("dagster", help="any dagster command with this project's DAGSTER_HOME")
     p_dg.add_argument("args", nargs=argparse.REMAINDER)
     p_hold = sub.add_parser("hold", help="show or lift the spending hold")
     p_hold.add_argument("action", choices=["show", "lift"], nargs="?", default="show")
-    p_ledger = sub.add_parser("ledger", help="the spend ledger; `settle` puts right what killed processes left "
-                              "(never-sent reservations released) and looks up unsettled bills now")
+    p_ledger = sub.add_parser(
+        "ledger",
+        help="the spend ledger; `settle` puts right what killed processes left "
+        "(never-sent reservations released) and looks up unsettled bills now",
+    )
     p_ledger.add_argument("action", choices=["show", "settle"], nargs="?", default="show")
     p_ledger.add_argument("--wait", type=float, default=0.0, help="with settle: keep looking up for this many seconds")
     p_status = sub.add_parser("status", help="each dataset's stages, runs in progress, money and the hold")
@@ -311,27 +359,54 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
     p_gpu = sub.add_parser("gpu-check", help="CUDA, sglang, its API contract, and short hidden-state captures")
     p_gpu.add_argument("--model", help="also capture from this target folder (e.g. Kimi-K2.5) with SGLang")
-    p_gpu.add_argument("--tp", type=int, help="tensor-parallel GPUs for SGLang (tiny model: 1, --model: 8); asks for the SGLang rows")
+    p_gpu.add_argument(
+        "--tp", type=int, help="tensor-parallel GPUs for SGLang (tiny model: 1, --model: 8); asks for the SGLang rows"
+    )
     p_gpu.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p_gpu.add_argument("--data-dir", type=Path, default=None, help="the data root to measure (default: EAGLE3_DATA_DIR)")
-    p_gpu.add_argument("--tokens", type=int, help="tokens you plan to capture (default: the merged dataset's); asks for the disk rows")
-    p_gpu.add_argument("--max-forward-tokens", type=int, help="tokens of one SGLang forward, the rows of one /dev/shm "
-                       "hand-off slab (default: EAGLE3_SGLANG_MAX_FORWARD_TOKENS, else 32768)")
-    p_gpu.add_argument("--handoff-slabs", type=int, help="slabs in the /dev/shm hand-off ring (default: the backend's, 2)")
+    p_gpu.add_argument(
+        "--data-dir", type=Path, default=None, help="the data root to measure (default: EAGLE3_DATA_DIR)"
+    )
+    p_gpu.add_argument(
+        "--tokens", type=int, help="tokens you plan to capture (default: the merged dataset's); asks for the disk rows"
+    )
+    p_gpu.add_argument(
+        "--max-forward-tokens",
+        type=int,
+        help="tokens of one SGLang forward, the rows of one /dev/shm "
+        "hand-off slab (default: EAGLE3_SGLANG_MAX_FORWARD_TOKENS, else 32768)",
+    )
+    p_gpu.add_argument(
+        "--handoff-slabs", type=int, help="slabs in the /dev/shm hand-off ring (default: the backend's, 2)"
+    )
     p_gpu.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="where shared memory is mounted")
-    p_gpu.add_argument("--disk-mib", type=int, default=256, help="MiB written (fsync'd, then removed) to time the data root")
+    p_gpu.add_argument(
+        "--disk-mib", type=int, default=256, help="MiB written (fsync'd, then removed) to time the data root"
+    )
     p_gpu.add_argument("--min-disk-gbps", type=float, help="fail the disk write row below this many GB/s")
-    p_gpu.add_argument("--no-capture", action="store_true", help="host, install and contract rows only (no tiny-model captures)")
+    p_gpu.add_argument(
+        "--no-capture", action="store_true", help="host, install and contract rows only (no tiny-model captures)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "gpu-check":
         from eagle3_assets.operations.gpu_check import HostPlan, gpu_check
 
-        host = HostPlan(data_dir=(args.data_dir or default_data_dir()).resolve(), tokens=args.tokens,
-                        max_forward_tokens=args.max_forward_tokens, handoff_slabs=args.handoff_slabs, shm_dir=args.shm_dir, disk_mib=args.disk_mib,
-                        min_disk_gbps=args.min_disk_gbps)
-        return gpu_check(str(Path(args.model).resolve()) if args.model else None, args.tp, args.json, host,
-                         capture=not args.no_capture)
+        host = HostPlan(
+            data_dir=(args.data_dir or default_data_dir()).resolve(),
+            tokens=args.tokens,
+            max_forward_tokens=args.max_forward_tokens,
+            handoff_slabs=args.handoff_slabs,
+            shm_dir=args.shm_dir,
+            disk_mib=args.disk_mib,
+            min_disk_gbps=args.min_disk_gbps,
+        )
+        return gpu_check(
+            str(Path(args.model).resolve()) if args.model else None,
+            args.tp,
+            args.json,
+            host,
+            capture=not args.no_capture,
+        )
 
     os.chdir(PROJECT_ROOT)
     if args.command == "run":
@@ -339,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["EAGLE3_PROMPTS"] = "real"
         return run_pipeline(args.datasets.split(",") if args.datasets else None)
     if args.command == "prompts":
-        return prompts_command(args.datasets.split(",") if args.datasets else None, "real" if args.real else "sample",
-                               args.sources)
+        return prompts_command(
+            args.datasets.split(",") if args.datasets else None, "real" if args.real else "sample", args.sources
+        )
     home = dagster_home()
     if args.command == "hold":
         return hold_command(args.action)

@@ -58,8 +58,10 @@ COSINE_MEAN_MIN, COSINE_LOW_MIN = 0.99, 0.95  # bf16 SGLang vs fp32 transformers
 # CUDA 13.0 GA's minimum Linux driver (NVIDIA's CUDA 13.0 release notes, table 3); sglang 0.5.23 ships cu13
 # kernels (flashinfer-python[cu13], nvidia-cutlass-dsl[cu13], cuda-python>=13).
 CUDA13_MIN_DRIVER = "580.65.06"
-DRIVER_FIX = (f"install the NVIDIA driver >= {CUDA13_MIN_DRIVER} (CUDA 13), e.g. on Ubuntu: "
-              "sudo apt-get install -y nvidia-driver-580 && sudo reboot")
+DRIVER_FIX = (
+    f"install the NVIDIA driver >= {CUDA13_MIN_DRIVER} (CUDA 13), e.g. on Ubuntu: "
+    "sudo apt-get install -y nvidia-driver-580 && sudo reboot"
+)
 KIMI_K25_HIDDEN = 7168  # the hidden size planned for when neither --model nor EAGLE3_TARGET_DIR names a target
 N_AUX = 3  # EAGLE-3 captures three layers
 
@@ -98,18 +100,33 @@ def _guard(name: str, required: bool, fn: Callable[[], Check]) -> Check:
 def torch_row(required: bool) -> Check:
     import torch
 
-    data: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
-                            "cuda_available": torch.cuda.is_available(), "gpus": []}
+    data: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [],
+    }
     if not torch.cuda.is_available():
         why = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build, no device"
-        return Check("torch/cuda", UNAVAILABLE, f"torch {torch.__version__}: {why}: no GPU on this host", required, data,
-                     fix=f"on a host with NVIDIA GPUs and driver >= {CUDA13_MIN_DRIVER}: {install_command()}")
+        return Check(
+            "torch/cuda",
+            UNAVAILABLE,
+            f"torch {torch.__version__}: {why}: no GPU on this host",
+            required,
+            data,
+            fix=f"on a host with NVIDIA GPUs and driver >= {CUDA13_MIN_DRIVER}: {install_command()}",
+        )
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         data["gpus"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
     names = ", ".join(f"{g['name']} {g['memory_gib']} GiB" for g in data["gpus"])
-    return Check("torch/cuda", OK, f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-                 f"{len(data['gpus'])} GPU(s): {names}", required, data)
+    return Check(
+        "torch/cuda",
+        OK,
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {len(data['gpus'])} GPU(s): {names}",
+        required,
+        data,
+    )
 
 
 def pin_problems() -> list[str]:
@@ -137,20 +154,37 @@ def sglang_row(required: bool) -> Check:
 
     version = sglang_api.installed_version()
     if version is None:
-        return Check("sglang", UNAVAILABLE, f"not installed ({sglang_api.SGLANG_REQUIREMENT}, GPU hosts only)", required,
-                     fix=install_command())
-    problems = ([] if sglang_api.version_in_range(version) else [f"outside {sglang_api.SGLANG_REQUIREMENT}"]) + pin_problems()
+        return Check(
+            "sglang",
+            UNAVAILABLE,
+            f"not installed ({sglang_api.SGLANG_REQUIREMENT}, GPU hosts only)",
+            required,
+            fix=install_command(),
+        )
+    problems = (
+        [] if sglang_api.version_in_range(version) else [f"outside {sglang_api.SGLANG_REQUIREMENT}"]
+    ) + pin_problems()
     detail = f"sglang {version}" + (f": {'; '.join(problems)}" if problems else ", torch and transformers as it pins")
-    return Check("sglang", (FAIL if required else WARN) if problems else OK, detail, required, {"version": version,
-                 "problems": problems}, fix=install_command() if problems else "")
+    return Check(
+        "sglang",
+        (FAIL if required else WARN) if problems else OK,
+        detail,
+        required,
+        {"version": version, "problems": problems},
+        fix=install_command() if problems else "",
+    )
 
 
 def nvidia_driver() -> str | None:
     """The driver's version from nvidia-smi, or None when there is no NVIDIA driver."""
     if shutil.which("nvidia-smi") is None:
         return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = [x.strip() for x in out.stdout.splitlines() if x.strip()]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"nvidia-smi failed (exit {out.returncode}): {(out.stderr or out.stdout).strip()[:200]}")
@@ -165,8 +199,14 @@ def driver_row(required: bool) -> Check:
     have = tuple(int(x) for x in re.findall(r"\d+", driver))
     ok = have >= tuple(int(x) for x in CUDA13_MIN_DRIVER.split("."))
     detail = f"{driver}, " + ("CUDA 13 capable" if ok else f"below CUDA 13's minimum {CUDA13_MIN_DRIVER}")
-    return Check(name, OK if ok else (FAIL if required else WARN), detail, required, {"driver": driver},
-                 fix="" if ok else DRIVER_FIX)
+    return Check(
+        name,
+        OK if ok else (FAIL if required else WARN),
+        detail,
+        required,
+        {"driver": driver},
+        fix="" if ok else DRIVER_FIX,
+    )
 
 
 def gpus_row(tp: int | None, model: str | None, required: bool) -> Check:
@@ -174,7 +214,9 @@ def gpus_row(tp: int | None, model: str | None, required: bool) -> Check:
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     need = tp or (8 if model else 1)
-    detail = f"{have} CUDA device(s), " + (f"--tp {tp} needs {need}" if tp else f"{need} needed" + (" (--model: tp 8)" if model else ""))
+    detail = f"{have} CUDA device(s), " + (
+        f"--tp {tp} needs {need}" if tp else f"{need} needed" + (" (--model: tp 8)" if model else "")
+    )
     data = {"gpus": have, "needed": need}
     if have >= need:
         return Check("gpus", OK, detail, required, data)
@@ -196,20 +238,36 @@ def shm_row(shm_dir: Path, forward_tokens: int, slabs: int, hidden: int, hidden_
     slab = SlabLayout(tokens=forward_tokens, aux_width=N_AUX * hidden, final_width=hidden).nbytes
     need = slab * slabs
     if not shm_dir.is_dir():
-        return Check("/dev/shm", FAIL if required else WARN, f"{shm_dir} does not exist", required,
-                     fix=f"sudo mkdir -p {shm_dir} && sudo mount -t tmpfs -o size={-(-need // 2**30)}G tmpfs {shm_dir}")
+        return Check(
+            "/dev/shm",
+            FAIL if required else WARN,
+            f"{shm_dir} does not exist",
+            required,
+            fix=f"sudo mkdir -p {shm_dir} && sudo mount -t tmpfs -o size={-(-need // 2**30)}G tmpfs {shm_dir}",
+        )
     st = os.statvfs(shm_dir)
     size = st.f_blocks * st.f_frsize
-    data = {"path": str(shm_dir), "size_bytes": size, "needed_bytes": need, "max_forward_tokens": forward_tokens,
-            "handoff_slabs": slabs, "slab_bytes": slab, "hidden": hidden}
-    detail = (f"{shm_dir} {human(size)}; hand-off {slabs} slabs x ({forward_tokens:,} tokens x {N_AUX + 1} x {hidden} "
-              f"({hidden_from}) x 2 B + ids) = {human(need)}")
+    data = {
+        "path": str(shm_dir),
+        "size_bytes": size,
+        "needed_bytes": need,
+        "max_forward_tokens": forward_tokens,
+        "handoff_slabs": slabs,
+        "slab_bytes": slab,
+        "hidden": hidden,
+    }
+    detail = (
+        f"{shm_dir} {human(size)}; hand-off {slabs} slabs x ({forward_tokens:,} tokens x {N_AUX + 1} x {hidden} "
+        f"({hidden_from}) x 2 B + ids) = {human(need)}"
+    )
     if size >= need:
         return Check("/dev/shm", OK, detail, required, data)
     gib = -(-need // 2**30)
     fits = size // (slabs * (N_AUX + 1) * hidden * 2 + slabs * 8)
-    fix = (f"sudo mount -o remount,size={gib}G {shm_dir}  (a container: docker run --shm-size={gib}g; or lower "
-           f"EAGLE3_SGLANG_MAX_FORWARD_TOKENS below {fits:,}, or the hidden_states_backend's sglang_handoff_slabs)")
+    fix = (
+        f"sudo mount -o remount,size={gib}G {shm_dir}  (a container: docker run --shm-size={gib}g; or lower "
+        f"EAGLE3_SGLANG_MAX_FORWARD_TOKENS below {fits:,}, or the hidden_states_backend's sglang_handoff_slabs)"
+    )
     return Check("/dev/shm", FAIL if required else WARN, detail + ": too small", required, data, fix=fix)
 
 
@@ -222,8 +280,13 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
 
     name = "disk write"
     if not root.is_dir():
-        return Check(name, FAIL if required else WARN, f"data root {root} does not exist", required,
-                     fix=f"mkdir -p {root}  (or eagle3 gpu-check --data-dir DIR; the pipeline writes to EAGLE3_DATA_DIR)")
+        return Check(
+            name,
+            FAIL if required else WARN,
+            f"data root {root} does not exist",
+            required,
+            fix=f"mkdir -p {root}  (or eagle3 gpu-check --data-dir DIR; the pipeline writes to EAGLE3_DATA_DIR)",
+        )
     file_bytes = min(mib, 64) * 2**20
     files = -(-mib * 2**20 // file_bytes)
     buffer = host_buffer(file_bytes, pin=False)
@@ -238,15 +301,29 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
         shutil.rmtree(work, ignore_errors=True)
     gbps = files * file_bytes / seconds / 1e9
     rate = gbps * 1e9 / token_bytes(hidden)
-    data = {"path": str(root), "bytes": files * file_bytes, "seconds": round(seconds, 3), "gb_per_s": round(gbps, 3),
-            "o_direct": all(direct), "tokens_per_s_bound": round(rate)}
-    detail = (f"{root}: {files * file_bytes / 2**20:,.0f} MiB fsync'd {'O_DIRECT' if all(direct) else 'buffered'} "
-              f"in {seconds:.2f} s = {gbps:.2f} GB/s: capture at most {rate:,.0f} tokens/s at hidden {hidden}")
+    data = {
+        "path": str(root),
+        "bytes": files * file_bytes,
+        "seconds": round(seconds, 3),
+        "gb_per_s": round(gbps, 3),
+        "o_direct": all(direct),
+        "tokens_per_s_bound": round(rate),
+    }
+    detail = (
+        f"{root}: {files * file_bytes / 2**20:,.0f} MiB fsync'd {'O_DIRECT' if all(direct) else 'buffered'} "
+        f"in {seconds:.2f} s = {gbps:.2f} GB/s: capture at most {rate:,.0f} tokens/s at hidden {hidden}"
+    )
     if min_gbps is None or gbps >= min_gbps:
         return Check(name, OK, detail, required, data)
-    return Check(name, FAIL if required else WARN, detail + f", below --min-disk-gbps {min_gbps:g}", required, data,
-                 fix="put the data root on a faster (local NVMe) volume: export EAGLE3_DATA_DIR=/nvme/eagle3, then "
-                     "eagle3 gpu-check --data-dir /nvme/eagle3")
+    return Check(
+        name,
+        FAIL if required else WARN,
+        detail + f", below --min-disk-gbps {min_gbps:g}",
+        required,
+        data,
+        fix="put the data root on a faster (local NVMe) volume: export EAGLE3_DATA_DIR=/nvme/eagle3, then "
+        "eagle3 gpu-check --data-dir /nvme/eagle3",
+    )
 
 
 def planned_tokens(root: Path, tokens: int | None) -> tuple[int | None, str]:
@@ -271,14 +348,21 @@ def disk_space_row(root: Path, tokens: int | None, hidden: int, hidden_from: str
     name = "disk space"
     planned, source = planned_tokens(root, tokens)
     if planned is None:
-        return Check(name, UNAVAILABLE, f"no planned capture: no --tokens and no merged dataset under {root}", required,
-                     fix="eagle3 gpu-check --tokens N  (the tokens you plan to capture, e.g. 50000000)")
+        return Check(
+            name,
+            UNAVAILABLE,
+            f"no planned capture: no --tokens and no merged dataset under {root}",
+            required,
+            fix="eagle3 gpu-check --tokens N  (the tokens you plan to capture, e.g. 50000000)",
+        )
     settings = StoreSettings()
     needed = planned * token_bytes(hidden)
     data = {"path": str(root), "tokens": planned, "tokens_from": source, "bytes_per_token": token_bytes(hidden)}
     detail = f"{planned:,} tokens ({source}) x {token_bytes(hidden):,} B ({hidden_from}) = {human(needed)}"
     try:
-        data.update(check_disk(root, needed, settings, tokens_pending=planned, total_tokens=planned, hidden_size=hidden))
+        data.update(
+            check_disk(root, needed, settings, tokens_pending=planned, total_tokens=planned, hidden_size=hidden)
+        )
     except DiskSpaceError:
         probe = root
         while not probe.exists():
@@ -286,12 +370,20 @@ def disk_space_row(root: Path, tokens: int | None, hidden: int, hidden_from: str
         free = shutil.disk_usage(probe).free
         fits = int(max(0, (free - settings.reserve_bytes) / (1 + settings.margin_pct / 100)) // token_bytes(hidden))
         config = json.dumps({"ops": {"hidden_states": {"config": {"max_tokens": fits}}}})
-        fix = (f"export EAGLE3_DATA_DIR=<a volume with {human(needed * (1 + settings.margin_pct / 100) + settings.reserve_bytes)}"
-               f" free> (check: eagle3 gpu-check --data-dir DIR --tokens {planned}), or capture what fits: "
-               f"eagle3 dagster asset materialize -m eagle3_assets.definitions --select hidden_states --config-json '{config}'")
+        fix = (
+            f"export EAGLE3_DATA_DIR=<a volume with {human(needed * (1 + settings.margin_pct / 100) + settings.reserve_bytes)}"
+            f" free> (check: eagle3 gpu-check --data-dir DIR --tokens {planned}), or capture what fits: "
+            f"eagle3 dagster asset materialize -m eagle3_assets.definitions --select hidden_states --config-json '{config}'"
+        )
         data.update(free_bytes=free, fits_tokens=fits)
-        return Check(name, FAIL if required else WARN, detail + f"; {probe} has {human(free)} free: about {fits:,} fit",
-                     required, data, fix=fix)
+        return Check(
+            name,
+            FAIL if required else WARN,
+            detail + f"; {probe} has {human(free)} free: about {fits:,} fit",
+            required,
+            data,
+            fix=fix,
+        )
     return Check(name, OK, detail + f"; {human(data['free_bytes'])} free", required, data)
 
 
@@ -308,11 +400,17 @@ def contract_row(required: bool) -> Check:
         mode, why = "source", f"{type(e).__name__}: {e}"
     problems = sglang_api.check_contract(mode=mode)
     rule = sglang_api.capture_rule()
-    data = {"mode": mode, "problems": problems, "capture_rule": rule.value if rule else None,
-            "names": len(sglang_api.CONTRACT)}
+    data = {
+        "mode": mode,
+        "problems": problems,
+        "capture_rule": rule.value if rule else None,
+        "names": len(sglang_api.CONTRACT),
+    }
     how = f"{len(sglang_api.CONTRACT)} names checked by {mode}" + ("" if mode == "import" else f" ({why})")
     if problems:
-        return Check("sglang contract", FAIL, f"{how}; {len(problems)} problem(s): " + "; ".join(problems), required, data)
+        return Check(
+            "sglang contract", FAIL, f"{how}; {len(problems)} problem(s): " + "; ".join(problems), required, data
+        )
     return Check("sglang contract", OK, f"{how}; capture rule: {rule.value if rule else '?'}", required, data)
 
 
@@ -355,11 +453,26 @@ def tiny_deepseek_v3(folder: Path, seed: int = 0) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=256,
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
@@ -434,12 +547,16 @@ def transformers_row(folder: Path, sequences, truth) -> Check:
     backend = TransformersHiddenStates(model, layer_ids=TINY_LAYER_IDS)
     got = [(a.float().cpu(), f.float().cpu()) for a, f in backend.extract_batch(sequences)]
     hidden = model.config.hidden_size
-    shapes_ok = all(a.shape == (len(s), 3 * hidden) and f.shape == (len(s), hidden) for (a, f), s in zip(got, sequences))
+    shapes_ok = all(
+        a.shape == (len(s), 3 * hidden) and f.shape == (len(s), hidden) for (a, f), s in zip(got, sequences)
+    )
     err = max(max(float((a - ta).abs().max()), float((f - tf).abs().max())) for (a, f), (ta, tf) in zip(got, truth))
     data = {"layer_ids": TINY_LAYER_IDS, "lengths": [len(s) for s in sequences], "max_abs_err": err}
     ok = shapes_ok and err <= 1e-3
-    detail = (f"tiny DeepseekV3 (8 layers, CPU fp32), layers {TINY_LAYER_IDS}, batch of {len(sequences)}: "
-              f"max |diff| vs output_hidden_states {err:.2e}" + ("" if shapes_ok else ", WRONG SHAPES"))
+    detail = (
+        f"tiny DeepseekV3 (8 layers, CPU fp32), layers {TINY_LAYER_IDS}, batch of {len(sequences)}: "
+        f"max |diff| vs output_hidden_states {err:.2e}" + ("" if shapes_ok else ", WRONG SHAPES")
+    )
     return Check("transformers capture", OK if ok else FAIL, detail, True, data)
 
 
@@ -449,8 +566,15 @@ def sglang_tiny_row(folder: Path, sequences, truth, tp: int, required: bool) -> 
 
     name = f"sglang capture (tiny, tp={tp})"
     try:
-        backend = SGLangHiddenStates(str(folder), tp_size=tp, layer_ids=TINY_LAYER_IDS, max_length=1024,
-                                     mem_fraction_static=0.3, start_timeout_s=900, batch_timeout_s=300)
+        backend = SGLangHiddenStates(
+            str(folder),
+            tp_size=tp,
+            layer_ids=TINY_LAYER_IDS,
+            max_length=1024,
+            mem_fraction_static=0.3,
+            start_timeout_s=900,
+            batch_timeout_s=300,
+        )
     except SGLangUnavailable as e:
         return Check(name, UNAVAILABLE, str(e).splitlines()[0].split("  (")[0], required, fix="see sglang above")
     with backend:
@@ -458,11 +582,14 @@ def sglang_tiny_row(folder: Path, sequences, truth, tp: int, required: bool) -> 
         described = backend.describe()
     hidden = described["hidden_size"]
     stats = cosine_stats(got, truth, hidden, len(TINY_LAYER_IDS))
-    ok = (all(v >= COSINE_MEAN_MIN for k, v in stats.items() if k.endswith("_mean"))
-          and all(v >= COSINE_LOW_MIN for k, v in stats.items() if k.endswith("_min")))
+    ok = all(v >= COSINE_MEAN_MIN for k, v in stats.items() if k.endswith("_mean")) and all(
+        v >= COSINE_LOW_MIN for k, v in stats.items() if k.endswith("_min")
+    )
     worst = min(stats.items(), key=lambda kv: kv[1])
-    detail = (f"vs fp32 ground truth: per-token cosine mean >= {min(v for k, v in stats.items() if k.endswith('_mean'))}, "
-              f"worst token {worst[1]} ({worst[0]}); capture argument {described['sglang_capture_argument']}")
+    detail = (
+        f"vs fp32 ground truth: per-token cosine mean >= {min(v for k, v in stats.items() if k.endswith('_mean'))}, "
+        f"worst token {worst[1]} ({worst[0]}); capture argument {described['sglang_capture_argument']}"
+    )
     return Check(name, OK if ok else FAIL, detail, required, {"cosine": stats, "backend": described})
 
 
@@ -498,11 +625,19 @@ def sglang_target_row(model_path: str, tp: int) -> Check:
         if not (torch.isfinite(a).all() and torch.isfinite(f).all()):
             problems.append(f"non-finite values in a {len(s)}-token sequence")
     tokens = sum(len(s) for s in batch)
-    data = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-            "load_s": round(load_s, 1), "backend": described, "problems": problems}
-    detail = (f"layers {described['layer_ids']} (SGLang argument {described['sglang_capture_argument']}), "
-              f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s; load {load_s:.0f} s"
-              + (f"; {'; '.join(problems)}" if problems else ""))
+    data = {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "load_s": round(load_s, 1),
+        "backend": described,
+        "problems": problems,
+    }
+    detail = (
+        f"layers {described['layer_ids']} (SGLang argument {described['sglang_capture_argument']}), "
+        f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s; load {load_s:.0f} s"
+        + (f"; {'; '.join(problems)}" if problems else "")
+    )
     return Check(name, FAIL if problems else OK, detail, True, data)
 
 
@@ -525,15 +660,18 @@ class HostPlan:
 
     data_dir: Path
     tokens: int | None = None  # planned capture; None: the merged dataset's
-    max_forward_tokens: int | None = None  # rows of one hand-off slab; None: EAGLE3_SGLANG_MAX_FORWARD_TOKENS or the default
+    max_forward_tokens: int | None = (
+        None  # rows of one hand-off slab; None: EAGLE3_SGLANG_MAX_FORWARD_TOKENS or the default
+    )
     handoff_slabs: int | None = None  # slabs in the hand-off ring; None: the backend's default
     shm_dir: Path = Path("/dev/shm")
     disk_mib: int = 256
     min_disk_gbps: float | None = None
 
 
-def run_checks(model: str | None = None, tp: int | None = None, host: HostPlan | None = None,
-               capture: bool = True) -> list[Check]:
+def run_checks(
+    model: str | None = None, tp: int | None = None, host: HostPlan | None = None, capture: bool = True
+) -> list[Check]:
     sglang_asked = tp is not None or model is not None
     if host is None:
         from eagle3_resources.storage import default_data_dir
@@ -542,8 +680,9 @@ def run_checks(model: str | None = None, tp: int | None = None, host: HostPlan |
     disk_asked = sglang_asked or host.tokens is not None
     from eagle3_resources.hidden_states.sglang_backend import DEFAULT_HANDOFF_SLABS, DEFAULT_MAX_FORWARD_TOKENS
 
-    forward_tokens = host.max_forward_tokens or int(os.environ.get("EAGLE3_SGLANG_MAX_FORWARD_TOKENS")
-                                                    or DEFAULT_MAX_FORWARD_TOKENS)
+    forward_tokens = host.max_forward_tokens or int(
+        os.environ.get("EAGLE3_SGLANG_MAX_FORWARD_TOKENS") or DEFAULT_MAX_FORWARD_TOKENS
+    )
     slabs = host.handoff_slabs or DEFAULT_HANDOFF_SLABS
     hidden, hidden_from = target_hidden(model)
     checks = [
@@ -551,11 +690,21 @@ def run_checks(model: str | None = None, tp: int | None = None, host: HostPlan |
         _guard("sglang", sglang_asked, lambda: sglang_row(sglang_asked)),
         _guard("nvidia driver", sglang_asked, lambda: driver_row(sglang_asked)),
         _guard("gpus", sglang_asked, lambda: gpus_row(tp, model, sglang_asked)),
-        _guard("/dev/shm", sglang_asked, lambda: shm_row(host.shm_dir, forward_tokens, slabs, hidden, hidden_from,
-                                                            sglang_asked)),
-        _guard("disk write", disk_asked, lambda: disk_write_row(host.data_dir, host.disk_mib, host.min_disk_gbps, hidden,
-                                                                disk_asked)),
-        _guard("disk space", disk_asked, lambda: disk_space_row(host.data_dir, host.tokens, hidden, hidden_from, disk_asked)),
+        _guard(
+            "/dev/shm",
+            sglang_asked,
+            lambda: shm_row(host.shm_dir, forward_tokens, slabs, hidden, hidden_from, sglang_asked),
+        ),
+        _guard(
+            "disk write",
+            disk_asked,
+            lambda: disk_write_row(host.data_dir, host.disk_mib, host.min_disk_gbps, hidden, disk_asked),
+        ),
+        _guard(
+            "disk space",
+            disk_asked,
+            lambda: disk_space_row(host.data_dir, host.tokens, hidden, hidden_from, disk_asked),
+        ),
         _guard("sglang contract", sglang_asked, lambda: contract_row(sglang_asked)),
     ]
     if not capture:
@@ -574,11 +723,18 @@ def run_checks(model: str | None = None, tp: int | None = None, host: HostPlan |
         del truth_model
         checks.append(_guard("transformers capture", True, lambda: transformers_row(folder, sequences, truth)))
         tiny_tp = tp or 1
-        checks.append(_guard(f"sglang capture (tiny, tp={tiny_tp})", sglang_asked,
-                             lambda: sglang_tiny_row(folder, sequences, truth, tiny_tp, sglang_asked)))
+        checks.append(
+            _guard(
+                f"sglang capture (tiny, tp={tiny_tp})",
+                sglang_asked,
+                lambda: sglang_tiny_row(folder, sequences, truth, tiny_tp, sglang_asked),
+            )
+        )
     if model is not None:
         target_tp = tp or 8
-        checks.append(_guard(f"sglang capture (target, tp={target_tp})", True, lambda: sglang_target_row(model, target_tp)))
+        checks.append(
+            _guard(f"sglang capture (target, tp={target_tp})", True, lambda: sglang_target_row(model, target_tp))
+        )
     return checks
 
 
@@ -595,15 +751,25 @@ def render(checks: list[Check]) -> str:
     gpu = next((c for c in checks if c.name == "torch/cuda"), None)
     lines.append("")
     if gpu is not None and gpu.status != OK:
-        lines.append("no GPU on this host: the SGLang capture needs a CUDA host; the transformers backend runs here on "
-                     "the CPU. On a GPU host: the install above, then `eagle3 gpu-check --tp 8`.")
-    lines.append("result: " + ("everything asked for works" if code == 0 else "something asked for does not work")
-                 + f" (exit {code})")
+        lines.append(
+            "no GPU on this host: the SGLang capture needs a CUDA host; the transformers backend runs here on "
+            "the CPU. On a GPU host: the install above, then `eagle3 gpu-check --tp 8`."
+        )
+    lines.append(
+        "result: "
+        + ("everything asked for works" if code == 0 else "something asked for does not work")
+        + f" (exit {code})"
+    )
     return "\n".join(lines)
 
 
-def gpu_check(model: str | None = None, tp: int | None = None, as_json: bool = False, host: HostPlan | None = None,
-              capture: bool = True) -> int:
+def gpu_check(
+    model: str | None = None,
+    tp: int | None = None,
+    as_json: bool = False,
+    host: HostPlan | None = None,
+    capture: bool = True,
+) -> int:
     checks = run_checks(model, tp, host, capture)
     code = exit_code(checks)
     if as_json:

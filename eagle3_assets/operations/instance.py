@@ -69,7 +69,8 @@ run_monitoring:
 
 INSTANCE_YAML = "# Written by `eagle3` on first use; edit freely.\n" + SETTINGS_YAML
 
-POSTGRES_INSTANCE_YAML = f"""\
+POSTGRES_INSTANCE_YAML = (
+    f"""\
 # The team's instance: runs, event log, schedules and concurrency slots in PostgreSQL, so the UI, the
 # daemon and every run worker (on this host or others) share one queue, one set of pool slots and one
 # history. The URL is read from the environment when the instance loads: no password in this file.
@@ -78,7 +79,9 @@ storage:
   postgres:
     postgres_url:
       env: {POSTGRES_URL_ENV}
-""" + SETTINGS_YAML
+"""
+    + SETTINGS_YAML
+)
 
 
 def postgres_url() -> str | None:
@@ -88,9 +91,11 @@ def postgres_url() -> str | None:
         return None
     parts = urlsplit(url)
     if parts.scheme not in POSTGRES_SCHEMES or not parts.hostname or not parts.path.strip("/"):
-        raise SystemExit(f"{POSTGRES_URL_ENV}: expected postgresql://user:password@host:port/database "
-                         f"(scheme one of {', '.join(POSTGRES_SCHEMES)}), got scheme {parts.scheme!r}, "
-                         f"host {parts.hostname!r}, database {parts.path.strip('/')!r}")
+        raise SystemExit(
+            f"{POSTGRES_URL_ENV}: expected postgresql://user:password@host:port/database "
+            f"(scheme one of {', '.join(POSTGRES_SCHEMES)}), got scheme {parts.scheme!r}, "
+            f"host {parts.hostname!r}, database {parts.path.strip('/')!r}"
+        )
     return url
 
 
@@ -120,9 +125,11 @@ def dagster_home() -> Path:
             os.replace(written, config)
         elif uses_postgres(config.read_text()) != bool(url):
             kept = "PostgreSQL" if url is None else "SQLite"
-            raise SystemExit(f"{config} keeps the instance in {kept}, but {POSTGRES_URL_ENV} is "
-                             f"{'unset' if url is None else 'set'}: point DAGSTER_HOME at another folder, "
-                             f"or {'set' if url is None else 'unset'} {POSTGRES_URL_ENV}")
+            raise SystemExit(
+                f"{config} keeps the instance in {kept}, but {POSTGRES_URL_ENV} is "
+                f"{'unset' if url is None else 'set'}: point DAGSTER_HOME at another folder, "
+                f"or {'set' if url is None else 'unset'} {POSTGRES_URL_ENV}"
+            )
         os.environ["DAGSTER_HOME"] = str(home)
         show_pools()  # DagsterInstance.get() creates (or migrates) the instance's storage
         prepare_data_root()

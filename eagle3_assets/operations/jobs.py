@@ -10,7 +10,13 @@ from eagle3_resources.storage import DataStore
 
 # Shown in the launchpad, so a user sees the spend caps without knowing their names (null: the environment's
 # EAGLE3_MAX_RUN_USD / EAGLE3_MAX_TOTAL_USD, else no cap; every other field: its documented default).
-SPEND_CAPS = {"max_run_usd": None, "max_total_usd": None, "max_projected_usd": None, "on_cap": "finish", "pilot_size": 8}
+SPEND_CAPS = {
+    "max_run_usd": None,
+    "max_total_usd": None,
+    "max_projected_usd": None,
+    "on_cap": "finish",
+    "pilot_size": 8,
+}
 
 eagle3_pipeline = dg.define_asset_job(
     "eagle3_pipeline",

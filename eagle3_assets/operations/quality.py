@@ -28,7 +28,9 @@ STATUS_ASSET = dg.AssetKey("pipeline_status")
 LAST_STAGE = "token_ids"  # a dataset is complete when its token ids are materialized with no failing ERROR check
 
 pipeline_status = dg.AssetSpec(
-    STATUS_ASSET, group_name="training", kinds={"dagster"},
+    STATUS_ASSET,
+    group_name="training",
+    kinds={"dagster"},
     description="Every dataset and stage at a glance, observed by the `status_board` sensor when something changes: "
     "materialized or not (—), rows, ok / warn / **FAIL** and the names of the checks that fail (ERROR first); the training stages' figures "
     "(the drafter's real accept length, from lossless speculative decoding, then the simulated one). The same as "
@@ -60,20 +62,28 @@ def board_markdown(status: Status) -> str:
     head = ["dataset", *PARTITIONED, "complete"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ds in status.datasets:
-        lines.append("| " + " | ".join([ds.dataset, *(_cell(ds.stages[a]) for a in PARTITIONED),
-                                        "yes" if complete(ds.stages) else "no"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [ds.dataset, *(_cell(ds.stages[a]) for a in PARTITIONED), "yes" if complete(ds.stages) else "no"]
+            )
+            + " |"
+        )
     lines += ["", "| stage | figures | checks |", "|---|---|---|"]
     for stage in status.stages:
         labels = dict(UNPARTITIONED)[stage.asset]
-        figures = ", ".join(f"{label} {stage.figures.get(label)}" for label, _ in labels if stage.figures.get(label) is not None)
+        figures = ", ".join(
+            f"{label} {stage.figures.get(label)}" for label, _ in labels if stage.figures.get(label) is not None
+        )
         checks = _failing(stage) if stage.failing else "ok" if stage.materialized else "—"
         lines.append(f"| {stage.asset} | {figures if stage.materialized else 'not materialized'} | {checks} |")
     return "\n".join(lines)
 
 
 def board_metadata(status: Status) -> dict:
-    failing = [c for ds in status.datasets for s in ds.stages.values() for c in s.failing] + \
-              [c for s in status.stages for c in s.failing]
+    failing = [c for ds in status.datasets for s in ds.stages.values() for c in s.failing] + [
+        c for s in status.stages for c in s.failing
+    ]
     drafter = next((s for s in status.stages if s.asset == "eagle3_drafter"), None)
     out = {
         "datasets_complete": sum(complete(ds.stages) for ds in status.datasets),
@@ -94,9 +104,13 @@ def _fingerprint(metadata: dict) -> str:
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-@dg.sensor(name="status_board", minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Observes `pipeline_status` (every dataset and stage, complete or not, failing checks) when it "
-           "changes. Turning it off only freezes that table; nothing else depends on it.")
+@dg.sensor(
+    name="status_board",
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Observes `pipeline_status` (every dataset and stage, complete or not, failing checks) when it "
+    "changes. Turning it off only freezes that table; nothing else depends on it.",
+)
 def status_board(context: dg.SensorEvaluationContext, store: DataStore):
     status = gather_status(context.instance, open_ledger(store.layout), data_dir=store.root)
     metadata = board_metadata(status)
@@ -105,5 +119,7 @@ def status_board(context: dg.SensorEvaluationContext, store: DataStore):
         return dg.SkipReason("nothing changed")
     complete_n, total = metadata["datasets_complete"], metadata["datasets"]
     description = f"{complete_n} of {total} datasets complete; {metadata['failing_checks']} failing checks"
-    return dg.SensorResult(asset_events=[dg.AssetObservation(asset_key=STATUS_ASSET, description=description, metadata=metadata)],
-                           cursor=fingerprint)
+    return dg.SensorResult(
+        asset_events=[dg.AssetObservation(asset_key=STATUS_ASSET, description=description, metadata=metadata)],
+        cursor=fingerprint,
+    )

@@ -20,9 +20,13 @@ from eagle3_resources.errors import FiguresRefused
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eagle3_assets.operations.record_figures",
-                                description="Record an SGLang benchmark's JSON on the eagle3_drafter asset (an observation).")
-    p.add_argument("report", type=Path, help="the JSON of benchmarks/sglang_engine_speculative.py or serving_speculative.py")
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3_assets.operations.record_figures",
+        description="Record an SGLang benchmark's JSON on the eagle3_drafter asset (an observation).",
+    )
+    p.add_argument(
+        "report", type=Path, help="the JSON of benchmarks/sglang_engine_speculative.py or serving_speculative.py"
+    )
     args = p.parse_args(argv)
     dagster_home()  # this project's instance (DAGSTER_HOME, set from the default if unset)
     try:

@@ -4,7 +4,6 @@
 which with a paid API is wrong.) Off by default; turn it on in the UI.
 """
 
-
 import dagster as dg
 
 from eagle3_assets.common.registry import DATASETS, run_datasets
@@ -21,8 +20,13 @@ def missing_partitions(instance: dg.DagsterInstance) -> list[str]:
     return [d for d in DATASETS if d not in done and d not in busy]
 
 
-@dg.schedule(job=eagle3_pipeline, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED,
-             name="missing_partitions_nightly", description="Each night, runs the pipeline for every dataset not done yet.")
+@dg.schedule(
+    job=eagle3_pipeline,
+    cron_schedule="0 3 * * *",
+    default_status=dg.DefaultScheduleStatus.STOPPED,
+    name="missing_partitions_nightly",
+    description="Each night, runs the pipeline for every dataset not done yet.",
+)
 def missing_partitions_nightly(context: dg.ScheduleEvaluationContext):
     missing = missing_partitions(context.instance)
     if not missing:

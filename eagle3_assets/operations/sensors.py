@@ -1,6 +1,5 @@
 """Sensors: the credit sensor that halts spending, and the alerts for failed runs and checks."""
 
-
 import asyncio
 import json
 import time
@@ -34,10 +33,15 @@ from eagle3_resources.storage import DataStore
 SPEND_ASSET = dg.AssetKey("spend")  # the observable asset in assets/spend.py
 SETTLE_BUDGET_S = 8.0  # look-ups per tick, at most (a sensor that times out sets no hold: the hold is decided first)
 
-@dg.sensor(name="credit_sensor", minimum_interval_seconds=5, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Holds spending when the account balance or the ledger crosses a SpendPolicy threshold (queued "
-           "spending runs are cancelled; running ones drain, or are cancelled with EAGLE3_HOLD_MODE=cancel); stops a run "
-           "over its own threshold; looks up unsettled generations; alerts on account anomalies.")
+
+@dg.sensor(
+    name="credit_sensor",
+    minimum_interval_seconds=5,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Holds spending when the account balance or the ledger crosses a SpendPolicy threshold (queued "
+    "spending runs are cancelled; running ones drain, or are cancelled with EAGLE3_HOLD_MODE=cancel); stops a run "
+    "over its own threshold; looks up unsettled generations; alerts on account anomalies.",
+)
 def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy, store: DataStore, alerts: AlertSink):
     instance = context.instance
     cursor = json.loads(context.cursor) if context.cursor else {}
@@ -56,30 +60,59 @@ def credit_sensor(context: dg.SensorEvaluationContext, spend_policy: SpendPolicy
         hold = None
     if crossing.reasons and not hold:
         hold = set_hold(ledger, crossing.reasons, figs, thresholds)
-        alert_in_runs(instance, active, alerts.send(
-            "Spending halted: " + "; ".join(crossing.reasons) + f" (in-flight requests: {spend_policy.hold_action})",
-            figs, context.log.warning))
+        alert_in_runs(
+            instance,
+            active,
+            alerts.send(
+                "Spending halted: "
+                + "; ".join(crossing.reasons)
+                + f" (in-flight requests: {spend_policy.hold_action})",
+                figs,
+                context.log.warning,
+            ),
+        )
     if hold:
         cancelled, stopped = cancel_spending(instance, spend_policy.hold_action)
         if cancelled or stopped:
-            alert_in_runs(instance, cancelled, alerts.send("Spending runs cancelled while the hold stands",
-                          {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]}, context.log.warning))
+            alert_in_runs(
+                instance,
+                cancelled,
+                alerts.send(
+                    "Spending runs cancelled while the hold stands",
+                    {"runs": cancelled, "backfills": stopped, "hold": hold["reasons"]},
+                    context.log.warning,
+                ),
+            )
     over = _stop_runs_over_their_threshold(instance, crossing.runs, cursor, figs, alerts, context.log)
     settled = _settle(spend_policy, store, ledger, context.log)
-    found, gap = _watch_account(cursor, account, figs_ledger, spend_policy.tolerance_usd, figs, alerts, context.log, instance, active)
+    found, gap = _watch_account(
+        cursor, account, figs_ledger, spend_policy.tolerance_usd, figs, alerts, context.log, instance, active
+    )
     new_cursor: dict[str, Any] = {"runs_over": over}
     if account is not None:
         new_cursor.update(account=asdict(account), offset_usd=gap.offset_usd, gap_open=gap.open)
     else:
-        new_cursor.update({k: cursor[k] for k in ("account", "offset_usd", "gap_open", "account_unreadable") if k in cursor})
-    observation, new_cursor["observed"] = _spend_observation(instance, ledger, account, hold, thresholds, found, gap, settled,
-                                                             cursor.get("observed"), active)
+        new_cursor.update(
+            {k: cursor[k] for k in ("account", "offset_usd", "gap_open", "account_unreadable") if k in cursor}
+        )
+    observation, new_cursor["observed"] = _spend_observation(
+        instance, ledger, account, hold, thresholds, found, gap, settled, cursor.get("observed"), active
+    )
     return dg.SensorResult(asset_events=[observation] if observation else [], cursor=json.dumps(new_cursor))
 
 
-def _spend_observation(instance, ledger, account: Account | None, hold, thresholds, anomalies: list[str], gap: LedgerGap | None,
-                       settled: dict[str, Any], last: dict[str, Any] | None,
-                       active: list[str]) -> tuple[dg.AssetObservation | None, dict | None]:
+def _spend_observation(
+    instance,
+    ledger,
+    account: Account | None,
+    hold,
+    thresholds,
+    anomalies: list[str],
+    gap: LedgerGap | None,
+    settled: dict[str, Any],
+    last: dict[str, Any] | None,
+    active: list[str],
+) -> tuple[dg.AssetObservation | None, dict | None]:
     """The `spend` asset's observation, when a figure changed or the heartbeat is due (not on every tick)."""
     figures = view.current_figures(instance, ledger, asdict(account) if account else None, hold, thresholds, active)
     figures["anomalies"] = "; ".join(anomalies) or "none"
@@ -89,10 +122,13 @@ def _spend_observation(instance, ledger, account: Account | None, hold, threshol
     now = time.time()
     if not view.due(figures, last, now) and not settled:
         return None, last
-    metadata = view.observation_metadata({**figures, **({"settled_this_tick": settled} if settled else {})},
-                                         view.picture(ledger, thresholds, hold))
-    return (dg.AssetObservation(asset_key=SPEND_ASSET, description=view.headline(figures, hold), metadata=metadata),
-            {"fingerprint": view.fingerprint(figures), "t": now})
+    metadata = view.observation_metadata(
+        {**figures, **({"settled_this_tick": settled} if settled else {})}, view.picture(ledger, thresholds, hold)
+    )
+    return (
+        dg.AssetObservation(asset_key=SPEND_ASSET, description=view.headline(figures, hold), metadata=metadata),
+        {"fingerprint": view.fingerprint(figures), "t": now},
+    )
 
 
 def alert_in_runs(instance: dg.DagsterInstance, run_ids, alert: str) -> None:
@@ -103,7 +139,9 @@ def alert_in_runs(instance: dg.DagsterInstance, run_ids, alert: str) -> None:
             instance.report_engine_event(alert, dagster_run=run)
 
 
-def _read_account(policy: SpendPolicy, cursor: dict[str, Any], ledger: Figures, alerts: AlertSink, log) -> Account | None:
+def _read_account(
+    policy: SpendPolicy, cursor: dict[str, Any], ledger: Figures, alerts: AlertSink, log
+) -> Account | None:
     try:
         account = policy.read_account()
         if account is not None and cursor.pop("account_unreadable", None):
@@ -118,8 +156,14 @@ def _read_account(policy: SpendPolicy, cursor: dict[str, Any], ledger: Figures, 
         return None
 
 
-def _stop_runs_over_their_threshold(instance: dg.DagsterInstance, runs: dict[str, str], cursor: dict[str, Any],
-                                    figs: dict[str, Any], alerts: AlertSink, log) -> list[str]:
+def _stop_runs_over_their_threshold(
+    instance: dg.DagsterInstance,
+    runs: dict[str, str],
+    cursor: dict[str, Any],
+    figs: dict[str, Any],
+    alerts: AlertSink,
+    log,
+) -> list[str]:
     """A run over max_run_usd is about that run: it is cancelled and alerted once; nothing else is held."""
     alerted = set(cursor.get("runs_over") or [])
     for run_id, why in runs.items():
@@ -127,7 +171,9 @@ def _stop_runs_over_their_threshold(instance: dg.DagsterInstance, runs: dict[str
         if run is not None and not run.is_finished and run.status != dg.DagsterRunStatus.CANCELING:
             cancel_run(instance, run)
         if run_id not in alerted:
-            alert_in_runs(instance, [run_id], alerts.send(f"Run over its spend threshold, cancelled: {why}", figs, log.warning))
+            alert_in_runs(
+                instance, [run_id], alerts.send(f"Run over its spend threshold, cancelled: {why}", figs, log.warning)
+            )
     return sorted(set(runs))
 
 
@@ -142,7 +188,9 @@ def _settle(policy: SpendPolicy, store: DataStore, ledger, log) -> dict[str, Any
     async def look_up():
         with LedgerWriter(ledger, on_error=log.warning) as writer:
             async with OpenRouterAccount(*endpoint) as account:
-                return await settle_due(writer, account.generation, deadline_s=SETTLE_BUDGET_S, horizon_s=policy.horizon_s)
+                return await settle_due(
+                    writer, account.generation, deadline_s=SETTLE_BUDGET_S, horizon_s=policy.horizon_s
+                )
 
     try:
         report = asyncio.run(look_up())
@@ -155,8 +203,17 @@ def _settle(policy: SpendPolicy, store: DataStore, ledger, log) -> dict[str, Any
     return out
 
 
-def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Figures, tolerance: float,
-                   figs: dict[str, Any], alerts: AlertSink, log, instance, active: list[str]) -> tuple[list[str], LedgerGap | None]:
+def _watch_account(
+    cursor: dict[str, Any],
+    account: Account | None,
+    ledger: Figures,
+    tolerance: float,
+    figs: dict[str, Any],
+    alerts: AlertSink,
+    log,
+    instance,
+    active: list[str],
+) -> tuple[list[str], LedgerGap | None]:
     """Alert on anomalies: account moves (events, each alerted) and ledger drift (a level: alerted when it opens or closes)."""
     found = account_moves(cursor.get("account"), account)
     for move in found:
@@ -166,14 +223,21 @@ def _watch_account(cursor: dict[str, Any], account: Account | None, ledger: Figu
     billed = ledger.total.settled_usd
     gap = LedgerGap.measure(cursor, account, billed, tolerance)
     if cursor.get("offset_usd") is None and abs(gap.offset_usd) > tolerance:
-        alerts.send(f"Account usage and the ledger start ${gap.offset_usd:+.4f} apart (the key has spent elsewhere); "
-                    "from now on drift from this offset is watched", figs, log.info)
+        alerts.send(
+            f"Account usage and the ledger start ${gap.offset_usd:+.4f} apart (the key has spent elsewhere); "
+            "from now on drift from this offset is watched",
+            figs,
+            log.info,
+        )
     if gap.open:
         found.append(gap.describe(account, billed, tolerance))
     if gap.open != bool(cursor.get("gap_open")):
         if gap.open:
-            alert_in_runs(instance, active, alerts.send(f"Spend anomaly: {found[-1]}", {**figs, "drift_usd": round(gap.drift_usd, 6)},
-                                                        log.warning))
+            alert_in_runs(
+                instance,
+                active,
+                alerts.send(f"Spend anomaly: {found[-1]}", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.warning),
+            )
         else:
             alerts.send("Ledger and account agree again", {**figs, "drift_usd": round(gap.drift_usd, 6)}, log.info)
     return found, gap
@@ -184,8 +248,13 @@ def _failed_checks(instance: dg.DagsterInstance, run_id: str) -> list[dict[str, 
     for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION):
         ev = entry.dagster_event.asset_check_evaluation_data
         if not ev.passed and ev.blocking:  # the others are alerted by check_failure_alert
-            out.append({"check": f"{ev.asset_key.to_user_string()}.{ev.check_name}", "severity": ev.severity.value,
-                        "description": ev.description})
+            out.append(
+                {
+                    "check": f"{ev.asset_key.to_user_string()}.{ev.check_name}",
+                    "severity": ev.severity.value,
+                    "description": ev.description,
+                }
+            )
     return out
 
 
@@ -196,15 +265,27 @@ def _partition_label(run: dg.DagsterRun | None) -> str:
     return f" [{','.join(datasets)}]" if datasets else ""
 
 
-@dg.run_failure_sensor(name="run_failure_alert", default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=10,
-                       description="Alerts on every failed run, with its error and the blocking checks that failed it.")
+@dg.run_failure_sensor(
+    name="run_failure_alert",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=10,
+    description="Alerts on every failed run, with its error and the blocking checks that failed it.",
+)
 def run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertSink):
     run = context.dagster_run
-    alert_in_runs(context.instance, [run.run_id], alerts.send(f"Run failed: {run.job_name}{_partition_label(run)}", {
-        "run_id": run.run_id,
-        "error": context.failure_event.message,
-        "failed_checks": _failed_checks(context.instance, run.run_id),
-    }, context.log.error))
+    alert_in_runs(
+        context.instance,
+        [run.run_id],
+        alerts.send(
+            f"Run failed: {run.job_name}{_partition_label(run)}",
+            {
+                "run_id": run.run_id,
+                "error": context.failure_event.message,
+                "failed_checks": _failed_checks(context.instance, run.run_id),
+            },
+            context.log.error,
+        ),
+    )
 
 
 CHECK_HISTORY_WINDOW = 200  # executions of one check read per tick; far more than run between two ticks
@@ -239,8 +320,12 @@ def newly_resolved(records: list, state: dict[str, Any] | None, is_resolved) -> 
     return out, {"from": start, "handled": sorted(i for i in handled if i >= start)}
 
 
-@dg.sensor(name="check_failure_alert", minimum_interval_seconds=10, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Alerts once per failed non-blocking asset check (blocking ones fail their run: run_failure_alert).")
+@dg.sensor(
+    name="check_failure_alert",
+    minimum_interval_seconds=10,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Alerts once per failed non-blocking asset check (blocking ones fail their run: run_failure_alert).",
+)
 def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
     """Every failed evaluation of every non-blocking check, once, with its figures.
 
@@ -264,6 +349,10 @@ def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
                 continue  # it failed its run: run_failure_alert says so
             figs = {"severity": ev.severity.value, "description": ev.description, "run_id": record.run_id}
             figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
-            partition = f" [{ev.partition}]" if ev.partition else _partition_label(instance.get_run_by_id(record.run_id))
-            alert_in_runs(instance, [record.run_id], alerts.send(f"Check failed: {name}{partition}", figs, context.log.warning))
+            partition = (
+                f" [{ev.partition}]" if ev.partition else _partition_label(instance.get_run_by_id(record.run_id))
+            )
+            alert_in_runs(
+                instance, [record.run_id], alerts.send(f"Check failed: {name}{partition}", figs, context.log.warning)
+            )
     return dg.SensorResult(cursor=json.dumps(state, sort_keys=True))

@@ -62,12 +62,19 @@ UNPARTITIONED: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "hidden_states": [("samples", ("samples",)), ("tokens", ("tokens",)), ("bytes", ("bytes", "bytes_written"))],
     # The real accept length (lossless speculative decoding with the target) leads; the simulated one (teacher-forced
     # on the eval split, `accept_length` in materializations before it was named so) is beside it, named.
-    "eagle3_drafter": [("accept_length", ("accept_length_real",)), ("untrained", ("accept_length_real_untrained",)),
-                       ("simulated", ("accept_length_simulated", "accept_length")), ("final_loss", ("final_loss",))],
+    "eagle3_drafter": [
+        ("accept_length", ("accept_length_real",)),
+        ("untrained", ("accept_length_real_untrained",)),
+        ("simulated", ("accept_length_simulated", "accept_length")),
+        ("final_loss", ("final_loss",)),
+    ],
 }
 IN_PROGRESS = [
-    dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
 ]
 CHECK_PAGE = 200  # executions of one check read per query
 CHECK_HISTORY_MAX = 2000  # at most this many per check, looking for a dataset's latest evaluation
@@ -196,14 +203,19 @@ class _Runs:
     def events(self, run_id: str) -> list:
         """The run's materialization and check-evaluation events."""
         if run_id not in self._logs:
-            self._logs[run_id] = list(self.instance.all_logs(
-                run_id, of_type={dg.DagsterEventType.ASSET_MATERIALIZATION, dg.DagsterEventType.ASSET_CHECK_EVALUATION}))
+            self._logs[run_id] = list(
+                self.instance.all_logs(
+                    run_id,
+                    of_type={dg.DagsterEventType.ASSET_MATERIALIZATION, dg.DagsterEventType.ASSET_CHECK_EVALUATION},
+                )
+            )
         return self._logs[run_id]
 
 
 def _latest_materialization(instance: dg.DagsterInstance, asset: str, partition: str | None):
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None), limit=1
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None),
+        limit=1,
     ).records
     return records[0] if records else None
 
@@ -236,7 +248,12 @@ def _mark_shared(row: StageState, dataset: str, labels: list[tuple[str, tuple[st
     for label, keys in labels:
         own = PER_DATASET_KEYS.get(row.asset, {}).get(label)
         per = _value(by_partition.get(dataset, {}).get("per_dataset"))
-        if own and isinstance(per, dict) and isinstance(per.get(dataset), dict) and _first(per[dataset], own) is not None:
+        if (
+            own
+            and isinstance(per, dict)
+            and isinstance(per.get(dataset), dict)
+            and _first(per[dataset], own) is not None
+        ):
             continue  # read from the dataset's own entry
         values = {json.dumps(_first(m, keys)) for m in by_partition.values()}
         if len(values) == 1 and row.figures.get(label) is not None:
@@ -257,12 +274,20 @@ def _check_keys(runs: _Runs, run_ids: Iterable[str], assets: Iterable[str]) -> s
 
 
 def _check_state(record: AssetCheckExecutionRecord, ev, passed: bool) -> CheckState:
-    return CheckState(name=record.key.name, passed=passed, severity=ev.severity.value, description=ev.description or "",
-                      run_id=record.run_id, timestamp=record.create_timestamp, partition=record.partition or ev.partition)
+    return CheckState(
+        name=record.key.name,
+        passed=passed,
+        severity=ev.severity.value,
+        description=ev.description or "",
+        run_id=record.run_id,
+        timestamp=record.create_timestamp,
+        partition=record.partition or ev.partition,
+    )
 
 
-def latest_checks(instance: dg.DagsterInstance, key: dg.AssetCheckKey, datasets: Sequence[str] | None,
-                  runs: _Runs | None = None) -> dict[str | None, CheckState]:
+def latest_checks(
+    instance: dg.DagsterInstance, key: dg.AssetCheckKey, datasets: Sequence[str] | None, runs: _Runs | None = None
+) -> dict[str | None, CheckState]:
     """The latest completed evaluation of a check per dataset (`datasets` given) or overall (key None).
 
     Evaluations that carry no partition are given to the datasets of their run; a combined verdict
@@ -273,8 +298,9 @@ def latest_checks(instance: dg.DagsterInstance, key: dg.AssetCheckKey, datasets:
     out: dict[str | None, CheckState] = {}
     cursor, read = None, 0
     while read < CHECK_HISTORY_MAX:
-        records = storage.get_asset_check_execution_history(key, limit=CHECK_PAGE, cursor=cursor,
-                                                            status=COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES)
+        records = storage.get_asset_check_execution_history(
+            key, limit=CHECK_PAGE, cursor=cursor, status=COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES
+        )
         for record in records:  # newest first
             ev = record.evaluation
             if ev is None:
@@ -307,10 +333,18 @@ def _gather_assets(instance: dg.DagsterInstance, status: Status, check_keys: Ite
             stages[asset] = _stage(_latest_materialization(instance, asset, ds), asset, labels, ds)
             _mark_shared(stages[asset], ds, labels, runs)
         rows.append(DatasetStatus(ds, stages))
-    singles = [_stage(_latest_materialization(instance, asset, None), asset, labels, None)
-               for asset, labels in UNPARTITIONED.items()]
-    materialized_by = {s.run_id for r in rows for s in r.stages.values() if s.run_id} | {s.run_id for s in singles if s.run_id}
-    keys = set(check_keys) if check_keys is not None else _check_keys(runs, materialized_by, [*PARTITIONED, *UNPARTITIONED])
+    singles = [
+        _stage(_latest_materialization(instance, asset, None), asset, labels, None)
+        for asset, labels in UNPARTITIONED.items()
+    ]
+    materialized_by = {s.run_id for r in rows for s in r.stages.values() if s.run_id} | {
+        s.run_id for s in singles if s.run_id
+    }
+    keys = (
+        set(check_keys)
+        if check_keys is not None
+        else _check_keys(runs, materialized_by, [*PARTITIONED, *UNPARTITIONED])
+    )
     for key in sorted(keys, key=lambda k: k.to_user_string()):
         asset = key.asset_key.to_user_string()
         if asset in PARTITIONED:
@@ -327,9 +361,15 @@ def _gather_runs(instance: dg.DagsterInstance, status: Status) -> None:
 
     records = instance.get_run_records(filters=dg.RunsFilter(statuses=IN_PROGRESS))
     status.runs = [
-        RunState(run_id=r.dagster_run.run_id, status=r.dagster_run.status.value, job=r.dagster_run.job_name,
-                 datasets=run_datasets(r.dagster_run.tags), created=r.create_timestamp.timestamp(), started=r.start_time,
-                 spends=spends(r.dagster_run))
+        RunState(
+            run_id=r.dagster_run.run_id,
+            status=r.dagster_run.status.value,
+            job=r.dagster_run.job_name,
+            datasets=run_datasets(r.dagster_run.tags),
+            created=r.create_timestamp.timestamp(),
+            started=r.start_time,
+            spends=spends(r.dagster_run),
+        )
         for r in sorted(records, key=lambda r: r.create_timestamp)
     ]
     for run in status.runs:
@@ -339,7 +379,9 @@ def _gather_runs(instance: dg.DagsterInstance, status: Status) -> None:
 def run_progress(instance: dg.DagsterInstance, run_id: str) -> dict[str, str]:
     """The latest progress observation of each dataset a running run completes (the `completions` asset's)."""
     out: dict[str, str] = {}
-    records = instance.fetch_observations(dg.AssetKey("completions"), limit=200).records  # a running run's are the newest
+    records = instance.fetch_observations(
+        dg.AssetKey("completions"), limit=200
+    ).records  # a running run's are the newest
     for record in records:  # newest first
         meta = record.asset_observation.metadata
         if record.run_id == run_id and record.partition_key and record.partition_key not in out and "progress" in meta:
@@ -353,17 +395,27 @@ def _gather_money(ledger, status: Status) -> None:
 
     figs = ledger.figures(now=status.at)
     money = Money(
-        ledger=ledger.location, day=figs.day, billed_usd=L.usd(figs.total.settled_usd), today_usd=L.usd(figs.today.settled_usd),
-        in_flight=figs.live, in_flight_worst_usd=L.usd(figs.total.live_usd), unsettled=figs.unsettled,
-        unidentified=figs.unidentified, unsettled_worst_usd=L.usd(figs.total.stuck_usd),
+        ledger=ledger.location,
+        day=figs.day,
+        billed_usd=L.usd(figs.total.settled_usd),
+        today_usd=L.usd(figs.today.settled_usd),
+        in_flight=figs.live,
+        in_flight_worst_usd=L.usd(figs.total.live_usd),
+        unsettled=figs.unsettled,
+        unidentified=figs.unidentified,
+        unsettled_worst_usd=L.usd(figs.total.stuck_usd),
         expired_worst_usd=L.usd(figs.total.expired_usd),
     )
     for ds in DATASETS:
         scope = ledger.read(L.scope, f"dataset:{ds}")
         if scope.attempts:
-            money.per_dataset[ds] = {"billed_usd": L.usd(scope.settled_usd), "in_flight_worst_usd": L.usd(scope.live_usd),
-                                     "unsettled_worst_usd": L.usd(scope.stuck_usd), "billed_tokens": scope.settled_tokens,
-                                     "attempts": scope.attempts}
+            money.per_dataset[ds] = {
+                "billed_usd": L.usd(scope.settled_usd),
+                "in_flight_worst_usd": L.usd(scope.live_usd),
+                "unsettled_worst_usd": L.usd(scope.stuck_usd),
+                "billed_tokens": scope.settled_tokens,
+                "attempts": scope.attempts,
+            }
     for row in status.datasets:  # each dataset's own dollars, from its ledger scope
         stage = row.stages["completions"]
         if stage.materialized:
@@ -375,8 +427,14 @@ def _gather_money(ledger, status: Status) -> None:
     status.money = money
 
 
-def gather_status(instance: dg.DagsterInstance | None, ledger, *, check_keys: Iterable[dg.AssetCheckKey] | None = None,
-                  now: float | None = None, data_dir: str | None = None) -> Status:
+def gather_status(
+    instance: dg.DagsterInstance | None,
+    ledger,
+    *,
+    check_keys: Iterable[dg.AssetCheckKey] | None = None,
+    now: float | None = None,
+    data_dir: str | None = None,
+) -> Status:
     """Everything `eagle3 status` shows. `ledger`: a SpendLedger, or None where there is none.
 
     `check_keys`: the asset checks to report (e.g. from the definitions); by default those evaluated
@@ -385,11 +443,22 @@ def gather_status(instance: dg.DagsterInstance | None, ledger, *, check_keys: It
     """
     home = os.environ.get("DAGSTER_HOME")
     status = Status(at=time.time() if now is None else now, dagster_home=home, data_dir=data_dir)
-    blank = {asset: StageState(asset, figures={label: None for label, _ in labels}) for asset, (_, labels) in PARTITIONED.items()}
-    status.datasets = [DatasetStatus(ds, {a: StageState(a, figures=dict(s.figures)) for a, s in blank.items()}) for ds in DATASETS]
+    blank = {
+        asset: StageState(asset, figures={label: None for label, _ in labels})
+        for asset, (_, labels) in PARTITIONED.items()
+    }
+    status.datasets = [
+        DatasetStatus(ds, {a: StageState(a, figures=dict(s.figures)) for a, s in blank.items()}) for ds in DATASETS
+    ]
     status.stages = [StageState(a, figures={label: None for label, _ in labels}) for a, labels in UNPARTITIONED.items()]
-    parts = [("materializations and checks", lambda: _gather_assets(instance, status, check_keys)),
-             ("runs", lambda: _gather_runs(instance, status))] if instance is not None else []
+    parts = (
+        [
+            ("materializations and checks", lambda: _gather_assets(instance, status, check_keys)),
+            ("runs", lambda: _gather_runs(instance, status)),
+        ]
+        if instance is not None
+        else []
+    )
     parts.append(("spend ledger", lambda: _gather_money(ledger, status) if ledger is not None else None))
     for what, fn in parts:
         try:
@@ -497,7 +566,8 @@ def _dataset_table(status: Status, paint: _Paint) -> list[str]:
     head1 = f"{'':{name_w}}" + "".join(GAP + f"{PARTITIONED[a][0]:<{_group_width(a)}}" for a in GROUP_COLUMNS)
     head2 = f"{'dataset':{name_w}}" + "".join(
         GAP + " ".join(f"{label:>{w}}" if label not in ("age", "checks") else f"{label:<{w}}" for label, w in cols)
-        for cols in GROUP_COLUMNS.values())
+        for cols in GROUP_COLUMNS.values()
+    )
     lines = [paint(head1.rstrip(), "bold"), paint(head2.rstrip(), "bold")]
     shared_any = False
     for row in status.datasets:
@@ -561,8 +631,10 @@ def _runs_lines(status: Status, paint: _Paint) -> list[str]:
     for r in status.runs:
         running = age(status.at - r.started) if r.started else "-"
         colour = "red" if r.status == "CANCELING" else "yellow" if r.status in ("QUEUED", "NOT_STARTED") else "green"
-        lines.append(f"{r.run_id[:8]:<8}  {paint(f'{r.status:<11}', colour)} {r.job[:22]:<22} {span(r.datasets)[:14]:<14} "
-                     f"{age(status.at - r.created):>7} {running:>8}" + ("  spends" if r.spends else ""))
+        lines.append(
+            f"{r.run_id[:8]:<8}  {paint(f'{r.status:<11}', colour)} {r.job[:22]:<22} {span(r.datasets)[:14]:<14} "
+            f"{age(status.at - r.created):>7} {running:>8}" + ("  spends" if r.spends else "")
+        )
         lines += [f"{'':10}{ds}: {line}" for ds, line in sorted(r.progress.items())]
     return lines
 
@@ -571,19 +643,31 @@ def _money_lines(status: Status, paint: _Paint) -> list[str]:
     m = status.money
     if m is None:
         return ["spend ledger: not read"]
-    lines = [(f"billed ${m.billed_usd:.4f} in all, ${m.today_usd:.4f} today ({m.day} UTC); in flight {m.in_flight} "
-              f"(worst ${m.in_flight_worst_usd:.4f}); unsettled {m.unsettled + m.unidentified} (worst ${m.unsettled_worst_usd:.4f})")]
+    lines = [
+        (
+            f"billed ${m.billed_usd:.4f} in all, ${m.today_usd:.4f} today ({m.day} UTC); in flight {m.in_flight} "
+            f"(worst ${m.in_flight_worst_usd:.4f}); unsettled {m.unsettled + m.unidentified} (worst ${m.unsettled_worst_usd:.4f})"
+        )
+    ]
     if m.expired_worst_usd:
         lines.append(f"expired unsettled (never billed, horizon passed): worst ${m.expired_worst_usd:.4f}")
     if m.per_dataset:
-        per = ", ".join(f"{ds} ${f['billed_usd']:.4f}" + (f" (+${f['in_flight_worst_usd'] + f['unsettled_worst_usd']:.4f} open)"
-                                                          if f["in_flight_worst_usd"] + f["unsettled_worst_usd"] else "")
-                        for ds, f in m.per_dataset.items())
+        per = ", ".join(
+            f"{ds} ${f['billed_usd']:.4f}"
+            + (
+                f" (+${f['in_flight_worst_usd'] + f['unsettled_worst_usd']:.4f} open)"
+                if f["in_flight_worst_usd"] + f["unsettled_worst_usd"]
+                else ""
+            )
+            for ds, f in m.per_dataset.items()
+        )
         lines += textwrap.wrap("per dataset: " + per, WIDTH, subsequent_indent="  ")
     if m.hold is None:
         lines.append("spending hold: none")
     else:
-        lines.append(paint(f"SPENDING HELD since {utc(m.hold['since'])} ({age(status.at - m.hold['since'])} ago):", "red"))
+        lines.append(
+            paint(f"SPENDING HELD since {utc(m.hold['since'])} ({age(status.at - m.hold['since'])} ago):", "red")
+        )
         for reason in m.hold["reasons"]:
             lines += textwrap.wrap(reason, WIDTH, initial_indent="  ", subsequent_indent="    ")
         lines.append("  `eagle3 hold lift` lifts it (the credit sensor sets it again while a threshold is crossed)")
@@ -593,8 +677,12 @@ def _money_lines(status: Status, paint: _Paint) -> list[str]:
 
 def render_text(status: Status, colour: bool = False) -> str:
     paint = _Paint(colour)
-    out = [paint(f"eagle3 status at {utc(status.at)}", "bold"), f"DAGSTER_HOME {status.dagster_home or '-'}",
-           f"data root    {status.data_dir or '-'}", ""]
+    out = [
+        paint(f"eagle3 status at {utc(status.at)}", "bold"),
+        f"DAGSTER_HOME {status.dagster_home or '-'}",
+        f"data root    {status.data_dir or '-'}",
+        "",
+    ]
     out += _dataset_table(status, paint)
     out += [""] + _stage_table(status, paint)
     out += ["", paint("runs", "bold")] + _runs_lines(status, paint)
@@ -610,9 +698,13 @@ def _iso(t: float | None) -> str | None:
 
 def as_json(status: Status) -> dict[str, Any]:
     """The same data as the text, for scripts: times as ISO 8601 UTC (and `age_s`), money in dollars."""
+
     def stage(s: StageState) -> dict[str, Any]:
         d = asdict(s)
-        d["materialized_at"], d["age_s"] = _iso(s.timestamp), (round(status.at - s.timestamp, 1) if s.timestamp else None)
+        d["materialized_at"], d["age_s"] = (
+            _iso(s.timestamp),
+            (round(status.at - s.timestamp, 1) if s.timestamp else None),
+        )
         d["checks"] = {c.name: {**asdict(c), "at": _iso(c.timestamp)} for c in s.checks}
         d["failing"] = [c.label for c in s.failing]
         d.pop("timestamp")
@@ -622,7 +714,9 @@ def as_json(status: Status) -> dict[str, Any]:
     if money and money["hold"]:
         money["hold"]["since"] = _iso(money["hold"]["since"])
     return {
-        "at": _iso(status.at), "dagster_home": status.dagster_home, "data_dir": status.data_dir,
+        "at": _iso(status.at),
+        "dagster_home": status.dagster_home,
+        "data_dir": status.data_dir,
         "datasets": {d.dataset: {asset: stage(s) for asset, s in d.stages.items()} for d in status.datasets},
         "stages": {s.asset: stage(s) for s in status.stages},
         "runs": [{**asdict(r), "created": _iso(r.created), "started": _iso(r.started)} for r in status.runs],
@@ -633,7 +727,12 @@ def as_json(status: Status) -> dict[str, Any]:
 
 def colour_wanted(stream=None) -> bool:
     stream = stream or sys.stdout
-    return hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    return (
+        hasattr(stream, "isatty")
+        and stream.isatty()
+        and not os.environ.get("NO_COLOR")
+        and os.environ.get("TERM") != "dumb"
+    )
 
 
 def status_command(as_json_output: bool = False) -> int:

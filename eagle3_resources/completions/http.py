@@ -76,8 +76,14 @@ class RequestState:
     def result(self, status: str, why: str, code: str) -> CompletionResult:
         """A result with no answer (aborted, deferred, failed), naming the last attempt."""
         return CompletionResult(
-            self.prompt_id, status, error=why, error_code=code, generation_id=self.attempt.generation_id,
-            provider=self.provider, attempts=self.attempt.number, latency_s=time.monotonic() - self.started,
+            self.prompt_id,
+            status,
+            error=why,
+            error_code=code,
+            generation_id=self.attempt.generation_id,
+            provider=self.provider,
+            attempts=self.attempt.number,
+            latency_s=time.monotonic() - self.started,
             attempt_id=self.attempt.attempt_id,
         )
 

@@ -90,8 +90,14 @@ def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[in
     finish = "stop" if end is not None else "length"
     fields.setdefault("completion_tokens", len(ids))
     return CompletionResult(
-        prompt_id=prompt_id, status="ok" if finish == "stop" else "truncated", finish_reason=finish,
-        reasoning=reasoning, content=content, completion_ids=ids, reasoning_tokens=cut, **fields,
+        prompt_id=prompt_id,
+        status="ok" if finish == "stop" else "truncated",
+        finish_reason=finish,
+        reasoning=reasoning,
+        content=content,
+        completion_ids=ids,
+        reasoning_tokens=cut,
+        **fields,
     )
 
 
@@ -145,8 +151,16 @@ class TransformersBackend:
                 req = attempt.request
                 if max_len and len(req.prompt_ids) + settings.max_tokens > max_len:
                     feed.unbilled(attempt, generated=False, why="context length")
-                    emit(CompletionResult(req.prompt_id, "failed", "error", error_code="context_length", attempt_id=attempt.attempt_id,
-                                          error=f"prompt of {len(req.prompt_ids)} tokens + max_tokens exceeds the model's {max_len}"))
+                    emit(
+                        CompletionResult(
+                            req.prompt_id,
+                            "failed",
+                            "error",
+                            error_code="context_length",
+                            attempt_id=attempt.attempt_id,
+                            error=f"prompt of {len(req.prompt_ids)} tokens + max_tokens exceeds the model's {max_len}",
+                        )
+                    )
                     continue
                 batch.append(attempt)
             if not batch:
@@ -160,15 +174,34 @@ class TransformersBackend:
             except asyncio.CancelledError:
                 for attempt in batch:
                     feed.unbilled(attempt, generated=False, why="cancelled in flight")
-                    emit(CompletionResult(attempt.request.prompt_id, "aborted", error="cancelled in flight", error_code="cancelled",
-                                          attempt_id=attempt.attempt_id))
+                    emit(
+                        CompletionResult(
+                            attempt.request.prompt_id,
+                            "aborted",
+                            error="cancelled in flight",
+                            error_code="cancelled",
+                            attempt_id=attempt.attempt_id,
+                        )
+                    )
                 raise
             latency = time.monotonic() - started
             batch_no += 1
             for attempt, out in zip(batch, outputs):
                 req = attempt.request
-                result = result_from_ids(self.tokenizer, req.prompt_id, out, prompt_tokens=len(req.prompt_ids),
-                                         provider="transformers", model=settings.model, latency_s=latency)
+                result = result_from_ids(
+                    self.tokenizer,
+                    req.prompt_id,
+                    out,
+                    prompt_tokens=len(req.prompt_ids),
+                    provider="transformers",
+                    model=settings.model,
+                    latency_s=latency,
+                )
                 result.attempt_id = attempt.attempt_id
-                feed.billed(attempt, cost_usd=0.0, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+                feed.billed(
+                    attempt,
+                    cost_usd=0.0,
+                    prompt_tokens=result.prompt_tokens,
+                    completion_tokens=result.completion_tokens,
+                )
                 emit(result)

@@ -42,12 +42,12 @@ from eagle3_resources.completions.http import (
     retry_after_seconds,
     run_workers,
 )
+from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.completions.sse import (
     SSEDecoder,
     StreamedResponse,
     fold_events,
 )
-from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.completions.throttle import AdaptiveLimiter, RateLimiter
 from eagle3_resources.completions.types import (
     Attempt,
@@ -69,10 +69,23 @@ MAX_PACED_429 = 100  # 429s with X-RateLimit-* headers (pacing, not failure) a r
 
 
 class _Retry(Exception):
-    def __init__(self, message: str, code: str, retry_after: float | None = None, throttle: bool = False,
-                 paced: bool = False, generated: bool | None = None):
+    def __init__(
+        self,
+        message: str,
+        code: str,
+        retry_after: float | None = None,
+        throttle: bool = False,
+        paced: bool = False,
+        generated: bool | None = None,
+    ):
         super().__init__(message)
-        self.code, self.retry_after, self.throttle, self.paced, self.generated = code, retry_after, throttle, paced, generated
+        self.code, self.retry_after, self.throttle, self.paced, self.generated = (
+            code,
+            retry_after,
+            throttle,
+            paced,
+            generated,
+        )
 
 
 class _Final(Exception):
@@ -98,7 +111,10 @@ def request_body(req: CompletionRequest, settings: SamplingSettings, stream: boo
     if settings.seed is not None:
         body["seed"] = settings.seed
     # Never `exclude: true`: the reasoning would be generated and billed but not returned.
-    body["reasoning"] = {"enabled": True, **({"effort": settings.reasoning_effort} if settings.reasoning_effort else {})}
+    body["reasoning"] = {
+        "enabled": True,
+        **({"effort": settings.reasoning_effort} if settings.reasoning_effort else {}),
+    }
     provider = settings.provider.to_request()
     if provider:
         body["provider"] = provider
@@ -193,8 +209,13 @@ class OpenRouterBackend:
         return OpenRouterAccount(self.base_url, self._api_key)
 
     def describe(self) -> dict[str, Any]:
-        out = {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency, "stream": self.stream,
-               "max_attempts": self.max_attempts}
+        out = {
+            "backend": self.name,
+            "base_url": self.base_url,
+            "concurrency": self.concurrency,
+            "stream": self.stream,
+            "max_attempts": self.max_attempts,
+        }
         if self.limiter is not None:
             out.update(throttle_events=self.limiter.throttle_events, min_concurrency=self.limiter.min_seen)
         if self.rate.learnt:
@@ -215,21 +236,34 @@ class OpenRouterBackend:
                 return
         remaining = self.key_info.limit_remaining_usd
         if remaining is not None and remaining <= 0:
-            self.fatal = f"the key has no credit left (limit_remaining ${remaining:.4f}: every request would get HTTP 402)"
+            self.fatal = (
+                f"the key has no credit left (limit_remaining ${remaining:.4f}: every request would get HTTP 402)"
+            )
             raise RunFatalError(f"OpenRouter refused the run: {self.fatal}")
 
-    async def _attempt(self, client: httpx.AsyncClient, feed: RequestFeed, attempt: Attempt, settings: SamplingSettings,
-                       state: RequestState) -> CompletionResult:
+    async def _attempt(
+        self,
+        client: httpx.AsyncClient,
+        feed: RequestFeed,
+        attempt: Attempt,
+        settings: SamplingSettings,
+        state: RequestState,
+    ) -> CompletionResult:
         req = attempt.request
         body = request_body(req, settings, stream=self.stream)
         headers_seen = False
         try:  # committed before a byte leaves: after a crash, only attempts marked sent can have been billed
             await feed.sending(attempt)
         except Exception as e:
-            raise _Retry(f"not sent: the spend ledger did not record the send ({type(e).__name__}: {e})", "ledger",
-                         generated=False) from None
+            raise _Retry(
+                f"not sent: the spend ledger did not record the send ({type(e).__name__}: {e})",
+                "ledger",
+                generated=False,
+            ) from None
         try:
-            async with client.stream("POST", "/chat/completions", json=body, headers={ATTEMPT_HEADER: attempt.attempt_id}) as resp:
+            async with client.stream(
+                "POST", "/chat/completions", json=body, headers={ATTEMPT_HEADER: attempt.attempt_id}
+            ) as resp:
                 headers_seen = True
                 gen_id = resp.headers.get("x-generation-id")
                 if gen_id:
@@ -247,7 +281,9 @@ class OpenRouterBackend:
                         if folded.done:
                             break
                     if not folded.done:
-                        raise StreamError(f"stream ended after {folded.chunks} chunks without [DONE]", "stream:truncated")
+                        raise StreamError(
+                            f"stream ended after {folded.chunks} chunks without [DONE]", "stream:truncated"
+                        )
                     data = folded.as_body()
                 else:
                     raw = await resp.aread()
@@ -264,8 +300,12 @@ class OpenRouterBackend:
             raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=generated) from None
         usage = data.get("usage") or {}
         if "cost" in usage:
-            feed.billed(attempt, cost_usd=float(usage.get("cost") or 0.0), prompt_tokens=usage.get("prompt_tokens"),
-                        completion_tokens=usage.get("completion_tokens"))
+            feed.billed(
+                attempt,
+                cost_usd=float(usage.get("cost") or 0.0),
+                prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
+            )
         else:  # a complete answer without its bill (an error inside HTTP 200): the generation is looked up
             feed.unbilled(attempt, generated=None, why="response without usage.cost")
         result = parse_response(req, data, time.monotonic() - state.started, attempt.number)
@@ -286,8 +326,14 @@ class OpenRouterBackend:
             raise _Final(state.result("aborted", text, str(status)), fatal=text)
         if status == 402 or status in RETRYABLE_STATUS:
             paced = status == 429 and resp.headers.get("x-ratelimit-reset") is not None
-            raise _Retry(text, str(status), retry_after, throttle=status in THROTTLE_STATUS or status == 402, paced=paced,
-                         generated=generated)
+            raise _Retry(
+                text,
+                str(status),
+                retry_after,
+                throttle=status in THROTTLE_STATUS or status == 402,
+                paced=paced,
+                generated=generated,
+            )
         raise _Final(state.result("failed", text, str(status)))
 
     async def _pace(self) -> float:
@@ -301,8 +347,9 @@ class OpenRouterBackend:
             await self.limiter.leave()
             raise
 
-    async def _complete(self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings,
-                        state: RequestState) -> CompletionResult:
+    async def _complete(
+        self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings, state: RequestState
+    ) -> CompletionResult:
         """One request: its first attempt was taken after `_pace` (`_PacedFeed`); each retry is paced before it is reserved."""
         assert self.limiter is not None
         place = _Place(self, held=True)  # the first attempt's place in flight, taken by _PacedFeed.take
@@ -341,9 +388,15 @@ class OpenRouterBackend:
                     last_error, last_code = str(e), e.code
                     feed.unbilled(attempt, generated=None, why=last_error)
                 if state.attempts >= self.max_attempts:
-                    return state.result("deferred", f"gave up after {state.attempts} attempts: {last_error}; sent again by "
-                                        "the next materialization", last_code)
-                await asyncio.sleep(backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after))
+                    return state.result(
+                        "deferred",
+                        f"gave up after {state.attempts} attempts: {last_error}; sent again by "
+                        "the next materialization",
+                        last_code,
+                    )
+                await asyncio.sleep(
+                    backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after)
+                )
                 nxt = await feed.retry(attempt, last_error, pace=place.take)
                 if isinstance(nxt, Refusal):
                     return state.result(nxt.status, nxt.reason, last_code or "not_retried")
@@ -358,7 +411,10 @@ class OpenRouterBackend:
         self.limiter = AdaptiveLimiter(self.concurrency)
         async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
             await run_workers(
-                _PacedFeed(feed, self), self.concurrency, lambda state: self._complete(client, feed, settings, state), emit,
+                _PacedFeed(feed, self),
+                self.concurrency,
+                lambda state: self._complete(client, feed, settings, state),
+                emit,
                 stop=lambda: self.fatal is not None,
             )
         if self.fatal:

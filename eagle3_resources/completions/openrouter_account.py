@@ -13,7 +13,7 @@ admission, and to settle generations whose bill the response did not carry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -35,8 +35,8 @@ class GenerationBill:
 @dataclass(frozen=True)
 class KeyInfo:
     usage_usd: float
-    limit_usd: Optional[float]
-    limit_remaining_usd: Optional[float]
+    limit_usd: float | None
+    limit_remaining_usd: float | None
     label: str | None = None
 
 
@@ -60,8 +60,12 @@ class OpenRouterAccount:
         self._client: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> OpenRouterAccount:
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self._api_key}"},
-                                         timeout=self.timeout_s, limits=httpx.Limits(max_connections=32))
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {self._api_key}"},
+            timeout=self.timeout_s,
+            limits=httpx.Limits(max_connections=32),
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -78,10 +82,14 @@ class OpenRouterAccount:
         if resp.status_code != 200:
             raise AccountError(resp.status_code, _message(resp))
         data = resp.json().get("data") or {}
-        return KeyInfo(usage_usd=float(data.get("usage") or 0.0), limit_usd=data.get("limit"),
-                       limit_remaining_usd=data.get("limit_remaining"), label=data.get("label"))
+        return KeyInfo(
+            usage_usd=float(data.get("usage") or 0.0),
+            limit_usd=data.get("limit"),
+            limit_remaining_usd=data.get("limit_remaining"),
+            label=data.get("label"),
+        )
 
-    async def generation(self, generation_id: str) -> Optional[GenerationBill]:
+    async def generation(self, generation_id: str) -> GenerationBill | None:
         """The bill of a generation, or None while OpenRouter does not know it (404) or cannot say (429, 5xx, network)."""
         try:
             resp = await self._get("/generation", id=generation_id)
@@ -96,10 +104,12 @@ class OpenRouterAccount:
             cost_usd=float(d.get("total_cost") or 0.0),
             prompt_tokens=d.get("native_tokens_prompt", d.get("tokens_prompt")),
             completion_tokens=d.get("native_tokens_completion", d.get("tokens_completion")),
-            finish_reason=d.get("finish_reason"), cancelled=d.get("cancelled"), provider=d.get("provider_name"),
+            finish_reason=d.get("finish_reason"),
+            cancelled=d.get("cancelled"),
+            provider=d.get("provider_name"),
         )
 
-    async def generation_content(self, generation_id: str) -> Optional[tuple[str, str]]:
+    async def generation_content(self, generation_id: str) -> tuple[str, str] | None:
         """(reasoning, content) of a finished generation, where OpenRouter stored them (the account's logging); else None."""
         try:
             resp = await self._get("/generation/content", id=generation_id)
@@ -112,14 +122,14 @@ class OpenRouterAccount:
             return None
         return str(output.get("reasoning") or ""), str(output["completion"])
 
-    async def model(self, model: str) -> Optional[dict[str, Any]]:
+    async def model(self, model: str) -> dict[str, Any] | None:
         """The model's catalogue entry (with `pricing`), or None if the API has no catalogue or not this model."""
         resp = await self._get("/models")
         if resp.status_code != 200:
             return None
         return next((m for m in resp.json().get("data") or [] if m.get("id") == model), None)
 
-    async def endpoints(self, model: str) -> Optional[list[dict[str, Any]]]:
+    async def endpoints(self, model: str) -> list[dict[str, Any]] | None:
         """Every provider endpoint serving the model, with its pricing; None where the API has no such list."""
         resp = await self._get(f"/models/{model}/endpoints")
         if resp.status_code != 200:

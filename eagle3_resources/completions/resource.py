@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import Optional
 
 import dagster as dg
 from pydantic import Field
@@ -30,17 +29,28 @@ class CompletionsResource(dg.ConfigurableResource):
     (EAGLE3_COMPLETIONS_BACKEND, OPENROUTER_BASE_URL, OPENROUTER_API_KEY, EAGLE3_SGLANG_URL), so a
     launchpad that sets only `concurrency` keeps the backend the environment chose."""
 
-    backend: Optional[BackendKind] = Field(default=None, description="local | openrouter | sglang (unset: "
-                                           "$EAGLE3_COMPLETIONS_BACKEND, else local)")
-    openrouter_base_url: Optional[str] = Field(default=None, description=f"unset: $OPENROUTER_BASE_URL, else {OPENROUTER_DEFAULT_URL}")
-    openrouter_api_key: Optional[str] = Field(default=None, description="unset: $OPENROUTER_API_KEY (bound with EnvVar, never shown)")
-    sglang_url: Optional[str] = Field(default=None, description="SGLang server base URL (unset: $EAGLE3_SGLANG_URL, else "
-                                      "http://127.0.0.1:30000)")
-    sglang_api_key: Optional[str] = Field(default=None, description="SGLang --api-key, if the server has one")
+    backend: BackendKind | None = Field(
+        default=None, description="local | openrouter | sglang (unset: $EAGLE3_COMPLETIONS_BACKEND, else local)"
+    )
+    openrouter_base_url: str | None = Field(
+        default=None, description=f"unset: $OPENROUTER_BASE_URL, else {OPENROUTER_DEFAULT_URL}"
+    )
+    openrouter_api_key: str | None = Field(
+        default=None, description="unset: $OPENROUTER_API_KEY (bound with EnvVar, never shown)"
+    )
+    sglang_url: str | None = Field(
+        default=None, description="SGLang server base URL (unset: $EAGLE3_SGLANG_URL, else http://127.0.0.1:30000)"
+    )
+    sglang_api_key: str | None = Field(default=None, description="SGLang --api-key, if the server has one")
     concurrency: int = Field(default=256, description="requests in flight, at most (API backends; up to 2,000 tested)")
-    openrouter_stream: bool = Field(default=True, description="SSE streaming (a stop cancels generation where supported)")
-    max_attempts: int = Field(default=6, description="attempts per request for retryable errors; then the prompt is deferred "
-                              "to the next materialization")
+    openrouter_stream: bool = Field(
+        default=True, description="SSE streaming (a stop cancels generation where supported)"
+    )
+    max_attempts: int = Field(
+        default=6,
+        description="attempts per request for retryable errors; then the prompt is deferred "
+        "to the next materialization",
+    )
     local_batch_size: int = Field(default=8, description="prompts per generate() call (local backend)")
 
     def backend_kind(self) -> BackendKind:
@@ -48,12 +58,15 @@ class CompletionsResource(dg.ConfigurableResource):
 
     def sources(self) -> dict[str, str]:
         """Where each environment-backed setting came from (config, $VAR or default): for the run's metadata."""
-        return {"backend": source(self.backend, "EAGLE3_COMPLETIONS_BACKEND"),
-                "openrouter_base_url": source(self.openrouter_base_url, "OPENROUTER_BASE_URL"),
-                "sglang_url": source(self.sglang_url, "EAGLE3_SGLANG_URL")}
+        return {
+            "backend": source(self.backend, "EAGLE3_COMPLETIONS_BACKEND"),
+            "openrouter_base_url": source(self.openrouter_base_url, "OPENROUTER_BASE_URL"),
+            "sglang_url": source(self.sglang_url, "EAGLE3_SGLANG_URL"),
+        }
 
-    def make_backend(self, tokenizer: KimiTokenizer, load_model: Callable[[], object],
-                     log: Optional[Callable[[str], None]] = None) -> CompletionBackend:
+    def make_backend(
+        self, tokenizer: KimiTokenizer, load_model: Callable[[], object], log: Callable[[str], None] | None = None
+    ) -> CompletionBackend:
         kind = self.backend_kind()
         if kind is BackendKind.LOCAL:
             return TransformersBackend(load_model(), tokenizer, batch_size=self.local_batch_size, log=log)
@@ -62,8 +75,16 @@ class CompletionsResource(dg.ConfigurableResource):
             if not key:
                 raise ValueError("the openrouter backend needs OPENROUTER_API_KEY to be set")
             return OpenRouterBackend(
-                setting(self.openrouter_base_url, "OPENROUTER_BASE_URL", OPENROUTER_DEFAULT_URL), key,
-                concurrency=self.concurrency, max_attempts=self.max_attempts, stream=self.openrouter_stream,
+                setting(self.openrouter_base_url, "OPENROUTER_BASE_URL", OPENROUTER_DEFAULT_URL),
+                key,
+                concurrency=self.concurrency,
+                max_attempts=self.max_attempts,
+                stream=self.openrouter_stream,
             )
-        return SGLangBackend(setting(self.sglang_url, "EAGLE3_SGLANG_URL", "http://127.0.0.1:30000"), tokenizer,
-                             concurrency=self.concurrency, max_attempts=self.max_attempts, api_key=self.sglang_api_key)
+        return SGLangBackend(
+            setting(self.sglang_url, "EAGLE3_SGLANG_URL", "http://127.0.0.1:30000"),
+            tokenizer,
+            concurrency=self.concurrency,
+            max_attempts=self.max_attempts,
+            api_key=self.sglang_api_key,
+        )

@@ -51,29 +51,53 @@ def generate_body(req: CompletionRequest, settings: SamplingSettings, stop_ids: 
     return {"input_ids": req.prompt_ids, "sampling_params": params, "rid": f"{req.prompt_id}-{time.time_ns()}"}
 
 
-def parse_generate(req: CompletionRequest, data: dict[str, Any], tokenizer: KimiTokenizer, latency: float, attempts: int) -> CompletionResult:
+def parse_generate(
+    req: CompletionRequest, data: dict[str, Any], tokenizer: KimiTokenizer, latency: float, attempts: int
+) -> CompletionResult:
     meta = data.get("meta_info") or {}
     out = list(data.get("output_ids") or [])
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else finish
     if kind == "abort":
-        return CompletionResult(req.prompt_id, "failed", "error", error=str(finish.get("message") or "aborted by the server"),
-                                error_code="abort", latency_s=latency, attempts=attempts)
+        return CompletionResult(
+            req.prompt_id,
+            "failed",
+            "error",
+            error=str(finish.get("message") or "aborted by the server"),
+            error_code="abort",
+            latency_s=latency,
+            attempts=attempts,
+        )
     matched = finish.get("matched") if isinstance(finish, dict) else None
     # The matched stop token was generated: keep it as the completion's last id.
     if kind == "stop" and isinstance(matched, int) and (not out or out[-1] != matched):
         out.append(matched)
     return result_from_ids(
-        tokenizer, req.prompt_id, out, prompt_tokens=meta.get("prompt_tokens"), completion_tokens=meta.get("completion_tokens"),
-        generation_id=meta.get("id"), provider="sglang", latency_s=latency, attempts=attempts,
+        tokenizer,
+        req.prompt_id,
+        out,
+        prompt_tokens=meta.get("prompt_tokens"),
+        completion_tokens=meta.get("completion_tokens"),
+        generation_id=meta.get("id"),
+        provider="sglang",
+        latency_s=latency,
+        attempts=attempts,
     )
 
 
 class SGLangBackend:
     name = "sglang"
 
-    def __init__(self, base_url: str, tokenizer: KimiTokenizer, *, concurrency: int = 256, max_attempts: int = 4,
-                 timeout_s: float = 1800.0, api_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer: KimiTokenizer,
+        *,
+        concurrency: int = 256,
+        max_attempts: int = 4,
+        timeout_s: float = 1800.0,
+        api_key: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
         self.concurrency = concurrency
@@ -84,8 +108,9 @@ class SGLangBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "base_url": self.base_url, "concurrency": self.concurrency}
 
-    async def _complete(self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings,
-                        state: RequestState) -> CompletionResult:
+    async def _complete(
+        self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings, state: RequestState
+    ) -> CompletionResult:
         """Every attempt is admitted by the feed (token budget, caps); a server of one's own bills nothing."""
         stop_ids = [self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)]
         attempt = state.attempt
@@ -100,9 +125,16 @@ class SGLangBackend:
                 attempt.sent = True
                 resp = await client.post("/generate", json=body)
                 if resp.status_code == 200:
-                    result = parse_generate(req, resp.json(), self.tokenizer, time.monotonic() - started, attempt.number)
+                    result = parse_generate(
+                        req, resp.json(), self.tokenizer, time.monotonic() - started, attempt.number
+                    )
                     result.attempt_id = attempt.attempt_id
-                    feed.billed(attempt, cost_usd=0.0, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+                    feed.billed(
+                        attempt,
+                        cost_usd=0.0,
+                        prompt_tokens=result.prompt_tokens,
+                        completion_tokens=result.completion_tokens,
+                    )
                     return result
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 feed.unbilled(attempt, generated=False, why=last)
@@ -113,8 +145,11 @@ class SGLangBackend:
                 last = f"{type(e).__name__}: {e}"
                 feed.unbilled(attempt, generated=None, why=last)
             if state.attempts >= self.max_attempts:
-                return state.result("deferred", f"gave up after {state.attempts} attempts: {last}; sent again by the next "
-                                    "materialization", "gave_up")
+                return state.result(
+                    "deferred",
+                    f"gave up after {state.attempts} attempts: {last}; sent again by the next materialization",
+                    "gave_up",
+                )
             await asyncio.sleep(backoff_seconds(state.attempts, 1.0, 30.0, retry_after))
             nxt = await feed.retry(attempt, last)
             if isinstance(nxt, Refusal):

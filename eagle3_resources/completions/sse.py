@@ -37,7 +37,9 @@ class StreamedResponse:
         self.chunks += 1
         if chunk.get("error") and not chunk.get("choices"):
             err = chunk["error"]
-            raise StreamError(f"error chunk mid-stream: {err.get('message', err)}", f"stream:{err.get('code', 'error')}")
+            raise StreamError(
+                f"error chunk mid-stream: {err.get('message', err)}", f"stream:{err.get('code', 'error')}"
+            )
         self.id = self.id or chunk.get("id")
         self.provider = self.provider or chunk.get("provider")
         self.model = self.model or chunk.get("model")
@@ -50,7 +52,9 @@ class StreamedResponse:
             if delta.get("content"):
                 self.content.append(delta["content"])
             for call in delta.get("tool_calls") or []:
-                slot = self.tool_calls.setdefault(call.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                slot = self.tool_calls.setdefault(
+                    call.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 slot["id"] = call.get("id") or slot["id"]
                 fn = call.get("function") or {}
                 slot["function"]["name"] += fn.get("name") or ""
@@ -63,14 +67,28 @@ class StreamedResponse:
 
     def as_body(self) -> dict[str, Any]:
         """The equivalent non-streaming response body."""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content), "reasoning": "".join(self.reasoning)}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content),
+            "reasoning": "".join(self.reasoning),
+        }
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason,
-                                  "native_finish_reason": self.native_finish_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": self.finish_reason,
+            "native_finish_reason": self.native_finish_reason,
+        }
         if self.choice_error:
             choice["error"] = self.choice_error
-        return {"id": self.id, "provider": self.provider, "model": self.model, "choices": [choice], "usage": self.usage or {}}
+        return {
+            "id": self.id,
+            "provider": self.provider,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage or {},
+        }
 
 
 class SSEDecoder:

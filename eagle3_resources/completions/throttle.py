@@ -17,7 +17,9 @@ from contextlib import asynccontextmanager
 
 
 class AdaptiveLimiter:
-    def __init__(self, limit: int, *, floor: int = 4, decrease: float = 0.8, recover_after: int = 8, cooldown_s: float = 1.0):
+    def __init__(
+        self, limit: int, *, floor: int = 4, decrease: float = 0.8, recover_after: int = 8, cooldown_s: float = 1.0
+    ):
         self.max_limit = limit
         self.limit = limit
         self.floor = min(floor, limit)
@@ -109,7 +111,11 @@ class RateLimiter:
         return self.limit is not None
 
     def observe(self, headers, throttled: bool = False) -> None:
-        limit, remaining, reset = headers.get("x-ratelimit-limit"), headers.get("x-ratelimit-remaining"), headers.get("x-ratelimit-reset")
+        limit, remaining, reset = (
+            headers.get("x-ratelimit-limit"),
+            headers.get("x-ratelimit-remaining"),
+            headers.get("x-ratelimit-reset"),
+        )
         if limit is None or reset is None:
             return
         now = time.time()

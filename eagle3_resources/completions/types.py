@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import dagster as dg
 from pydantic import Field
@@ -16,26 +16,33 @@ KIMI_QUANTIZATIONS = ["int4", "int8", "fp8", "fp16", "bf16", "fp32"]
 class MaxPrice(dg.Config):
     """OpenRouter's `provider.max_price`, in USD per million tokens."""
 
-    prompt: Optional[float] = Field(default=None, description="USD per million prompt tokens, at most")
-    completion: Optional[float] = Field(default=None, description="USD per million completion tokens, at most")
+    prompt: float | None = Field(default=None, description="USD per million prompt tokens, at most")
+    completion: float | None = Field(default=None, description="USD per million completion tokens, at most")
 
 
 class ProviderRouting(dg.Config):
     """OpenRouter's `provider` routing object (only the fields that are set are sent)."""
 
-    order: Optional[list[str]] = Field(default=None, description="providers to try, in order")
-    only: Optional[list[str]] = Field(default=None, description="allow-list of providers")
-    ignore: Optional[list[str]] = Field(default=None, description="providers never to use")
-    quantizations: Optional[list[str]] = Field(
+    order: list[str] | None = Field(default=None, description="providers to try, in order")
+    only: list[str] | None = Field(default=None, description="allow-list of providers")
+    ignore: list[str] | None = Field(default=None, description="providers never to use")
+    quantizations: list[str] | None = Field(
         default_factory=lambda: list(KIMI_QUANTIZATIONS),
         description="allow-list of endpoint quantizations; the default excludes the fp4 family",
     )
-    allow_fallbacks: Optional[bool] = Field(default=None, description="OpenRouter's default is true")
-    require_parameters: Optional[bool] = Field(default=True, description="only endpoints that honour every parameter sent")
-    data_collection: Optional[str] = Field(default=None, description='"allow" or "deny"')
-    sort: Optional[str] = Field(default=None, description='"price", "throughput" or "latency": the order endpoints are tried in')
-    max_price: Optional[MaxPrice] = Field(default=None, description="OpenRouter never routes to an endpoint priced above "
-                                          "this; admission uses it as the worst case when it is lower than the price list")
+    allow_fallbacks: bool | None = Field(default=None, description="OpenRouter's default is true")
+    require_parameters: bool | None = Field(
+        default=True, description="only endpoints that honour every parameter sent"
+    )
+    data_collection: str | None = Field(default=None, description='"allow" or "deny"')
+    sort: str | None = Field(
+        default=None, description='"price", "throughput" or "latency": the order endpoints are tried in'
+    )
+    max_price: MaxPrice | None = Field(
+        default=None,
+        description="OpenRouter never routes to an endpoint priced above "
+        "this; admission uses it as the worst case when it is lower than the price list",
+    )
 
     def to_request(self) -> dict:
         out = {k: v for k, v in self.model_dump().items() if v is not None}
@@ -51,12 +58,17 @@ class SamplingSettings(dg.Config):
     max_tokens: int = Field(default=160, description="completion token cap per request (reasoning included)")
     temperature: float = Field(default=1.0, description="Moonshot recommends 1.0 in thinking mode")
     top_p: float = Field(default=0.95, description="Moonshot recommends 0.95 in thinking mode")
-    top_k: Optional[int] = Field(default=None, description="top-k cut, where the backend supports it")
-    seed: Optional[int] = Field(default=0, description="sampling seed, forwarded where supported")
-    reasoning_effort: Optional[str] = Field(default=None, description="OpenRouter reasoning.effort (low/medium/high); unset = provider default")
+    top_k: int | None = Field(default=None, description="top-k cut, where the backend supports it")
+    seed: int | None = Field(default=0, description="sampling seed, forwarded where supported")
+    reasoning_effort: str | None = Field(
+        default=None, description="OpenRouter reasoning.effort (low/medium/high); unset = provider default"
+    )
     provider: ProviderRouting = Field(default_factory=ProviderRouting, description="OpenRouter provider routing")
-    send_tools: bool = Field(default=True, description="send tools in the request's tools field (the prompt then declares "
-                             "them); false: no tools field, no declaration, tool calls come back as raw markers")
+    send_tools: bool = Field(
+        default=True,
+        description="send tools in the request's tools field (the prompt then declares "
+        "them); false: no tools field, no declaration, tool calls come back as raw markers",
+    )
 
 
 @dataclass
@@ -112,7 +124,9 @@ class Attempt:
     attempt_id: str
     number: int
     generation_id: str | None = None
-    sent: bool = False  # its send is marked (the ledger's `sending`): bytes may have left, from here on it may be billed
+    sent: bool = (
+        False  # its send is marked (the ledger's `sending`): bytes may have left, from here on it may be billed
+    )
     outcome: str | None = None  # settled | released | unsettled | unidentified, once it has ended
 
 
@@ -137,13 +151,17 @@ class RequestFeed(Protocol):
 
     async def take(self, wait: bool = True) -> Attempt | None: ...
 
-    async def retry(self, previous: Attempt, why: str, pace: Optional[Callable[[], Awaitable[Any]]] = None) -> Attempt | Refusal: ...
+    async def retry(
+        self, previous: Attempt, why: str, pace: Callable[[], Awaitable[Any]] | None = None
+    ) -> Attempt | Refusal: ...
 
     async def sending(self, attempt: Attempt) -> None: ...
 
     def started(self, attempt: Attempt, generation_id: str) -> None: ...
 
-    def billed(self, attempt: Attempt, *, cost_usd: float, prompt_tokens: int | None, completion_tokens: int | None) -> None: ...
+    def billed(
+        self, attempt: Attempt, *, cost_usd: float, prompt_tokens: int | None, completion_tokens: int | None
+    ) -> None: ...
 
     def unbilled(self, attempt: Attempt, *, generated: bool | None, why: str) -> None: ...
 

@@ -149,8 +149,8 @@ class Stager:
             with one_thread():
                 sums = torch.stack([finite_hint(a, f) for _, a, f in items])
                 for j, a, f in items:
-                    pending.image.aux[offsets[j]:offsets[j + 1]].copy_(a)
-                    pending.image.final[offsets[j]:offsets[j + 1]].copy_(f)
+                    pending.image.aux[offsets[j] : offsets[j + 1]].copy_(a)
+                    pending.image.final[offsets[j] : offsets[j + 1]].copy_(f)
             pending.sums.append(([j for j, _, _ in items], sums))
             return
         # The finiteness check where the states are: one figure per sample, a few bytes to copy back.
@@ -159,8 +159,8 @@ class Stager:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for j, a, f in items:
-                pending.image.aux[offsets[j]:offsets[j + 1]].copy_(a, non_blocking=True)
-                pending.image.final[offsets[j]:offsets[j + 1]].copy_(f, non_blocking=True)
+                pending.image.aux[offsets[j] : offsets[j + 1]].copy_(a, non_blocking=True)
+                pending.image.final[offsets[j] : offsets[j + 1]].copy_(f, non_blocking=True)
             host_sums = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host_sums.copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
@@ -218,8 +218,12 @@ class PendingShard:
 
     def non_finite(self) -> list[str]:
         """Samples with a NaN or an infinity in their stored (bf16) states; call after `wait`."""
-        return [self.rows[j].sample_id for positions, hints in self.sums
-                for j, ok in zip(positions, torch.isfinite(hints).tolist()) if not ok]
+        return [
+            self.rows[j].sample_id
+            for positions, hints in self.sums
+            for j, ok in zip(positions, torch.isfinite(hints).tolist())
+            if not ok
+        ]
 
 
 def human_bytes(n: float) -> str:
@@ -231,10 +235,15 @@ def human_bytes(n: float) -> str:
 
 def why_stale(old: dict[str, Any], new: dict[str, Any]) -> str:
     """The likeliest reason committed shards no longer match the plan, in words."""
-    reasons = [what for key, what in (("identity", "the target (its config or weights) changed"),
-                                      ("aux_layer_ids", "the layer ids changed"),
-                                      ("shard_bytes", "the shard size (`shard_gb`) changed"))
-               if old.get(key) != new.get(key)]
+    reasons = [
+        what
+        for key, what in (
+            ("identity", "the target (its config or weights) changed"),
+            ("aux_layer_ids", "the layer ids changed"),
+            ("shard_bytes", "the shard size (`shard_gb`) changed"),
+        )
+        if old.get(key) != new.get(key)
+    ]
     return "; ".join(reasons) or "their samples changed (the merged set, `max_tokens` or `dataset_weights`)"
 
 
@@ -276,8 +285,9 @@ def disk_needed(plans: Sequence[ShardPlan], pending: set[str], hidden_size: int)
     return sum(p.tokens for p in plans if p.name in pending) * token_bytes(hidden_size)
 
 
-def check_disk(root: Path, needed: int, settings: StoreSettings, *, tokens_pending: int, total_tokens: int,
-               hidden_size: int) -> dict[str, int]:
+def check_disk(
+    root: Path, needed: int, settings: StoreSettings, *, tokens_pending: int, total_tokens: int, hidden_size: int
+) -> dict[str, int]:
     """Refuse before the first byte when `needed` plus the margin exceeds the free space; say what would fit."""
     probe = Path(root)
     while not probe.exists():
@@ -352,17 +362,27 @@ def extract_to_store(
     pending = [p for p in plans if p.name not in done]
     total_tokens = sum(p.tokens for p in plans)
     tokens_pending = sum(p.tokens for p in pending)
-    check_disk(root, disk_needed(plans, {p.name for p in pending}, H), settings,
-               tokens_pending=tokens_pending, total_tokens=total_tokens, hidden_size=H)
+    check_disk(
+        root,
+        disk_needed(plans, {p.name for p in pending}, H),
+        settings,
+        tokens_pending=tokens_pending,
+        total_tokens=total_tokens,
+        hidden_size=H,
+    )
 
     root.mkdir(parents=True, exist_ok=True)
     committer = ShardCommitter(root, manifest)
     committer.save_manifest()  # drops shards no longer planned or no longer trusted before anything else
     removed = remove_untrusted(root, manifest)
     if done:
-        log(f"hidden states: {len(done)} of {len(plans)} shards already stored; {len(pending)} to go ({tokens_pending:,} tokens)")
+        log(
+            f"hidden states: {len(done)} of {len(plans)} shards already stored; {len(pending)} to go ({tokens_pending:,} tokens)"
+        )
     if removed:
-        log(f"hidden states: removed {len(removed)} untrusted file(s) left by an interrupted run: {', '.join(removed[:5])}")
+        log(
+            f"hidden states: removed {len(removed)} untrusted file(s) left by an interrupted run: {', '.join(removed[:5])}"
+        )
 
     report = ExtractionReport(len(plans), 0, len(done), 0, 0, 0, 0.0, removed_untrusted=removed)
     started = last = time.monotonic()
@@ -376,13 +396,21 @@ def extract_to_store(
         elapsed = max(1e-9, time.monotonic() - started)
         rate = report.tokens_written / elapsed
         left = tokens_pending - report.tokens_written
-        figures = {"tokens_written": report.tokens_written, "tokens_pending": tokens_pending, "tokens_per_s": round(rate, 1),
-                   "bytes_written": report.bytes_written, "gb_written": round(report.bytes_written / 1e9, 3),
-                   "shards_written": report.shards_written, "shards": len(plans),
-                   "eta_s": round(left / rate, 1) if rate > 0 else None}
+        figures = {
+            "tokens_written": report.tokens_written,
+            "tokens_pending": tokens_pending,
+            "tokens_per_s": round(rate, 1),
+            "bytes_written": report.bytes_written,
+            "gb_written": round(report.bytes_written / 1e9, 3),
+            "shards_written": report.shards_written,
+            "shards": len(plans),
+            "eta_s": round(left / rate, 1) if rate > 0 else None,
+        }
         eta = f"{figures['eta_s']:,.0f} s" if figures["eta_s"] is not None else "?"
-        log(f"hidden states {'done: ' if final else ''}{report.tokens_written:,}/{tokens_pending:,} tokens, {rate:,.0f} tok/s, "
-            f"{report.bytes_written / 1e9:.2f} GB written, shard {report.shards_written + report.shards_skipped}/{len(plans)}, ETA {eta}")
+        log(
+            f"hidden states {'done: ' if final else ''}{report.tokens_written:,}/{tokens_pending:,} tokens, {rate:,.0f} tok/s, "
+            f"{report.bytes_written / 1e9:.2f} GB written, shard {report.shards_written + report.shards_skipped}/{len(plans)}, ETA {eta}"
+        )
         if on_progress is not None:
             on_progress(figures)
 
@@ -403,9 +431,9 @@ def extract_to_store(
         if entry is not None:
             committer.record(name, entry)
         with lock:
-                report.nan_samples.extend(bad)
-                report.shards_written += 1
-                report.bytes_written += size
+            report.nan_samples.extend(bad)
+            report.shards_written += 1
+            report.bytes_written += size
         return size
 
     def written(name: str, fut: Future) -> None:
@@ -429,8 +457,10 @@ def extract_to_store(
                         outputs = backend.extract_batch([list(rows[j].input_ids) for j in batch])
                         for j, (a, f) in zip(batch, outputs):
                             if a.shape[0] != len(rows[j].input_ids) or f.shape[0] != a.shape[0]:
-                                raise RuntimeError(f"{backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
-                                                   f"which has {len(rows[j].input_ids)} tokens")
+                                raise RuntimeError(
+                                    f"{backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
+                                    f"which has {len(rows[j].input_ids)} tokens"
+                                )
                             report.tokens_written += a.shape[0]
                         stager.stage(shard, [(j, a, f) for j, (a, f) in zip(batch, outputs)])
                         if time.monotonic() - last >= progress_every_s:
@@ -448,7 +478,9 @@ def extract_to_store(
             for fut in futures:  # the finished shards are committed whatever stopped the loop
                 fut.exception()
     if failures:
-        raise RuntimeError(f"{len(failures)} shard(s) could not be written, first {failures[0][0]}: {failures[0][1]}") from failures[0][1]
+        raise RuntimeError(
+            f"{len(failures)} shard(s) could not be written, first {failures[0][0]}: {failures[0][1]}"
+        ) from failures[0][1]
     report.seconds = time.monotonic() - started
     progress(final=True)
     return report
@@ -462,6 +494,12 @@ def store_figures(root: Path) -> dict[str, Any]:
     nbytes = sum(s["bytes"] for s in shards.values())
     floor = min_bytes_per_token(m["hidden_size"])
     per_token = nbytes / tokens if tokens else 0.0
-    return {"shards": len(shards), "samples": sum(s["samples"] for s in shards.values()), "tokens": tokens,
-            "bytes": nbytes, "bytes_per_token": round(per_token, 2), "min_bytes_per_token": floor,
-            "overhead_pct": round(100 * (per_token / floor - 1), 3) if tokens else 0.0}
+    return {
+        "shards": len(shards),
+        "samples": sum(s["samples"] for s in shards.values()),
+        "tokens": tokens,
+        "bytes": nbytes,
+        "bytes_per_token": round(per_token, 2),
+        "min_bytes_per_token": floor,
+        "overhead_pct": round(100 * (per_token / floor - 1), 3) if tokens else 0.0,
+    }

@@ -35,9 +35,11 @@ from pathlib import Path
 # what `check_contract` was run on). The API moves within the 0.5 series, hence the narrow range.
 SGLANG_REQUIREMENT = "sglang>=0.5.23,<0.5.24"
 SGLANG_TESTED = "0.5.23"
-INSTALL_HINT = ("pip install uv==0.13.9 && uv pip install --override deploy/sglang-host.overrides.txt -e '.[sglang,gpu]'"
-                "  (in the checkout's root; sglang " + SGLANG_TESTED + " pins torch==2.14.1, above pyproject's CPU cap, "
-                "which only uv's --override lifts: plain pip cannot resolve it; needs a GPU host with a CUDA 13 driver)")
+INSTALL_HINT = (
+    "pip install uv==0.13.9 && uv pip install --override deploy/sglang-host.overrides.txt -e '.[sglang,gpu]'"
+    "  (in the checkout's root; sglang " + SGLANG_TESTED + " pins torch==2.14.1, above pyproject's CPU cap, "
+    "which only uv's --override lifts: plain pip cannot resolve it; needs a GPU host with a CUDA 13 driver)"
+)
 
 
 @dataclass(frozen=True)
@@ -57,69 +59,154 @@ class Name:
 
 
 SERVER_ARGS_KWARGS = (
-    "model_path", "tp_size", "trust_remote_code", "context_length", "mem_fraction_static",
-    "chunked_prefill_size", "disable_cuda_graph", "disable_radix_cache", "enable_return_aux_hidden_states",
-    "speculative_algorithm", "return_aux_hidden_state_layer_ids", "log_level", "max_total_tokens", "max_running_requests",
+    "model_path",
+    "tp_size",
+    "trust_remote_code",
+    "context_length",
+    "mem_fraction_static",
+    "chunked_prefill_size",
+    "disable_cuda_graph",
+    "disable_radix_cache",
+    "enable_return_aux_hidden_states",
+    "speculative_algorithm",
+    "return_aux_hidden_state_layer_ids",
+    "log_level",
+    "max_total_tokens",
+    "max_running_requests",
 )
 
 CONTRACT: tuple[Name, ...] = (
-    Name("sglang.srt.server_args", "ServerArgs", kwargs=SERVER_ARGS_KWARGS, attrs=("resolve_once",),
-         fields_from="sglang.srt.arg_groups.fields",
-         why="engine settings; enable_return_aux_hidden_states + speculative_algorithm='EAGLE3' is the "
-             "capture-only mode (no draft) that captures the EAGLE-3 layers and keeps the final hidden state"),
+    Name(
+        "sglang.srt.server_args",
+        "ServerArgs",
+        kwargs=SERVER_ARGS_KWARGS,
+        attrs=("resolve_once",),
+        fields_from="sglang.srt.arg_groups.fields",
+        why="engine settings; enable_return_aux_hidden_states + speculative_algorithm='EAGLE3' is the "
+        "capture-only mode (no draft) that captures the EAGLE-3 layers and keeps the final hidden state",
+    ),
     Name("sglang.srt.entrypoints.engine", "_set_envs_and_config", why="NCCL/CUDA environment of a rank process"),
-    Name("sglang.srt.runtime_context", "publish", kwargs=("role", "ranks"),
-         why="installs this process's config and TP placement (replaces ModelRunner's tp_rank= since 0.5.2x)"),
+    Name(
+        "sglang.srt.runtime_context",
+        "publish",
+        kwargs=("role", "ranks"),
+        why="installs this process's config and TP placement (replaces ModelRunner's tp_rank= since 0.5.2x)",
+    ),
     Name("sglang.srt.runtime_context", "SpawnRanks", kwargs=("world_rank", "gpu_id")),
     Name("sglang.srt.runtime_context", "spawn_world_rank", kwargs=("tp_rank", "pp_rank")),
     Name("sglang.srt.runtime_context", "get_device"),
     Name("sglang.srt.runtime_context", "get_model"),
     Name("sglang.srt.arg_groups.fields.device", "Device", attrs=("device",), why="get_device().device"),
-    Name("sglang.srt.arg_groups.fields.model", "Model", attrs=("is_startup_weight_load_overlap",),
-         why="get_model().is_startup_weight_load_overlap"),
+    Name(
+        "sglang.srt.arg_groups.fields.model",
+        "Model",
+        attrs=("is_startup_weight_load_overlap",),
+        why="get_model().is_startup_weight_load_overlap",
+    ),
     Name("sglang.srt.layers.moe", "initialize_moe_config"),
     Name("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
     Name("sglang.srt.layers.quantization.unquant", "initialize_bf16_gemm_config"),
     Name("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config"),
     Name("sglang.srt.configs.model_config", "ModelConfig.from_server_args"),
-    Name("sglang.srt.distributed.bootstrap", "init_parallel_runtime", kwargs=("server_args", "device", "dist_port"),
-         why="NCCL process groups over tcp://127.0.0.1:dist_port"),
+    Name(
+        "sglang.srt.distributed.bootstrap",
+        "init_parallel_runtime",
+        kwargs=("server_args", "device", "dist_port"),
+        why="NCCL process groups over tcp://127.0.0.1:dist_port",
+    ),
     Name("sglang.srt.distributed.bootstrap", "init_layer_runtime", kwargs=("model_config",)),
-    Name("sglang.srt.model_executor.model_runner", "ModelRunner",
-         kwargs=("model_config", "mem_fraction_static", "gpu_id", "nccl_port", "server_args"),
-         attrs=("model", "model_config", "req_to_token_pool", "token_to_kv_pool_allocator", "max_total_num_tokens",
-                "device", "page_size", "forward", "alloc_memory_pool", "init_attention_backends", "init_cuda_graphs",
-                "start_startup_weight_load", "finalize_startup_weight_load")),
+    Name(
+        "sglang.srt.model_executor.model_runner",
+        "ModelRunner",
+        kwargs=("model_config", "mem_fraction_static", "gpu_id", "nccl_port", "server_args"),
+        attrs=(
+            "model",
+            "model_config",
+            "req_to_token_pool",
+            "token_to_kv_pool_allocator",
+            "max_total_num_tokens",
+            "device",
+            "page_size",
+            "forward",
+            "alloc_memory_pool",
+            "init_attention_backends",
+            "init_cuda_graphs",
+            "start_startup_weight_load",
+            "finalize_startup_weight_load",
+        ),
+    ),
     Name("sglang.srt.model_executor.model_runner", "ModelRunnerOutput", attrs=("logits_output",)),
-    Name("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool", attrs=("size", "clear"),
-         why="size: requests per batch; clear: freed after every batch"),
+    Name(
+        "sglang.srt.mem_cache.memory_pool",
+        "ReqToTokenPool",
+        attrs=("size", "clear"),
+        why="size: requests per batch; clear: freed after every batch",
+    ),
     Name("sglang.srt.mem_cache.allocator", "BaseTokenToKVPoolAllocator", attrs=("clear", "available_size")),
-    Name("sglang.srt.layers.logits_processor", "LogitsProcessorOutput", attrs=("hidden_states", "last_hidden_states"),
-         why="hidden_states: the packed aux layers [T, 3H]; last_hidden_states: post-norm final [T, H]"),
-    Name("sglang.srt.managers.schedule_batch", "Req",
-         kwargs=("rid", "origin_input_text", "origin_input_ids", "sampling_params", "return_hidden_states"),
-         attrs=("full_untruncated_fill_ids", "extend_end", "logprob_start_len", "prefix_len")),
-    Name("sglang.srt.managers.schedule_batch", "ScheduleBatch.init_new",
-         kwargs=("reqs", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache", "model_config",
-                 "enable_overlap", "spec_algorithm")),
-    Name("sglang.srt.managers.schedule_batch", "ScheduleBatch",
-         attrs=("prepare_for_extend", "input_ids", "prefill_input_ids_cpu", "device")),
-    Name("sglang.srt.mem_cache.base_prefix_cache", "BasePrefixCache",
-         attrs=("supports_swa", "supports_mamba", "supports_prefix_sharing", "evict", "maybe_hand_to_session",
-                "evictable_size", "available_and_evictable_str", "pretty_print", "prefix_device_indices",
-                "rotation_base_of"),
-         why="what the backend's no-sharing tree cache implements"),
-    Name("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.init_new",
-         kwargs=("capture_hidden_mode", "return_hidden_states_before_norm")),
+    Name(
+        "sglang.srt.layers.logits_processor",
+        "LogitsProcessorOutput",
+        attrs=("hidden_states", "last_hidden_states"),
+        why="hidden_states: the packed aux layers [T, 3H]; last_hidden_states: post-norm final [T, H]",
+    ),
+    Name(
+        "sglang.srt.managers.schedule_batch",
+        "Req",
+        kwargs=("rid", "origin_input_text", "origin_input_ids", "sampling_params", "return_hidden_states"),
+        attrs=("full_untruncated_fill_ids", "extend_end", "logprob_start_len", "prefix_len"),
+    ),
+    Name(
+        "sglang.srt.managers.schedule_batch",
+        "ScheduleBatch.init_new",
+        kwargs=(
+            "reqs",
+            "req_to_token_pool",
+            "token_to_kv_pool_allocator",
+            "tree_cache",
+            "model_config",
+            "enable_overlap",
+            "spec_algorithm",
+        ),
+    ),
+    Name(
+        "sglang.srt.managers.schedule_batch",
+        "ScheduleBatch",
+        attrs=("prepare_for_extend", "input_ids", "prefill_input_ids_cpu", "device"),
+    ),
+    Name(
+        "sglang.srt.mem_cache.base_prefix_cache",
+        "BasePrefixCache",
+        attrs=(
+            "supports_swa",
+            "supports_mamba",
+            "supports_prefix_sharing",
+            "evict",
+            "maybe_hand_to_session",
+            "evictable_size",
+            "available_and_evictable_str",
+            "pretty_print",
+            "prefix_device_indices",
+            "rotation_base_of",
+        ),
+        why="what the backend's no-sharing tree cache implements",
+    ),
+    Name(
+        "sglang.srt.model_executor.forward_batch_info",
+        "ForwardBatch.init_new",
+        kwargs=("capture_hidden_mode", "return_hidden_states_before_norm"),
+    ),
     Name("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode", attrs=("FULL",)),
     Name("sglang.srt.sampling.sampling_params", "SamplingParams", kwargs=("temperature", "max_new_tokens")),
     Name("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", attrs=("NONE",)),
     Name("sglang.srt.utils", "require_mlp_sync", why="must be False: no DP attention in this backend"),
     Name("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture", kwargs=("layer_ids",)),
     Name("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM"),
-    Name("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration",
-         attrs=("set_eagle3_layers_to_capture", "language_model"),
-         why="Kimi-K2.5's multimodal wrapper forwards the capture request to its DeepseekV3 language_model"),
+    Name(
+        "sglang.srt.models.kimi_k25",
+        "KimiK25ForConditionalGeneration",
+        attrs=("set_eagle3_layers_to_capture", "language_model"),
+        why="Kimi-K2.5's multimodal wrapper forwards the capture request to its DeepseekV3 language_model",
+    ),
 )
 
 CAPTURE_SETTER = ("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture")
@@ -159,15 +246,19 @@ def capture_argument(layer_ids: list[int], num_layers: int, rule: CaptureRule) -
     if not ids or ids != sorted(set(ids)):
         raise ValueError(f"layer ids must be distinct and ascending (the capture order is low -> high), got {ids}")
     if ids[0] < 0 or ids[-1] > num_layers - 2:
-        raise ValueError(f"layer ids must lie in 0..{num_layers - 2} for a {num_layers}-layer target "
-                         f"(SGLang captures a layer's output at the next layer's input), got {ids}")
+        raise ValueError(
+            f"layer ids must lie in 0..{num_layers - 2} for a {num_layers}-layer target "
+            f"(SGLang captures a layer's output at the next layer's input), got {ids}"
+        )
     if rule is CaptureRule.ALWAYS_PLUS_ONE or ids[0] == 1:
         argument = ids
     else:
         argument = [i + 1 for i in ids]
         if argument[0] == 1:
-            raise ValueError("SGLang's set_eagle3_layers_to_capture cannot express the output of layer 0 "
-                             f"under the rule '{rule.value}' (an id list starting with 1 is shifted by one)")
+            raise ValueError(
+                "SGLang's set_eagle3_layers_to_capture cannot express the output of layer 0 "
+                f"under the rule '{rule.value}' (an id list starting with 1 is shifted by one)"
+            )
     assert layers_to_capture(argument, rule) == [i + 1 for i in ids]
     return argument
 
@@ -179,11 +270,21 @@ def capture_rule_from_source(function_source: str) -> CaptureRule | None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
             left, right = node.left, node.comparators[0]
-            if (isinstance(left, ast.Subscript) and isinstance(left.slice, ast.Constant) and left.slice.value == 0
-                    and isinstance(right, ast.Constant) and right.value == 1):
+            if (
+                isinstance(left, ast.Subscript)
+                and isinstance(left.slice, ast.Constant)
+                and left.slice.value == 0
+                and isinstance(right, ast.Constant)
+                and right.value == 1
+            ):
                 first_is_one = True
-        if (isinstance(node, ast.ListComp) and isinstance(node.elt, ast.BinOp) and isinstance(node.elt.op, ast.Add)
-                and isinstance(node.elt.right, ast.Constant) and node.elt.right.value == 1):
+        if (
+            isinstance(node, ast.ListComp)
+            and isinstance(node.elt, ast.BinOp)
+            and isinstance(node.elt.op, ast.Add)
+            and isinstance(node.elt.right, ast.Constant)
+            and node.elt.right.value == 1
+        ):
             plus_one = True
     if plus_one and first_is_one:
         return CaptureRule.PLUS_ONE_IF_FIRST_IS_1
@@ -347,7 +448,13 @@ class SourceTree:
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
         for node in ast.walk(cls.node):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             for t in targets:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                     names.add(t.attr)
@@ -374,7 +481,11 @@ class SourceTree:
         for path in files:
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.ClassDef):
-                    names |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                    names |= {
+                        n.target.id
+                        for n in node.body
+                        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                    }
         return names
 
     def parameters(self, found: _Found) -> tuple[set[str], bool] | None:
@@ -445,8 +556,18 @@ def _instance_attrs(cls: type) -> set[str]:
         except (OSError, TypeError):
             continue
         for node in ast.walk(ast.parse(src)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-            names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            names |= {
+                t.attr
+                for t in targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+            }
     return names
 
 
@@ -489,8 +610,9 @@ def _check_import(contract: Iterable[Name]) -> list[str]:
 # ---------------------------------------------------------------- entry points
 
 
-def check_contract(source_root: Path | None = None, *, mode: str = "source",
-                   contract: Iterable[Name] | None = None) -> list[str]:
+def check_contract(
+    source_root: Path | None = None, *, mode: str = "source", contract: Iterable[Name] | None = None
+) -> list[str]:
     """Problems with the names in `contract` (default: CONTRACT) in an SGLang build; [] means all are there.
 
     mode "source" (default) parses files: those under `source_root`, else the installed package's

@@ -61,7 +61,6 @@ from eagle3_resources.errors import HandoffMemoryError, KVPoolExhausted, RankErr
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 
-
 # Tokens in one forward (one extend). SGLang's own scheduler caps a prefill at chunked_prefill_size
 # (8-16K, by GPU) so that decode keeps its KV room; capture keeps no KV between forwards, so the pool
 # is only this big and a forward may be twice that. At Kimi-K2.5 size the aux output alone is
@@ -135,9 +134,11 @@ def check_forward_bounds(max_length: int, max_forward_tokens: int, max_forward_r
     if max_forward_requests < 1:
         raise ValueError(f"{FORWARD_REQUESTS_KNOB} must be at least 1, got {max_forward_requests}")
     if max_forward_tokens < max_length:
-        raise ValueError(f"{FORWARD_TOKENS_KNOB} is {max_forward_tokens}, below max_length {max_length}: the SGLang "
-                         "backend runs each sample in one forward (no chunked prefill), so a forward must hold the "
-                         "longest; raise it or lower max_length")
+        raise ValueError(
+            f"{FORWARD_TOKENS_KNOB} is {max_forward_tokens}, below max_length {max_length}: the SGLang "
+            "backend runs each sample in one forward (no chunked prefill), so a forward must hold the "
+            "longest; raise it or lower max_length"
+        )
 
 
 def page_rounded(n: int, page_size: int) -> int:
@@ -173,9 +174,11 @@ def plan_sub_batches(lengths: list[int], limits: Limits) -> list[list[int]]:
             raise ValueError(f"sequence {i} is empty")
         need = page_rounded(n, limits.page_size)
         if n > limits.max_length or need > budget:
-            raise ValueError(f"sequence {i} has {n} tokens ({need} in KV pages of {limits.page_size}); the SGLang "
-                             f"runner takes at most {min(limits.max_length, budget)} (max_length {limits.max_length}, "
-                             f"KV pool {limits.max_tokens}, max_forward_tokens {limits.max_forward_tokens})")
+            raise ValueError(
+                f"sequence {i} has {n} tokens ({need} in KV pages of {limits.page_size}); the SGLang "
+                f"runner takes at most {min(limits.max_length, budget)} (max_length {limits.max_length}, "
+                f"KV pool {limits.max_tokens}, max_forward_tokens {limits.max_forward_tokens})"
+            )
         if not groups or tokens + need > budget or len(groups[-1]) >= limits.max_requests:
             groups.append([])
             tokens = 0
@@ -187,10 +190,12 @@ def plan_sub_batches(lengths: list[int], limits: Limits) -> list[list[int]]:
 def kv_pool_message(lengths: list[int], *, page_size: int, pool_tokens: int, pool_requests: int) -> str:
     """What a user reads when SGLang cannot allocate a batch: the batch, the pool, and the knobs."""
     rounded = sum(page_rounded(n, page_size) for n in lengths)
-    return (f"the SGLang KV pool is out of memory for a batch of {len(lengths)} sequences, {sum(lengths)} tokens "
-            f"({rounded} in whole KV pages of {page_size}); the pool holds {pool_tokens} tokens and {pool_requests} "
-            f"requests. Lower {FORWARD_TOKENS_KNOB} or {FORWARD_REQUESTS_KNOB} (a forward's size), or raise "
-            f"{MEM_FRACTION_KNOB} if SGLang sized the pool below {FORWARD_TOKENS_KNOB}")
+    return (
+        f"the SGLang KV pool is out of memory for a batch of {len(lengths)} sequences, {sum(lengths)} tokens "
+        f"({rounded} in whole KV pages of {page_size}); the pool holds {pool_tokens} tokens and {pool_requests} "
+        f"requests. Lower {FORWARD_TOKENS_KNOB} or {FORWARD_REQUESTS_KNOB} (a forward's size), or raise "
+        f"{MEM_FRACTION_KNOB} if SGLang sized the pool below {FORWARD_TOKENS_KNOB}"
+    )
 
 
 def split_rows(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
@@ -243,9 +248,11 @@ class SlabLayout:
     def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(aux, final, ids) over a uint8 slab of `nbytes`."""
         a, f, t = self.aux_offset, self.final_offset, self.tokens
-        return (buf[a:a + t * self.aux_width * 2].view(torch.bfloat16).view(t, self.aux_width),
-                buf[f:f + t * self.final_width * 2].view(torch.bfloat16).view(t, self.final_width),
-                buf[:t * 8].view(torch.int64))
+        return (
+            buf[a : a + t * self.aux_width * 2].view(torch.bfloat16).view(t, self.aux_width),
+            buf[f : f + t * self.final_width * 2].view(torch.bfloat16).view(t, self.final_width),
+            buf[: t * 8].view(torch.int64),
+        )
 
 
 def _map_file(path: str, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -288,7 +295,8 @@ class SlabRing:
                         f"({layout.tokens} tokens x ({layout.aux_width} + {layout.final_width}) x 2 B + ids) need "
                         f"{count * layout.nbytes / 1e9:.2f} GB, {free / 1e9:.2f} GB free ({e.strerror}). Give the "
                         f"host a larger /dev/shm (docker --shm-size), or lower {HANDOFF_SLABS_KNOB} or "
-                        f"{FORWARD_TOKENS_KNOB}") from None
+                        f"{FORWARD_TOKENS_KNOB}"
+                    ) from None
                 finally:
                     os.close(fd)
                 mm, buf = _map_file(path, layout.nbytes)
@@ -420,8 +428,10 @@ class RankZeroHandoff:
         for i, buf in enumerate(self._bufs):
             err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
             if int(getattr(err, "value", err)) != 0:
-                raise RuntimeError(f"cudaHostRegister of hand-off slab {i} ({buf.numel() / 1e9:.2f} GB) failed: "
-                                   f"{cudart.cudaGetErrorString(err)}")
+                raise RuntimeError(
+                    f"cudaHostRegister of hand-off slab {i} ({buf.numel() / 1e9:.2f} GB) failed: "
+                    f"{cudart.cudaGetErrorString(err)}"
+                )
             self.pinned = True
             if not buf.is_pinned():
                 raise RuntimeError(f"hand-off slab {i} is registered with CUDA but torch does not see it page-locked")
@@ -443,11 +453,14 @@ class RankZeroHandoff:
         tokens = sum(len(s) for s in sequences)
         layout = self.layout
         if aux.dim() != 2 or final.dim() != 2 or aux.shape[0] != tokens or final.shape[0] != tokens:
-            raise RuntimeError(f"the engine returned aux {tuple(aux.shape)} / final {tuple(final.shape)} for "
-                               f"{tokens} tokens")
+            raise RuntimeError(
+                f"the engine returned aux {tuple(aux.shape)} / final {tuple(final.shape)} for {tokens} tokens"
+            )
         if tokens > layout.tokens or aux.shape[1] != layout.aux_width or final.shape[1] != layout.final_width:
-            raise RuntimeError(f"aux {tuple(aux.shape)} / final {tuple(final.shape)} do not fit a hand-off slab of "
-                               f"{layout.tokens} x ({layout.aux_width} + {layout.final_width})")
+            raise RuntimeError(
+                f"aux {tuple(aux.shape)} / final {tuple(final.shape)} do not fit a hand-off slab of "
+                f"{layout.tokens} x ({layout.aux_width} + {layout.final_width})"
+            )
         index = self._take(batch_id)
         slab_aux, slab_final, slab_ids = self.slabs[index]
         slab_ids[:tokens].copy_(torch.tensor([t for s in sequences for t in s], dtype=torch.int64))
@@ -492,8 +505,16 @@ class RankZeroHandoff:
                 cudart.cudaHostUnregister(buf.data_ptr())
 
 
-def _rank_main(rank: int, world_size: int, factory: Callable[[int, int], RankEngine], requests, replies,
-               slab_paths: list[str], layout: SlabLayout, free) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    factory: Callable[[int, int], RankEngine],
+    requests,
+    replies,
+    slab_paths: list[str],
+    layout: SlabLayout,
+    free,
+) -> None:
     """A rank process: build the engine, then run every batch until told to stop (None)."""
     handoff = None
     try:
@@ -579,9 +600,18 @@ class RankPool:
     allocated here before any rank starts; the reply queue carries only small messages.
     """
 
-    def __init__(self, world_size: int, factory: Callable[[int, int], RankEngine], *, handoff: SlabLayout,
-                 slabs: int = DEFAULT_HANDOFF_SLABS, start_timeout_s: float = 3600.0,
-                 batch_timeout_s: float = 1800.0, stop_grace_s: float = 60.0, shm_dir: Path = SHM_DIR):
+    def __init__(
+        self,
+        world_size: int,
+        factory: Callable[[int, int], RankEngine],
+        *,
+        handoff: SlabLayout,
+        slabs: int = DEFAULT_HANDOFF_SLABS,
+        start_timeout_s: float = 3600.0,
+        batch_timeout_s: float = 1800.0,
+        stop_grace_s: float = 60.0,
+        shm_dir: Path = SHM_DIR,
+    ):
         import torch.multiprocessing as mp
 
         self.world_size = world_size
@@ -595,9 +625,20 @@ class RankPool:
         for i in range(slabs):
             self._free.put(i)
         self._processes = [
-            ctx.Process(target=_rank_main, name=f"sglang-rank-{rank}",
-                        args=(rank, world_size, factory, self._requests[rank], self._replies, self.ring.paths,
-                              handoff, self._free))
+            ctx.Process(
+                target=_rank_main,
+                name=f"sglang-rank-{rank}",
+                args=(
+                    rank,
+                    world_size,
+                    factory,
+                    self._requests[rank],
+                    self._replies,
+                    self.ring.paths,
+                    handoff,
+                    self._free,
+                ),
+            )
             for rank in range(world_size)
         ]
         self._next_batch = 0
@@ -609,8 +650,9 @@ class RankPool:
         self._broken: str | None = None
         self.infos: list[dict[str, Any]] = []
         self.stats = {"batches": 0, "bytes": 0, "slab_waits": 0, "rank0_slab_wait_s": 0.0}
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._requests, self._free, self.ring,
-                                           stop_grace_s)
+        self._finalizer = weakref.finalize(
+            self, _stop, self._processes, self._requests, self._free, self.ring, stop_grace_s
+        )
 
     def _get(self, deadline: float, what: str):
         while True:
@@ -677,8 +719,10 @@ class RankPool:
         try:
             while len(gather.done) < self.world_size:
                 if batch_id in self._waiting and len(self._held) == self.ring.count:
-                    raise SlabsHeld(f"rank 0 waits for a free hand-off slab for batch {batch_id} and the caller holds "
-                                    f"all {self.ring.count}: release some rows first")
+                    raise SlabsHeld(
+                        f"rank 0 waits for a free hand-off slab for batch {batch_id} and the caller holds "
+                        f"all {self.ring.count}: release some rows first"
+                    )
                 reply = self._get(deadline, f"on batch {batch_id}")
                 if isinstance(reply, SlabWait):
                     self._waiting.add(reply.batch_id)
@@ -700,7 +744,7 @@ class RankPool:
         handoff = gather.result.handoff
         ids = self._sizes.pop(batch_id)
         aux, final, slab_ids = self.ring.slabs[handoff.slab]
-        if handoff.tokens != len(ids) or not torch.equal(slab_ids[:len(ids)], torch.tensor(ids, dtype=torch.int64)):
+        if handoff.tokens != len(ids) or not torch.equal(slab_ids[: len(ids)], torch.tensor(ids, dtype=torch.int64)):
             self._broken = f"hand-off slab {handoff.slab} does not hold batch {batch_id}"
             self.close()
             raise RankError(f"{self._broken} ({handoff.tokens} rows for {len(ids)} tokens sent)")
@@ -708,7 +752,7 @@ class RankPool:
         self.stats["batches"] += 1
         self.stats["bytes"] += handoff.tokens * (aux.shape[1] + final.shape[1]) * 2
         self.stats["rank0_slab_wait_s"] = handoff.slab_wait_s
-        return Rows(batch_id, aux[:handoff.tokens], final[:handoff.tokens], handoff.slab, self._release)
+        return Rows(batch_id, aux[: handoff.tokens], final[: handoff.tokens], handoff.slab, self._release)
 
     def run(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch on every rank; rank 0's flat (aux, final), copied out of the slab (the caller keeps them)."""
@@ -773,8 +817,9 @@ class _NoSharingCache:
     def prefix_device_indices(self, req) -> torch.Tensor:
         """KV indices of a request's cached prefix: always empty, nothing is shared."""
         if req.prefix_len:
-            raise RuntimeError(f"request {req.rid} has a cached prefix of {req.prefix_len} tokens in a cache that "
-                               "shares none")
+            raise RuntimeError(
+                f"request {req.rid} has a cached prefix of {req.prefix_len} tokens in a cache that shares none"
+            )
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
     def rotation_base_of(self, node) -> None:
@@ -810,8 +855,11 @@ class SGLangRankEngine:
         server_args = ServerArgs(**server_args_kwargs(spec))
         server_args.resolve_once()
         _set_envs_and_config(server_args)
-        publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=rank, pp_rank=0), gpu_id=rank))
+        publish(
+            server_args,
+            role="scheduler",
+            ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=rank, pp_rank=0), gpu_id=rank),
+        )
         initialize_moe_config()
         initialize_fp8_gemm_config()
         initialize_bf16_gemm_config()
@@ -819,8 +867,13 @@ class SGLangRankEngine:
         model_config = ModelConfig.from_server_args(server_args)
         bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device, dist_port=spec.nccl_port)
         bootstrap.init_layer_runtime(model_config=model_config)
-        runner = ModelRunner(model_config=model_config, mem_fraction_static=spec.mem_fraction_static, gpu_id=rank,
-                             nccl_port=spec.nccl_port, server_args=server_args)
+        runner = ModelRunner(
+            model_config=model_config,
+            mem_fraction_static=spec.mem_fraction_static,
+            gpu_id=rank,
+            nccl_port=spec.nccl_port,
+            server_args=server_args,
+        )
         overlap = bool(get_model().is_startup_weight_load_overlap)
         if overlap:
             runner.start_startup_weight_load()
@@ -830,18 +883,28 @@ class SGLangRankEngine:
         if overlap:
             runner.finalize_startup_weight_load()
         if require_mlp_sync():
-            raise SGLangUnavailable("this SGLang configuration needs MLP sync (DP attention); the backend does not do it")
+            raise SGLangUnavailable(
+                "this SGLang configuration needs MLP sync (DP attention); the backend does not do it"
+            )
         rule = sglang_api.capture_rule_of_import()  # the model code is imported by now
         if rule is not spec.capture_rule:
-            raise SGLangUnavailable(f"the imported SGLang reads capture ids as '{rule and rule.value}', "
-                                    f"the parent planned for '{spec.capture_rule.value}'")
+            raise SGLangUnavailable(
+                f"the imported SGLang reads capture ids as '{rule and rule.value}', "
+                f"the parent planned for '{spec.capture_rule.value}'"
+            )
         self.runner = runner
         self.model_class = type(runner.model).__name__
 
     def info(self) -> dict[str, Any]:
         r = self.runner
-        return {"rank": self.rank, "model_class": self.model_class, "max_total_num_tokens": int(r.max_total_num_tokens),
-                "max_requests": int(r.req_to_token_pool.size), "page_size": int(r.page_size), "device": str(r.device)}
+        return {
+            "rank": self.rank,
+            "model_class": self.model_class,
+            "max_total_num_tokens": int(r.max_total_num_tokens),
+            "max_requests": int(r.req_to_token_pool.size),
+            "page_size": int(r.page_size),
+            "device": str(r.device),
+        }
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -857,32 +920,46 @@ class SGLangRankEngine:
         params = SamplingParams(temperature=0, max_new_tokens=1)
         reqs = []
         for i, ids in enumerate(sequences):
-            req = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params,
-                      return_hidden_states=True)
+            req = Req(
+                rid=str(i),
+                origin_input_text="",
+                origin_input_ids=array("q", ids),
+                sampling_params=params,
+                return_hidden_states=True,
+            )
             req.full_untruncated_fill_ids = req.origin_input_ids
             req.extend_end = len(ids)
             req.logprob_start_len = -1
             reqs.append(req)
         try:
             batch = ScheduleBatch.init_new(
-                reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=_NoSharingCache(runner),
-                model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+                reqs=reqs,
+                req_to_token_pool=runner.req_to_token_pool,
+                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+                tree_cache=_NoSharingCache(runner),
+                model_config=runner.model_config,
+                enable_overlap=False,
+                spec_algorithm=SpeculativeAlgorithm.NONE,
             )
             try:
                 batch.prepare_for_extend()  # allocates the KV slots
             except RuntimeError as e:  # SGLang's "Prefill out of memory" / "alloc_req_slots runs out of memory"
                 if "out of memory" not in str(e).lower():
                     raise
-                raise KVPoolExhausted(kv_pool_message(
-                    [len(s) for s in sequences], page_size=int(runner.page_size),
-                    pool_tokens=int(runner.max_total_num_tokens), pool_requests=int(runner.req_to_token_pool.size),
-                )) from e
+                raise KVPoolExhausted(
+                    kv_pool_message(
+                        [len(s) for s in sequences],
+                        page_size=int(runner.page_size),
+                        pool_tokens=int(runner.max_total_num_tokens),
+                        pool_requests=int(runner.req_to_token_pool.size),
+                    )
+                ) from e
             if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
                 batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
                 batch.prefill_input_ids_cpu = None
-            forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
-                                                  return_hidden_states_before_norm=False)
+            forward_batch = ForwardBatch.init_new(
+                batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
+            )
             out = runner.forward(forward_batch).logits_output
             if self.rank != 0:
                 torch.cuda.synchronize()
@@ -911,15 +988,20 @@ def limits_of(infos: list[dict[str, Any]], *, max_length: int, max_forward_token
     pages = {int(i["page_size"]) for i in infos}
     if len(pages) != 1:
         raise RankError(f"the ranks report different KV page sizes {sorted(pages)}")
-    limits = Limits(max_tokens=min(int(i["max_total_num_tokens"]) for i in infos),
-                    max_requests=min(int(i["max_requests"]) for i in infos), max_length=max_length,
-                    page_size=pages.pop(), max_forward_tokens=max_forward_tokens)
+    limits = Limits(
+        max_tokens=min(int(i["max_total_num_tokens"]) for i in infos),
+        max_requests=min(int(i["max_requests"]) for i in infos),
+        max_length=max_length,
+        page_size=pages.pop(),
+        max_forward_tokens=max_forward_tokens,
+    )
     if page_rounded(max_length, limits.page_size) > limits.forward_tokens:
         raise SGLangUnavailable(
             f"a forward holds {limits.forward_tokens} tokens (KV pool {limits.max_tokens}, {FORWARD_TOKENS_KNOB} "
             f"{max_forward_tokens}, pages of {limits.page_size}), fewer than a max_length sample takes "
             f"({page_rounded(max_length, limits.page_size)}): raise {MEM_FRACTION_KNOB} or {FORWARD_TOKENS_KNOB}, "
-            "or lower max_length")
+            "or lower max_length"
+        )
     return limits
 
 
@@ -934,15 +1016,21 @@ def preflight(tp_size: int) -> None:
     if importlib.util.find_spec("sglang") is None:
         raise SGLangUnavailable(f"sglang is not installed: {sglang_api.INSTALL_HINT}")
     if not torch.cuda.is_available():
-        raise SGLangUnavailable(f"no CUDA device (torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
-                                "the SGLang backend needs a GPU host with a CUDA build of torch")
+        raise SGLangUnavailable(
+            f"no CUDA device (torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
+            "the SGLang backend needs a GPU host with a CUDA build of torch"
+        )
     if torch.cuda.device_count() < tp_size:
-        raise SGLangUnavailable(f"tp_size={tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible "
-                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        raise SGLangUnavailable(
+            f"tp_size={tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
     problems = sglang_api.check_contract()
     if problems:
-        raise SGLangUnavailable(f"the installed sglang {sglang_api.installed_version()} lacks names this backend "
-                                f"uses (written for {sglang_api.SGLANG_REQUIREMENT}):\n  " + "\n  ".join(problems))
+        raise SGLangUnavailable(
+            f"the installed sglang {sglang_api.installed_version()} lacks names this backend "
+            f"uses (written for {sglang_api.SGLANG_REQUIREMENT}):\n  " + "\n  ".join(problems)
+        )
 
 
 class LentExtraction:
@@ -996,8 +1084,13 @@ class LentExtraction:
     def figures(self) -> dict[str, Any]:
         """The hand-off so far: batches and bytes through the slabs, rank 0's waits for a free one."""
         ring = self.pool.ring
-        return {**self.pool.stats, "slabs": ring.count, "slab_bytes": ring.layout.nbytes,
-                "copied_out": self.copied_out, "pinned": bool(self.pool.infos and self.pool.infos[0].get("handoff_pinned"))}
+        return {
+            **self.pool.stats,
+            "slabs": ring.count,
+            "slab_bytes": ring.layout.nbytes,
+            "copied_out": self.copied_out,
+            "pinned": bool(self.pool.infos and self.pool.infos[0].get("handoff_pinned")),
+        }
 
 
 class SGLangHiddenStates:
@@ -1009,12 +1102,22 @@ class SGLangHiddenStates:
 
     name = "sglang"
 
-    def __init__(self, model_path: str, *, tp_size: int = 8, layer_ids: list[int] | None = None,
-                 max_length: int = 32768, mem_fraction_static: float = 0.8,
-                 max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS,
-                 max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS, trust_remote_code: bool = True,
-                 start_timeout_s: float = 3600.0, batch_timeout_s: float = 1800.0, log_level: str = "warning",
-                 handoff_slabs: int = DEFAULT_HANDOFF_SLABS):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tp_size: int = 8,
+        layer_ids: list[int] | None = None,
+        max_length: int = 32768,
+        mem_fraction_static: float = 0.8,
+        max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS,
+        max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS,
+        trust_remote_code: bool = True,
+        start_timeout_s: float = 3600.0,
+        batch_timeout_s: float = 1800.0,
+        log_level: str = "warning",
+        handoff_slabs: int = DEFAULT_HANDOFF_SLABS,
+    ):
         check_forward_bounds(max_length, max_forward_tokens, max_forward_requests)
         preflight(tp_size)
         shape = read_text_shape(model_path)
@@ -1024,19 +1127,34 @@ class SGLangHiddenStates:
         self.layer_ids = list(layer_ids) if layer_ids is not None else eagle3_aux_layers(self.num_layers)
         rule = sglang_api.capture_rule()
         if rule is None:
-            raise SGLangUnavailable("cannot tell how this sglang reads EAGLE-3 layer ids "
-                                    f"({'.'.join(sglang_api.CAPTURE_SETTER)} changed)")
+            raise SGLangUnavailable(
+                f"cannot tell how this sglang reads EAGLE-3 layer ids ({'.'.join(sglang_api.CAPTURE_SETTER)} changed)"
+            )
         self.capture_rule = rule
         self.capture_argument = sglang_api.capture_argument(self.layer_ids, self.num_layers, rule)
-        spec = EngineSpec(model_path=self.model_path, tp_size=tp_size, capture_argument=tuple(self.capture_argument),
-                          capture_rule=rule, nccl_port=free_port(), max_length=max_length,
-                          mem_fraction_static=mem_fraction_static, max_forward_tokens=max_forward_tokens,
-                          max_forward_requests=max_forward_requests, trust_remote_code=trust_remote_code,
-                          log_level=log_level)
+        spec = EngineSpec(
+            model_path=self.model_path,
+            tp_size=tp_size,
+            capture_argument=tuple(self.capture_argument),
+            capture_rule=rule,
+            nccl_port=free_port(),
+            max_length=max_length,
+            mem_fraction_static=mem_fraction_static,
+            max_forward_tokens=max_forward_tokens,
+            max_forward_requests=max_forward_requests,
+            trust_remote_code=trust_remote_code,
+            log_level=log_level,
+        )
         # One slab holds one forward: max_forward_tokens rows of the packed aux layers and the final state.
         layout = SlabLayout(max_forward_tokens, len(self.layer_ids) * self.hidden_size, self.hidden_size)
-        self._pool = RankPool(tp_size, functools.partial(build_sglang_engine, spec), handoff=layout,
-                              slabs=handoff_slabs, start_timeout_s=start_timeout_s, batch_timeout_s=batch_timeout_s)
+        self._pool = RankPool(
+            tp_size,
+            functools.partial(build_sglang_engine, spec),
+            handoff=layout,
+            slabs=handoff_slabs,
+            start_timeout_s=start_timeout_s,
+            batch_timeout_s=batch_timeout_s,
+        )
         infos = self._pool.start()
         self.rank_info = infos[0]
         try:
@@ -1047,15 +1165,26 @@ class SGLangHiddenStates:
         self._extraction = LentExtraction(self._pool, self.limits)
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "layer_ids": self.layer_ids, "sglang_version": sglang_api.installed_version(),
-                "sglang_capture_argument": self.capture_argument, "sglang_capture_rule": self.capture_rule.value,
-                "tp_size": self.tp_size, "model_class": self.rank_info.get("model_class"),
-                "max_batch_tokens": self.limits.forward_tokens, "max_batch_requests": self.limits.max_requests,
-                "kv_pool_tokens": self.limits.max_tokens, "page_size": self.limits.page_size,
-                "max_length": self.limits.max_length, "dtype": "bfloat16",
-                "handoff_slabs": self._pool.ring.count, "handoff_slab_bytes": self._pool.ring.layout.nbytes,
-                "handoff_pinned": bool(self.rank_info.get("handoff_pinned"))}
+        return {
+            "backend": self.name,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "layer_ids": self.layer_ids,
+            "sglang_version": sglang_api.installed_version(),
+            "sglang_capture_argument": self.capture_argument,
+            "sglang_capture_rule": self.capture_rule.value,
+            "tp_size": self.tp_size,
+            "model_class": self.rank_info.get("model_class"),
+            "max_batch_tokens": self.limits.forward_tokens,
+            "max_batch_requests": self.limits.max_requests,
+            "kv_pool_tokens": self.limits.max_tokens,
+            "page_size": self.limits.page_size,
+            "max_length": self.limits.max_length,
+            "dtype": "bfloat16",
+            "handoff_slabs": self._pool.ring.count,
+            "handoff_slab_bytes": self._pool.ring.layout.nbytes,
+            "handoff_pinned": bool(self.rank_info.get("handoff_pinned")),
+        }
 
     def extract_batch(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows lent from the hand-off slabs: valid until the next call (see the class)."""

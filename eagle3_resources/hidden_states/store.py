@@ -109,7 +109,9 @@ class ShardPlan:
     key: str  # what the shard must contain: a committed shard with another key is redone
 
 
-def plan_shards(samples: Sequence[StoredSample], hidden_size: int, shard_bytes: int, identity: dict[str, Any]) -> list[ShardPlan]:
+def plan_shards(
+    samples: Sequence[StoredSample], hidden_size: int, shard_bytes: int, identity: dict[str, Any]
+) -> list[ShardPlan]:
     """Cut each group's samples, in order, into shards of about `shard_bytes` (a sample is never split).
 
     Deterministic in its inputs, so a resumed run plans the same shards; `identity` (target, layer
@@ -163,11 +165,26 @@ def shard_layout(plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int
     lengths = [len(r.input_ids) for r in rows]
     if sum(lengths) != T:
         raise ValueError(f"{plan.name}: the plan has {T} tokens, its samples {sum(lengths)}")
-    specs = [("aux_hidden_states", torch.bfloat16, (T, 3 * H)), ("final_hidden_state", torch.bfloat16, (T, H)),
-             ("offsets", torch.int64, (len(rows) + 1,)), ("input_ids", torch.int32, (T,)), ("loss_mask", torch.int8, (T,))]
+    specs = [
+        ("aux_hidden_states", torch.bfloat16, (T, 3 * H)),
+        ("final_hidden_state", torch.bfloat16, (T, H)),
+        ("offsets", torch.int64, (len(rows) + 1,)),
+        ("input_ids", torch.int32, (T,)),
+        ("loss_mask", torch.int8, (T,)),
+    ]
     # One metadata entry, its JSON written by us: the file's bytes, and so its checksum, are the same in every process.
-    header: dict[str, Any] = {"__metadata__": {"eagle3": json.dumps({
-        "format": FORMAT, "key": plan.key, "sample_ids": [r.sample_id for r in rows], "splits": [r.split for r in rows]})}}
+    header: dict[str, Any] = {
+        "__metadata__": {
+            "eagle3": json.dumps(
+                {
+                    "format": FORMAT,
+                    "key": plan.key,
+                    "sample_ids": [r.sample_id for r in rows],
+                    "splits": [r.split for r in rows],
+                }
+            )
+        }
+    }
     at, spans = 0, []
     for key, dtype, shape in specs:
         n = math.prod(shape) * dtype.itemsize
@@ -181,15 +198,19 @@ def shard_layout(plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    return ShardLayout(struct.pack("<Q", len(text)) + text, data_start + at,
-                       {key: (dtype, shape, data_start + off) for key, dtype, shape, off in spans}, tuple(offsets))
+    return ShardLayout(
+        struct.pack("<Q", len(text)) + text,
+        data_start + at,
+        {key: (dtype, shape, data_start + off) for key, dtype, shape, off in spans},
+        tuple(offsets),
+    )
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     """`nbytes` of host memory starting at an ALIGN boundary (O_DIRECT needs it); page-locked with `pin` (CUDA copies)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 class ShardImage:
@@ -208,15 +229,17 @@ class ShardImage:
     def view(self, key: str) -> torch.Tensor:
         dtype, shape, start = self.layout.tensors[key]
         n = math.prod(shape) * dtype.itemsize
-        return self.buffer[start:start + n].view(dtype).view(shape)
+        return self.buffer[start : start + n].view(dtype).view(shape)
 
-    def start(self, plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int, layout: ShardLayout | None = None) -> None:
+    def start(
+        self, plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int, layout: ShardLayout | None = None
+    ) -> None:
         """Lay out `plan` in the buffer and write everything but the states."""
         layout = layout or shard_layout(plan, rows, hidden_size)
         if padded_size(layout.size) > self.capacity:
             raise ValueError(f"{plan.name} needs {layout.size:,} bytes, the buffer has {self.capacity:,}")
         self.plan, self.layout = plan, layout
-        self.buffer[:len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        self.buffer[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
         self.view("offsets").copy_(torch.tensor(layout.row_offsets, dtype=torch.int64))
         ids, mask = self.view("input_ids"), self.view("loss_mask")
         for j, r in enumerate(rows):
@@ -246,8 +269,15 @@ def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
-def write_file(path: Path, data: memoryview, size: int | None = None, *, direct: bool = True,
-               chunk: int | None = None, checksum: str | None = CHECKSUM) -> tuple[str, bool]:
+def write_file(
+    path: Path,
+    data: memoryview,
+    size: int | None = None,
+    *,
+    direct: bool = True,
+    chunk: int | None = None,
+    checksum: str | None = CHECKSUM,
+) -> tuple[str, bool]:
     """Write data[:size] to `path` in `chunk`-sized sequential writes, hash each chunk right after its write
     with `checksum` (one of CHECKSUMS; both release the GIL, so several writers hash in parallel), fsync;
     return (the hex digest, whether O_DIRECT was used).
@@ -268,7 +298,7 @@ def write_file(path: Path, data: memoryview, size: int | None = None, *, direct:
             end = min(n, done + chunk)
             if direct:
                 try:
-                    wrote = os.pwrite(fd, data[done:padded_size(end)], done)
+                    wrote = os.pwrite(fd, data[done : padded_size(end)], done)
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
@@ -280,7 +310,7 @@ def write_file(path: Path, data: memoryview, size: int | None = None, *, direct:
                 wrote = os.pwrite(fd, data[done:end], done)
             good = min(wrote, n - done)
             if h is not None:
-                h.update(data[done:done + good])
+                h.update(data[done : done + good])
             done += good
         if os.fstat(fd).st_size != n:  # O_DIRECT wrote the tail padded
             os.ftruncate(fd, n)
@@ -341,8 +371,10 @@ def recorded_checksum(entry: dict[str, Any]) -> tuple[str, str]:
     for algorithm, hasher in CHECKSUMS.items():
         if algorithm in entry:
             if hasher is None:
-                raise RuntimeError(f"the manifest entry is checksummed with {algorithm}, which needs the xxhash "
-                                   "package: pip install xxhash (the project's install has it)")
+                raise RuntimeError(
+                    f"the manifest entry is checksummed with {algorithm}, which needs the xxhash "
+                    "package: pip install xxhash (the project's install has it)"
+                )
             return algorithm, entry[algorithm]
     raise ValueError(f"the manifest entry records none of the checksums {', '.join(CHECKSUMS)}: {sorted(entry)}")
 
@@ -378,8 +410,13 @@ class ShardCommitter:
         tmp = path.with_name(path.name + ".tmp")
         digest, _ = write_file(tmp, image.memory(), image.layout.size, direct=direct, checksum=CHECKSUM)
         os.replace(tmp, path)
-        return {"key": plan.key, CHECKSUM: digest, "bytes": image.layout.size,
-                "samples": len(image.layout.row_offsets) - 1, "tokens": plan.tokens}
+        return {
+            "key": plan.key,
+            CHECKSUM: digest,
+            "bytes": image.layout.size,
+            "samples": len(image.layout.row_offsets) - 1,
+            "tokens": plan.tokens,
+        }
 
     def record(self, name: str, entry: dict[str, Any]) -> None:
         """List the written shard `name` in the manifest; return once that manifest is durable (see the class)."""
@@ -434,8 +471,11 @@ def trusted_shards(root: Path, manifest: dict[str, Any], plans: Iterable[ShardPl
 def stale_shards(root: Path, manifest: dict[str, Any], plans: Iterable[ShardPlan]) -> dict[str, dict[str, Any]]:
     """Committed, intact shards the plan does not want as they are (other samples, target, layers or size)."""
     wanted = {p.name: p.key for p in plans}
-    return {name: entry for name, entry in manifest.get("shards", {}).items()
-            if wanted.get(name) != entry["key"] and intact(root, entry, name, verify=False)}
+    return {
+        name: entry
+        for name, entry in manifest.get("shards", {}).items()
+        if wanted.get(name) != entry["key"] and intact(root, entry, name, verify=False)
+    }
 
 
 def remove_untrusted(root: Path, manifest: dict[str, Any]) -> list[str]:
@@ -453,8 +493,15 @@ class ShardFile:
     """One shard, read by position: its safetensors header parsed once, then any row range of a tensor read with
     `os.preadv` into a tensor of its own (no mapping; see the module's docstring)."""
 
-    DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
-              "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+    DTYPES = {
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "F32": torch.float32,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+    }
 
     def __init__(self, path: Path):
         self.path, self.fd = path, -1

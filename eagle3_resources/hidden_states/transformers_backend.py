@@ -20,7 +20,11 @@ from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 
 def text_causal_lm(model):
     """The causal LM inside a multimodal wrapper (Kimi-K2.5 keeps its DeepseekV3 as `language_model`), or the model."""
-    for candidate in (model, getattr(model, "language_model", None), getattr(getattr(model, "model", None), "language_model", None)):
+    for candidate in (
+        model,
+        getattr(model, "language_model", None),
+        getattr(getattr(model, "model", None), "language_model", None),
+    ):
         if candidate is not None and hasattr(getattr(candidate, "model", None), "layers"):
             return candidate
     raise ValueError(f"{type(model).__name__} has no decoder layers at .model.layers or .language_model.model.layers")
@@ -43,9 +47,15 @@ class TransformersHiddenStates:
 
     def describe(self) -> dict[str, Any]:
         p = next(self.model.parameters())
-        return {"backend": self.name, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "device": str(self.device), "dtype": str(p.dtype).removeprefix("torch."),
-                "device_map": {str(k): str(v) for k, v in (getattr(self.model, "hf_device_map", None) or {}).items()} or None}
+        return {
+            "backend": self.name,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "device": str(self.device),
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "device_map": {str(k): str(v) for k, v in (getattr(self.model, "hf_device_map", None) or {}).items()}
+            or None,
+        }
 
     def padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(len(s) for s in sequences)

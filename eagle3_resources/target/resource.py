@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
 
 import dagster as dg
 from pydantic import Field
@@ -26,15 +25,24 @@ class TargetModelResource(dg.ConfigurableResource):
     The SGLang backends do not load weights here: they talk to a server that has them.
     """
 
-    path: Optional[str] = Field(default=None, description="HF model folder; unset = stand-in")
+    path: str | None = Field(default=None, description="HF model folder; unset = stand-in")
     standin_dir: str = Field(description="where the stand-in target is built and cached")
-    device: str = Field(default="auto", description="torch device for the transformers backends: `auto` = CUDA when "
-                        "present, else CPU; or `cpu`, `cuda`, `cuda:1`")
-    dtype: str = Field(default="auto", description="torch dtype for the transformers backends: `auto` = bfloat16 on CUDA, "
-                       "float32 on CPU; or any torch dtype name")
-    device_map: Optional[str] = Field(default=None, description="spread a target too large for one GPU over all visible "
-                                      "GPUs (`auto`, `balanced`, needs the `accelerate` package: the `[gpu]` extra); "
-                                      "unset = the whole model on `device`")
+    device: str = Field(
+        default="auto",
+        description="torch device for the transformers backends: `auto` = CUDA when "
+        "present, else CPU; or `cpu`, `cuda`, `cuda:1`",
+    )
+    dtype: str = Field(
+        default="auto",
+        description="torch dtype for the transformers backends: `auto` = bfloat16 on CUDA, "
+        "float32 on CPU; or any torch dtype name",
+    )
+    device_map: str | None = Field(
+        default=None,
+        description="spread a target too large for one GPU over all visible "
+        "GPUs (`auto`, `balanced`, needs the `accelerate` package: the `[gpu]` extra); "
+        "unset = the whole model on `device`",
+    )
 
     def resolved(self) -> tuple[str, str]:
         """(device, dtype) with `auto` decided for this host."""
@@ -63,7 +71,9 @@ class TargetModelResource(dg.ConfigurableResource):
         with _lock:
             if key not in _models:
                 if self.device_map:
-                    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=self.device_map)
+                    model = AutoModelForCausalLM.from_pretrained(
+                        folder, dtype=getattr(torch, dtype), device_map=self.device_map
+                    )
                 else:
                     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
                 log(f"target {folder.name} loaded on {self.device_map or device} in {dtype}")

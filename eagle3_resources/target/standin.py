@@ -128,7 +128,12 @@ def fixed_torch_threads(n: int) -> Iterator[None]:
 
 
 def fit(
-    model, seqs: list[tuple[list[int], int]], pad_id: int, *, steps: int, log: Callable[[str], None],
+    model,
+    seqs: list[tuple[list[int], int]],
+    pad_id: int,
+    *,
+    steps: int,
+    log: Callable[[str], None],
     long_seqs: list[tuple[list[int], int]] = (),
 ) -> list[float]:
     """Fit the completions of `seqs` (not their prompts) with the exact full-vocabulary loss.
@@ -157,7 +162,11 @@ def fit(
     losses = []
     started = time.monotonic()
     for step in range(steps):
-        pool, size = (long_seqs, FIT_LONG_BATCH) if long_seqs and step % FIT_LONG_EVERY == FIT_LONG_EVERY // 2 else (seqs, FIT_BATCH)
+        pool, size = (
+            (long_seqs, FIT_LONG_BATCH)
+            if long_seqs and step % FIT_LONG_EVERY == FIT_LONG_EVERY // 2
+            else (seqs, FIT_BATCH)
+        )
         batch = [pool[i] for i in torch.randint(len(pool), (size,), generator=gen).tolist()]
         width = max(len(s) for s, _ in batch)
         ids = torch.full((len(batch), width), pad_id)
@@ -184,7 +193,9 @@ def fit(
         sched.step()
         losses.append(loss.item())
         if step % 40 == 0 or step == steps - 1:
-            log(f"stand-in target fit step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)")
+            log(
+                f"stand-in target fit step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)"
+            )
     with torch.no_grad():
         head[keep] = head_used
         head[~keep] = unused_row
@@ -202,7 +213,11 @@ def fingerprint(tokenizer_folder: Path) -> str:
 
 
 def build_standin_target(
-    out_dir: Path, tokenizer: KimiTokenizer, texts: Iterable[str], *, steps: int = FIT_STEPS,
+    out_dir: Path,
+    tokenizer: KimiTokenizer,
+    texts: Iterable[str],
+    *,
+    steps: int = FIT_STEPS,
     log: Callable[[str], None] = print,
 ) -> Path:
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
@@ -211,7 +226,9 @@ def build_standin_target(
     seqs = fitting_sequences(tokenizer, texts)
     long_seqs = [s for s in fitting_sequences(tokenizer, texts, FIT_LONG_PROMPT_TOKENS) if s[1] > FIT_LONG_MIN]
     with fixed_torch_threads(FIT_THREADS):
-        log(f"torch threads for the stand-in target's fit: {FIT_THREADS} (fixed: the fitted weights must not depend on the load)")
+        log(
+            f"torch threads for the stand-in target's fit: {FIT_THREADS} (fixed: the fitted weights must not depend on the load)"
+        )
         torch.manual_seed(SEED)
         model = DeepseekV3ForCausalLM(standin_config(tokenizer))
         losses = fit(model, seqs, tokenizer.token_id(PAD), steps=steps, log=log, long_seqs=long_seqs)
@@ -227,8 +244,14 @@ def build_standin_target(
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / "standin.json").write_text(
             json.dumps(
-                {"seed": SEED, "fit_steps": steps, "fit_sequences": len(seqs), "first_loss": losses[0],
-                 "final_loss": losses[-1], "tokenizer": str(tokenizer.folder)},
+                {
+                    "seed": SEED,
+                    "fit_steps": steps,
+                    "fit_sequences": len(seqs),
+                    "first_loss": losses[0],
+                    "final_loss": losses[-1],
+                    "tokenizer": str(tokenizer.folder),
+                },
                 indent=2,
             )
         )

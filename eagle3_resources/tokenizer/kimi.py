@@ -161,9 +161,7 @@ class KimiTokenizer:
         mismatches = self.check_special_tokens(expected)
         if mismatches:
             lines = "\n  ".join(str(m) for m in mismatches)
-            raise TokenizerFolderError(
-                f"{self.folder}: special tokens do not match the Kimi-K2.x layout:\n  {lines}"
-            )
+            raise TokenizerFolderError(f"{self.folder}: special tokens do not match the Kimi-K2.x layout:\n  {lines}")
 
     def check_special_tokens(self, expected: dict[str, int]) -> list[SpecialTokenMismatch]:
         """Every expected token that is absent or at another id (media tokens only if present)."""

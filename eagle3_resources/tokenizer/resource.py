@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Optional
 
 import dagster as dg
 from pydantic import Field
@@ -43,13 +42,16 @@ class TokenizerResource(dg.ConfigurableResource):
     checked against its Kimi id at load.
     """
 
-    path: Optional[str] = Field(default=None, description="Kimi tokenizer folder; unset = stand-in")
+    path: str | None = Field(default=None, description="Kimi tokenizer folder; unset = stand-in")
     standin_dir: str = Field(description="where the stand-in tokenizer is built and cached")
     standin_corpus: str = Field(default="data/prompts", description="JSON Lines files the stand-in BPE is trained on")
     template_version: TemplateVersion = Field(
-        default=TemplateVersion.K2_5, description="k2.5 (TypeScript tool declaration, K2.5/K2.6) or k2 (JSON, K2/K2-Thinking)"
+        default=TemplateVersion.K2_5,
+        description="k2.5 (TypeScript tool declaration, K2.5/K2.6) or k2 (JSON, K2/K2-Thinking)",
     )
-    thinking: bool = Field(default=True, description="generation prompt ends in `<think>` (on) or `<think></think>` (off)")
+    thinking: bool = Field(
+        default=True, description="generation prompt ends in `<think>` (on) or `<think></think>` (off)"
+    )
 
     def folder(self) -> Path:
         if self.path:

@@ -126,7 +126,14 @@ def build_standin_tokenizer(out_dir: Path, corpus_files: list[Path]) -> Path:
     config = {
         "tokenizer_class": "TikTokenTokenizer",
         "added_tokens_decoder": {
-            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for t, i in sorted(KIMI_SPECIAL_TOKENS.items(), key=lambda kv: kv[1])
         },
         "bos_token": BOS,

@@ -225,7 +225,11 @@ def function_to_typescript(function: dict[str, Any]) -> str:
     name = function.get("name", "function")
     signature = "parameters" if refs.self_ref else params.ts()
     description = function.get("description")
-    parts = ["\n".join(interfaces), comment(description) if description else "", f"type {name} = (_: {signature}) => any;"]
+    parts = [
+        "\n".join(interfaces),
+        comment(description) if description else "",
+        f"type {name} = (_: {signature}) => any;",
+    ]
     return "\n".join(p for p in parts if p)
 
 

@@ -73,9 +73,18 @@ def make_app(root: str | Path) -> web.Application:
             rel = p.relative_to(repo).as_posix()
             if p.is_file():
                 data = p.read_bytes()  # oid: the git blob sha1, as the hub gives
-                entries.append({"type": "file", "path": rel, "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), "size": len(data)})
+                entries.append(
+                    {
+                        "type": "file",
+                        "path": rel,
+                        "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+                        "size": len(data),
+                    }
+                )
             elif p.is_dir():
-                entries.append({"type": "directory", "path": rel, "oid": hashlib.sha1(rel.encode()).hexdigest(), "size": 0})
+                entries.append(
+                    {"type": "directory", "path": rel, "oid": hashlib.sha1(rel.encode()).hexdigest(), "size": 0}
+                )
         return web.json_response(entries)
 
     async def info(request: web.Request) -> web.Response:

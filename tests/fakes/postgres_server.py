@@ -51,19 +51,62 @@ class PostgresServer:
             entry = pwd.getpwnam(self.user)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
         env = dict(os.environ, LC_ALL="C.UTF-8", LANG="C.UTF-8")
-        subprocess.run([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                        "-E", "UTF8", "--no-sync"], check=True, capture_output=True, env=env, cwd=self.root,
-                       timeout=300, **self._as_server_user())
+        subprocess.run(
+            [
+                str(self.bin / "initdb"),
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            env=env,
+            cwd=self.root,
+            timeout=300,
+            **self._as_server_user(),
+        )
         # fsync off: a test database need not survive a power cut. Unix socket in our folder, not /var/run.
-        cmd = [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port), "-c", "listen_addresses=127.0.0.1",
-               "-c", f"unix_socket_directories={self.root}", "-c", "fsync=off", "-c", "synchronous_commit=off",
-               "-c", "full_page_writes=off", "-c", "max_connections=300"]
+        cmd = [
+            str(self.bin / "postgres"),
+            "-D",
+            str(self.data),
+            "-p",
+            str(self.port),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            f"unix_socket_directories={self.root}",
+            "-c",
+            "fsync=off",
+            "-c",
+            "synchronous_commit=off",
+            "-c",
+            "full_page_writes=off",
+            "-c",
+            "max_connections=300",
+        ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root,
-                                         start_new_session=True, **self._as_server_user())
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.root,
+                start_new_session=True,
+                **self._as_server_user(),
+            )
         try:
-            wait_for(lambda: self.proc.poll() is not None or (port_open(self.port) and self._accepts()), 120,
-                     "PostgreSQL to accept connections", every=0.2)
+            wait_for(
+                lambda: self.proc.poll() is not None or (port_open(self.port) and self._accepts()),
+                120,
+                "PostgreSQL to accept connections",
+                every=0.2,
+            )
         except AssertionError:
             self.stop()
             raise

@@ -32,8 +32,15 @@ class EchoEngine:
     `exit_on_batch_with`: rank 0 exits (os._exit) in the middle of a batch holding that token.
     """
 
-    def __init__(self, rank: int, world_size: int, fail_on_batch_with: int | None, die_on_start: bool,
-                 delay_s: float = 0.0, exit_on_batch_with: int | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        fail_on_batch_with: int | None,
+        die_on_start: bool,
+        delay_s: float = 0.0,
+        exit_on_batch_with: int | None = None,
+    ):
         if die_on_start and rank == world_size - 1:
             os._exit(3)
         self.rank, self.world_size = rank, world_size
@@ -58,6 +65,13 @@ class EchoEngine:
         return echo_rows(sequences)
 
 
-def echo_engine(rank: int, world_size: int, *, fail_on_batch_with: int | None = None, die_on_start: bool = False,
-                delay_s: float = 0.0, exit_on_batch_with: int | None = None):
+def echo_engine(
+    rank: int,
+    world_size: int,
+    *,
+    fail_on_batch_with: int | None = None,
+    die_on_start: bool = False,
+    delay_s: float = 0.0,
+    exit_on_batch_with: int | None = None,
+):
     return EchoEngine(rank, world_size, fail_on_batch_with, die_on_start, delay_s, exit_on_batch_with)

@@ -1,6 +1,5 @@
 """`completions`: the target's answer to every prompt, journaled as it arrives."""
 
-
 import asyncio
 import time
 from contextlib import contextmanager
@@ -55,27 +54,55 @@ STOP_MODES = ("drain", "cancel")
 class CompletionsConfig(SamplingSettings):
     """Request settings and spend limits of this run (recorded with the materialization)."""
 
-    max_tokens: int | None = Field(default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise")
-    max_run_usd: float | None = Field(default=None, description="dollar cap for this run, all its datasets and pilots "
-                                         "together (with EAGLE3_MAX_RUN_USD, the tighter holds): never overshot")
-    max_total_usd: float | None = Field(default=None, description="dollar cap for the whole ledger: every partition, every run")
+    max_tokens: int | None = Field(
+        default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise"
+    )
+    max_run_usd: float | None = Field(
+        default=None,
+        description="dollar cap for this run, all its datasets and pilots "
+        "together (with EAGLE3_MAX_RUN_USD, the tighter holds): never overshot",
+    )
+    max_total_usd: float | None = Field(
+        default=None, description="dollar cap for the whole ledger: every partition, every run"
+    )
     on_cap: str = Field(default="finish", description='in-flight requests when a cap is reached: "finish" or "cancel"')
-    on_terminate: str = Field(default="cancel", description='in-flight requests when the run is terminated (UI, SIGTERM, '
-                              'Ctrl-C): "cancel" (their streams stop; the prompts are sent again later, partial bills '
-                              'included) or "drain" (they finish and are kept; a second stop cancels)')
-    pilot_size: int = Field(default=8, description="prompts of a partition sent first; the rest waits for the pilot's "
-                            "blocking checks (shape, billed counts, prices) and its cost projection (0: no pilot)")
-    usd_per_m_prompt_tokens: float | None = Field(default=None, description="price override; unset: read from the API "
-                                                     "(/models/{model}/endpoints, the highest price the routing allows)")
-    usd_per_m_completion_tokens: float | None = Field(default=None, description="price override (see usd_per_m_prompt_tokens)")
-    price_tolerance: float = Field(default=0.05, description="the pilot's bills may differ from the listed prices by this "
-                                   "share; beyond it the run stops before the rest is sent")
-    max_projected_usd: float | None = Field(default=None, description="stop after the pilot when the rest of a partition "
-                                               "is projected to cost more than this")
-    resend_unsettled: bool = Field(default=False, description="send a prompt again although an earlier attempt of it has no "
-                                   "bill yet (it may be paid twice)")
-    unsettled_wait_s: float = Field(default=60.0, description="how long a retry waits for the bill of the attempt before it "
-                                    "(a cut stream) before the prompt is deferred to a later run")
+    on_terminate: str = Field(
+        default="cancel",
+        description="in-flight requests when the run is terminated (UI, SIGTERM, "
+        'Ctrl-C): "cancel" (their streams stop; the prompts are sent again later, partial bills '
+        'included) or "drain" (they finish and are kept; a second stop cancels)',
+    )
+    pilot_size: int = Field(
+        default=8,
+        description="prompts of a partition sent first; the rest waits for the pilot's "
+        "blocking checks (shape, billed counts, prices) and its cost projection (0: no pilot)",
+    )
+    usd_per_m_prompt_tokens: float | None = Field(
+        default=None,
+        description="price override; unset: read from the API "
+        "(/models/{model}/endpoints, the highest price the routing allows)",
+    )
+    usd_per_m_completion_tokens: float | None = Field(
+        default=None, description="price override (see usd_per_m_prompt_tokens)"
+    )
+    price_tolerance: float = Field(
+        default=0.05,
+        description="the pilot's bills may differ from the listed prices by this "
+        "share; beyond it the run stops before the rest is sent",
+    )
+    max_projected_usd: float | None = Field(
+        default=None,
+        description="stop after the pilot when the rest of a partition is projected to cost more than this",
+    )
+    resend_unsettled: bool = Field(
+        default=False,
+        description="send a prompt again although an earlier attempt of it has no bill yet (it may be paid twice)",
+    )
+    unsettled_wait_s: float = Field(
+        default=60.0,
+        description="how long a retry waits for the bill of the attempt before it "
+        "(a cut stream) before the prompt is deferred to a later run",
+    )
 
     def settings(self, backend: BackendKind) -> SamplingSettings:
         max_tokens = self.max_tokens or (LOCAL_MAX_TOKENS if backend is BackendKind.LOCAL else REMOTE_MAX_TOKENS)
@@ -87,14 +114,20 @@ class CompletionsConfig(SamplingSettings):
         policy in every admission, so spending stops even when no sensor daemon runs."""
         if self.on_terminate not in STOP_MODES:
             raise ValueError(f'on_terminate must be "drain" or "cancel", not {self.on_terminate!r}')
-        return Caps(token_budget=token_budget, run_usd=tighter(self.max_run_usd, thresholds["max_run_usd"]),
-                    total_usd=tighter(self.max_total_usd, thresholds["max_total_usd"]), day_usd=thresholds["max_day_usd"],
-                    on_cap=self.on_cap)
+        return Caps(
+            token_budget=token_budget,
+            run_usd=tighter(self.max_run_usd, thresholds["max_run_usd"]),
+            total_usd=tighter(self.max_total_usd, thresholds["max_total_usd"]),
+            day_usd=thresholds["max_day_usd"],
+            on_cap=self.on_cap,
+        )
 
     def price_sheet(self, backend: BackendKind, make_account, settings: SamplingSettings) -> PriceSheet | None:
         """Where admission's prices come from: the run config, else the API; None for a backend that bills nothing."""
         if self.usd_per_m_prompt_tokens is not None or self.usd_per_m_completion_tokens is not None:
-            return configured(settings.model, self.usd_per_m_prompt_tokens or 0.0, self.usd_per_m_completion_tokens or 0.0)
+            return configured(
+                settings.model, self.usd_per_m_prompt_tokens or 0.0, self.usd_per_m_completion_tokens or 0.0
+            )
         if backend is not BackendKind.OPENROUTER:
             return None
 
@@ -104,11 +137,16 @@ class CompletionsConfig(SamplingSettings):
 
         sheet = asyncio.run(fetch())
         if sheet is None:
-            raise dg.Failure(description=f"no price list for {settings.model} at this API (/models and /models/{settings.model}"
-                             "/endpoints): set usd_per_m_prompt_tokens and usd_per_m_completion_tokens in the run config")
+            raise dg.Failure(
+                description=f"no price list for {settings.model} at this API (/models and /models/{settings.model}"
+                "/endpoints): set usd_per_m_prompt_tokens and usd_per_m_completion_tokens in the run config"
+            )
         if not sheet.endpoints:
-            raise dg.Failure(description=f"the provider routing leaves no endpoint for {settings.model}: "
-                             + "; ".join(sheet.excluded), metadata={"prices": json_value(sheet.describe())})
+            raise dg.Failure(
+                description=f"the provider routing leaves no endpoint for {settings.model}: "
+                + "; ".join(sheet.excluded),
+                metadata={"prices": json_value(sheet.describe())},
+            )
         return sheet
 
 
@@ -143,17 +181,24 @@ def completions(
     ledger = open_ledger(store.layout)
     hold = get_hold(ledger)
     if hold:
-        raise dg.Failure(description="spending is on hold: " + "; ".join(hold["reasons"]) + ". Lift it with `eagle3 hold lift` "
-                         "(or the lift_spend_hold job), or raise the threshold.", metadata={"hold": json_value(hold)})
+        raise dg.Failure(
+            description="spending is on hold: " + "; ".join(hold["reasons"]) + ". Lift it with `eagle3 hold lift` "
+            "(or the lift_spend_hold job), or raise the threshold.",
+            metadata={"hold": json_value(hold)},
+        )
     tok = tokenizer.load()
     kind = completions_backend.backend_kind()
     settings = config.settings(kind)
-    backend = completions_backend.make_backend(tok, lambda: target.load_model(tokenizer, context.log.info), context.log.info)
+    backend = completions_backend.make_backend(
+        tok, lambda: target.load_model(tokenizer, context.log.info), context.log.info
+    )
     sheet = config.price_sheet(kind, getattr(backend, "account", None), settings)
     pricing = sheet.pricing() if sheet else Pricing(source="free backend")
     if sheet:
-        context.log.info(f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
-                         f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)")
+        context.log.info(
+            f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
+            f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)"
+        )
     thresholds = spend_policy.thresholds()
     metadata, outcomes, pilots, projections = {}, {}, {}, {}
     for key in context.partition_keys:
@@ -162,17 +207,32 @@ def completions(
         if spec.sample_cap is not None and prompts.height > spec.sample_cap:
             context.log.info(f"{key}: sample cap {spec.sample_cap} of {prompts.height} prompts")
             prompts = prompts.head(spec.sample_cap)
-        requests = build_requests(prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools)
+        requests = build_requests(
+            prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools
+        )
         journal = store.layout.completions_journal(key)
         caps = config.caps(spec.token_budget, thresholds)
 
         def complete(batch, key=key, journal=journal, caps=caps) -> CompletionsRun:
-            return run_completions(key, batch, backend, settings, journal, ledger=ledger, caps=caps, pricing=pricing,
-                                   log=context.log.info, run_id=context.run_id,
-                                   halt=lambda: cancelling(context.instance, context.run_id),
-                                   hold_mode=spend_policy.hold_action, on_terminate=config.on_terminate,
-                                   resend_unsettled=config.resend_unsettled, unsettled_wait_s=config.unsettled_wait_s,
-                                   horizon_s=spend_policy.horizon_s, on_progress=live_progress(context, key))
+            return run_completions(
+                key,
+                batch,
+                backend,
+                settings,
+                journal,
+                ledger=ledger,
+                caps=caps,
+                pricing=pricing,
+                log=context.log.info,
+                run_id=context.run_id,
+                halt=lambda: cancelling(context.instance, context.run_id),
+                hold_mode=spend_policy.hold_action,
+                on_terminate=config.on_terminate,
+                resend_unsettled=config.resend_unsettled,
+                unsettled_wait_s=config.unsettled_wait_s,
+                horizon_s=spend_policy.horizon_s,
+                on_progress=live_progress(context, key),
+            )
 
         with dataset_lock(journal, context.run_id):
             try:
@@ -184,42 +244,81 @@ def completions(
                     context.log.info(f"{key}: pilot of {len(batch)} prompts before the rest")
                     pilot_run = complete(batch)
                     sent.append(("pilot", pilot_run))
-                    if pilot_run.stopped_by:  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
+                    if (
+                        pilot_run.stopped_by
+                    ):  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
                         run = pilot_run
-                        pilots[key] = CheckOutcome(False, f"pilot cut short ({run.stopped_by}); it runs again on the next "
-                                                   "materialization", {"sent": run.sent})
+                        pilots[key] = CheckOutcome(
+                            False,
+                            f"pilot cut short ({run.stopped_by}); it runs again on the next materialization",
+                            {"sent": run.sent},
+                        )
                     else:
                         pilot_frame = completions_frame(key, batch, journal, prompts)
                         prices = check_billed(pilot_frame, sheet, config.price_tolerance) if sheet else None
                         pilots[key] = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok), prices)
                         with Journal(journal) as j:
-                            j.append({"type": "pilot", "run_id": context.run_id, "t": time.time(), "passed": pilots[key].passed,
-                                      "description": pilots[key].description, "n": len(batch)})
+                            j.append(
+                                {
+                                    "type": "pilot",
+                                    "run_id": context.run_id,
+                                    "t": time.time(),
+                                    "passed": pilots[key].passed,
+                                    "description": pilots[key].description,
+                                    "n": len(batch),
+                                }
+                            )
                         if pilots[key].passed:
-                            projections[key] = _projection(context, key, pilot_frame, requests, journal, pricing, settings, caps,
-                                                           ledger, completions_backend, backend)
+                            projections[key] = _projection(
+                                context,
+                                key,
+                                pilot_frame,
+                                requests,
+                                journal,
+                                pricing,
+                                settings,
+                                caps,
+                                ledger,
+                                completions_backend,
+                                backend,
+                            )
                     context.log.info(f"{key}: {pilots[key].description}")
                 if key not in pilots or pilots[key].passed:
-                    over = projections.get(key) and config.max_projected_usd is not None \
+                    over = (
+                        projections.get(key)
+                        and config.max_projected_usd is not None
                         and projections[key].usd > config.max_projected_usd
+                    )
                     if over:
-                        raise dg.Failure(description=f"{projections[key].line(key)}: more than max_projected_usd "
-                                         f"${config.max_projected_usd:,.2f}. Nothing more was sent; raise the limit to go on.",
-                                         metadata={"projection": json_value(projections[key].as_dict())})
+                        raise dg.Failure(
+                            description=f"{projections[key].line(key)}: more than max_projected_usd "
+                            f"${config.max_projected_usd:,.2f}. Nothing more was sent; raise the limit to go on.",
+                            metadata={"projection": json_value(projections[key].as_dict())},
+                        )
                     run = complete(requests)
                     sent.append(("rest", run))
             except RunFatalError as e:
-                raise operator_failure(e, before=f"{key}: ", after=f". Every finished response is in {journal}; fix the "
-                                       "cause and re-materialize to resume.") from e
+                raise operator_failure(
+                    e,
+                    before=f"{key}: ",
+                    after=f". Every finished response is in {journal}; fix the cause and re-materialize to resume.",
+                ) from e
         df = completions_frame(key, requests, journal, prompts)
         path = store.layout.ensure(store.layout.completions(key))
         df.write_parquet(path)
         if run is not None and (run.stopped_by or "").startswith(HALTED):
-            raise dg.Failure(description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
-                             f"is in {journal}; re-materialize to resume once the hold is lifted.")
+            raise dg.Failure(
+                description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
+                f"is in {journal}; re-materialize to resume once the hold is lifted."
+            )
         summary = run_summary(key, sent, None if key not in pilots or pilots[key].passed else "pilot failed")
-        outcomes[key] = {**per_dataset(COMPLETION_CHECKS, {key: df})[key], PILOT_CHECK: pilots.get(key) or CheckOutcome(
-            True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run"))}
+        outcomes[key] = {
+            **per_dataset(COMPLETION_CHECKS, {key: df})[key],
+            PILOT_CHECK: pilots.get(key)
+            or CheckOutcome(
+                True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run")
+            ),
+        }
         metadata[key] = {
             **completions_figures(df, summary, ledger.read(L.scope, f"dataset:{key}")),
             "backend": json_value({**backend.describe(), "settings_from": completions_backend.sources()}),
@@ -229,7 +328,9 @@ def completions(
             "run": json_value(summary),
             "path": path_value(path),
             "journal": path_value(journal),
-            "preview": markdown_table(df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]),
+            "preview": markdown_table(
+                df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]
+            ),
         }
     yield from per_dataset_results(context, metadata, CHECKS, outcomes)
 
@@ -250,13 +351,26 @@ def run_summary(dataset: str, sent: list, stopped_by: str | None) -> dict:
 
 def live_progress(context: dg.AssetExecutionContext, dataset: str):
     """Progress as it happens, on the asset's page: an observation of the partition at each progress report."""
+
     def observe(figures: dict) -> None:
         eta = "-" if figures["eta_s"] is None else f"{figures['eta_s'] / 60:.1f} min"
-        line = (f"{figures['done']}/{figures['total']} done, {figures['requests_per_s']:.2f} req/s, "
-                f"{figures['completion_tokens']:,} completion tokens, ${figures['billed_usd']:.4f}, ETA {eta}")
-        context.log_event(dg.AssetObservation(
-            asset_key=context.assets_def.key, partition=dataset, description=f"progress of run {context.run_id[:8]}",
-            metadata={"progress": line, **{k: v for k, v in figures.items() if v is not None}, "run_id": context.run_id}))
+        line = (
+            f"{figures['done']}/{figures['total']} done, {figures['requests_per_s']:.2f} req/s, "
+            f"{figures['completion_tokens']:,} completion tokens, ${figures['billed_usd']:.4f}, ETA {eta}"
+        )
+        context.log_event(
+            dg.AssetObservation(
+                asset_key=context.assets_def.key,
+                partition=dataset,
+                description=f"progress of run {context.run_id[:8]}",
+                metadata={
+                    "progress": line,
+                    **{k: v for k, v in figures.items() if v is not None},
+                    "run_id": context.run_id,
+                },
+            )
+        )
+
     return observe
 
 
@@ -308,8 +422,15 @@ def _projection(context, key, pilot_frame, requests, journal, pricing, settings,
         budget_left = caps.token_budget - ledger.read(L.scope, f"dataset:{key}").committed_tokens
     rate = getattr(backend, "rate", None)
     max_rps = rate.limit / rate.window_s if rate is not None and rate.limit and rate.window_s else None
-    projection = project(pilot_frame, remaining, pricing=pricing, max_tokens=settings.max_tokens, token_budget_left=budget_left,
-                         concurrency=resource.concurrency, max_rps=max_rps)
+    projection = project(
+        pilot_frame,
+        remaining,
+        pricing=pricing,
+        max_tokens=settings.max_tokens,
+        token_budget_left=budget_left,
+        concurrency=resource.concurrency,
+        max_rps=max_rps,
+    )
     context.log.info(projection.line(key))
     with Journal(journal) as j:
         j.append({"type": "projection", "run_id": context.run_id, "t": time.time(), **projection.as_dict()})

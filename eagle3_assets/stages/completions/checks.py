@@ -17,7 +17,11 @@ def complete(df: pl.DataFrame) -> CheckOutcome:
     return CheckOutcome(
         pending.height == 0,
         f"{df.height - pending.height} of {df.height} prompts have a final outcome"
-        + ("" if pending.height == 0 else f"; {pending.height} still to send (a cap or a stop; re-materialize to resume)"),
+        + (
+            ""
+            if pending.height == 0
+            else f"; {pending.height} still to send (a cap or a stop; re-materialize to resume)"
+        ),
         {"rows": df.height, "pending": pending.height, "examples": sample_ids(pending)},
     )
 
@@ -32,8 +36,12 @@ def error_rate(df: pl.DataFrame, limit: float = MAX_ERROR_SHARE) -> CheckOutcome
     return CheckOutcome(
         share <= limit,
         f"{failed.height} of {final.height} completions failed ({100 * share:.1f}%, limit {100 * limit:.0f}%)",
-        {"failed": failed.height, "share_pct": round(100 * share, 2), "by_code_and_provider": {f"{c}@{p}": n for c, p, n in by_code},
-         "examples": sample_ids(failed)},
+        {
+            "failed": failed.height,
+            "share_pct": round(100 * share, 2),
+            "by_code_and_provider": {f"{c}@{p}": n for c, p, n in by_code},
+            "examples": sample_ids(failed),
+        },
     )
 
 
@@ -60,8 +68,11 @@ def no_duplicates(df: pl.DataFrame) -> CheckOutcome:
     return CheckOutcome(
         dup_prompts.height == 0 and dup_answers.height == 0,
         f"{dup_prompts.height} prompts and {dup_answers.height} completions are duplicates",
-        {"duplicate_prompts": dup_prompts.height, "duplicate_completions": dup_answers.height,
-         "examples": sample_ids(dup_prompts) + sample_ids(dup_answers)},
+        {
+            "duplicate_prompts": dup_prompts.height,
+            "duplicate_completions": dup_answers.height,
+            "examples": sample_ids(dup_prompts) + sample_ids(dup_answers),
+        },
     )
 
 

@@ -45,7 +45,11 @@ def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame, prices: Pr
     if off.height:
         problems.append(
             f"the provider counted a different prompt than we render for {off.height} of {billed_prompt.height} prompts"
-            + (f" ({tools_off.height} with tools: they reach the model differently than we declare them)" if tools_off.height else "")
+            + (
+                f" ({tools_off.height} with tools: they reach the model differently than we declare them)"
+                if tools_off.height
+                else ""
+            )
         )
     billed = token_ids.filter(pl.col("billed_completion_tokens").is_not_null())
     total = int(billed["billed_completion_tokens"].sum() or 0)
@@ -55,11 +59,16 @@ def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame, prices: Pr
     return CheckOutcome(
         not problems,
         "pilot passed: the data has the expected shape" if not problems else "pilot failed: " + "; ".join(problems),
-        {"pilot_requests": final.height, "ok": ok.height,
-         "ok_with_final_answer": answered.height,  # an answer after `</think>`, or a tool call (needed: MIN_ANSWER_SHARE)
-         "min_share_with_final_answer": MIN_ANSWER_SHARE, "prompt_count_mismatches": off.height,
-         "completion_token_diff": diff, "counted_completion_tokens": total,  # billed, or reported by a free backend
-         "problems": problems,
-         **({"prices": prices.figures()} if prices is not None else {}),
-         "examples": sample_ids(off) if off.height else sample_ids(final.filter(pl.col("status") != "ok"))},
+        {
+            "pilot_requests": final.height,
+            "ok": ok.height,
+            "ok_with_final_answer": answered.height,  # an answer after `</think>`, or a tool call (needed: MIN_ANSWER_SHARE)
+            "min_share_with_final_answer": MIN_ANSWER_SHARE,
+            "prompt_count_mismatches": off.height,
+            "completion_token_diff": diff,
+            "counted_completion_tokens": total,  # billed, or reported by a free backend
+            "problems": problems,
+            **({"prices": prices.figures()} if prices is not None else {}),
+            "examples": sample_ids(off) if off.height else sample_ids(final.filter(pl.col("status") != "ok")),
+        },
     )

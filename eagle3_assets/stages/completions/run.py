@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import polars as pl
 
@@ -57,8 +57,10 @@ def partition_lock(journal: Path, run_id: str, *, wait: bool = False):
             fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             f.seek(0)
-            raise DatasetBusy(f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
-                              "one spending run per dataset at a time") from None
+            raise DatasetBusy(
+                f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
+                "one spending run per dataset at a time"
+            ) from None
         f.seek(0)
         f.truncate()
         f.write(run_id)
@@ -84,7 +86,12 @@ def recover_idle_datasets(layout: DataLayout, ledger: SpendLedger, *, free: bool
 
 
 def build_requests(
-    prompts: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool, *, send_tools: bool = True
+    prompts: pl.DataFrame,
+    tokenizer: KimiTokenizer,
+    version: TemplateVersion,
+    thinking: bool,
+    *,
+    send_tools: bool = True,
 ) -> list[CompletionRequest]:
     """Requests in prompt-file order, each with the prompt ids the target will see.
 
@@ -100,13 +107,17 @@ def build_requests(
         prompts = prompts.with_columns(tools_json=pl.lit(None, pl.String))
     ids = rendered_prompt_ids(prompts, tokenizer, version, thinking)
     out = []
-    for (pid, m, t), prompt, had in zip(prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids, had_tools):
+    for (pid, m, t), prompt, had in zip(
+        prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids, had_tools
+    ):
         how = "tools_field" if t else "omitted" if had else "none"
         out.append(CompletionRequest(pid, json.loads(m), json.loads(t) if t else None, prompt, tools_in_request=how))
     return out
 
 
-def final_results(journal_path: Path, contents: JournalContents | None = None) -> tuple[dict[str, dict[str, Any]], bool]:
+def final_results(
+    journal_path: Path, contents: JournalContents | None = None
+) -> tuple[dict[str, dict[str, Any]], bool]:
     """The final outcome recorded for each prompt, and whether a torn last record was skipped."""
     contents = contents if contents is not None else read_journal(journal_path)
     done = {}
@@ -149,11 +160,17 @@ class Progress:
         done = self.already_done + self.finished
         remaining = max(0, self.total - done)
         return {
-            "done": done, "total": self.total, "done_before": self.already_done, "this_run": self.finished,
-            "ok": self.counts["ok"], "truncated": self.counts["truncated"],
+            "done": done,
+            "total": self.total,
+            "done_before": self.already_done,
+            "this_run": self.finished,
+            "ok": self.counts["ok"],
+            "truncated": self.counts["truncated"],
             "errors": self.counts["failed"] + sum(self.counts[s] for s in RETRY_LATER_STATUSES),
-            "requests_per_s": round(rate, 3), "completion_tokens": self.completion_tokens,
-            "billed_usd": round(self.spent(), 6), "eta_s": round(remaining / rate, 1) if rate > 0 else None,
+            "requests_per_s": round(rate, 3),
+            "completion_tokens": self.completion_tokens,
+            "billed_usd": round(self.spent(), 6),
+            "eta_s": round(remaining / rate, 1) if rate > 0 else None,
             "elapsed_s": round(elapsed, 1),
         }
 
@@ -202,15 +219,28 @@ class CompletionsRun:
     in_flight_at_stop: int | None = None
     after_stop_usd: float = 0.0  # billed for requests in flight at the stop (drained: kept)
     settled_late_usd: float = 0.0  # bills of earlier attempts found by look-ups during this run
-    recovered_answers: int = 0  # billed answers lost before the journal (a kill), fetched from the provider's stored content
+    recovered_answers: int = (
+        0  # billed answers lost before the journal (a kill), fetched from the provider's stored content
+    )
 
     def summary(self, dataset: str) -> dict[str, Any]:
-        return {"dataset": dataset, "sent": self.sent, "retries": self.retries, "stopped_by": self.stopped_by,
-                "resumed_done": self.resumed_done, "blocked_unsettled": self.blocked, "duration_s": round(self.duration_s, 1),
-                "results": dict(self.results), "errors": dict(self.errors), "billed_usd": round(self.cost_usd, 6),
-                "attempts": self.attempt_outcomes, "in_flight_at_stop": self.in_flight_at_stop,
-                "billed_after_stop_usd": round(self.after_stop_usd, 6),
-                "settled_late_usd": round(self.settled_late_usd, 6), "recovered_answers": self.recovered_answers}
+        return {
+            "dataset": dataset,
+            "sent": self.sent,
+            "retries": self.retries,
+            "stopped_by": self.stopped_by,
+            "resumed_done": self.resumed_done,
+            "blocked_unsettled": self.blocked,
+            "duration_s": round(self.duration_s, 1),
+            "results": dict(self.results),
+            "errors": dict(self.errors),
+            "billed_usd": round(self.cost_usd, 6),
+            "attempts": self.attempt_outcomes,
+            "in_flight_at_stop": self.in_flight_at_stop,
+            "billed_after_stop_usd": round(self.after_stop_usd, 6),
+            "settled_late_usd": round(self.settled_late_usd, 6),
+            "recovered_answers": self.recovered_answers,
+        }
 
 
 def run_completions(
@@ -225,7 +255,7 @@ def run_completions(
     pricing: Pricing = Pricing(),
     log: Callable[[str], None],
     run_id: str = "",
-    halt: Optional[Callable[[], Optional[str]]] = None,
+    halt: Callable[[], str | None] | None = None,
     halt_poll_s: float = 1.0,
     hold_mode: str = "drain",
     on_terminate: str = "cancel",
@@ -255,24 +285,40 @@ def run_completions(
     writer = LedgerWriter(ledger, on_error=log)
 
     with StopSignals() as signals, Journal(journal_path) as journal, writer:
-        journal.append({"type": "start", "run_id": run_id, "t": time.time(), "settings": settings.model_dump(),
-                        "backend": backend.describe(), "caps": caps.__dict__, "pricing": pricing.__dict__})
+        journal.append(
+            {
+                "type": "start",
+                "run_id": run_id,
+                "t": time.time(),
+                "settings": settings.model_dump(),
+                "backend": backend.describe(),
+                "caps": caps.__dict__,
+                "pricing": pricing.__dict__,
+            }
+        )
 
         def note(record: dict[str, Any]) -> None:
             journal.append({"run_id": run_id, "t": time.time(), **record})
 
         async def main() -> None:
             signals.attach()
-            recovered = await writer.call(recover_dataset, dataset, contents.records, free=pricing.free, now=time.time())
+            recovered = await writer.call(
+                recover_dataset, dataset, contents.records, free=pricing.free, now=time.time()
+            )
             if any(recovered.values()):
                 log(f"{dataset}: attempts an earlier process left unfinished: {recovered}")
             account = lookup_source() if lookup_source is not None else None
-            async with (account or contextlib.nullcontext()):
+            async with account or contextlib.nullcontext():
                 lookup = account.generation if account is not None else None
                 if lookup is not None:  # this dataset's unsettled bills first (they block prompts), then any due
                     mine = await writer.call(L.unsettled_ids, dataset)
-                    report = await settle_due(writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s, attempt_ids=mine) \
-                        if mine else None
+                    report = (
+                        await settle_due(
+                            writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s, attempt_ids=mine
+                        )
+                        if mine
+                        else None
+                    )
                     sweep = await settle_due(writer, lookup, deadline_s=settle_window_s / 4, horizon_s=horizon_s)
                     for r in (report, sweep):
                         if r is not None and (r.looked_up or r.expired):
@@ -280,28 +326,59 @@ def run_completions(
                             run.settled_late_usd += r.found_usd
                     run.recovered_answers = await recover_lost_answers(writer, account, dataset, done, note, log)
                 blocked = await writer.call(L.blocked_prompts, dataset)
-                pending = [r for r in requests if r.prompt_id not in done and (resend_unsettled or r.prompt_id not in blocked)]
+                pending = [
+                    r for r in requests if r.prompt_id not in done and (resend_unsettled or r.prompt_id not in blocked)
+                ]
                 run.blocked = sum(1 for r in requests if r.prompt_id not in done and r.prompt_id in blocked)
-                log(f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via "
-                    f"{backend.name}" + (f"; {run.blocked} wait for an earlier attempt's bill (unsettled: not sent twice)"
-                                         if run.blocked and not resend_unsettled else ""))
-                feed = Admission(pending, writer=writer, caps=caps, pricing=pricing, max_tokens=settings.max_tokens, run_id=run_id,
-                                 dataset=dataset, note=note, hold_mode=hold_mode, resend_unsettled=resend_unsettled,
-                                 unsettled_wait_s=unsettled_wait_s, horizon_s=horizon_s, lookup=lookup)
+                log(
+                    f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via "
+                    f"{backend.name}"
+                    + (
+                        f"; {run.blocked} wait for an earlier attempt's bill (unsettled: not sent twice)"
+                        if run.blocked and not resend_unsettled
+                        else ""
+                    )
+                )
+                feed = Admission(
+                    pending,
+                    writer=writer,
+                    caps=caps,
+                    pricing=pricing,
+                    max_tokens=settings.max_tokens,
+                    run_id=run_id,
+                    dataset=dataset,
+                    note=note,
+                    hold_mode=hold_mode,
+                    resend_unsettled=resend_unsettled,
+                    unsettled_wait_s=unsettled_wait_s,
+                    horizon_s=horizon_s,
+                    lookup=lookup,
+                )
                 state["feed"] = feed
-                progress = Progress(dataset, len(requests), sum(1 for r in requests if r.prompt_id in done), log,
-                                    spent=lambda: feed.billed_usd, on_report=on_progress)
+                progress = Progress(
+                    dataset,
+                    len(requests),
+                    sum(1 for r in requests if r.prompt_id in done),
+                    log,
+                    spent=lambda: feed.billed_usd,
+                    on_report=on_progress,
+                )
                 state["progress"] = progress
                 if on_progress is not None:
                     on_progress(progress.figures())
-                signals.on_first = (lambda: feed.stop(HALTED + f"{signals.description}: draining", cancel_inflight=False)) \
-                    if on_terminate == "drain" else None
+                signals.on_first = (
+                    (lambda: feed.stop(HALTED + f"{signals.description}: draining", cancel_inflight=False))
+                    if on_terminate == "drain"
+                    else None
+                )
 
                 def emit(result: CompletionResult) -> None:
                     journal.append({"type": "result", "run_id": run_id, "t": time.time(), **result.to_record()})
                     progress.add(result)
 
-                watcher = asyncio.create_task(watch(feed, writer, halt, halt_poll_s, hold_mode, on_terminate, log, dataset))
+                watcher = asyncio.create_task(
+                    watch(feed, writer, halt, halt_poll_s, hold_mode, on_terminate, log, dataset)
+                )
                 ticker = asyncio.create_task(report_while_waiting(progress))
                 try:
                     await backend.run(feed, settings, emit)
@@ -312,8 +389,13 @@ def run_completions(
                     await writer.flush()
                 # Not after a stop (halt, hold): it must take effect at once; the next run or the sensor looks them up.
                 if lookup is not None and feed.unsettled_ids and not (feed.stopped_by or "").startswith(HALTED):
-                    report = await settle_due(writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s,
-                                              attempt_ids=list(feed.unsettled_ids))
+                    report = await settle_due(
+                        writer,
+                        lookup,
+                        deadline_s=settle_window_s,
+                        horizon_s=horizon_s,
+                        attempt_ids=list(feed.unsettled_ids),
+                    )
                     run.settled_late_usd += report.found_usd
                     feed.billed_usd += report.found_usd
                     if report.looked_up:
@@ -340,24 +422,49 @@ def run_completions(
                 run.cost_usd, run.attempt_outcomes = feed.billed_usd, dict(feed.outcomes)
                 run.in_flight_at_stop = feed.in_flight_at_stop
                 run.after_stop_usd = feed.billed_usd - (feed.billed_at_stop or feed.billed_usd)
-                run.results, run.errors, run.completion_tokens = progress.counts, progress.errors, progress.completion_tokens
+                run.results, run.errors, run.completion_tokens = (
+                    progress.counts,
+                    progress.errors,
+                    progress.completion_tokens,
+                )
             run.duration_s = time.monotonic() - started
             if run.stopped_by:
-                log(f"{dataset}: stopped after {progress.finished if progress else 0} done, ${run.cost_usd:.4f} billed ({run.stopped_by})"
-                    + (f"; {run.in_flight_at_stop} request(s) were in flight at the stop: ${run.after_stop_usd:.4f} billed for "
-                       f"them since (kept), {run.attempt_outcomes.get('unsettled', 0) + run.attempt_outcomes.get('unidentified', 0)} "
-                       "cut short (unsettled: looked up, prompts sent again)" if run.in_flight_at_stop else ""))
-            journal.append({"type": "end", "run_id": run_id, "t": time.time(), "stopped_by": run.stopped_by,
-                            "finished": progress.finished if progress else 0, "cost_usd": run.cost_usd,
-                            "attempts": run.attempt_outcomes, "ledger": figs.as_dict()})
+                log(
+                    f"{dataset}: stopped after {progress.finished if progress else 0} done, ${run.cost_usd:.4f} billed ({run.stopped_by})"
+                    + (
+                        f"; {run.in_flight_at_stop} request(s) were in flight at the stop: ${run.after_stop_usd:.4f} billed for "
+                        f"them since (kept), {run.attempt_outcomes.get('unsettled', 0) + run.attempt_outcomes.get('unidentified', 0)} "
+                        "cut short (unsettled: looked up, prompts sent again)"
+                        if run.in_flight_at_stop
+                        else ""
+                    )
+                )
+            journal.append(
+                {
+                    "type": "end",
+                    "run_id": run_id,
+                    "t": time.time(),
+                    "stopped_by": run.stopped_by,
+                    "finished": progress.finished if progress else 0,
+                    "cost_usd": run.cost_usd,
+                    "attempts": run.attempt_outcomes,
+                    "ledger": figs.as_dict(),
+                }
+            )
     return run
 
 
 FINISHED = {"stop": "ok", "length": "truncated", "content_filter": "filtered"}
 
 
-async def recover_lost_answers(writer: LedgerWriter, account: Any, dataset: str, done: dict[str, dict[str, Any]],
-                               note: Callable[[dict[str, Any]], None], log: Callable[[str], None]) -> int:
+async def recover_lost_answers(
+    writer: LedgerWriter,
+    account: Any,
+    dataset: str,
+    done: dict[str, dict[str, Any]],
+    note: Callable[[dict[str, Any]], None],
+    log: Callable[[str], None],
+) -> int:
     """Answers that were generated and billed but never reached the journal (a kill -9, a cut stream whose provider
     finished anyway): fetched from OpenRouter's stored content, where the account keeps it, so the prompt is not paid
     for twice. Returns how many were recovered; the others' prompts are sent again (and say so)."""
@@ -374,24 +481,49 @@ async def recover_lost_answers(writer: LedgerWriter, account: Any, dataset: str,
             unavailable.append(row["attempt_id"])
             continue
         reasoning, text = content
-        result = CompletionResult(row["prompt_id"], FINISHED[row["finish_reason"]], row["finish_reason"], reasoning=reasoning,
-                                  content=text, prompt_tokens=row["prompt_tokens"], completion_tokens=row["completion_tokens"],
-                                  cost_usd=row["cost_usd"] or 0.0, generation_id=row["generation_id"], provider=row["provider"],
-                                  attempt_id=row["attempt_id"],
-                                  billed=True, extra={"recovered_from": "generation/content"})
+        result = CompletionResult(
+            row["prompt_id"],
+            FINISHED[row["finish_reason"]],
+            row["finish_reason"],
+            reasoning=reasoning,
+            content=text,
+            prompt_tokens=row["prompt_tokens"],
+            completion_tokens=row["completion_tokens"],
+            cost_usd=row["cost_usd"] or 0.0,
+            generation_id=row["generation_id"],
+            provider=row["provider"],
+            attempt_id=row["attempt_id"],
+            billed=True,
+            extra={"recovered_from": "generation/content"},
+        )
         note({"type": "result", **result.to_record()})
         done[row["prompt_id"]] = result.to_record()
         recovered.append(row["attempt_id"])
     await writer.call(L.mark_recovered, recovered + already, True)
     await writer.call(L.mark_recovered, unavailable, False)
-    log(f"{dataset}: {len(recovered) + len(unavailable)} answer(s) were billed but never received: {len(recovered)} recovered "
-        f"from OpenRouter's stored content" + (f"; {len(unavailable)} not stored (the account's input/output logging is off?): "
-                                               "their prompts are sent again and paid twice" if unavailable else ""))
+    log(
+        f"{dataset}: {len(recovered) + len(unavailable)} answer(s) were billed but never received: {len(recovered)} recovered "
+        f"from OpenRouter's stored content"
+        + (
+            f"; {len(unavailable)} not stored (the account's input/output logging is off?): "
+            "their prompts are sent again and paid twice"
+            if unavailable
+            else ""
+        )
+    )
     return len(recovered)
 
 
-async def watch(feed: Admission, writer: LedgerWriter, halt: Optional[Callable[[], Optional[str]]], poll_s: float,
-                hold_mode: str, on_terminate: str, log: Callable[[str], None], dataset: str) -> None:
+async def watch(
+    feed: Admission,
+    writer: LedgerWriter,
+    halt: Callable[[], str | None] | None,
+    poll_s: float,
+    hold_mode: str,
+    on_terminate: str,
+    log: Callable[[str], None],
+    dataset: str,
+) -> None:
     """Every `poll_s`: the hold (so that cancel mode cancels in-flight requests at once) and the run's own status."""
     failing = False
     while True:
@@ -442,7 +574,9 @@ COMPLETION_COLUMNS = {
 }
 
 
-def completions_frame(dataset: str, requests: list[CompletionRequest], journal_path: Path, prompts: pl.DataFrame) -> pl.DataFrame:
+def completions_frame(
+    dataset: str, requests: list[CompletionRequest], journal_path: Path, prompts: pl.DataFrame
+) -> pl.DataFrame:
     """One row per prompt, from the journal; prompts without a final outcome are `pending`."""
     done, _ = final_results(journal_path)
     by_id = {r.prompt_id: r for r in requests}

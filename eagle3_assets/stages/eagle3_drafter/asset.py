@@ -1,8 +1,6 @@
 """`eagle3_drafter`: a trained EAGLE-3 drafter in SGLang's `LlamaForCausalLMEagle3` format."""
 
-
 from pathlib import Path
-from typing import Optional
 
 import dagster as dg
 import polars as pl
@@ -36,58 +34,108 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
 class DrafterTrainConfig(dg.Config):
-    draft_vocab_size: int = Field(default=32000, description="draft vocabulary; capped at the distinct loss tokens seen")
+    draft_vocab_size: int = Field(
+        default=32000, description="draft vocabulary; capped at the distinct loss tokens seen"
+    )
     ttt_steps: int = Field(default=7, description="training-time-test unroll length (SpecForge/EAGLE: 7)")
     step_decay: float = Field(default=0.8, description="loss weight of TTT step k is decay**k")
     epochs: int = Field(default=6, description="passes over the training split")
-    lr: Optional[float] = Field(default=None, description="AdamW peak learning rate (warmup, then cosine); unset = by the "
-                                "drafter's width: 1e-4 from 4096 wide (SpecForge's 5e-5 to 1e-4 for 7168-wide drafters), "
-                                "3e-4 from 1024, 2e-3 for the narrow stand-in")
-    batch_tokens: int = Field(default=2048, description="tokens per optimizer step (whole windows, at least one); the "
-                              "global batch, whatever the number of processes")
-    max_len: int = Field(default=4096, description="longest window trained at once; a longer sample is cut into "
-                         "consecutive windows (every token is trained; the count of cut samples is in the metadata)")
+    lr: float | None = Field(
+        default=None,
+        description="AdamW peak learning rate (warmup, then cosine); unset = by the "
+        "drafter's width: 1e-4 from 4096 wide (SpecForge's 5e-5 to 1e-4 for 7168-wide drafters), "
+        "3e-4 from 1024, 2e-3 for the narrow stand-in",
+    )
+    batch_tokens: int = Field(
+        default=2048,
+        description="tokens per optimizer step (whole windows, at least one); the "
+        "global batch, whatever the number of processes",
+    )
+    max_len: int = Field(
+        default=4096,
+        description="longest window trained at once; a longer sample is cut into "
+        "consecutive windows (every token is trained; the count of cut samples is in the metadata)",
+    )
     seed: int = Field(default=0, description="initialisation and shuffling seed")
     min_accept_length: float = Field(default=1.5, description="the accept_length check (simulated) warns below this")
-    spec_eval_prompts: int = Field(default=8, description="eval-split prompts decoded speculatively with the target "
-                                   "(transformers) and the trained and an untrained drafter; 0 = skip")
+    spec_eval_prompts: int = Field(
+        default=8,
+        description="eval-split prompts decoded speculatively with the target "
+        "(transformers) and the trained and an untrained drafter; 0 = skip",
+    )
     spec_eval_new_tokens: int = Field(default=48, description="tokens generated per prompt in that evaluation")
-    spec_draft_steps: int = Field(default=3, description="draft tokens per round (SGLang's --speculative-num-steps; "
-                                  "top-k 1, num-draft-tokens = steps + 1)")
-    spec_eval_max_target_gb: float = Field(default=40.0, description="skip the real decoding evaluation for a target "
-                                           "with more weights than this (measure it in SGLang instead: "
-                                           "benchmarks/sglang_engine_speculative.py, then "
-                                           "`python -m eagle3_assets.operations.record_figures` records it here)")
-    min_accept_gain: float = Field(default=0.1, description="the speculative_gain check fails unless the trained "
-                                   "drafter's real accept length beats the untrained one's by this much")
-    checkpoint_every: int = Field(default=50, description="optimizer steps between training checkpoints (weights, "
-                                  "optimizer, scheduler, data position, RNG) in `eagle3_drafter.training/`; a stopped "
-                                  "or killed run resumes from the last one")
-    device: str = Field(default="auto", description="`auto` = CUDA when present (bf16 autocast, fp32 master weights), "
-                        "else the CPU; or `cpu`, `cuda`")
-    processes: int = Field(default=1, description="data-parallel processes (torchrun + DDP, one per GPU; gloo on the "
-                           "CPU); 8 on an 8-GPU host")
-    online: bool = Field(default=False, description="compute the target's hidden states inside the training loop "
-                         "(transformers, the `target` resource) instead of reading the store: no disk needed, for a "
-                         "target that fits beside the trainer")
-    init_from: Optional[str] = Field(default=None, description="warm start from this SGLang-format drafter folder "
-                                     "(its weights and draft vocabulary)")
+    spec_draft_steps: int = Field(
+        default=3,
+        description="draft tokens per round (SGLang's --speculative-num-steps; top-k 1, num-draft-tokens = steps + 1)",
+    )
+    spec_eval_max_target_gb: float = Field(
+        default=40.0,
+        description="skip the real decoding evaluation for a target "
+        "with more weights than this (measure it in SGLang instead: "
+        "benchmarks/sglang_engine_speculative.py, then "
+        "`python -m eagle3_assets.operations.record_figures` records it here)",
+    )
+    min_accept_gain: float = Field(
+        default=0.1,
+        description="the speculative_gain check fails unless the trained "
+        "drafter's real accept length beats the untrained one's by this much",
+    )
+    checkpoint_every: int = Field(
+        default=50,
+        description="optimizer steps between training checkpoints (weights, "
+        "optimizer, scheduler, data position, RNG) in `eagle3_drafter.training/`; a stopped "
+        "or killed run resumes from the last one",
+    )
+    device: str = Field(
+        default="auto",
+        description="`auto` = CUDA when present (bf16 autocast, fp32 master weights), else the CPU; or `cpu`, `cuda`",
+    )
+    processes: int = Field(
+        default=1,
+        description="data-parallel processes (torchrun + DDP, one per GPU; gloo on the CPU); 8 on an 8-GPU host",
+    )
+    online: bool = Field(
+        default=False,
+        description="compute the target's hidden states inside the training loop "
+        "(transformers, the `target` resource) instead of reading the store: no disk needed, for a "
+        "target that fits beside the trainer",
+    )
+    init_from: str | None = Field(
+        default=None, description="warm start from this SGLang-format drafter folder (its weights and draft vocabulary)"
+    )
 
     def settings(self) -> TrainSettings:
-        return TrainSettings(ttt_steps=self.ttt_steps, step_decay=self.step_decay, epochs=self.epochs, lr=self.lr,
-                             batch_tokens=self.batch_tokens, max_len=self.max_len, seed=self.seed,
-                             checkpoint_every=self.checkpoint_every)
+        return TrainSettings(
+            ttt_steps=self.ttt_steps,
+            step_decay=self.step_decay,
+            epochs=self.epochs,
+            lr=self.lr,
+            batch_tokens=self.batch_tokens,
+            max_len=self.max_len,
+            seed=self.seed,
+            checkpoint_every=self.checkpoint_every,
+        )
 
 
-def train_in_processes(context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore, folder: Path) -> DrafterReport:
+def train_in_processes(
+    context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore, folder: Path
+) -> DrafterReport:
     """torchrun with `config.processes` ranks; the step's stop stops them all."""
     out = store.layout.drafter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec = write_spec(Path(str(out) + ".spec.json"), hidden_root=None if config.online else store.layout.hidden_states(),
-                      merged_path=store.layout.merged_dataset(), target_folder=folder, out_dir=out,
-                      settings=config.settings(), draft_vocab_size=config.draft_vocab_size,
-                      report_path=Path(str(out) + ".report.json"), device=config.device, online=config.online,
-                      init_from=Path(config.init_from) if config.init_from else None)
+    spec = write_spec(
+        Path(str(out) + ".spec.json"),
+        hidden_root=None if config.online else store.layout.hidden_states(),
+        merged_path=store.layout.merged_dataset(),
+        target_folder=folder,
+        out_dir=out,
+        settings=config.settings(),
+        draft_vocab_size=config.draft_vocab_size,
+        report_path=Path(str(out) + ".report.json"),
+        device=config.device,
+        online=config.online,
+        init_from=Path(config.init_from) if config.init_from else None,
+    )
     return report_from_json(run_torchrun(spec, config.processes, context.log.info))
 
 
@@ -102,8 +150,18 @@ def training_plot(report: DrafterReport):
     ax1.set_title("training loss (TTT-weighted)")
     ax1.set_xlabel("optimizer step")
     steps = range(1, len(report.trained["acc"]) + 1)
-    ax2.plot(steps, report.trained["acc"], marker="o", label=f"trained (simulated accept {report.trained['accept_length']:.2f})")
-    ax2.plot(steps, report.untrained["acc"], marker="x", label=f"untrained (simulated accept {report.untrained['accept_length']:.2f})")
+    ax2.plot(
+        steps,
+        report.trained["acc"],
+        marker="o",
+        label=f"trained (simulated accept {report.trained['accept_length']:.2f})",
+    )
+    ax2.plot(
+        steps,
+        report.untrained["acc"],
+        marker="x",
+        label=f"untrained (simulated accept {report.untrained['accept_length']:.2f})",
+    )
     ax2.set_title(f"per-step accuracy on the {report.eval_split} split")
     ax2.set_xlabel("draft step")
     ax2.set_ylim(0, 1)
@@ -123,8 +181,14 @@ def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int =
             continue
         steps = sorted((int(k.rsplit("_", 1)[1]), v.value) for k, v in meta.items() if k.startswith("acceptance_step_"))
         real = meta.get("accept_length_real")
-        out.append({"t": record.timestamp, "accept_length": simulated.value, "accept_length_real": real.value if real else None,
-                    "acc": [v for _, v in steps]})
+        out.append(
+            {
+                "t": record.timestamp,
+                "accept_length": simulated.value,
+                "accept_length_real": real.value if real else None,
+                "acc": [v for _, v in steps],
+            }
+        )
     return out
 
 
@@ -183,15 +247,24 @@ def acceptance_plot(report: DrafterReport, quality: SpeculativeQuality):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
     pos = range(1, len(t["position_acceptance"]) + 1)
     ax1.plot(pos, [a if a is not None else float("nan") for a in t["position_acceptance"]], marker="o", label="trained")
-    ax1.plot(pos, [a if a is not None else float("nan") for a in u["position_acceptance"]], marker="x", label="untrained")
+    ax1.plot(
+        pos, [a if a is not None else float("nan") for a in u["position_acceptance"]], marker="x", label="untrained"
+    )
     ax1.set_title("real decoding: acceptance per draft position")
     ax1.set_xlabel("draft position")
     ax1.set_ylim(0, 1)
     ax1.legend(fontsize=8)
     names = ["real\n(SGLang def.)", "simulated\n(teacher-forced)"]
     x = range(len(names))
-    ax2.bar([i - 0.2 for i in x], [t["accept_length_sglang"], report.trained["accept_length"]], width=0.4, label="trained")
-    ax2.bar([i + 0.2 for i in x], [u["accept_length_sglang"], report.untrained["accept_length"]], width=0.4, label="untrained")
+    ax2.bar(
+        [i - 0.2 for i in x], [t["accept_length_sglang"], report.trained["accept_length"]], width=0.4, label="trained"
+    )
+    ax2.bar(
+        [i + 0.2 for i in x],
+        [u["accept_length_sglang"], report.untrained["accept_length"]],
+        width=0.4,
+        label="untrained",
+    )
     ax2.set_xticks(list(x), names)
     ax2.set_title(f"accept length ({quality.figures()['label']})")
     ax2.legend(fontsize=8)
@@ -221,19 +294,27 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
     (eagle3_assets/stages/eagle3_drafter/figures.py)."""
     out: dict = {}
     if real is not None:
-        out |= {"accept_length_real": real["accept_length_real"],
-                "accept_length_real_untrained": real["accept_length_real_untrained"],
-                "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
-                "accept_length_real_source": f"{FIGURE_SOURCES['transformers']}; target: {real['label']}"}
+        out |= {
+            "accept_length_real": real["accept_length_real"],
+            "accept_length_real_untrained": real["accept_length_real_untrained"],
+            "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
+            "accept_length_real_source": f"{FIGURE_SOURCES['transformers']}; target: {real['label']}",
+        }
         if previous and previous.get("accept_length_real") is not None:
-            out |= {"accept_length_real_previous": previous["accept_length_real"],
-                    "accept_length_real_change": round(real["accept_length_real"] - previous["accept_length_real"], 4)}
-    out |= {"accept_length_simulated": report.trained["accept_length"],
-            "accept_length_simulated_untrained": report.untrained["accept_length"],
-            "accept_length_simulated_source": FIGURE_SOURCES["simulated"]}
+            out |= {
+                "accept_length_real_previous": previous["accept_length_real"],
+                "accept_length_real_change": round(real["accept_length_real"] - previous["accept_length_real"], 4),
+            }
+    out |= {
+        "accept_length_simulated": report.trained["accept_length"],
+        "accept_length_simulated_untrained": report.untrained["accept_length"],
+        "accept_length_simulated_source": FIGURE_SOURCES["simulated"],
+    }
     if previous:
-        out |= {"accept_length_simulated_previous": previous["accept_length"],
-                "accept_length_simulated_change": round(report.trained["accept_length"] - previous["accept_length"], 4)}
+        out |= {
+            "accept_length_simulated_previous": previous["accept_length"],
+            "accept_length_simulated_change": round(report.trained["accept_length"] - previous["accept_length"], 4),
+        }
     return out
 
 
@@ -249,8 +330,11 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
 )
 @failure_for_operator
 def eagle3_drafter(
-    context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore,
-    tokenizer: TokenizerResource, target: TargetModelResource,
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    store: DataStore,
+    tokenizer: TokenizerResource,
+    target: TargetModelResource,
 ) -> dg.MaterializeResult:
     merged = pl.read_parquet(store.layout.merged_dataset())
     folder = target.folder(tokenizer, context.log.info)
@@ -265,35 +349,54 @@ def eagle3_drafter(
 
             backend = TransformersHiddenStates(target.load_model(tokenizer, context.log.info))
         report = train_drafter(
-            None if config.online else store.layout.hidden_states(), merged, folder, store.layout.drafter(),
-            config.settings(), config.draft_vocab_size, context.log.info, device=config.device, online_backend=backend,
+            None if config.online else store.layout.hidden_states(),
+            merged,
+            folder,
+            store.layout.drafter(),
+            config.settings(),
+            config.draft_vocab_size,
+            context.log.info,
+            device=config.device,
+            online_backend=backend,
             init_from=Path(config.init_from) if config.init_from else None,
         )
     problems = check_checkpoint(report.checkpoint)
     quality = None
     if config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9:
         quality = measure_speculative(
-            target.load_model(tokenizer, context.log.info), report.checkpoint, merged, prompts=config.spec_eval_prompts,
-            max_new_tokens=config.spec_eval_new_tokens, draft_steps=config.spec_draft_steps, seed=config.seed,
+            target.load_model(tokenizer, context.log.info),
+            report.checkpoint,
+            merged,
+            prompts=config.spec_eval_prompts,
+            max_new_tokens=config.spec_eval_new_tokens,
+            draft_steps=config.spec_draft_steps,
+            seed=config.seed,
             aux_layer_ids=trained_layer_ids(report.config),
-            proxy=target.path is None, log=context.log.info)
+            proxy=target.path is None,
+            log=context.log.info,
+        )
     real = quality.figures() if quality else None
     outcomes = {
         "sglang_keys": drafter_keys(report.checkpoint),
-        "accept_length": drafter_accept_length(report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length),
+        "accept_length": drafter_accept_length(
+            report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length
+        ),
         "speculative_gain": drafter_beats_floor(real, config.min_accept_gain),
     }
-    per_step = pl.DataFrame({
-        "draft_step": list(range(1, len(report.trained["acc"]) + 1)),
-        "acc_trained": report.trained["acc"],
-        "acc_untrained": report.untrained["acc"],
-    })
+    per_step = pl.DataFrame(
+        {
+            "draft_step": list(range(1, len(report.trained["acc"]) + 1)),
+            "acc_trained": report.trained["acc"],
+            "acc_untrained": report.untrained["acc"],
+        }
+    )
     history = drafter_history(context.instance, context.assets_def.key)
     previous = history[-1] if history else None
     positions = {f"acceptance_step_{i}": round(a, 4) for i, a in enumerate(report.trained["acc"], start=1)}
     return dg.MaterializeResult(
         check_results=to_results(DRAFTER_CHECKS, outcomes),
-        metadata=accept_length_metadata(report, real, previous) | {
+        metadata=accept_length_metadata(report, real, previous)
+        | {
             **positions,
             "quality_over_materializations": png_markdown(history_plot(history, report)),
             "accept_length_product": report.trained["accept_length_product"],
@@ -305,9 +408,19 @@ def eagle3_drafter(
             "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
             "loss_per_step": json_value(report.history.step_loss),
             "loss_by_ttt_step": png_markdown(ttt_loss_plot(report.history.step_loss_by_ttt)),
-            **({"speculative_decoding": json_value({n: r.to_metadata() for n, r in
-                                                    (("trained", quality.trained), ("untrained", quality.untrained))}),
-                "real_vs_simulated": png_markdown(acceptance_plot(report, quality))} if quality else {}),
+            **(
+                {
+                    "speculative_decoding": json_value(
+                        {
+                            n: r.to_metadata()
+                            for n, r in (("trained", quality.trained), ("untrained", quality.untrained))
+                        }
+                    ),
+                    "real_vs_simulated": png_markdown(acceptance_plot(report, quality)),
+                }
+                if quality
+                else {}
+            ),
             "train_tokens": report.train_tokens,
             "samples_cut_into_windows": report.split_samples,
             "train_windows": report.windows,
@@ -321,9 +434,11 @@ def eagle3_drafter(
             "train_seconds": round(report.history.seconds, 1),
             "train_tokens_per_s": report.history.tokens_per_s,  # all processes, training steps only
             "train_gflop_per_token": round(report.history.flops_per_token / 1e9, 4),  # model.train_flops_per_token
-            **({"train_mfu": report.history.mfu} if report.history.mfu is not None else {}),  # per GPU, of its bf16 peak
+            **(
+                {"train_mfu": report.history.mfu} if report.history.mfu is not None else {}
+            ),  # per GPU, of its bf16 peak
             "sglang_key_check": "ok" if not problems else "; ".join(problems),
             "config": json_value(report.config),
             "path": path_value(report.checkpoint),
-        }
+        },
     )

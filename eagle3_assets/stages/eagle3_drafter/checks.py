@@ -15,16 +15,22 @@ def drafter_keys(checkpoint: Path) -> CheckOutcome:
     """The checkpoint's keys, shapes and dtypes are exactly what SGLang's `LlamaForCausalLMEagle3` loads. When it fails:
     do not serve it (SGLang would load it with random weights and accept nothing); the metadata lists the keys."""
     problems = check_checkpoint(checkpoint)
-    return CheckOutcome(not problems, "loadable by SGLang" if not problems else f"{len(problems)} problem(s): {problems[0]}",
-                        {"problems": problems})
+    return CheckOutcome(
+        not problems,
+        "loadable by SGLang" if not problems else f"{len(problems)} problem(s): {problems[0]}",
+        {"problems": problems},
+    )
 
 
 def drafter_accept_length(trained: float, untrained: float, threshold: float = MIN_ACCEPT_LENGTH) -> CheckOutcome:
     """The trained drafter's simulated accept length is above the threshold and above an untrained drafter's. When it
     fails: more data or epochs (`epochs`, the datasets' budgets), or a lower `min_accept_length` for a tiny stand-in."""
     ok = not math.isnan(trained) and trained >= threshold and trained > untrained
-    return CheckOutcome(ok, f"accept length {trained:.3f} (untrained {untrained:.3f}, threshold {threshold})",
-                        {"accept_length": trained, "untrained": untrained, "threshold": threshold})
+    return CheckOutcome(
+        ok,
+        f"accept length {trained:.3f} (untrained {untrained:.3f}, threshold {threshold})",
+        {"accept_length": trained, "untrained": untrained, "threshold": threshold},
+    )
 
 
 def drafter_beats_floor(figures: dict | None, margin: float = 0.1) -> CheckOutcome:
@@ -33,14 +39,25 @@ def drafter_beats_floor(figures: dict | None, margin: float = 0.1) -> CheckOutco
     greedy decoding. When it fails: if not lossless, the decoding loop or the target's dtype is at fault (report it);
     else the drafter learned too little: more data or epochs, or check the layer ids against the store's."""
     if figures is None:
-        return CheckOutcome(True, "not measured: the target is too large to decode here (use "
-                            "benchmarks/serving_speculative.py on the GPU host)", {"measured": False})
+        return CheckOutcome(
+            True,
+            "not measured: the target is too large to decode here (use "
+            "benchmarks/serving_speculative.py on the GPU host)",
+            {"measured": False},
+        )
     gain = figures["accept_length_real"] - figures["accept_length_real_untrained"]
     ok = figures["lossless"] and gain >= margin
-    return CheckOutcome(ok, f"{figures['label']}: accept length {figures['accept_length_real']} vs untrained "
-                        f"{figures['accept_length_real_untrained']} (gain {gain:+.3f}, margin {margin}); "
-                        f"{'lossless' if figures['lossless'] else 'NOT lossless'}", {**figures, "margin": margin})
+    return CheckOutcome(
+        ok,
+        f"{figures['label']}: accept length {figures['accept_length_real']} vs untrained "
+        f"{figures['accept_length_real_untrained']} (gain {gain:+.3f}, margin {margin}); "
+        f"{'lossless' if figures['lossless'] else 'NOT lossless'}",
+        {**figures, "margin": margin},
+    )
 
 
-DRAFTER_CHECKS: Checks = {"sglang_keys": (drafter_keys, "ERROR"), "accept_length": (drafter_accept_length, "WARN"),
-                          "speculative_gain": (drafter_beats_floor, "ERROR")}
+DRAFTER_CHECKS: Checks = {
+    "sglang_keys": (drafter_keys, "ERROR"),
+    "accept_length": (drafter_accept_length, "WARN"),
+    "speculative_gain": (drafter_beats_floor, "ERROR"),
+}

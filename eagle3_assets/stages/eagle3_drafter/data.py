@@ -50,13 +50,16 @@ class PackedBatch:
     def to(self, device: torch.device) -> PackedBatch:
         """On `device`; from pinned memory without blocking the host on CUDA."""
         nb = device.type == "cuda"
-        return PackedBatch(*(t.to(device, non_blocking=nb) for t in (self.tokens, self.positions, self.mask, self.aux,
-                                                                      self.final)),
-                           layout=self.layout.to(device, non_blocking=nb), keys=self.keys)
+        return PackedBatch(
+            *(t.to(device, non_blocking=nb) for t in (self.tokens, self.positions, self.mask, self.aux, self.final)),
+            layout=self.layout.to(device, non_blocking=nb),
+            keys=self.keys,
+        )
 
 
-def pack_windows(source: SampleSource, windows: Sequence[Window], aux_dtype: torch.dtype, pin: bool,
-                 waste: float = 1.1) -> PackedBatch:
+def pack_windows(
+    source: SampleSource, windows: Sequence[Window], aux_dtype: torch.dtype, pin: bool, waste: float = 1.1
+) -> PackedBatch:
     """Read and pack windows on the host (a sample cut into several of them is read once); `pin` puts the
     result in page-locked memory for a non-blocking copy to the GPU. `waste`: see `DocLayout` (on the GPU,
     fewer, padded attention calls pay; on the CPU a call costs nothing but its work)."""
@@ -74,8 +77,11 @@ def pack_windows(source: SampleSource, windows: Sequence[Window], aux_dtype: tor
     out = {k: torch.cat(v) for k, v in parts.items()}
     if pin:
         out = {k: v.pin_memory() for k, v in out.items()}
-    return PackedBatch(**out, layout=DocLayout([w.tokens for w in windows], waste=waste, pin=pin),
-                       keys=[(w.sample_id, w.start, w.end) for w in windows])
+    return PackedBatch(
+        **out,
+        layout=DocLayout([w.tokens for w in windows], waste=waste, pin=pin),
+        keys=[(w.sample_id, w.start, w.end) for w in windows],
+    )
 
 
 class SampleSource(Protocol):
@@ -154,8 +160,9 @@ class Teacher:
     each time (H x draft vocabulary per token), so memory stays bounded.
     """
 
-    def __init__(self, head: torch.Tensor, draft_ids: torch.Tensor, device: torch.device,
-                 cache_tokens: int = 50_000_000):
+    def __init__(
+        self, head: torch.Tensor, draft_ids: torch.Tensor, device: torch.device, cache_tokens: int = 50_000_000
+    ):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = head.to(device, dtype)
         self.head_draft = self.head[draft_ids.to(device)]
@@ -180,7 +187,6 @@ class Teacher:
         final = final.to(self.device, self.dtype)
         p = torch.softmax((final @ self.head_draft.T).float(), -1)
         return p, self.argmax(key, final)
-
 
     def packed(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(distribution [T, V_draft] fp32, argmax [T]) of a packed batch on the device: one matmul for the
@@ -221,10 +227,13 @@ class OnlineSource:
             return self._last[1]
         ids, mask = self.rows[sample_id]
         aux, final = self.backend.extract(list(ids))
-        data = {"input_ids": torch.as_tensor(list(ids), dtype=torch.int32),
-                "loss_mask": torch.as_tensor(list(mask), dtype=torch.int8),
-                # bf16, as the store keeps them: online and offline training see the same numbers
-                "aux_hidden_states": aux.to("cpu", torch.bfloat16), "final_hidden_state": final.to("cpu", torch.bfloat16)}
+        data = {
+            "input_ids": torch.as_tensor(list(ids), dtype=torch.int32),
+            "loss_mask": torch.as_tensor(list(mask), dtype=torch.int8),
+            # bf16, as the store keeps them: online and offline training see the same numbers
+            "aux_hidden_states": aux.to("cpu", torch.bfloat16),
+            "final_hidden_state": final.to("cpu", torch.bfloat16),
+        }
         self._last = (sample_id, data)
         return data
 

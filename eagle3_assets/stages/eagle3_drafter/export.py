@@ -93,7 +93,10 @@ def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, A
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids),
         "torch_dtype": "bfloat16",
         **(extra or {}),
@@ -163,10 +166,16 @@ def check_checkpoint(folder: Path) -> list[str]:
         if not isinstance(cfg_json.get(key), int):
             problems.append(f"config.json lacks {key!r}")
     if not problems:
-        bad = [tp for tp in TP_SIZES if not loads_at_tp(cfg_json["num_attention_heads"], cfg_json["num_key_value_heads"], tp)]
+        bad = [
+            tp
+            for tp in TP_SIZES
+            if not loads_at_tp(cfg_json["num_attention_heads"], cfg_json["num_key_value_heads"], tp)
+        ]
         if bad:
-            problems.append(f"{cfg_json['num_attention_heads']} heads / {cfg_json['num_key_value_heads']} KV heads "
-                            f"do not split at --tp {bad}")
+            problems.append(
+                f"{cfg_json['num_attention_heads']} heads / {cfg_json['num_key_value_heads']} KV heads "
+                f"do not split at --tp {bad}"
+            )
     with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
         keys = set(f.keys())
         tensors = {k: f.get_tensor(k) for k in keys}
@@ -192,7 +201,9 @@ def check_checkpoint(folder: Path) -> list[str]:
     return problems
 
 
-def export_checkpoint(model: Eagle3Drafter, out_dir: Path, aux_layer_ids: list[int], extra: dict[str, Any] | None = None) -> Path:
+def export_checkpoint(
+    model: Eagle3Drafter, out_dir: Path, aux_layer_ids: list[int], extra: dict[str, Any] | None = None
+) -> Path:
     """Write config.json + model.safetensors to `out_dir`, replacing it only once verified."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +249,9 @@ class DrafterCheckpoint:
                 missing.append(name)
                 continue
             if tuple(own[name].shape) != tuple(t.shape):
-                raise ValueError(f"{self.folder}: {name} is {tuple(t.shape)}, the drafter being trained has {tuple(own[name].shape)}")
+                raise ValueError(
+                    f"{self.folder}: {name} is {tuple(t.shape)}, the drafter being trained has {tuple(own[name].shape)}"
+                )
             own[name].copy_(t.to(own[name].dtype))
         if missing:
             raise ValueError(f"{self.folder}: weights the drafter does not have: {missing}")

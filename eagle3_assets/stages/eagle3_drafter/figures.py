@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import dagster as dg
 
@@ -36,14 +37,14 @@ from eagle3_resources.errors import FiguresRefused
 DRAFTER_ASSET = dg.AssetKey("eagle3_drafter")
 SOURCES = {
     "simulated": "simulated: the trainer's eval pass on the eval split, teacher-forced (each draft step scored "
-                 "against the target's own next token); no decoding, not a serving figure",
+    "against the target's own next token); no decoding, not a serving figure",
     "transformers": "measured: this project's lossless speculative decoding in transformers (eagle3_assets/stages/eagle3_drafter/"
-                    "speculative.py), greedy, checked token for token against greedy decoding; SGLang's definition "
-                    "(completion_tokens / verify passes), not SGLang's engine",
+    "speculative.py), greedy, checked token for token against greedy decoding; SGLang's definition "
+    "(completion_tokens / verify passes), not SGLang's engine",
     "sglang_server": "measured: SGLang's HTTP server (benchmarks/serving_speculative.py, native /generate), greedy; "
-                     "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
+    "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
     "sglang_engine": "measured: SGLang's offline Engine (benchmarks/sglang_engine_speculative.py), greedy and sampled; "
-                     "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
+    "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
 }
 
 
@@ -63,30 +64,41 @@ def drafter_identity(report: dict[str, Any]) -> dict[str, Any]:
     """Which weights were measured, checked against the folder now: refused when they differ."""
     drafter = report.get("drafter")
     if not drafter or not drafter.get("weights_sha256"):
-        return {"drafter_weights": "not recorded by the benchmark (servers started by hand, or a drafter that is not "
-                                   "a local folder): these figures are not tied to particular weights"}
+        return {
+            "drafter_weights": "not recorded by the benchmark (servers started by hand, or a drafter that is not "
+            "a local folder): these figures are not tied to particular weights"
+        }
     folder = Path(drafter["path"])
     recorded = drafter["weights_sha256"]
     now = sha256_of(folder, sorted(recorded))
     if now != recorded:
         changed = [n for n in sorted(recorded) if now.get(n) != recorded[n]]
-        raise FiguresRefused(f"the drafter at {folder} is not the one benchmarked ({', '.join(changed)} changed or "
-                             f"missing since): run the benchmark again on this drafter")
-    return {"drafter_path": dg.MetadataValue.path(str(folder)),
-            "drafter_weights_sha256": dg.MetadataValue.json(recorded),
-            "drafter_weights": "the benchmarked weights are the ones in drafter_path now (sha256 checked)"}
+        raise FiguresRefused(
+            f"the drafter at {folder} is not the one benchmarked ({', '.join(changed)} changed or "
+            f"missing since): run the benchmark again on this drafter"
+        )
+    return {
+        "drafter_path": dg.MetadataValue.path(str(folder)),
+        "drafter_weights_sha256": dg.MetadataValue.json(recorded),
+        "drafter_weights": "the benchmarked weights are the ones in drafter_path now (sha256 checked)",
+    }
 
 
 def figures_table(source: str, summary: dict[str, dict[str, Any]]) -> str:
-    lines = ["| temperature | concurrency | accept length | baseline tok/s | EAGLE-3 tok/s | speed-up |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| temperature | concurrency | accept length | baseline tok/s | EAGLE-3 tok/s | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
     for tk, s in summary.items():
         for bs, speeds in s["output_tokens_per_s"].items():
-            lines.append(f"| {tk} | {bs} | {f(s['accept_length_by_concurrency'].get(bs), '.3f')} | "
-                         f"{f(speeds.get('baseline'), '.1f')} | {f(speeds.get('eagle3'), '.1f')} | {f(s['speedup'].get(bs), '.2f')} |")
+            lines.append(
+                f"| {tk} | {bs} | {f(s['accept_length_by_concurrency'].get(bs), '.3f')} | "
+                f"{f(speeds.get('baseline'), '.1f')} | {f(speeds.get('eagle3'), '.1f')} | {f(s['speedup'].get(bs), '.2f')} |"
+            )
     return f"{SOURCES[source]}\n\n" + "\n".join(lines)
 
 
@@ -94,16 +106,27 @@ def observation_metadata(report: dict[str, Any], report_path: Path) -> dict[str,
     """The figures of one SGLang benchmark JSON, each key prefixed by its source, the source's description beside."""
     source = report.get("source")
     if source not in ("sglang_server", "sglang_engine") or "summary" not in report:
-        raise FiguresRefused(f"{report_path}: not a report of benchmarks/serving_speculative.py or "
-                             f"sglang_engine_speculative.py (source {source!r})")
+        raise FiguresRefused(
+            f"{report_path}: not a report of benchmarks/serving_speculative.py or "
+            f"sglang_engine_speculative.py (source {source!r})"
+        )
     settings = report.get("settings") or {}
     target = settings.get("target") or settings.get("model_path") or settings.get("url")
-    steps = [settings.get(k) for k in (("num_steps", "topk", "num_draft_tokens") if source == "sglang_engine" else
-                                       ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"))]
-    how = (f"{SOURCES[source]}. Target {target}, EAGLE-3 steps/topk/draft tokens {steps[0]}/{steps[1]}/{steps[2]}, "
-           f"{report.get('num_prompts')} {settings.get('split', 'eval')} prompts, max_new_tokens "
-           f"{settings.get('max_new_tokens')}" + (f", top_p {settings.get('top_p')} when sampled" if source == "sglang_engine" else "")
-           + (f", sglang {report['sglang_version']}" if report.get("sglang_version") else ""))
+    steps = [
+        settings.get(k)
+        for k in (
+            ("num_steps", "topk", "num_draft_tokens")
+            if source == "sglang_engine"
+            else ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+        )
+    ]
+    how = (
+        f"{SOURCES[source]}. Target {target}, EAGLE-3 steps/topk/draft tokens {steps[0]}/{steps[1]}/{steps[2]}, "
+        f"{report.get('num_prompts')} {settings.get('split', 'eval')} prompts, max_new_tokens "
+        f"{settings.get('max_new_tokens')}"
+        + (f", top_p {settings.get('top_p')} when sampled" if source == "sglang_engine" else "")
+        + (f", sglang {report['sglang_version']}" if report.get("sglang_version") else "")
+    )
     meta: dict[str, Any] = {f"{source}_source": how}
     for tk, s in report["summary"].items():
         if s.get("accept_length") is not None:
@@ -124,9 +147,13 @@ def record_figures(report_path: Path, instance: dg.DagsterInstance) -> dg.AssetO
     if latest is not None:
         metadata["latest_materialization_run_id"] = latest.run_id
     source = report["source"]
-    heads = [f"accept length {v:.3f} at temperature {k.rsplit('_t', 1)[1]}" for k, v in metadata.items()
-             if k.startswith(f"{source}_accept_length_t")]
-    observation = dg.AssetObservation(asset_key=DRAFTER_ASSET, metadata=metadata,
-                                      description=f"{source}: " + ("; ".join(heads) or "no accept length"))
+    heads = [
+        f"accept length {v:.3f} at temperature {k.rsplit('_t', 1)[1]}"
+        for k, v in metadata.items()
+        if k.startswith(f"{source}_accept_length_t")
+    ]
+    observation = dg.AssetObservation(
+        asset_key=DRAFTER_ASSET, metadata=metadata, description=f"{source}: " + ("; ".join(heads) or "no accept length")
+    )
     instance.report_runless_asset_event(observation)
     return observation

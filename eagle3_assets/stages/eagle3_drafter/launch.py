@@ -18,8 +18,17 @@ from pathlib import Path
 
 
 def torchrun_command(spec_path: Path, processes: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-            "-m", "eagle3_assets.stages.eagle3_drafter.train_cli", "--spec", str(spec_path)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "eagle3_assets.stages.eagle3_drafter.train_cli",
+        "--spec",
+        str(spec_path),
+    ]
 
 
 def run_torchrun(spec_path: Path, processes: int, log: Callable[[str], None]) -> dict:
@@ -29,8 +38,14 @@ def run_torchrun(spec_path: Path, processes: int, log: Callable[[str], None]) ->
     report_path.unlink(missing_ok=True)
     cmd = torchrun_command(spec_path, processes)
     log("drafter: " + " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )
     tail: list[str] = []
     try:
         for line in proc.stdout:

@@ -16,8 +16,9 @@ import torch
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                chunk_rows: int) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, target_p: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, chunk_rows: int
+    ) -> torch.Tensor:
         n, acc = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)
         lse = torch.empty(n, dtype=acc, device=logits.device)
         total = torch.zeros((), dtype=acc, device=logits.device)
@@ -45,10 +46,16 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                       chunk_elements: int = 1 << 26) -> torch.Tensor:
+def soft_cross_entropy(
+    logits: torch.Tensor,
+    target_p: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_elements: int = 1 << 26,
+) -> torch.Tensor:
     """sum_t weight[t] * CE(target_p[rows[t]], softmax(logits[t])): logits [N, V] (any float dtype), target_p
     [M, V] probabilities, rows [N] long, weight [N] float (no gradient). A scalar, in fp32 (fp64 for fp64 logits)."""
     chunk_rows = max(1, chunk_elements // max(1, logits.shape[-1]))
-    return _SoftCrossEntropy.apply(logits, target_p, rows, weight.to(torch.promote_types(logits.dtype, torch.float32)),
-                                   chunk_rows)
+    return _SoftCrossEntropy.apply(
+        logits, target_p, rows, weight.to(torch.promote_types(logits.dtype, torch.float32)), chunk_rows
+    )

@@ -77,8 +77,9 @@ def default_learning_rate(hidden_size: int) -> float:
     return 2e-3
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
-         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Rotary embedding (Llama's rotate-half layout) of x [..., L, D] at `positions` [L] (or at the angles
     `rope_angles` gave for them)."""
     d = x.shape[-1]
@@ -123,7 +124,9 @@ class DocLayout:
         self.starts = tuple(starts)
         doc = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths, dtype=torch.long))
         self.doc_id = doc  # [T] the document of each token
-        self.end = torch.tensor(starts, dtype=torch.long)[doc] + torch.tensor(self.lengths, dtype=torch.long)[doc]  # [T]
+        self.end = (
+            torch.tensor(starts, dtype=torch.long)[doc] + torch.tensor(self.lengths, dtype=torch.long)[doc]
+        )  # [T]
         order = sorted(range(len(self.lengths)), key=lambda i: -self.lengths[i])
         groups: list[list[int]] = []
         for i in order:
@@ -135,7 +138,9 @@ class DocLayout:
                     g.append(i)
                     continue
             groups.append([i])
-        self.groups: list[tuple[int, int, torch.Tensor]] = []  # (docs, longest, gather index [docs * longest] into T + 1)
+        self.groups: list[
+            tuple[int, int, torch.Tensor]
+        ] = []  # (docs, longest, gather index [docs * longest] into T + 1)
         back = torch.empty(T, dtype=torch.long)
         offset = 0
         for g in groups:
@@ -171,8 +176,9 @@ class DocLayout:
 SINK_CHANNELS = 8  # extra head channels carrying the sink (8 keeps GPU flash kernels' head-dim multiple of 8)
 
 
-def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 layout: DocLayout | None = None, sink: bool = False) -> torch.Tensor:
+def fused_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: DocLayout | None = None, sink: bool = False
+) -> torch.Tensor:
     """Causal attention of [h, L, D] tensors by a fused kernel, inside each document of `layout`.
 
     4-D on purpose: given 3-D tensors, torch's CPU dispatch falls back to the math kernel, which
@@ -198,14 +204,23 @@ def fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     qp, kp, vp = torch.cat([q, pad], 1), torch.cat([k, pad], 1), torch.cat([v, pad], 1)
     outs = []
     for n, longest, idx in layout.groups:
+
         def gather(x):
             return x.index_select(1, idx).view(h, n, longest, D).transpose(0, 1)
+
         outs.append(call(gather(qp), gather(kp), gather(vp)).transpose(0, 1).reshape(h, n * longest, D))
     return torch.cat(outs, 1).index_select(1, layout.back)
 
 
-def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: Sequence[torch.Tensor],
-                  chain_v: Sequence[torch.Tensor], scale: float, layout: DocLayout | None = None) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    chain_k: Sequence[torch.Tensor],
+    chain_v: Sequence[torch.Tensor],
+    scale: float,
+    layout: DocLayout | None = None,
+) -> torch.Tensor:
     """Attention of one TTT step: query t sees the step-0 keys at positions <= t of its document (causal)
     and, from each earlier chain step i >= 1, only its own position's key chain_k[i][t]. q, k0, v0,
     chain_* are [h, L, d]; `layout` the documents packed in L (None: one).
@@ -231,8 +246,9 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: 
 
     zeros = q.new_zeros(h, L, SINK_CHANNELS)
     q_x = torch.cat([carried[..., None], zeros[..., 1:]], -1)
-    out = fused_causal(torch.cat([q, q_x], -1), torch.cat([k0, zeros], -1), torch.cat([v0, zeros], -1), scale,
-                       layout, sink=True)
+    out = fused_causal(
+        torch.cat([q, q_x], -1), torch.cat([k0, zeros], -1), torch.cat([v0, zeros], -1), scale, layout, sink=True
+    )
     a, u = out[..., :d].to(acc), out[..., d].to(acc)
     ur = u * torch.exp(lse_d - sigma)
     return ((a + ur[..., None] * out_d.to(acc)) / ((1 - u) + ur)[..., None]).to(q.dtype)
@@ -248,8 +264,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                layout: DocLayout | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: DocLayout | None = None,
+    ) -> torch.Tensor:
         """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's."""
         cfg = self.cfg
         L = x.shape[0]
@@ -262,8 +283,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
         cache.append((k, v))
         k0, v0 = cache[0]
-        out = ttt_attention(q, k0, v0, [c[0] for c in cache[1:]], [c[1] for c in cache[1:]], 1.0 / math.sqrt(d),
-                            layout)
+        out = ttt_attention(q, k0, v0, [c[0] for c in cache[1:]], [c[1] for c in cache[1:]], 1.0 / math.sqrt(d), layout)
         return self.o_proj(out.transpose(0, 1).reshape(L, h * d))
 
 
@@ -318,13 +338,25 @@ class Eagle3Drafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
 
-    def forward(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
-                layout: DocLayout | None = None) -> list[torch.Tensor]:
+    def forward(
+        self,
+        aux: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        steps: int,
+        layout: DocLayout | None = None,
+    ) -> list[torch.Tensor]:
         """`unroll`, as a module call: DistributedDataParallel syncs gradients of what goes through `forward`."""
         return self.unroll(aux, tokens, positions, steps, layout)
 
-    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, steps: int,
-               layout: DocLayout | None = None) -> list[torch.Tensor]:
+    def unroll(
+        self,
+        aux: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        steps: int,
+        layout: DocLayout | None = None,
+    ) -> list[torch.Tensor]:
         """Draft logits of TTT steps 0..steps-1 for one sequence, or for several packed into one (`layout`).
 
         aux [L, 3H_t] target aux hidden states; tokens [L] the sequence; step k at position t

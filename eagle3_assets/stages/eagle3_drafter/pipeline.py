@@ -55,7 +55,9 @@ class DrafterReport:
     windows: int = 0
 
 
-def drafter_config(target_config: dict[str, Any], hidden_size: int, draft_vocab_size: int, vocab_size: int) -> DrafterConfig:
+def drafter_config(
+    target_config: dict[str, Any], hidden_size: int, draft_vocab_size: int, vocab_size: int
+) -> DrafterConfig:
     heads, kv_heads, head_dim = default_shape(hidden_size)
     return DrafterConfig(
         hidden_size=hidden_size,
@@ -67,7 +69,9 @@ def drafter_config(target_config: dict[str, Any], hidden_size: int, draft_vocab_
         vocab_size=vocab_size,
         draft_vocab_size=draft_vocab_size,
         rms_norm_eps=float(target_config.get("rms_norm_eps") or 1e-6),
-        rope_theta=float(target_config.get("rope_theta") or (target_config.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+        rope_theta=float(
+            target_config.get("rope_theta") or (target_config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        ),
         max_position_embeddings=int(target_config.get("max_position_embeddings") or 4096),
     )
 
@@ -111,9 +115,11 @@ def train_drafter(
         eval_ids, eval_split = train_ids, "train"
     train_plan = plan_windows([(s, lengths[s]) for s in train_ids], settings.max_len)
     eval_plan = plan_windows([(s, lengths[s]) for s in eval_ids], settings.max_len)
-    log(f"drafter data: {train_plan.samples} training samples, {train_plan.tokens:,} tokens in {len(train_plan.windows)} "
+    log(
+        f"drafter data: {train_plan.samples} training samples, {train_plan.tokens:,} tokens in {len(train_plan.windows)} "
         f"windows of at most {settings.max_len} ({train_plan.split_samples} longer samples cut into windows, no token "
-        f"dropped); {eval_plan.samples} {eval_split} samples; {'online (target in the loop)' if online_backend else 'streamed from the store'}")
+        f"dropped); {eval_plan.samples} {eval_split} samples; {'online (target in the loop)' if online_backend else 'streamed from the store'}"
+    )
 
     wanted = set(train_ids)
     rows = merged.filter(pl.col("sample_id").is_in(list(wanted))).select("input_ids", "loss_mask").iter_rows()
@@ -143,18 +149,36 @@ def train_drafter(
     untrained = evaluate(model, eval_samples(), settings.ttt_steps) if dist.main else {}
     if dist.main:
         log(f"untrained drafter on {eval_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
-    history = train(model, source, train_plan.windows, eval_plan.windows, settings, head=head, device=dev, log=log,
-                    checkpoint_dir=Path(str(out_dir) + ".training"), dist=dist, stop_after_steps=stop_after_steps,
-                    teacher=teacher)
+    history = train(
+        model,
+        source,
+        train_plan.windows,
+        eval_plan.windows,
+        settings,
+        head=head,
+        device=dev,
+        log=log,
+        checkpoint_dir=Path(str(out_dir) + ".training"),
+        dist=dist,
+        stop_after_steps=stop_after_steps,
+        teacher=teacher,
+    )
     if not dist.main or len(history.epochs) < settings.epochs:  # another rank, or stopped early
         return None
     trained = evaluate(model, eval_samples(), settings.ttt_steps)
     log(f"trained drafter on {eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
     checkpoint = export_checkpoint(
-        model.cpu(), out_dir, manifest["aux_layer_ids"],
-        extra={"eagle3_pipeline": {"ttt_steps": settings.ttt_steps, "train_samples": train_plan.samples,
-                                   "eval_accept_length": trained["accept_length"],
-                                   "target": Path(target_folder).name}},  # a name, not this machine's path
+        model.cpu(),
+        out_dir,
+        manifest["aux_layer_ids"],
+        extra={
+            "eagle3_pipeline": {
+                "ttt_steps": settings.ttt_steps,
+                "train_samples": train_plan.samples,
+                "eval_accept_length": trained["accept_length"],
+                "target": Path(target_folder).name,
+            }
+        },  # a name, not this machine's path
     )
     return DrafterReport(
         checkpoint=checkpoint,
@@ -173,12 +197,17 @@ def train_drafter(
     )
 
 
-def data_source(hidden_root: Path | None, merged: pl.DataFrame, online_backend) -> tuple[SampleSource, dict[str, int], dict[str, Any]]:
+def data_source(
+    hidden_root: Path | None, merged: pl.DataFrame, online_backend
+) -> tuple[SampleSource, dict[str, int], dict[str, Any]]:
     """(source, sample id -> tokens, {hidden_size, aux_layer_ids}) of the store, or of the target run online."""
     if online_backend is not None:
         rows = {sid: (ids, mask) for sid, ids, mask in merged.select("sample_id", "input_ids", "loss_mask").iter_rows()}
-        return (OnlineSource(online_backend, rows), {s: len(r[0]) for s, r in rows.items()},
-                {"hidden_size": online_backend.hidden_size, "aux_layer_ids": list(online_backend.layer_ids)})
+        return (
+            OnlineSource(online_backend, rows),
+            {s: len(r[0]) for s, r in rows.items()},
+            {"hidden_size": online_backend.hidden_size, "aux_layer_ids": list(online_backend.layer_ids)},
+        )
     store = HiddenStateStore(Path(hidden_root))
     lengths = {sid: end - start for sid, (_, start, end, _) in store.index.items()}
     return store, lengths, store.manifest

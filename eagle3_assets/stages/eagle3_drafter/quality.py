@@ -23,11 +23,16 @@ class SpeculativeQuality:
 
     def figures(self) -> dict:
         t, u = self.trained.totals(), self.untrained.totals()
-        return {"accept_length_real": t["accept_length_sglang"], "accept_length_real_untrained": u["accept_length_sglang"],
-                "accept_length_real_gain": round((t["accept_length_sglang"] or 0) - (u["accept_length_sglang"] or 0), 4),
-                "position_acceptance_real": t["position_acceptance"], "position_acceptance_real_untrained": u["position_acceptance"],
-                "lossless": bool(self.trained.lossless and self.untrained.lossless), "speedup": t["speedup"],
-                "label": "proxy (stand-in target)" if self.trained.proxy else "target"}
+        return {
+            "accept_length_real": t["accept_length_sglang"],
+            "accept_length_real_untrained": u["accept_length_sglang"],
+            "accept_length_real_gain": round((t["accept_length_sglang"] or 0) - (u["accept_length_sglang"] or 0), 4),
+            "position_acceptance_real": t["position_acceptance"],
+            "position_acceptance_real_untrained": u["position_acceptance"],
+            "lossless": bool(self.trained.lossless and self.untrained.lossless),
+            "speedup": t["speedup"],
+            "label": "proxy (stand-in target)" if self.trained.proxy else "target",
+        }
 
 
 def eval_prompts(merged: pl.DataFrame, n: int, max_prompt_tokens: int = 1024) -> list[list[int]]:
@@ -56,9 +61,19 @@ def target_weight_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
-def measure_speculative(target_model, checkpoint: Path, merged: pl.DataFrame, *, prompts: int, max_new_tokens: int,
-                        draft_steps: int, seed: int, aux_layer_ids: list[int], proxy: bool,
-                        log: Callable[[str], None]) -> SpeculativeQuality:
+def measure_speculative(
+    target_model,
+    checkpoint: Path,
+    merged: pl.DataFrame,
+    *,
+    prompts: int,
+    max_new_tokens: int,
+    draft_steps: int,
+    seed: int,
+    aux_layer_ids: list[int],
+    proxy: bool,
+    log: Callable[[str], None],
+) -> SpeculativeQuality:
     """Both drafters decode the same prompts; the untrained one starts from the seed training started from."""
     embed = target_model.get_input_embeddings().weight.detach().float().cpu()
     trained, cfg = drafter_from_checkpoint(checkpoint, embed)
@@ -68,10 +83,19 @@ def measure_speculative(target_model, checkpoint: Path, merged: pl.DataFrame, *,
     chosen = eval_prompts(merged, prompts)
     reports = {}
     for name, drafter in (("trained", trained), ("untrained", untrained)):
-        reports[name] = evaluate_speculative(target_model, drafter.to(device), chosen, draft_steps=draft_steps,
-                                             max_new_tokens=max_new_tokens, proxy=proxy, aux_layer_ids=aux_layer_ids)
+        reports[name] = evaluate_speculative(
+            target_model,
+            drafter.to(device),
+            chosen,
+            draft_steps=draft_steps,
+            max_new_tokens=max_new_tokens,
+            proxy=proxy,
+            aux_layer_ids=aux_layer_ids,
+        )
         t = reports[name].totals()
-        log(f"speculative decoding, {name} drafter, {len(chosen)} prompts: accept length {t['accept_length_sglang']} "
+        log(
+            f"speculative decoding, {name} drafter, {len(chosen)} prompts: accept length {t['accept_length_sglang']} "
             f"(SGLang's definition), per position {t['position_acceptance']}, lossless {t['lossless']}, "
-            f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s")
+            f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s"
+        )
     return SpeculativeQuality(reports["trained"], reports["untrained"])

@@ -84,8 +84,9 @@ class _DraftState:
     root: torch.Tensor | None = None  # [H] pre-norm step-0 hidden state at position T-1
 
 
-def _attend(attn: Attention, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
-            past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attend(
+    attn: Attention, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of new rows x [n, 2H] over past keys (all visible) and each other (causal).
 
     Same arithmetic as `Attention.forward` (rope, repeated kv heads, float softmax), but with a
@@ -108,8 +109,14 @@ def _attend(attn: Attention, x: torch.Tensor, positions: torch.Tensor, past_k: t
     return out, k, v
 
 
-def _layer(layer: DecoderLayer, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-           past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer(
+    layer: DecoderLayer,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`DecoderLayer.forward` with a prefix cache: (pre-norm hidden out, new keys, new values)."""
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
     attn_out, k, v = _attend(layer.self_attn, x, positions, past_k, past_v)
@@ -130,7 +137,9 @@ class Eagle3ChainDrafter:
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         cfg = self.drafter.cfg
-        empty = torch.zeros(cfg.num_attention_heads, 0, cfg.head_dim, dtype=self._param.dtype, device=self._param.device)
+        empty = torch.zeros(
+            cfg.num_attention_heads, 0, cfg.head_dim, dtype=self._param.dtype, device=self._param.device
+        )
         self.state = _DraftState(keys=empty, values=empty.clone())
 
     @torch.inference_mode()
@@ -249,9 +258,15 @@ class SpecRun:
 
 
 @torch.inference_mode()
-def speculative_generate(target, drafter: ChainDrafter, prompt_ids: Sequence[int], draft_steps: int,
-                         max_new_tokens: int, eos_token_ids: Iterable[int] | int | None = None,
-                         aux_layer_ids: Sequence[int] | None = None) -> SpecRun:
+def speculative_generate(
+    target,
+    drafter: ChainDrafter,
+    prompt_ids: Sequence[int],
+    draft_steps: int,
+    max_new_tokens: int,
+    eos_token_ids: Iterable[int] | int | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+) -> SpecRun:
     """Greedy chain speculative decoding; output equals the target's greedy decoding."""
     if draft_steps < 1 or max_new_tokens < 1 or not prompt_ids:
         raise ValueError("need draft_steps >= 1, max_new_tokens >= 1 and a non-empty prompt")
@@ -279,8 +294,9 @@ def speculative_generate(target, drafter: ChainDrafter, prompt_ids: Sequence[int
 
 
 @torch.inference_mode()
-def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos_token_ids: Iterable[int] | int | None = None) -> tuple[list[int], float]:
+def greedy_generate(
+    target, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Iterable[int] | int | None = None
+) -> tuple[list[int], float]:
     """The reference output and its seconds: transformers' own greedy decoding, `generate(do_sample=False)`.
 
     Why not a loop over `_Target`: a reference sharing the speculative loop's cache wrapper shares its bugs (a
@@ -289,11 +305,17 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
     model, eos = text_causal_lm(target), sorted(_eos_ids(target, eos_token_ids))
     ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=model.get_input_embeddings().weight.device)
     # eos [] rather than None: generate fills a None from the model's generation_config (its EOS ids).
-    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+    config = GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=eos,
+        pad_token_id=eos[0] if eos else 0,
+    )
     started = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - started
+    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - started
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,11 +363,15 @@ class PromptResult:
     def to_metadata(self) -> dict[str, Any]:
         s = self.spec
         return {
-            "prompt_tokens": self.prompt_tokens, "tokens": s.tokens, "verify_rounds": s.rounds,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": s.tokens,
+            "verify_rounds": s.rounds,
             **_rounded(accept_lengths(s.tokens, s.accepted)),
             "position_acceptance": _rounded(position_acceptance(s.accepted, s.draft_steps)),
             "spec_tokens_per_s": _rate(s.tokens, s.seconds),
-            "greedy_tokens_per_s": None if self.greedy_ids is None else _rate(len(self.greedy_ids), self.greedy_seconds),
+            "greedy_tokens_per_s": None
+            if self.greedy_ids is None
+            else _rate(len(self.greedy_ids), self.greedy_seconds),
             "lossless": self.lossless,
         }
 
@@ -378,10 +404,13 @@ class SpecDecodeReport:
         greedy_tokens, greedy_s = sum(len(p.greedy_ids) for p in greedy), sum(p.greedy_seconds for p in greedy)
         spec_rate, greedy_rate = _rate(tokens, spec_s), _rate(greedy_tokens, greedy_s) if greedy else None
         return {
-            "prompts": len(self.prompts), "tokens": tokens, "verify_rounds": len(accepted),
+            "prompts": len(self.prompts),
+            "tokens": tokens,
+            "verify_rounds": len(accepted),
             **_rounded(lengths),
             "position_acceptance": _rounded(position_acceptance(accepted, self.draft_steps)),
-            "spec_tokens_per_s": spec_rate, "greedy_tokens_per_s": greedy_rate,
+            "spec_tokens_per_s": spec_rate,
+            "greedy_tokens_per_s": greedy_rate,
             "speedup": round(spec_rate / greedy_rate, 3) if spec_rate and greedy_rate else None,
             "lossless": self.lossless,
             "mismatched_prompts": sum(1 for p in greedy if not p.lossless),
@@ -391,7 +420,9 @@ class SpecDecodeReport:
         return {
             "proxy": self.proxy,
             "label": "proxy (stand-in target)" if self.proxy else "target",
-            "draft_steps": self.draft_steps, "num_draft_tokens": self.draft_steps + 1, "topk": 1,
+            "draft_steps": self.draft_steps,
+            "num_draft_tokens": self.draft_steps + 1,
+            "topk": 1,
             "max_new_tokens": self.max_new_tokens,
             **self.totals(),
             "simulated": self.simulated,
@@ -402,12 +433,12 @@ class SpecDecodeReport:
 
 DEFINITIONS = {
     "accept_length_sglang": "SGLang's completion_tokens / spec_verify_ct: generated tokens (prefill's first token "
-                            "included) per target verify forward; counts the bonus token",
+    "included) per target verify forward; counts the bonus token",
     "accept_length_per_round": "tokens produced by verify rounds / rounds = mean(accepted drafts + 1): bonus counted, "
-                               "prefill token not",
+    "prefill token not",
     "accept_length_vllm": "vLLM's 1 + accepted draft tokens / drafts (before truncation at max_new_tokens/EOS)",
     "position_acceptance": "for draft position j = 1..k: share of rounds accepting draft j among rounds that "
-                           "accepted drafts 1..j-1",
+    "accepted drafts 1..j-1",
     "simulated": "train.evaluate on stored hidden states: teacher-forced, no decoding (SpecForge-style)",
 }
 
@@ -424,10 +455,18 @@ def _rounded(x):
     return round(x, 4) if isinstance(x, float) else x
 
 
-def evaluate_speculative(target, drafter: ChainDrafter | Eagle3Drafter, prompts: Sequence[Sequence[int]], *,
-                         draft_steps: int = 3, max_new_tokens: int = 64, proxy: bool,
-                         eos_token_ids: Iterable[int] | int | None = None,
-                         aux_layer_ids: Sequence[int] | None = None, compare_greedy: bool = True) -> SpecDecodeReport:
+def evaluate_speculative(
+    target,
+    drafter: ChainDrafter | Eagle3Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    draft_steps: int = 3,
+    max_new_tokens: int = 64,
+    proxy: bool,
+    eos_token_ids: Iterable[int] | int | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    compare_greedy: bool = True,
+) -> SpecDecodeReport:
     """Decode every prompt speculatively (and, with compare_greedy, with the target alone).
 
     Run it once with the trained drafter and once with an untrained one (the floor). Greedy runs

@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from eagle3_assets.stages.eagle3_drafter.data import (
     PackedBatch,
@@ -93,7 +92,9 @@ class TrainHistory:
     tokens_per_s: float = 0.0  # all ranks' tokens over this process's training time (evaluation excluded)
     flops_per_token: float = 0.0  # `model.train_flops_per_token` at the mean window length
     compiled: bool = False  # the MLP ran under torch.compile
-    mfu: float | None = None  # per device: tokens_per_s / world_size x flops_per_token / the device's bf16 peak (known CUDA devices)
+    mfu: float | None = (
+        None  # per device: tokens_per_s / world_size x flops_per_token / the device's bf16 peak (known CUDA devices)
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,8 +114,15 @@ def step_weights(model: Eagle3Drafter, s: Sample, k: int) -> tuple[torch.Tensor,
     return weights.float(), j, in_range & (s.mask[target_tok] == 1)
 
 
-def packed_loss(model: Eagle3Drafter, run, batch: PackedBatch, teacher_p: torch.Tensor, teacher_argmax: torch.Tensor,
-                settings: TrainSettings, windows_in_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_loss(
+    model: Eagle3Drafter,
+    run,
+    batch: PackedBatch,
+    teacher_p: torch.Tensor,
+    teacher_argmax: torch.Tensor,
+    settings: TrainSettings,
+    windows_in_step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, per-TTT-step losses [steps]) of a packed batch: each window's TTT-weighted soft cross-entropy over
     its completion tokens, divided by its completion tokens (at least 1) and by the step's window count, summed.
     `run` is the module to call (the drafter, or its DDP wrapper, whose call syncs gradients). Device tensors only.
@@ -187,8 +195,9 @@ def autocast(device: torch.device):
 
 def data_fingerprint(windows: Sequence[Window], settings: TrainSettings, draft_ids: torch.Tensor) -> str:
     """What a checkpoint must have been trained on to be resumed: the windows, the settings, the draft vocabulary."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in asdict(settings).items() if k != "checkpoint_every"},
-                                  sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps({k: v for k, v in asdict(settings).items() if k != "checkpoint_every"}, sort_keys=True).encode()
+    )
     for w in windows:
         h.update(f"{w.sample_id}\0{w.start}\0{w.end}\n".encode())
     h.update(draft_ids.cpu().numpy().tobytes())
@@ -211,8 +220,11 @@ def trainable_state(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -247,7 +259,9 @@ class Distributed:
             torch.distributed.barrier()
 
 
-def prefetched(make: Callable[[list[int]], PackedBatch], steps: Sequence[list[int]], depth: int) -> Iterator[PackedBatch]:
+def prefetched(
+    make: Callable[[list[int]], PackedBatch], steps: Sequence[list[int]], depth: int
+) -> Iterator[PackedBatch]:
     """`make(step)` for each step in order, computed `depth` steps ahead on one background thread."""
     with ThreadPoolExecutor(1, thread_name_prefix="drafter-data") as pool:
         pending = deque(pool.submit(make, s) for s in steps[:depth])
@@ -354,9 +368,11 @@ def train(
             log(f"drafter: resumed from the checkpoint at step {global_step}/{total_steps} (epoch {epoch + 1})")
         else:
             log("drafter: the training checkpoint is of other data or settings; starting afresh")
-    log(f"drafter: {total_steps} optimizer steps over {settings.epochs} epochs on {device}"
+    log(
+        f"drafter: {total_steps} optimizer steps over {settings.epochs} epochs on {device}"
         f"{f' x {dist.world_size} processes' if dist.world_size > 1 else ''}, peak learning rate {lr:g}"
-        + ("" if settings.lr is not None else f" (default for width {model.cfg.hidden_size})"))
+        + ("" if settings.lr is not None else f" (default for width {model.cfg.hidden_size})")
+    )
     if settings.compile if settings.compile is not None else cuda:
         history.compiled = compile_mlp(model, device, log)
 
@@ -392,11 +408,20 @@ def train(
     def checkpoint() -> None:
         flush()
         if ckpt is not None and dist.main:
-            save_training_state(ckpt, {
-                "fingerprint": fingerprint, "model": trainable_state(model), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "rng": rng_state(), "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "global_step": global_step, "history": history.to_dict() | {"resumed_from_step": None},
-            })
+            save_training_state(
+                ckpt,
+                {
+                    "fingerprint": fingerprint,
+                    "model": trainable_state(model),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rng": rng_state(),
+                    "epoch": epoch,
+                    "step_in_epoch": step_in_epoch,
+                    "global_step": global_step,
+                    "history": history.to_dict() | {"resumed_from_step": None},
+                },
+            )
         dist.barrier()
 
     aux_dtype = torch.bfloat16 if cuda else torch.float32
@@ -444,9 +469,12 @@ def train(
                         last_log = time.monotonic()
                         rate = (global_step - first_step) / max(1e-9, train_seconds)
                         eta = (total_steps - global_step) / rate if rate > 0 else float("nan")
-                        log(f"drafter step {global_step}/{total_steps}: loss {history.step_loss[-1]:.4f}, "
+                        log(
+                            f"drafter step {global_step}/{total_steps}: loss {history.step_loss[-1]:.4f}, "
                             f"{history.tokens_per_s:,.0f} tokens/s ({dist.world_size} process(es))"
-                            + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "") + f", ETA {eta:,.0f} s")
+                            + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "")
+                            + f", ETA {eta:,.0f} s"
+                        )
                 stop = stop_after_steps is not None and global_step >= stop_after_steps
                 if (settings.checkpoint_every and global_step % settings.checkpoint_every == 0) or stop:
                     if cuda:
@@ -465,15 +493,24 @@ def train(
         flush()
         metrics = {}
         if eval_windows and dist.main:
-            metrics = evaluate(model, (load_window(source, w, teacher, device) for w in eval_windows), settings.ttt_steps)
-        metrics.update(epoch=epoch + 1, train_loss=history.step_loss[-1], seconds=round(time.monotonic() - started, 1),
-                       tokens_per_s=history.tokens_per_s)
+            metrics = evaluate(
+                model, (load_window(source, w, teacher, device) for w in eval_windows), settings.ttt_steps
+            )
+        metrics.update(
+            epoch=epoch + 1,
+            train_loss=history.step_loss[-1],
+            seconds=round(time.monotonic() - started, 1),
+            tokens_per_s=history.tokens_per_s,
+        )
         history.epochs.append(metrics)
         if dist.main:
-            log(f"drafter epoch {epoch + 1}/{settings.epochs}: loss {metrics['train_loss']:.4f}, "
+            log(
+                f"drafter epoch {epoch + 1}/{settings.epochs}: loss {metrics['train_loss']:.4f}, "
                 f"eval acc {metrics.get('acc')}, accept length {metrics.get('accept_length')} ({metrics['seconds']}s, "
                 f"{history.tokens_per_s:,.0f} training tokens/s"
-                + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "") + ")")
+                + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "")
+                + ")"
+            )
         epoch, step_in_epoch = epoch + 1, 0
     history.seconds = time.monotonic() - started
     checkpoint()

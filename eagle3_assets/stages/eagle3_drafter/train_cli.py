@@ -26,31 +26,69 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport, train_dr
 from eagle3_assets.stages.eagle3_drafter.train import Distributed, TrainHistory, TrainSettings
 
 
-def write_spec(path: Path, *, hidden_root: Path | None, merged_path: Path, target_folder: Path, out_dir: Path,
-               settings: TrainSettings, draft_vocab_size: int, report_path: Path, device: str = "auto",
-               online: bool = False, init_from: Path | None = None) -> Path:
-    spec = {"hidden_root": str(hidden_root) if hidden_root else None, "merged_path": str(merged_path),
-            "target_folder": str(target_folder), "out_dir": str(out_dir), "settings": asdict(settings),
-            "draft_vocab_size": draft_vocab_size, "report_path": str(report_path), "device": device, "online": online,
-            "init_from": str(init_from) if init_from else None}
+def write_spec(
+    path: Path,
+    *,
+    hidden_root: Path | None,
+    merged_path: Path,
+    target_folder: Path,
+    out_dir: Path,
+    settings: TrainSettings,
+    draft_vocab_size: int,
+    report_path: Path,
+    device: str = "auto",
+    online: bool = False,
+    init_from: Path | None = None,
+) -> Path:
+    spec = {
+        "hidden_root": str(hidden_root) if hidden_root else None,
+        "merged_path": str(merged_path),
+        "target_folder": str(target_folder),
+        "out_dir": str(out_dir),
+        "settings": asdict(settings),
+        "draft_vocab_size": draft_vocab_size,
+        "report_path": str(report_path),
+        "device": device,
+        "online": online,
+        "init_from": str(init_from) if init_from else None,
+    }
     path.write_text(json.dumps(spec, indent=2) + "\n")
     return path
 
 
 def report_json(report: DrafterReport) -> dict[str, Any]:
-    return {"checkpoint": str(report.checkpoint), "config": report.config, "draft_vocab_size": report.draft_vocab_size,
-            "distinct_loss_tokens": report.distinct_loss_tokens, "train_samples": report.train_samples,
-            "eval_samples": report.eval_samples, "eval_split": report.eval_split, "untrained": report.untrained,
-            "trained": report.trained, "history": report.history.to_dict(), "train_tokens": report.train_tokens,
-            "split_samples": report.split_samples, "windows": report.windows}
+    return {
+        "checkpoint": str(report.checkpoint),
+        "config": report.config,
+        "draft_vocab_size": report.draft_vocab_size,
+        "distinct_loss_tokens": report.distinct_loss_tokens,
+        "train_samples": report.train_samples,
+        "eval_samples": report.eval_samples,
+        "eval_split": report.eval_split,
+        "untrained": report.untrained,
+        "trained": report.trained,
+        "history": report.history.to_dict(),
+        "train_tokens": report.train_tokens,
+        "split_samples": report.split_samples,
+        "windows": report.windows,
+    }
 
 
 def report_from_json(d: dict[str, Any]) -> DrafterReport:
     return DrafterReport(
-        checkpoint=Path(d["checkpoint"]), config=d["config"], draft_vocab_size=d["draft_vocab_size"],
-        distinct_loss_tokens=d["distinct_loss_tokens"], train_samples=d["train_samples"], eval_samples=d["eval_samples"],
-        eval_split=d["eval_split"], untrained=d["untrained"], trained=d["trained"], history=TrainHistory(**d["history"]),
-        train_tokens=d["train_tokens"], split_samples=d["split_samples"], windows=d["windows"],
+        checkpoint=Path(d["checkpoint"]),
+        config=d["config"],
+        draft_vocab_size=d["draft_vocab_size"],
+        distinct_loss_tokens=d["distinct_loss_tokens"],
+        train_samples=d["train_samples"],
+        eval_samples=d["eval_samples"],
+        eval_split=d["eval_split"],
+        untrained=d["untrained"],
+        trained=d["trained"],
+        history=TrainHistory(**d["history"]),
+        train_tokens=d["train_tokens"],
+        split_samples=d["split_samples"],
+        windows=d["windows"],
     )
 
 
@@ -81,14 +119,24 @@ def run(spec: dict[str, Any], log=print, stop_after_steps: int | None = None) ->
             )
 
             dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-            target = AutoModelForCausalLM.from_pretrained(spec["target_folder"], dtype=dtype).to(
-                device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+            target = (
+                AutoModelForCausalLM.from_pretrained(spec["target_folder"], dtype=dtype)
+                .to(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+                .eval()
+            )
             backend = TransformersHiddenStates(target)
         report = train_drafter(
-            Path(spec["hidden_root"]) if spec.get("hidden_root") else None, merged, Path(spec["target_folder"]),
-            Path(spec["out_dir"]), TrainSettings(**spec["settings"]), int(spec["draft_vocab_size"]),
-            log if dist.main else (lambda _m: None), device=device, online_backend=backend,
-            init_from=Path(spec["init_from"]) if spec.get("init_from") else None, dist=dist,
+            Path(spec["hidden_root"]) if spec.get("hidden_root") else None,
+            merged,
+            Path(spec["target_folder"]),
+            Path(spec["out_dir"]),
+            TrainSettings(**spec["settings"]),
+            int(spec["draft_vocab_size"]),
+            log if dist.main else (lambda _m: None),
+            device=device,
+            online_backend=backend,
+            init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
+            dist=dist,
             stop_after_steps=stop_after_steps,
         )
         if report is not None and dist.main and spec.get("report_path"):
@@ -104,10 +152,18 @@ def run(spec: dict[str, Any], log=print, stop_after_steps: int | None = None) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", required=True, help="the JSON spec (see write_spec)")
-    parser.add_argument("--stop-after-steps", type=int, default=None, help="end after this many optimizer steps "
-                        "(a checkpoint is written first), as a kill would; for tests")
+    parser.add_argument(
+        "--stop-after-steps",
+        type=int,
+        default=None,
+        help="end after this many optimizer steps (a checkpoint is written first), as a kill would; for tests",
+    )
     args = parser.parse_args(argv)
-    run(json.loads(Path(args.spec).read_text()), log=lambda m: print(m, flush=True), stop_after_steps=args.stop_after_steps)
+    run(
+        json.loads(Path(args.spec).read_text()),
+        log=lambda m: print(m, flush=True),
+        stop_after_steps=args.stop_after_steps,
+    )
     return 0
 
 

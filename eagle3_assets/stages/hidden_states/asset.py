@@ -1,6 +1,5 @@
 """`hidden_states`: the target's EAGLE-3 auxiliary layers and final hidden state, in shards."""
 
-from typing import Optional
 
 import dagster as dg
 import polars as pl
@@ -40,23 +39,46 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 class HiddenStatesConfig(dg.Config):
     """What to extract and how the store is cut. Every figure is checked against the disk before the first byte."""
 
-    max_tokens: Optional[int] = Field(default=None, description="extract at most this many tokens, shared among the "
-                                      "datasets by `dataset_weights` (or by their own sizes); unset = all of the merged set. "
-                                      "The disk check's error says how many tokens fit")
-    dataset_weights: Optional[dict[str, float]] = Field(default=None, description="keep only these datasets, e.g. "
-                                                        "{\"A1\": 2, \"B3\": 1}; with `max_tokens` their token shares follow the weights")
-    shard_gb: float = Field(default=1.0, description="size of one shard in GB (1e9 bytes); an interrupted run loses at most "
-                            "the shards being computed, and reading needs no more memory than one sample")
-    writers: int = Field(default=4, description="background threads writing finished shards while the next batches run (writers + 1 shard-sized host buffers)")
-    verify_on_resume: bool = Field(default=False, description="re-hash every committed shard against its recorded checksum "
-                                   "(xxh3_128; sha256 in older stores) before trusting it (reads the whole store); off, a shard is trusted by its manifest entry and size")
-    free_bytes: Optional[int] = Field(default=None, description="the free space to plan against, in bytes; unset = what "
-                                      "the data volume reports. For a volume shared with other writers, give what is yours")
-    disk_margin_pct: float = Field(default=5.0, description="free space to leave beyond what the store needs, in percent of it")
+    max_tokens: int | None = Field(
+        default=None,
+        description="extract at most this many tokens, shared among the "
+        "datasets by `dataset_weights` (or by their own sizes); unset = all of the merged set. "
+        "The disk check's error says how many tokens fit",
+    )
+    dataset_weights: dict[str, float] | None = Field(
+        default=None,
+        description="keep only these datasets, e.g. "
+        '{"A1": 2, "B3": 1}; with `max_tokens` their token shares follow the weights',
+    )
+    shard_gb: float = Field(
+        default=1.0,
+        description="size of one shard in GB (1e9 bytes); an interrupted run loses at most "
+        "the shards being computed, and reading needs no more memory than one sample",
+    )
+    writers: int = Field(
+        default=4,
+        description="background threads writing finished shards while the next batches run (writers + 1 shard-sized host buffers)",
+    )
+    verify_on_resume: bool = Field(
+        default=False,
+        description="re-hash every committed shard against its recorded checksum "
+        "(xxh3_128; sha256 in older stores) before trusting it (reads the whole store); off, a shard is trusted by its manifest entry and size",
+    )
+    free_bytes: int | None = Field(
+        default=None,
+        description="the free space to plan against, in bytes; unset = what "
+        "the data volume reports. For a volume shared with other writers, give what is yours",
+    )
+    disk_margin_pct: float = Field(
+        default=5.0, description="free space to leave beyond what the store needs, in percent of it"
+    )
     disk_reserve_gb: float = Field(default=1.0, description="and this many GB on top")
-    discard_stale_shards: bool = Field(default=False, description="delete committed shards this run's plan no longer "
-                                       "wants (another target, layer rule, `shard_gb` or selection) and compute their "
-                                       "samples again; off, such a run stops before deleting anything and says why")
+    discard_stale_shards: bool = Field(
+        default=False,
+        description="delete committed shards this run's plan no longer "
+        "wants (another target, layer rule, `shard_gb` or selection) and compute their "
+        "samples again; off, such a run stops before deleting anything and says why",
+    )
 
 
 @dg.asset(
@@ -69,7 +91,7 @@ class HiddenStatesConfig(dg.Config):
     description="Aux hidden states of layers [1, N//2-1, N-4] (outputs, 0-based) and the post-norm final hidden "
     "state of the merged samples, in shards of many samples (bf16 states, int32 ids, int8 loss mask) with a manifest "
     "of their checksums. Committed shards are kept (resume); the disk is checked before the first byte. Not "
-    "partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run "
+    'partitioned: a backfill dialog\'s preview lists it under "No partitions available to materialize", yet a run '
     "over datasets builds it once, after their `token_ids`.",
 )
 @failure_for_operator
@@ -83,25 +105,45 @@ def hidden_states(
 ) -> dg.MaterializeResult:
     merged = pl.read_parquet(store.layout.merged_dataset())
     selected = select_samples(merged, config.max_tokens, config.dataset_weights)
-    context.log.info(f"hidden states for {selected.height:,} of {merged.height:,} merged samples "
-                     f"({int(selected['n_tokens'].sum() or 0):,} of {int(merged['n_tokens'].sum() or 0):,} tokens)")
+    context.log.info(
+        f"hidden states for {selected.height:,} of {merged.height:,} merged samples "
+        f"({int(selected['n_tokens'].sum() or 0):,} of {int(merged['n_tokens'].sum() or 0):,} tokens)"
+    )
     root = store.layout.hidden_states()
     folder = target.folder(tokenizer, context.log.info)
     settings = StoreSettings(
-        shard_bytes=int(config.shard_gb * 1e9), batch_tokens=hidden_states_backend.batch_tokens, writers=config.writers,
-        verify_on_resume=config.verify_on_resume, free_bytes=config.free_bytes, margin_pct=config.disk_margin_pct,
-        reserve_bytes=int(config.disk_reserve_gb * 1e9), discard_stale=config.discard_stale_shards,
+        shard_bytes=int(config.shard_gb * 1e9),
+        batch_tokens=hidden_states_backend.batch_tokens,
+        writers=config.writers,
+        verify_on_resume=config.verify_on_resume,
+        free_bytes=config.free_bytes,
+        margin_pct=config.disk_margin_pct,
+        reserve_bytes=int(config.disk_reserve_gb * 1e9),
+        discard_stale=config.discard_stale_shards,
     )
 
     def observe(figures: dict) -> None:  # live progress on the asset's page
-        context.log_event(dg.AssetObservation(asset_key=context.assets_def.key, description=f"progress of run {context.run_id[:8]}",
-                                              metadata={k: v for k, v in figures.items() if v is not None}))
+        context.log_event(
+            dg.AssetObservation(
+                asset_key=context.assets_def.key,
+                description=f"progress of run {context.run_id[:8]}",
+                metadata={k: v for k, v in figures.items() if v is not None},
+            )
+        )
 
     apply_torch_threads("hidden-state extraction", context.log.info)
     backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
     try:
-        report = extract_to_store(stored_samples(selected), backend, root, settings, identity=target_identity(folder),
-                                  notes={"target": str(folder)}, log=context.log.info, on_progress=observe)
+        report = extract_to_store(
+            stored_samples(selected),
+            backend,
+            root,
+            settings,
+            identity=target_identity(folder),
+            notes={"target": str(folder)},
+            log=context.log.info,
+            on_progress=observe,
+        )
     finally:
         backend.close()
     outcomes = {name: fn(root, selected) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}

@@ -24,17 +24,27 @@ def hidden_state_shapes(root: Path, selected: pl.DataFrame) -> CheckOutcome:
         f = store.shard(name)
         shapes = {k: f.shape(k) if k in f.tensors else None for k in (*KEYS, "offsets")}
         T = (shapes["input_ids"] or (0,))[0]
-        want = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden_states": (T, 3 * H), "final_hidden_state": (T, H),
-                "offsets": shapes["offsets"]}
+        want = {
+            "input_ids": (T,),
+            "loss_mask": (T,),
+            "aux_hidden_states": (T, 3 * H),
+            "final_hidden_state": (T, H),
+            "offsets": shapes["offsets"],
+        }
         n = (shapes["offsets"] or (0,))[0]
         if shapes != want or n == 0 or int(f.rows("offsets", n - 1, n)[0]) != T:
             bad.append({"shard": name, "shapes": {k: list(v) if v else None for k, v in shapes.items()}})
-    wrong_length = [sid for sid, n in selected.select("sample_id", "n_tokens").rows()
-                    if sid in store and store.shapes(sid)["input_ids"][0] != n]
-    return CheckOutcome(not bad and not wrong_length,
-                        f"{len(store.manifest['shards']) - len(bad)} of {len(store.manifest['shards'])} shards have the expected "
-                        f"shapes; {len(wrong_length)} samples with a row count other than their tokens",
-                        {"hidden_size": H, "bad_shards": bad[:20], "wrong_length": wrong_length[:20]})
+    wrong_length = [
+        sid
+        for sid, n in selected.select("sample_id", "n_tokens").rows()
+        if sid in store and store.shapes(sid)["input_ids"][0] != n
+    ]
+    return CheckOutcome(
+        not bad and not wrong_length,
+        f"{len(store.manifest['shards']) - len(bad)} of {len(store.manifest['shards'])} shards have the expected "
+        f"shapes; {len(wrong_length)} samples with a row count other than their tokens",
+        {"hidden_size": H, "bad_shards": bad[:20], "wrong_length": wrong_length[:20]},
+    )
 
 
 def hidden_state_layers(root: Path, selected: pl.DataFrame) -> CheckOutcome:
@@ -42,9 +52,11 @@ def hidden_state_layers(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     the store was written by another target or backend; delete it and re-materialize `hidden_states`."""
     m = read_manifest(root)
     want = eagle3_aux_layers(m["num_target_layers"])
-    return CheckOutcome(m["aux_layer_ids"] == want and bool(m.get("layer_convention")),
-                        f"layers {m['aux_layer_ids']} of a {m['num_target_layers']}-layer target (rule: {want})",
-                        {"aux_layer_ids": m["aux_layer_ids"], "expected": want, "convention": m.get("layer_convention")})
+    return CheckOutcome(
+        m["aux_layer_ids"] == want and bool(m.get("layer_convention")),
+        f"layers {m['aux_layer_ids']} of a {m['num_target_layers']}-layer target (rule: {want})",
+        {"aux_layer_ids": m["aux_layer_ids"], "expected": want, "convention": m.get("layer_convention")},
+    )
 
 
 def hidden_state_count(root: Path, selected: pl.DataFrame) -> CheckOutcome:
@@ -56,17 +68,26 @@ def hidden_state_count(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     missing = [sid for sid in selected["sample_id"].to_list() if sid not in store]
     extra = sorted(set(store.index) - wanted)
     damaged = sorted(store.damaged)
-    return CheckOutcome(not missing and not extra and not damaged,
-                        f"{len(store)} stored samples for {len(wanted)} selected ({len(missing)} missing, {len(extra)} extra), "
-                        f"{len(store.manifest['shards'])} shards" + (f", {len(damaged)} damaged" if damaged else ""),
-                        {"stored": len(store), "selected": len(wanted), "missing": missing[:20], "extra": extra[:20],
-                         "damaged": {n: store.damaged[n] for n in damaged[:20]}})
+    return CheckOutcome(
+        not missing and not extra and not damaged,
+        f"{len(store)} stored samples for {len(wanted)} selected ({len(missing)} missing, {len(extra)} extra), "
+        f"{len(store.manifest['shards'])} shards" + (f", {len(damaged)} damaged" if damaged else ""),
+        {
+            "stored": len(store),
+            "selected": len(wanted),
+            "missing": missing[:20],
+            "extra": extra[:20],
+            "damaged": {n: store.damaged[n] for n in damaged[:20]},
+        },
+    )
 
 
 def hidden_state_finite(nan_samples: list[str]) -> CheckOutcome:
     """No NaN or infinite value in any hidden state written by this run. When it fails: the target overflowed (dtype,
     weights or device); check the named samples and the target's dtype before training on them."""
-    return CheckOutcome(not nan_samples, f"{len(nan_samples)} samples with non-finite values", {"samples": nan_samples[:20]})
+    return CheckOutcome(
+        not nan_samples, f"{len(nan_samples)} samples with non-finite values", {"samples": nan_samples[:20]}
+    )
 
 
 HIDDEN_STATE_CHECKS: Checks = {

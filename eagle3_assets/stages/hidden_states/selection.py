@@ -16,8 +16,9 @@ import polars as pl
 from eagle3_resources.hidden_states.store import HiddenStateStore, StoredSample
 
 
-def select_samples(merged: pl.DataFrame, max_tokens: int | None = None,
-                   dataset_weights: Mapping[str, float] | None = None) -> pl.DataFrame:
+def select_samples(
+    merged: pl.DataFrame, max_tokens: int | None = None, dataset_weights: Mapping[str, float] | None = None
+) -> pl.DataFrame:
     """The merged rows to extract, in merged order.
 
     `dataset_weights` keeps only the datasets named with a weight above 0; with `max_tokens` each
@@ -35,7 +36,9 @@ def select_samples(merged: pl.DataFrame, max_tokens: int | None = None,
     if max_tokens is None:
         return merged
     totals = dict(merged.group_by("dataset").agg(pl.col("n_tokens").sum()).rows())
-    weights = {d: float((dataset_weights or {}).get(d, 0.0)) if dataset_weights else float(t) for d, t in totals.items()}
+    weights = {
+        d: float((dataset_weights or {}).get(d, 0.0)) if dataset_weights else float(t) for d, t in totals.items()
+    }
     scale = sum(weights.values()) or 1.0
     share = {d: max_tokens * w / scale for d, w in weights.items()}
     used: dict[str, int] = dict.fromkeys(totals, 0)
@@ -49,14 +52,22 @@ def select_samples(merged: pl.DataFrame, max_tokens: int | None = None,
 
 def stored_samples(selected: pl.DataFrame) -> list[StoredSample]:
     """The rows as the store takes them, each dataset its own shard group."""
-    return [StoredSample(sid, split, ids, mask, dataset) for sid, split, ids, mask, dataset
-            in selected.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()]
+    return [
+        StoredSample(sid, split, ids, mask, dataset)
+        for sid, split, ids, mask, dataset in selected.select(
+            "sample_id", "split", "input_ids", "loss_mask", "dataset"
+        ).iter_rows()
+    ]
 
 
 def tokens_by_dataset(selected: pl.DataFrame, merged: pl.DataFrame) -> pl.DataFrame:
     """Per dataset: tokens in the merged set and tokens extracted (the picture's data)."""
-    whole = merged.group_by("dataset").agg(pl.col("n_tokens").sum().alias("merged_tokens"), pl.len().alias("merged_samples"))
-    chosen = selected.group_by("dataset").agg(pl.col("n_tokens").sum().alias("stored_tokens"), pl.len().alias("stored_samples"))
+    whole = merged.group_by("dataset").agg(
+        pl.col("n_tokens").sum().alias("merged_tokens"), pl.len().alias("merged_samples")
+    )
+    chosen = selected.group_by("dataset").agg(
+        pl.col("n_tokens").sum().alias("stored_tokens"), pl.len().alias("stored_samples")
+    )
     return whole.join(chosen, on="dataset", how="left").fill_null(0).sort("dataset")
 
 
@@ -73,8 +84,15 @@ def tokens_picture(by_dataset: pl.DataFrame, bytes_per_token: float):
     ax.bar([i - 0.2 for i in x], by_dataset["merged_tokens"].to_list(), width=0.4, label="merged set", color="#c8d3e6")
     ax.bar([i + 0.2 for i in x], by_dataset["stored_tokens"].to_list(), width=0.4, label="stored", color="#3b6fb6")
     for i, t in zip(x, by_dataset["stored_tokens"].to_list()):
-        ax.annotate(f"{t * bytes_per_token / 1e9:.2f} GB" if t * bytes_per_token >= 1e8 else f"{t * bytes_per_token / 1e6:.1f} MB",
-                    (i + 0.2, t), ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            f"{t * bytes_per_token / 1e9:.2f} GB"
+            if t * bytes_per_token >= 1e8
+            else f"{t * bytes_per_token / 1e6:.1f} MB",
+            (i + 0.2, t),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_xticks(list(x), names)
     ax.set_ylabel("tokens")
     ax.set_title("hidden states: tokens per dataset")
@@ -87,11 +105,18 @@ def sample_preview(store: HiddenStateStore, sample_ids: list[str], n: int = 5) -
     rows = []
     for sample_id in sample_ids[:n]:
         t = store[sample_id]
-        rows.append({"sample_id": sample_id, "split": store.index[sample_id][3], "shard": store.index[sample_id][0],
-                     "tokens": t["input_ids"].shape[0], "loss_tokens": int(t["loss_mask"].sum()),
-                     "aux_shape": str(tuple(t["aux_hidden_states"].shape)),
-                     "aux_rms": round(float(t["aux_hidden_states"].float().pow(2).mean().sqrt()), 4),
-                     "final_rms": round(float(t["final_hidden_state"].float().pow(2).mean().sqrt()), 4)})
+        rows.append(
+            {
+                "sample_id": sample_id,
+                "split": store.index[sample_id][3],
+                "shard": store.index[sample_id][0],
+                "tokens": t["input_ids"].shape[0],
+                "loss_tokens": int(t["loss_mask"].sum()),
+                "aux_shape": str(tuple(t["aux_hidden_states"].shape)),
+                "aux_rms": round(float(t["aux_hidden_states"].float().pow(2).mean().sqrt()), 4),
+                "final_rms": round(float(t["final_hidden_state"].float().pow(2).mean().sqrt()), 4),
+            }
+        )
     return pl.DataFrame(rows)
 
 
@@ -110,5 +135,7 @@ def target_identity(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     config = folder / "config.json"
     weights = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
-    return {"target_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.exists() else None,
-            "target_weights_sha256": hashlib.sha256(repr(weights).encode()).hexdigest()[:16]}
+    return {
+        "target_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.exists() else None,
+        "target_weights_sha256": hashlib.sha256(repr(weights).encode()).hexdigest()[:16],
+    }

@@ -1,6 +1,5 @@
 """`merged_dataset`: every dataset's complete samples, deduplicated, with a train/eval split."""
 
-
 import dagster as dg
 import polars as pl
 from pydantic import Field
@@ -17,7 +16,9 @@ from eagle3_resources.storage import DataStore
 
 
 class MergeConfig(dg.Config):
-    eval_fraction: float = Field(default=0.05, description="share of samples in the eval split (by a stable hash of the id)")
+    eval_fraction: float = Field(
+        default=0.05, description="share of samples in the eval split (by a stable hash of the id)"
+    )
 
 
 def mix_plot(accounting: pl.DataFrame):
@@ -44,7 +45,7 @@ def mix_plot(accounting: pl.DataFrame):
     kinds={"polars", "parquet"},
     op_tags={K8S_CONFIG_TAG: api_pod_config()},  # a small CPU pod under the k8s executor
     description="All datasets' token ids: failed and truncated samples dropped, exact duplicates removed, a "
-    "deterministic train/eval split. Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
+    'deterministic train/eval split. Not partitioned: a backfill dialog\'s preview lists it under "No partitions available to materialize", yet a run over datasets builds it once, after their `token_ids`.',
 )
 @failure_for_operator
 def merged_dataset(context: dg.AssetExecutionContext, config: MergeConfig, store: DataStore) -> dg.MaterializeResult:
@@ -75,5 +76,5 @@ def merged_dataset(context: dg.AssetExecutionContext, config: MergeConfig, store
             "mix_plot": png_markdown(mix_plot(accounting)),
             "path": path_value(path),
             "preview": markdown_table(merged, ["sample_id", "split", "prompt_len", "completion_len"]),
-        }
+        },
     )

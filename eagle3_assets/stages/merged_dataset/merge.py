@@ -26,9 +26,19 @@ def merge_token_ids(frames: dict[str, pl.DataFrame], eval_fraction: float) -> tu
     cols = ["prompt_id", "dataset", "status", "finish_reason", "input_ids", "loss_mask", "prompt_len", "completion_len"]
     parts = [df.select(cols) for _, df in sorted(frames.items()) if df.height]
     if not parts:
-        empty = pl.DataFrame(schema={"sample_id": pl.String, "dataset": pl.String, "prompt_id": pl.String, "split": pl.String,
-                                     "input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8), "prompt_len": pl.Int64,
-                                     "completion_len": pl.Int64, "n_tokens": pl.Int64})
+        empty = pl.DataFrame(
+            schema={
+                "sample_id": pl.String,
+                "dataset": pl.String,
+                "prompt_id": pl.String,
+                "split": pl.String,
+                "input_ids": pl.List(pl.Int32),
+                "loss_mask": pl.List(pl.Int8),
+                "prompt_len": pl.Int64,
+                "completion_len": pl.Int64,
+                "n_tokens": pl.Int64,
+            }
+        )
         return empty, pl.DataFrame()
     all_rows = pl.concat(parts).with_columns(
         sample_id=pl.col("dataset") + "/" + pl.col("prompt_id"),
@@ -43,9 +53,21 @@ def merge_token_ids(frames: dict[str, pl.DataFrame], eval_fraction: float) -> tu
         .then(pl.lit("eval"))
         .otherwise(pl.lit("train")),
         n_tokens=pl.col("prompt_len") + pl.col("completion_len"),
-    ).select("sample_id", "dataset", "prompt_id", "split", "input_ids", "loss_mask", "prompt_len", "completion_len", "n_tokens")
+    ).select(
+        "sample_id",
+        "dataset",
+        "prompt_id",
+        "split",
+        "input_ids",
+        "loss_mask",
+        "prompt_len",
+        "completion_len",
+        "n_tokens",
+    )
 
-    dropped_dupes = complete.join(deduped.select("sample_id"), on="sample_id", how="anti").group_by("dataset").len("duplicates")
+    dropped_dupes = (
+        complete.join(deduped.select("sample_id"), on="sample_id", how="anti").group_by("dataset").len("duplicates")
+    )
     accounting = (
         all_rows.group_by("dataset")
         .agg(

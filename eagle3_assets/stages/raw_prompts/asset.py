@@ -27,11 +27,17 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
 class RawPromptsConfig(dg.Config):
-    prompts: str | None = Field(default=None, description='"sample": the shipped sample files; "real": import each '
-                                "dataset's public source (its `import:` block in data/datasets.yaml). Unset: "
-                                "EAGLE3_PROMPTS, else sample")
-    sources_dir: str | None = Field(default=None, description="a local copy of the sources, laid out "
-                                    "<dir>/<hub id>/<files>; unset: EAGLE3_SOURCES_DIR, else download from the Hugging Face Hub")
+    prompts: str | None = Field(
+        default=None,
+        description='"sample": the shipped sample files; "real": import each '
+        "dataset's public source (its `import:` block in data/datasets.yaml). Unset: "
+        "EAGLE3_PROMPTS, else sample",
+    )
+    sources_dir: str | None = Field(
+        default=None,
+        description="a local copy of the sources, laid out "
+        "<dir>/<hub id>/<files>; unset: EAGLE3_SOURCES_DIR, else download from the Hugging Face Hub",
+    )
 
     def mode(self) -> str:
         return self.prompts or os.environ.get("EAGLE3_PROMPTS") or "sample"
@@ -47,6 +53,7 @@ def _built_keys(store: DataStore):
             return None
         df = pl.read_parquet(path)
         return df["prompt_key"].to_list() if "prompt_key" in df.columns else None
+
     return read
 
 
@@ -63,20 +70,28 @@ def _built_keys(store: DataStore):
     "convert is skipped into `<ds>.rejects.jsonl`, and the reject-rate check blocks above the dataset's limit.",
 )
 @failure_for_operator
-def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, store: DataStore,
-                tokenizer: TokenizerResource):
+def raw_prompts(
+    context: dg.AssetExecutionContext, config: RawPromptsConfig, store: DataStore, tokenizer: TokenizerResource
+):
     load = functools.cache(tokenizer.load)  # only once the input is known to be good
 
     length = PromptLength(
-        render=lambda messages, tools: render_messages(messages, tools, version=tokenizer.template_version, thinking=tokenizer.thinking),
+        render=lambda messages, tools: render_messages(
+            messages, tools, version=tokenizer.template_version, thinking=tokenizer.thinking
+        ),
         count=lambda text: len(load().encode(text, allow_special=True)),
     )
 
     mode = config.mode()
     try:
         sets = build_prompt_sets(
-            context.partition_keys, DATASETS, mode=mode, length=length, sources_dir=config.local_sources(),
-            built_keys=_built_keys(store), log=context.log.info,
+            context.partition_keys,
+            DATASETS,
+            mode=mode,
+            length=length,
+            sources_dir=config.local_sources(),
+            built_keys=_built_keys(store),
+            log=context.log.info,
             rejects_path=lambda name: store.layout.raw_prompts(name).with_suffix(".rejects.jsonl"),
         )
     except (PromptFileError, RegistryError, SourceError) as e:
@@ -85,7 +100,9 @@ def raw_prompts(context: dg.AssetExecutionContext, config: RawPromptsConfig, sto
     for key, result in sets.items():
         if not result.prompts:
             raise dg.Failure(description=f"{key}: no prompt selected ({result.report.summary()})")
-        df = with_prompt_tokens(prompts_frame(result.prompts, key), load(), tokenizer.template_version, tokenizer.thinking)
+        df = with_prompt_tokens(
+            prompts_frame(result.prompts, key), load(), tokenizer.template_version, tokenizer.thinking
+        )
         path = store.layout.ensure(store.layout.raw_prompts(key))
         df.write_parquet(path)
         context.log.info(f"{key}: {df.height} prompts -> {path}")
@@ -115,5 +132,7 @@ def prompt_set_metadata(df: pl.DataFrame, result, mode: str, path) -> dict:
         "settings": json_value(result.settings),
         **({"rejects_file": path_value(result.rejects_path)} if result.rejects_path else {}),
         "path": path_value(path),
-        "preview": markdown_table(df, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "source_row", "messages_json"]),
+        "preview": markdown_table(
+            df, ["prompt_id", "n_messages", "has_tools", "last_role", "prompt_tokens", "source_row", "messages_json"]
+        ),
     }

@@ -15,7 +15,13 @@ def reject_rate(report: ImportReport, limit: float) -> CheckOutcome:
         rate <= limit,
         f"{report.rejected:,} of {report.rows:,} rows rejected ({100 * rate:.2f}%, limit {100 * limit:.1f}%)"
         + (f"; most common: {next(iter(reasons))}" if reasons else ""),
-        {"rejected": report.rejected, "rows": report.rows, "reject_rate": round(rate, 6), "limit": limit, "reasons": reasons},
+        {
+            "rejected": report.rejected,
+            "rows": report.rows,
+            "reject_rate": round(rate, 6),
+            "limit": limit,
+            "reasons": reasons,
+        },
     )
 
 

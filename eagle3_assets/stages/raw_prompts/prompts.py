@@ -51,7 +51,9 @@ def _check_schema(schema: Any, where: str) -> None:
     types = typ if isinstance(typ, list) else [typ] if typ is not None else []
     for t in types:
         if t not in JSON_SCHEMA_TYPES:
-            raise InvalidPrompt(f"{where}: unknown type {t!r} (JSON schema types: {', '.join(sorted(JSON_SCHEMA_TYPES))})")
+            raise InvalidPrompt(
+                f"{where}: unknown type {t!r} (JSON schema types: {', '.join(sorted(JSON_SCHEMA_TYPES))})"
+            )
     if "properties" in schema:
         props = schema["properties"]
         if not isinstance(props, dict):
@@ -139,7 +141,9 @@ def validate_conversation(messages: Any, tools: list[dict[str, Any]] | None) -> 
                 cw = f"{where}, tool call {j + 1}"
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(call.get("id"), str) or not call["id"]:
-                    raise InvalidPrompt(f'{cw}: expected {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}')
+                    raise InvalidPrompt(
+                        f'{cw}: expected {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}'
+                    )
                 if fn.get("name") not in declared:
                     raise InvalidPrompt(f"{cw}: calls {fn.get('name')!r}, which is not declared in tools")
                 args = fn.get("arguments")
@@ -155,7 +159,9 @@ def validate_conversation(messages: Any, tools: list[dict[str, Any]] | None) -> 
             if ref not in call_ids:
                 raise InvalidPrompt(f"{where}: tool_call_id {ref!r} does not match an earlier tool call")
     if messages[-1]["role"] not in ("user", "tool"):
-        raise InvalidPrompt(f"the last message is {messages[-1]['role']!r}; it must be 'user' or 'tool' (the target writes the next turn)")
+        raise InvalidPrompt(
+            f"the last message is {messages[-1]['role']!r}; it must be 'user' or 'tool' (the target writes the next turn)"
+        )
     if not any(m["role"] == "user" for m in messages):
         raise InvalidPrompt("no user message")
 
@@ -196,7 +202,9 @@ def parse_glaive_system(system: str) -> tuple[str, list[dict[str, Any]] | None]:
         try:
             fn, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise InvalidPrompt(f"function definition {len(functions) + 1} in system is not valid JSON ({e.msg})") from None
+            raise InvalidPrompt(
+                f"function definition {len(functions) + 1} in system is not valid JSON ({e.msg})"
+            ) from None
         functions.append(fn)
     tools = validate_tools([{"type": "function", "function": fn} for fn in functions])
     return prompt, tools
@@ -246,7 +254,11 @@ def glaive_to_messages(system: str, chat: str) -> tuple[list[dict[str, Any]], li
             text = text.removesuffix(END_OF_TEXT).strip()
             if text.startswith("<functioncall>"):
                 name, args = parse_glaive_call(text[len("<functioncall>") :])
-                last_call = {"id": f"functions.{name}:{n_calls}", "type": "function", "function": {"name": name, "arguments": args}}
+                last_call = {
+                    "id": f"functions.{name}:{n_calls}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": args},
+                }
                 n_calls += 1
                 messages.append({"role": "assistant", "content": "", "tool_calls": [last_call]})
             else:
@@ -254,7 +266,14 @@ def glaive_to_messages(system: str, chat: str) -> tuple[list[dict[str, Any]], li
         else:  # FUNCTION RESPONSE
             if last_call is None:
                 raise InvalidPrompt("FUNCTION RESPONSE without an earlier function call")
-            messages.append({"role": "tool", "tool_call_id": last_call["id"], "name": last_call["function"]["name"], "content": text})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": last_call["id"],
+                    "name": last_call["function"]["name"],
+                    "content": text,
+                }
+            )
     if system_prompt:
         messages.insert(0, {"role": "system", "content": system_prompt})
     dropped = 0
@@ -302,7 +321,9 @@ def read_prompts(spec: DatasetSpec) -> list[Prompt]:
             error.problems.append((lineno, f"{obj['id']}: {e}"))
             continue
         if prompt.prompt_id in seen:
-            error.problems.append((lineno, f"duplicate id {prompt.prompt_id!r} (first on line {seen[prompt.prompt_id]})"))
+            error.problems.append(
+                (lineno, f"duplicate id {prompt.prompt_id!r} (first on line {seen[prompt.prompt_id]})")
+            )
             continue
         seen[prompt.prompt_id] = lineno
         prompts.append(prompt)
@@ -337,7 +358,9 @@ def prompts_frame(prompts: list[Prompt], dataset: str) -> pl.DataFrame:
     )
 
 
-def rendered_prompt_ids(df: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool) -> list[list[int]]:
+def rendered_prompt_ids(
+    df: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool
+) -> list[list[int]]:
     """Each prompt as the target sees it: the chat template's rendering, special tokens encoded."""
     texts = [
         render_messages(json.loads(m), json.loads(t) if t else None, version=version, thinking=thinking)
@@ -346,7 +369,9 @@ def rendered_prompt_ids(df: pl.DataFrame, tokenizer: KimiTokenizer, version: Tem
     return tokenizer.encode_batch(texts, allow_special=True)
 
 
-def with_prompt_tokens(df: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool) -> pl.DataFrame:
+def with_prompt_tokens(
+    df: pl.DataFrame, tokenizer: KimiTokenizer, version: TemplateVersion, thinking: bool
+) -> pl.DataFrame:
     """Add each prompt's length in target tokens."""
     lengths = [len(ids) for ids in rendered_prompt_ids(df, tokenizer, version, thinking)]
     return df.with_columns(prompt_tokens=pl.Series(lengths, dtype=pl.Int64))

@@ -1,6 +1,5 @@
 """`token_ids`: exact target ids and loss mask per completion, with per-sample proof."""
 
-
 import dagster as dg
 import polars as pl
 from pydantic import Field
@@ -47,8 +46,11 @@ def proof_plot(dataset: str, df: pl.DataFrame):
 
 class TokenIdsConfig(dg.Config):
     mask_im_end: bool = Field(default=True, description="train the drafter to predict the final `<|im_end|>`")
-    billed_includes_im_end: bool = Field(default=True, description="the provider's completion_tokens counts the final "
-                                         "`<|im_end|>` (measure on a pilot: the billed-count check is 0 with the right value)")
+    billed_includes_im_end: bool = Field(
+        default=True,
+        description="the provider's completion_tokens counts the final "
+        "`<|im_end|>` (measure on a pilot: the billed-count check is 0 with the right value)",
+    )
 
 
 @dg.asset(
@@ -63,12 +65,18 @@ class TokenIdsConfig(dg.Config):
     "mask over the completion; backend ids kept where returned and checked against the text.",
 )
 @failure_for_operator
-def token_ids(context: dg.AssetExecutionContext, config: TokenIdsConfig, store: DataStore, tokenizer: TokenizerResource):
+def token_ids(
+    context: dg.AssetExecutionContext, config: TokenIdsConfig, store: DataStore, tokenizer: TokenizerResource
+):
     tok = tokenizer.load()
     metadata, frames = {}, {}
     for key in context.partition_keys:
-        df = build_token_ids(pl.read_parquet(store.layout.completions(key)), tok, mask_im_end=config.mask_im_end,
-                             billed_includes_im_end=config.billed_includes_im_end)
+        df = build_token_ids(
+            pl.read_parquet(store.layout.completions(key)),
+            tok,
+            mask_im_end=config.mask_im_end,
+            billed_includes_im_end=config.billed_includes_im_end,
+        )
         path = store.layout.ensure(store.layout.token_ids(key))
         df.write_parquet(path)
         summary = token_ids_summary(df)
@@ -78,6 +86,8 @@ def token_ids(context: dg.AssetExecutionContext, config: TokenIdsConfig, store: 
             **{k: v for k, v in summary.items() if v is not None},
             "token_count_proof": png_markdown(proof_plot(key, df)),
             "path": path_value(path),
-            "preview": markdown_table(df, ["prompt_id", "prompt_len", "completion_len", "ids_source", "ids_match", "n_separators", "has_end"]),
+            "preview": markdown_table(
+                df, ["prompt_id", "prompt_len", "completion_len", "ids_source", "ids_match", "n_separators", "has_end"]
+            ),
         }
     yield from per_dataset_results(context, metadata, TOKEN_CHECKS, per_dataset(TOKEN_CHECKS, frames))

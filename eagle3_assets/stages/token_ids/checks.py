@@ -24,8 +24,13 @@ def billed_completion_match(df: pl.DataFrame, limit: float = BILLED_DIFF_LIMIT) 
     return CheckOutcome(
         share <= limit,
         f"reconstructed vs billed completion tokens: {diff:+,} of {total:,} ({100 * share:.4f}%, limit {100 * limit:.2f}%)",
-        {"aggregate_diff_pct": round(100 * share, 6), "billed_tokens": total, "diff_tokens": diff,
-         "samples_with_diff": outliers.height, "outliers": _ids(outliers)},
+        {
+            "aggregate_diff_pct": round(100 * share, 6),
+            "billed_tokens": total,
+            "diff_tokens": diff,
+            "samples_with_diff": outliers.height,
+            "outliers": _ids(outliers),
+        },
     )
 
 
@@ -39,8 +44,7 @@ def prompt_tokens_match(df: pl.DataFrame) -> CheckOutcome:
     return CheckOutcome(
         off.height == 0,
         f"{off.height} of {billed.height} prompts differ in length from what the provider counted (an altered template?)",
-        {"samples_with_diff": off.height, "outliers": _ids(off),
-         "diff_tokens": int(billed["prompt_len_diff"].sum())},
+        {"samples_with_diff": off.height, "outliers": _ids(off), "diff_tokens": int(billed["prompt_len_diff"].sum())},
     )
 
 
@@ -51,14 +55,22 @@ def separator_and_end(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> Check
     if normal.height == 0:
         return CheckOutcome(True, "no complete responses", {"rows": 0})
     implicit = (pl.col("tool_call_think_end") == "implicit").fill_null(False)
-    ok = ((pl.col("n_separators") == 1) | ((pl.col("n_separators") == 0) & implicit)) & pl.col("has_end").fill_null(False)
+    ok = ((pl.col("n_separators") == 1) | ((pl.col("n_separators") == 0) & implicit)) & pl.col("has_end").fill_null(
+        False
+    )
     bad = normal.filter(~ok)
     good_share = 1 - bad.height / normal.height
     return CheckOutcome(
         good_share >= share,
         f"{100 * good_share:.2f}% of complete responses have exactly one `</think>` and end in `<|im_end|>` (need {100 * share:.0f}%)",
-        {"violations": bad.height, "rows": normal.height, "no_separator": int((bad["n_separators"] == 0).sum()),
-         "several_separators": int((bad["n_separators"] > 1).sum()), "no_end": int((~bad["has_end"]).sum()), "examples": _ids(bad)},
+        {
+            "violations": bad.height,
+            "rows": normal.height,
+            "no_separator": int((bad["n_separators"] == 0).sum()),
+            "several_separators": int((bad["n_separators"] > 1).sum()),
+            "no_end": int((~bad["has_end"]).sum()),
+            "examples": _ids(bad),
+        },
     )
 
 
@@ -69,7 +81,11 @@ def no_leaked_specials(df: pl.DataFrame) -> CheckOutcome:
     return CheckOutcome(
         leaked.height == 0,
         f"{leaked.height} completions contain special tokens a completion must not (a new turn, a stray `<|im_end|>`, ...)",
-        {"samples": leaked.height, "tokens": int(leaked["n_leaked_specials"].sum()) if leaked.height else 0, "examples": _ids(leaked)},
+        {
+            "samples": leaked.height,
+            "tokens": int(leaked["n_leaked_specials"].sum()) if leaked.height else 0,
+            "examples": _ids(leaked),
+        },
     )
 
 

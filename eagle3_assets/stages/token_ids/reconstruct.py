@@ -50,7 +50,11 @@ def tool_calls_ids(tokenizer: KimiTokenizer, tool_calls: list[dict[str, Any]]) -
         args = fn.get("arguments", "")
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         ids += [tokenizer.token_id(TOOL_CALL_BEGIN)] + tokenizer.encode(str(call.get("id", "")))
-        ids += [tokenizer.token_id(TOOL_CALL_ARGUMENT_BEGIN)] + tokenizer.encode(args) + [tokenizer.token_id(TOOL_CALL_END)]
+        ids += (
+            [tokenizer.token_id(TOOL_CALL_ARGUMENT_BEGIN)]
+            + tokenizer.encode(args)
+            + [tokenizer.token_id(TOOL_CALL_END)]
+        )
     return ids + [tokenizer.token_id(TOOL_CALLS_SECTION_END)]
 
 
@@ -103,12 +107,26 @@ def _list_column(flat: array, lengths: list[int]) -> pl.Series:
     return pl.from_arrow(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
 
 
-SCALAR_INPUTS = ["prompt_id", "dataset", "status", "finish_reason", "reasoning", "content", "tool_calls_json",
-                 "completion_tokens", "prompt_tokens", "tools_in_request"]
+SCALAR_INPUTS = [
+    "prompt_id",
+    "dataset",
+    "status",
+    "finish_reason",
+    "reasoning",
+    "content",
+    "tool_calls_json",
+    "completion_tokens",
+    "prompt_tokens",
+    "tools_in_request",
+]
 
 
 def build_token_ids(
-    completions: pl.DataFrame, tokenizer: KimiTokenizer, *, mask_im_end: bool = True, billed_includes_im_end: bool = True
+    completions: pl.DataFrame,
+    tokenizer: KimiTokenizer,
+    *,
+    mask_im_end: bool = True,
+    billed_includes_im_end: bool = True,
 ) -> pl.DataFrame:
     """One row per usable completion: input ids, loss mask, and the per-sample proof.
 
@@ -130,9 +148,10 @@ def build_token_ids(
     end_in_bill = 0 if billed_includes_im_end else 1
     flat = array("i")
     cols: dict[str, list] = {name: [] for name in TOKEN_IDS_SCHEMA}
-    for (pid, dataset, status, finish, reasoning, content, tool_json, billed, billed_prompt, tools_in_request), (r_ids, c_ids), backend_ids in zip(
-        rows, _encoded_in_background(tokenizer, rows), backend
-    ):
+    for (pid, dataset, status, finish, reasoning, content, tool_json, billed, billed_prompt, tools_in_request), (
+        r_ids,
+        c_ids,
+    ), backend_ids in zip(rows, _encoded_in_background(tokenizer, rows), backend):
         tool_calls = json.loads(tool_json) if tool_json else None
         rebuilt = reconstruct_completion(tokenizer, r_ids, c_ids, finish, tool_calls)
         think_end_kind = None
@@ -147,33 +166,50 @@ def build_token_ids(
         completion = backend_ids if backend_ids is not None else rebuilt
         flat.extend(completion)
         for name, value in (
-            ("prompt_id", pid), ("dataset", dataset), ("status", status), ("finish_reason", finish),
-            ("completion_len", len(completion)), ("ids_source", "backend" if backend_ids is not None else "text"),
+            ("prompt_id", pid),
+            ("dataset", dataset),
+            ("status", status),
+            ("finish_reason", finish),
+            ("completion_len", len(completion)),
+            ("ids_source", "backend" if backend_ids is not None else "text"),
             ("ids_match", (backend_ids == rebuilt) if backend_ids is not None else None),
-            ("tool_call_think_end", think_end_kind), ("billed_completion_tokens", billed), ("billed_prompt_tokens", billed_prompt),
+            ("tool_call_think_end", think_end_kind),
+            ("billed_completion_tokens", billed),
+            ("billed_prompt_tokens", billed_prompt),
             # decode(ids) == the returned text. Ids encoded from that text decode back to it by
             # construction (BPE is lossless), so only the backend's own ids are worth decoding.
-            ("text_roundtrip_ok", None if backend_ids is None else tokenizer.decode(backend_ids) == _as_generated(
-                reasoning, content, backend_ids, think_end, im_end)),
+            (
+                "text_roundtrip_ok",
+                None
+                if backend_ids is None
+                else tokenizer.decode(backend_ids) == _as_generated(reasoning, content, backend_ids, think_end, im_end),
+            ),
             ("tools_in_request", tools_in_request),
         ):
             cols[name].append(value)
     computed = {"prompt_len", "n_separators", "has_end", "n_leaked_specials", "completion_len_diff", "prompt_len_diff"}
-    df = pl.DataFrame({k: v for k, v in cols.items() if k not in computed},
-                      schema={k: v for k, v in TOKEN_IDS_SCHEMA.items() if k not in computed})
+    df = pl.DataFrame(
+        {k: v for k, v in cols.items() if k not in computed},
+        schema={k: v for k, v in TOKEN_IDS_SCHEMA.items() if k not in computed},
+    )
     completion = pl.col("completion")
-    df = df.with_columns(prompt_ids=usable["prompt_ids"].cast(pl.List(pl.Int32)), completion=_list_column(flat, cols["completion_len"]))
+    df = df.with_columns(
+        prompt_ids=usable["prompt_ids"].cast(pl.List(pl.Int32)), completion=_list_column(flat, cols["completion_len"])
+    )
     # The per-sample invariants, counted in Rust over the whole column.
     df = df.with_columns(
         prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64),
         n_separators=completion.list.count_matches(think_end).cast(pl.Int64),
         has_end=(completion.list.last() == im_end).fill_null(False),
         n_leaked_specials=(
-            completion.list.eval(pl.element().is_in(leak_ids)).list.sum() + completion.list.count_matches(im_end)
+            completion.list.eval(pl.element().is_in(leak_ids)).list.sum()
+            + completion.list.count_matches(im_end)
             - (completion.list.last() == im_end).fill_null(False).cast(pl.UInt32)
         ).cast(pl.Int64),
     ).with_columns(
-        completion_len_diff=pl.col("completion_len") - end_in_bill * pl.col("has_end").cast(pl.Int64) - pl.col("billed_completion_tokens"),
+        completion_len_diff=pl.col("completion_len")
+        - end_in_bill * pl.col("has_end").cast(pl.Int64)
+        - pl.col("billed_completion_tokens"),
     )
     df = df.with_columns(prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64))
     unmasked_end = (pl.col("has_end") & pl.lit(not mask_im_end)).cast(pl.Int64)
@@ -181,11 +217,15 @@ def build_token_ids(
     df = df.with_columns(
         input_ids=pl.concat_list("prompt_ids", "completion"),
         loss_mask=pl.concat_list(
-            zero.repeat_by(pl.col("prompt_len")), one.repeat_by(pl.col("completion_len") - unmasked_end), zero.repeat_by(unmasked_end)
+            zero.repeat_by(pl.col("prompt_len")),
+            one.repeat_by(pl.col("completion_len") - unmasked_end),
+            zero.repeat_by(unmasked_end),
         ),
         prompt_len_diff=pl.col("prompt_len") - pl.col("billed_prompt_tokens"),
     )
-    return df.select("prompt_id", "dataset", "status", "finish_reason", "input_ids", "loss_mask", *list(TOKEN_IDS_SCHEMA)[4:])
+    return df.select(
+        "prompt_id", "dataset", "status", "finish_reason", "input_ids", "loss_mask", *list(TOKEN_IDS_SCHEMA)[4:]
+    )
 
 
 def _as_generated(reasoning: str | None, content: str | None, ids: list[int], think_end: int, im_end: int) -> str:
@@ -200,6 +240,7 @@ def _encoded_in_background(tokenizer: KimiTokenizer, rows: list[tuple], block: i
     tiktoken encodes with the GIL released, so while block k+1 is being encoded the caller's
     Python work on block k runs beside it: the reconstruction costs little more than the encode.
     """
+
     def encode(lo: int):
         chunk = rows[lo : lo + block]
         return encode_completion_texts(tokenizer, [r[4] or "" for r in chunk], [r[5] or "" for r in chunk])
@@ -213,7 +254,9 @@ def _encoded_in_background(tokenizer: KimiTokenizer, rows: list[tuple], block: i
             yield from zip(r_ids, c_ids)
 
 
-def encode_completion_texts(tokenizer: KimiTokenizer, reasonings: list[str], contents: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+def encode_completion_texts(
+    tokenizer: KimiTokenizer, reasonings: list[str], contents: list[str]
+) -> tuple[list[list[int]], list[list[int]]]:
     """(reasoning ids, content ids): free text without special tokens, except the tool-call
     markers in content. One batch over every text that holds no marker string (the same ids
     either way); the few contents with markers get their own pass."""
@@ -244,9 +287,18 @@ def token_ids_summary(df: pl.DataFrame) -> dict[str, Any]:
         "billed_completion_tokens": total_billed,
         "billed_completion_diff_pct": round(100.0 * total_diff / total_billed, 4) if total_billed else None,
         "backend_ids_rows": with_backend.height,
-        "backend_ids_match_pct": round(100.0 * with_backend["ids_match"].sum() / with_backend.height, 2) if with_backend.height else None,
-        "normal_with_one_separator_pct": round(100.0 * (normal["n_separators"] == 1).sum() / normal.height, 2) if normal.height else None,
-        "normal_ending_in_im_end_pct": round(100.0 * normal["has_end"].sum() / normal.height, 2) if normal.height else None,
-        "backend_ids_decode_to_text_pct": round(100.0 * with_backend["text_roundtrip_ok"].sum() / with_backend.height, 2)
-        if with_backend.height else None,
+        "backend_ids_match_pct": round(100.0 * with_backend["ids_match"].sum() / with_backend.height, 2)
+        if with_backend.height
+        else None,
+        "normal_with_one_separator_pct": round(100.0 * (normal["n_separators"] == 1).sum() / normal.height, 2)
+        if normal.height
+        else None,
+        "normal_ending_in_im_end_pct": round(100.0 * normal["has_end"].sum() / normal.height, 2)
+        if normal.height
+        else None,
+        "backend_ids_decode_to_text_pct": round(
+            100.0 * with_backend["text_roundtrip_ok"].sum() / with_backend.height, 2
+        )
+        if with_backend.height
+        else None,
     }

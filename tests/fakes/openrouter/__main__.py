@@ -30,8 +30,9 @@ def _bool(text: str) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, FakeSettings]:
-    parser = argparse.ArgumentParser(prog="python -m fakes.openrouter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fakes.openrouter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--port", type=int, default=8089)
     parser.add_argument("--tokenizer", default=None, help="Kimi tokenizer folder (default: the stand-in)")
     parser.add_argument("--log-billing", action="store_true", help="print every bill as a JSON line")

@@ -20,8 +20,18 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-SUPPORTED_PARAMETERS = ["max_tokens", "temperature", "top_p", "seed", "reasoning", "include_reasoning", "tools", "tool_choice",
-                        "stop", "response_format"]
+SUPPORTED_PARAMETERS = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "reasoning",
+    "include_reasoning",
+    "tools",
+    "tool_choice",
+    "stop",
+    "response_format",
+]
 FP4_FAMILY = {"fp4", "mxfp4", "nvfp4"}
 
 
@@ -49,16 +59,23 @@ def parse_endpoints(spec: str, settings: Any) -> list[Endpoint]:
     """`""`: one endpoint, `settings.provider` (int4) at the settings' prices; else a JSON list of
     {provider_name, quantization, price_prompt, price_completion[, context_length]}."""
     if not spec.strip():
-        return [Endpoint(settings.provider, "int4", settings.price_prompt, settings.price_completion, settings.context_limit)]
+        return [
+            Endpoint(
+                settings.provider, "int4", settings.price_prompt, settings.price_completion, settings.context_limit
+            )
+        ]
     out = []
     for e in json.loads(spec):
-        out.append(Endpoint(
-            provider_name=e["provider_name"], quantization=e.get("quantization", "int4"),
-            price_prompt=float(e.get("price_prompt", settings.price_prompt)),
-            price_completion=float(e.get("price_completion", settings.price_completion)),
-            context_length=int(e.get("context_length", settings.context_limit)),
-            max_completion_tokens=e.get("max_completion_tokens"),
-        ))
+        out.append(
+            Endpoint(
+                provider_name=e["provider_name"],
+                quantization=e.get("quantization", "int4"),
+                price_prompt=float(e.get("price_prompt", settings.price_prompt)),
+                price_completion=float(e.get("price_completion", settings.price_completion)),
+                context_length=int(e.get("context_length", settings.context_limit)),
+                max_completion_tokens=e.get("max_completion_tokens"),
+            )
+        )
     if not out:
         raise ValueError("endpoints: an empty list (leave the setting empty for the default endpoint)")
     return out
@@ -78,7 +95,9 @@ def _quantization_allowed(q: str, allowed: list[str]) -> bool:
     return q.lower() in allowed or (q.lower() in FP4_FAMILY and "fp4" in allowed)
 
 
-def route(endpoints: list[Endpoint], provider: dict[str, Any], *, legacy_names: set[str] | None = None) -> list[Endpoint]:
+def route(
+    endpoints: list[Endpoint], provider: dict[str, Any], *, legacy_names: set[str] | None = None
+) -> list[Endpoint]:
     """The endpoints that may serve the request, best first (empty: 404 for the request).
 
     `legacy_names`: with the default single endpoint, an `only` naming any of these providers is
@@ -86,7 +105,11 @@ def route(endpoints: list[Endpoint], provider: dict[str, Any], *, legacy_names: 
     candidates = list(endpoints)
     only = provider.get("only")
     if only:
-        if legacy_names is not None and len(endpoints) == 1 and {_norm(n) for n in only} & {_norm(n) for n in legacy_names}:
+        if (
+            legacy_names is not None
+            and len(endpoints) == 1
+            and {_norm(n) for n in only} & {_norm(n) for n in legacy_names}
+        ):
             pass
         else:
             candidates = [e for e in candidates if any(matches(e, n) for n in only)]
@@ -116,26 +139,58 @@ def route(endpoints: list[Endpoint], provider: dict[str, Any], *, legacy_names: 
 def model_entry(model: str, ep: Endpoint, created: int) -> dict[str, Any]:
     author, _, slug = model.partition("/")
     return {
-        "id": model, "canonical_slug": model, "name": f"{author}: {slug}", "created": created,
-        "description": f"{model}, served by the fake OpenRouter", "context_length": ep.context_length,
-        "architecture": {"modality": "text->text", "input_modalities": ["text"], "output_modalities": ["text"],
-                         "tokenizer": "Other", "instruct_type": None},
-        "pricing": {"prompt": usd_string(ep.price_prompt), "completion": usd_string(ep.price_completion), "request": "0",
-                    "image": "0", "web_search": "0", "internal_reasoning": "0"},
-        "top_provider": {"context_length": ep.context_length, "max_completion_tokens": ep.max_completion_tokens,
-                         "is_moderated": False},
-        "per_request_limits": None, "supported_parameters": SUPPORTED_PARAMETERS,
+        "id": model,
+        "canonical_slug": model,
+        "name": f"{author}: {slug}",
+        "created": created,
+        "description": f"{model}, served by the fake OpenRouter",
+        "context_length": ep.context_length,
+        "architecture": {
+            "modality": "text->text",
+            "input_modalities": ["text"],
+            "output_modalities": ["text"],
+            "tokenizer": "Other",
+            "instruct_type": None,
+        },
+        "pricing": {
+            "prompt": usd_string(ep.price_prompt),
+            "completion": usd_string(ep.price_completion),
+            "request": "0",
+            "image": "0",
+            "web_search": "0",
+            "internal_reasoning": "0",
+        },
+        "top_provider": {
+            "context_length": ep.context_length,
+            "max_completion_tokens": ep.max_completion_tokens,
+            "is_moderated": False,
+        },
+        "per_request_limits": None,
+        "supported_parameters": SUPPORTED_PARAMETERS,
     }
 
 
 def endpoint_entry(model: str, ep: Endpoint) -> dict[str, Any]:
     return {
-        "name": f"{ep.provider_name} | {model}", "model_id": model, "model_name": model,
+        "name": f"{ep.provider_name} | {model}",
+        "model_id": model,
+        "model_name": model,
         "context_length": ep.context_length,
-        "pricing": {"prompt": usd_string(ep.price_prompt), "completion": usd_string(ep.price_completion), "request": "0",
-                    "image": "0"},
-        "provider_name": ep.provider_name, "tag": f"{ep.slug}/{ep.quantization}", "quantization": ep.quantization,
-        "max_completion_tokens": ep.max_completion_tokens, "max_prompt_tokens": None,
-        "supported_parameters": SUPPORTED_PARAMETERS, "status": 0, "uptime_last_30m": 100.0,
-        "supports_implicit_caching": False, "latency_last_30m": None, "throughput_last_30m": None,
+        "pricing": {
+            "prompt": usd_string(ep.price_prompt),
+            "completion": usd_string(ep.price_completion),
+            "request": "0",
+            "image": "0",
+        },
+        "provider_name": ep.provider_name,
+        "tag": f"{ep.slug}/{ep.quantization}",
+        "quantization": ep.quantization,
+        "max_completion_tokens": ep.max_completion_tokens,
+        "max_prompt_tokens": None,
+        "supported_parameters": SUPPORTED_PARAMETERS,
+        "status": 0,
+        "uptime_last_30m": 100.0,
+        "supports_implicit_caching": False,
+        "latency_last_30m": None,
+        "throughput_last_30m": None,
     }

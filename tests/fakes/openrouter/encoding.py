@@ -18,8 +18,9 @@ import itertools
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import tiktoken
 
@@ -82,7 +83,10 @@ class KimiEncoding:
         first = len(ranks)
         self.specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(first, first + RESERVED_SPECIALS)}
         self.encoding = tiktoken.Encoding(
-            name=f"fake-openrouter:{self.folder.name}", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=self.specials
+            name=f"fake-openrouter:{self.folder.name}",
+            pat_str=SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.specials,
         )
 
     def encode(self, text: str, *, specials: bool = False) -> list[int]:
@@ -90,7 +94,9 @@ class KimiEncoding:
         False: they are ordinary text (what a model wrote in prose)."""
         out: list[int] = []
         for piece in pieces(text):
-            out += self.encoding.encode(piece, allowed_special="all") if specials else self.encoding.encode_ordinary(piece)
+            out += (
+                self.encoding.encode(piece, allowed_special="all") if specials else self.encoding.encode_ordinary(piece)
+            )
         return out
 
     def count(self, text: str, *, specials: bool = False) -> int:

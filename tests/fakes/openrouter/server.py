@@ -234,7 +234,9 @@ class FakeOpenRouter:
 
     def _error(self, status: int, message: str, headers: dict[str, str] | None = None, **extra) -> web.Response:
         self.billing.statuses.append(status)
-        return web.json_response({"error": {"code": status, "message": message, **extra}}, status=status, headers=headers)
+        return web.json_response(
+            {"error": {"code": status, "message": message, **extra}}, status=status, headers=headers
+        )
 
     def _roll(self, rate: float) -> bool:
         return rate > 0 and self.rng.random() < rate
@@ -281,8 +283,19 @@ class FakeOpenRouter:
 
     def _bill(self, gen: _Gen, prompt_tokens: int, completion_tokens: int, finish: str | None, kind: str) -> Bill:
         cost = 0.0 if kind == "failed" else prompt_tokens * gen.price_prompt + completion_tokens * gen.price_completion
-        bill = Bill(gen.id, prompt_tokens, completion_tokens, cost, finish, time.monotonic(), kind,
-                    gen.attempt, gen.prompt_key, gen.endpoint.provider_name, gen.never_found)
+        bill = Bill(
+            gen.id,
+            prompt_tokens,
+            completion_tokens,
+            cost,
+            finish,
+            time.monotonic(),
+            kind,
+            gen.attempt,
+            gen.prompt_key,
+            gen.endpoint.provider_name,
+            gen.never_found,
+        )
         self.billing.bills.append(bill)
         self._by_id[bill.id] = bill
         if self._log_billing:
@@ -348,11 +361,17 @@ class FakeOpenRouter:
             return self._error(401, "No auth credentials found")
         accepted, rate_headers = self._rate_limit()
         if not accepted:
-            return self._error(429, f"Rate limit exceeded: {rate_headers['X-RateLimit-Limit']} requests per "
-                                    f"{s.rate_window_s:g} s", rate_headers)
+            return self._error(
+                429,
+                f"Rate limit exceeded: {rate_headers['X-RateLimit-Limit']} requests per {s.rate_window_s:g} s",
+                rate_headers,
+            )
         request[RATE_HEADERS] = rate_headers
-        candidates = route(self.endpoints(), body.get("provider") or {},
-                           legacy_names=KNOWN_PROVIDERS if not s.endpoints.strip() else None)
+        candidates = route(
+            self.endpoints(),
+            body.get("provider") or {},
+            legacy_names=KNOWN_PROVIDERS if not s.endpoints.strip() else None,
+        )
         if not candidates:
             return self._error(404, "No endpoints found matching your data policy and provider filters")
         endpoint = candidates[0]
@@ -373,9 +392,13 @@ class FakeOpenRouter:
             if remaining <= 0:
                 return self._error(402, "Insufficient credits. Add more using https://openrouter.ai/credits")
             if sum(self.inflight_worst.values()) + worst > remaining:
-                return self._error(402, "Request cost exceeds the remaining in-flight budget", {"Retry-After": f"{s.retry_after_s}"})
+                return self._error(
+                    402, "Request cost exceeds the remaining in-flight budget", {"Retry-After": f"{s.retry_after_s}"}
+                )
         if self._in_storm() or self._roll(s.rate_429):
-            return self._error(429, "Provider returned error: rate limited upstream", {"Retry-After": f"{s.retry_after_s}"})
+            return self._error(
+                429, "Provider returned error: rate limited upstream", {"Retry-After": f"{s.retry_after_s}"}
+            )
         if self._roll(s.rate_503):
             return self._error(503, "No available provider", {"Retry-After": f"{s.retry_after_s}"})
         if self._roll(s.rate_408):
@@ -387,8 +410,16 @@ class FakeOpenRouter:
             self.billing.statuses.append(0)
             return web.Response(status=500)
 
-        gen = _Gen(f"gen-{uuid.uuid4().hex[:24]}", info.attempt, info.prompt_key, endpoint, price_prompt, price_completion,
-                   self._roll(s.rate_never_found), body.get("model"))
+        gen = _Gen(
+            f"gen-{uuid.uuid4().hex[:24]}",
+            info.attempt,
+            info.prompt_key,
+            endpoint,
+            price_prompt,
+            price_completion,
+            self._roll(s.rate_never_found),
+            body.get("model"),
+        )
         info.generation_id = gen.id
         self.inflight_worst[gen.id] = worst
         try:
@@ -421,7 +452,9 @@ class FakeOpenRouter:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": 0},
                 "completion_tokens_details": {"reasoning_tokens": min(len(answer.r_ids), completion_tokens)},
-                "cost": prompt_tokens * price_prompt + completion_tokens * price_completion if completion_tokens else 0.0,
+                "cost": prompt_tokens * price_prompt + completion_tokens * price_completion
+                if completion_tokens
+                else 0.0,
                 "is_byok": False,
             }
             if body.get("stream"):
@@ -440,17 +473,29 @@ class FakeOpenRouter:
         if self._roll(s.rate_error_200):  # the provider failed: nothing generated, nothing charged, but recorded
             self._bill(gen, usage["prompt_tokens"], 0, None, "failed")
             self.billing.statuses.append(200)
-            return web.json_response({"error": {"code": 502, "message": "Provider returned error"}},
-                                     headers={"X-Generation-Id": gen.id})
+            return web.json_response(
+                {"error": {"code": 502, "message": "Provider returned error"}}, headers={"X-Generation-Id": gen.id}
+            )
         disconnected = request.transport is None or request.transport.is_closing()
         kind = "failed" if self._failed(finish, usage) else "after_disconnect" if disconnected else "complete"
         self._bill(gen, usage["prompt_tokens"], usage["completion_tokens"], finish, kind)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "native_finish_reason": finish,
-                                  "message": {"role": "assistant", "content": content, "reasoning": reasoning}}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": finish,
+            "native_finish_reason": finish,
+            "message": {"role": "assistant", "content": content, "reasoning": reasoning},
+        }
         if finish == "error":
             choice["error"] = {"code": 502, "message": "Provider disconnected mid-generation"}
-        data = {"id": gen.id, "provider": gen.endpoint.provider_name, "model": gen.model, "object": "chat.completion",
-                "created": int(time.time()), "choices": [choice], "usage": usage}
+        data = {
+            "id": gen.id,
+            "provider": gen.endpoint.provider_name,
+            "model": gen.model,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "choices": [choice],
+            "usage": usage,
+        }
         payload = json.dumps(data).encode()
         self.billing.statuses.append(200)
         if self._roll(s.rate_truncate):
@@ -464,10 +509,17 @@ class FakeOpenRouter:
 
     async def _stream(self, request, gen: _Gen, reasoning, content, finish, usage) -> web.StreamResponse:
         s = self.settings
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Generation-Id": gen.id})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Generation-Id": gen.id}
+        )
         await resp.prepare(request)
-        base = {"id": gen.id, "provider": gen.endpoint.provider_name, "model": gen.model, "object": "chat.completion.chunk",
-                "created": int(time.time())}
+        base = {
+            "id": gen.id,
+            "provider": gen.endpoint.provider_name,
+            "model": gen.model,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+        }
         sent = {"reasoning": "", "content": ""}
 
         def sent_tokens() -> int:  # what an aborted stream is billed for
@@ -495,11 +547,18 @@ class FakeOpenRouter:
                 await asyncio.sleep(step)
                 waited += step
                 await resp.write(b": OPENROUTER PROCESSING\n\n")
-            await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            await send(
+                {
+                    **base,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
             cut_at, midstream_error = None, False
             if self._roll(s.rate_truncate) or self._roll(s.rate_error_midstream):
                 cut_at, midstream_error = self.rng.randrange(1, 4), self.rng.random() < 0.5
-            for i, (kind, piece) in enumerate([("reasoning", p) for p in pieces(reasoning)] + [("content", p) for p in pieces(content)]):
+            for i, (kind, piece) in enumerate(
+                [("reasoning", p) for p in pieces(reasoning)] + [("content", p) for p in pieces(content)]
+            ):
                 if i == cut_at:
                     if midstream_error:  # the provider failed: billed for what it sent
                         await send({**base, "error": {"code": 502, "message": "Provider disconnected"}})
@@ -517,8 +576,13 @@ class FakeOpenRouter:
                 final["error"] = {"code": 502, "message": "Provider disconnected mid-generation"}
             await send({**base, "choices": [final]})
             # Billed when the usage (with its cost) is sent, before the client can see [DONE].
-            self._bill(gen, usage["prompt_tokens"], usage["completion_tokens"], finish,
-                       "failed" if self._failed(finish, usage) else "complete")
+            self._bill(
+                gen,
+                usage["prompt_tokens"],
+                usage["completion_tokens"],
+                finish,
+                "failed" if self._failed(finish, usage) else "complete",
+            )
             sent["billed"] = True
             await send({**base, "choices": [], "usage": usage})
             await send(b"[DONE]")
@@ -540,8 +604,9 @@ class FakeOpenRouter:
         for bill in self.billing.bills:
             kinds[bill.kind] = kinds.get(bill.kind, 0) + 1
         generating = [self._gens[g].attempt for g in list(self.inflight_worst) if g in self._gens]
-        return web.json_response({"received": len(self.billing.requests), "generating": generating, "answered": statuses,
-                                  "bills": kinds})
+        return web.json_response(
+            {"received": len(self.billing.requests), "generating": generating, "answered": statuses, "bills": kinds}
+        )
 
     # -- catalogue ---------------------------------------------------------------------------
 
@@ -555,10 +620,18 @@ class FakeOpenRouter:
         if model not in self.model_ids():
             return self._error(404, f"Model {model} not found")
         entry = model_entry(model, self.endpoints()[0], int(time.time()) - 86400)
-        return web.json_response({"data": {
-            "id": model, "name": entry["name"], "created": entry["created"], "description": entry["description"],
-            "architecture": entry["architecture"], "endpoints": [endpoint_entry(model, e) for e in self.endpoints()],
-        }})
+        return web.json_response(
+            {
+                "data": {
+                    "id": model,
+                    "name": entry["name"],
+                    "created": entry["created"],
+                    "description": entry["description"],
+                    "architecture": entry["architecture"],
+                    "endpoints": [endpoint_entry(model, e) for e in self.endpoints()],
+                }
+            }
+        )
 
     # -- account endpoints -------------------------------------------------------------------
 
@@ -570,16 +643,33 @@ class FakeOpenRouter:
         if self.key_calls == self.settings.nonmonotonic_on_key_call:
             usage = max(0.0, usage - self.settings.refund_usd)  # seen once in the history: the balance rose
         limit = None if self.settings.credit_usd == float("inf") else self.settings.credit_usd
-        return web.json_response({"data": {"label": "fake", "limit": limit, "usage": usage, "usage_daily": usage,
-                                           "usage_weekly": usage, "usage_monthly": usage,
-                                           "limit_remaining": None if limit is None else limit - usage, "is_free_tier": False}})
+        return web.json_response(
+            {
+                "data": {
+                    "label": "fake",
+                    "limit": limit,
+                    "usage": usage,
+                    "usage_daily": usage,
+                    "usage_weekly": usage,
+                    "usage_monthly": usage,
+                    "limit_remaining": None if limit is None else limit - usage,
+                    "is_free_tier": False,
+                }
+            }
+        )
 
     async def credits(self, request: web.Request) -> web.Response:
         if not self._authorized(request, self.settings.management_key):
             return self._error(403, "Only management keys can fetch credits")
         limit = self.settings.credit_usd
-        return web.json_response({"data": {"total_credits": None if limit == float("inf") else limit,
-                                           "total_usage": self._usage(lagged=True)}})
+        return web.json_response(
+            {
+                "data": {
+                    "total_credits": None if limit == float("inf") else limit,
+                    "total_usage": self._usage(lagged=True),
+                }
+            }
+        )
 
     async def generation_content(self, request: web.Request) -> web.Response:
         """Stored prompt and completion of a finished generation (only with the account's logging on: `store_content`)."""
@@ -587,13 +677,24 @@ class FakeOpenRouter:
             return self._error(401, "No auth credentials found")
         gen_id = request.query.get("id", "")
         bill, gen = self._by_id.get(gen_id), self._gens.get(gen_id)
-        if (not self.settings.store_content or bill is None or gen is None or bill.never_found
-                or bill.kind not in ("complete", "late", "after_disconnect")
-                or time.monotonic() - bill.t_done < self.settings.generation_404_s):
+        if (
+            not self.settings.store_content
+            or bill is None
+            or gen is None
+            or bill.never_found
+            or bill.kind not in ("complete", "late", "after_disconnect")
+            or time.monotonic() - bill.t_done < self.settings.generation_404_s
+        ):
             return self._error(404, f"No stored content for generation {gen_id}")
         reasoning, content = gen.answer
-        return web.json_response({"data": {"input": {"messages": json.loads(gen.prompt_key)},
-                                           "output": {"completion": content, "reasoning": reasoning or None}}})
+        return web.json_response(
+            {
+                "data": {
+                    "input": {"messages": json.loads(gen.prompt_key)},
+                    "output": {"completion": content, "reasoning": reasoning or None},
+                }
+            }
+        )
 
     async def generation(self, request: web.Request) -> web.Response:
         if not self._authorized(request, self.settings.api_key):
@@ -602,9 +703,18 @@ class FakeOpenRouter:
         bill = self._by_id.get(gen)
         if bill is None or bill.never_found or time.monotonic() - bill.t_done < self.settings.generation_404_s:
             return self._error(404, f"Generation {gen} not found")
-        return web.json_response({"data": {
-            "id": bill.id, "total_cost": bill.cost, "tokens_prompt": bill.prompt_tokens, "tokens_completion": bill.completion_tokens,
-            "native_tokens_prompt": bill.prompt_tokens, "native_tokens_completion": bill.completion_tokens,
-            "finish_reason": bill.finish_reason, "cancelled": bill.kind in ("aborted_stream", "late"),
-            "provider_name": bill.provider,
-        }})
+        return web.json_response(
+            {
+                "data": {
+                    "id": bill.id,
+                    "total_cost": bill.cost,
+                    "tokens_prompt": bill.prompt_tokens,
+                    "tokens_completion": bill.completion_tokens,
+                    "native_tokens_prompt": bill.prompt_tokens,
+                    "native_tokens_completion": bill.completion_tokens,
+                    "finish_reason": bill.finish_reason,
+                    "cancelled": bill.kind in ("aborted_stream", "late"),
+                    "provider_name": bill.provider,
+                }
+            }
+        )

@@ -27,7 +27,8 @@ The template (both revisions):
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 TEMPLATE_VERSIONS = ("k2.5", "k2")
@@ -82,7 +83,9 @@ class _TS:
     def _member(self, name: str, node: Node, optional: bool, default: Any, indent: str) -> str:
         text = self._doc(node, indent)
         if default is not None:
-            shown = repr(default) if isinstance(default, (int, float, bool)) else json.dumps(default, ensure_ascii=False)
+            shown = (
+                repr(default) if isinstance(default, (int, float, bool)) else json.dumps(default, ensure_ascii=False)
+            )
             text += f"{indent}// Default: {shown}\n"
         return f"{text}{indent}{name}{'?' if optional else ''}: {node[2](indent)}"
 
@@ -145,8 +148,15 @@ class _TS:
         if "type" in schema:
             kind = schema["type"]
             if isinstance(kind, list):
-                names = {"string": "string", "number": "number", "integer": "number", "boolean": "boolean",
-                         "null": "null", "object": "{}", "array": "Array<any>"}
+                names = {
+                    "string": "string",
+                    "number": "number",
+                    "integer": "number",
+                    "boolean": "boolean",
+                    "null": "null",
+                    "object": "{}",
+                    "array": "Array<any>",
+                }
                 shown = " | ".join(names[k] for k in kind)  # KeyError on an unknown type: Moonshot fails too
                 return (*self._meta(schema), lambda indent: shown)
             if kind == "object":
@@ -163,8 +173,11 @@ class _TS:
                 return (*self._meta(schema, ("minItems", "maxItems")), render_array)
             if not isinstance(kind, str):
                 raise ValueError(f"type {kind!r}")
-            keys = {"string": ("maxLength", "minLength", "pattern"), "number": ("maximum", "minimum"),
-                    "integer": ("maximum", "minimum")}.get(kind, ())
+            keys = {
+                "string": ("maxLength", "minLength", "pattern"),
+                "number": ("maximum", "minimum"),
+                "integer": ("maximum", "minimum"),
+            }.get(kind, ())
             word = "number" if kind == "integer" else kind
             return (*self._meta(schema, keys), lambda indent: word)
         if schema == {}:
@@ -201,8 +214,11 @@ class _TS:
             blocks.append((self._comment(desc) + "\n" if desc else "") + f"interface {name} {text}")
         signature = root or params[2]("")
         description = fn.get("description")
-        parts = ["\n".join(blocks), self._comment(description) if description else "",
-                 f"type {fn.get('name', 'function')} = (_: {signature}) => any;"]
+        parts = [
+            "\n".join(blocks),
+            self._comment(description) if description else "",
+            f"type {fn.get('name', 'function')} = (_: {signature}) => any;",
+        ]
         return "\n".join(p for p in parts if p)
 
 
@@ -247,8 +263,13 @@ def _calls(calls: list[dict[str, Any]]) -> str:
     return out + "<|tool_calls_section_end|>"
 
 
-def render_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-                  version: str = "k2.5", thinking: bool = True) -> str:
+def render_prompt(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    version: str = "k2.5",
+    thinking: bool = True,
+) -> str:
     """The prompt text (special tokens written out) the provider's model is given."""
     if version not in TEMPLATE_VERSIONS:
         raise ValueError(f"template_version must be one of {TEMPLATE_VERSIONS}, not {version!r}")

@@ -31,7 +31,7 @@ class ServerThread:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self._thread.start()
         if not self._started.wait(15):
             raise RuntimeError("loopback server did not start")

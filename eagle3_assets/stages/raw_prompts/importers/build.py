@@ -43,8 +43,10 @@ def source_rows(spec: DatasetSpec, sources_dir: str | os.PathLike[str] | None) -
     real = spec.real
     read, required = columns(real)
     if real.repo is None and sources_dir is None:
-        raise SourceError(f"{spec.name} is an in-house set (no hub id): set EAGLE3_SOURCES_DIR (or `--sources`) to the "
-                          f"folder that holds {real.files}, or build {spec.name} from its sample file")
+        raise SourceError(
+            f"{spec.name} is an in-house set (no hub id): set EAGLE3_SOURCES_DIR (or `--sources`) to the "
+            f"folder that holds {real.files}, or build {spec.name} from its sample file"
+        )
     try:
         files = resolve_files(real.repo, real.files, real.revision, sources_dir)
     except SourceError as e:
@@ -66,8 +68,12 @@ class _RejectsFile:
 
     def write(self, row: SourceRow, reason: str) -> None:
         text = json.dumps(row.value, ensure_ascii=False, default=str) if row.value is not None else None
-        rec = {"source_row": row.where, "reason": reason,
-               "row": text[:REJECT_ROW_CHARS] if text else None, "row_truncated": bool(text and len(text) > REJECT_ROW_CHARS)}
+        rec = {
+            "source_row": row.where,
+            "reason": reason,
+            "row": text[:REJECT_ROW_CHARS] if text else None,
+            "row_truncated": bool(text and len(text) > REJECT_ROW_CHARS),
+        }
         self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
@@ -113,8 +119,10 @@ def build_prompt_sets(
     wanted = sorted(names, key=order.index)
     missing = [n for n in wanted if mode == "real" and registry[n].real is None]
     if missing:
-        raise RegistryError(f"no `import:` source in the registry for {', '.join(missing)}; "
-                            "add one or build them from their sample files (prompts: sample)")
+        raise RegistryError(
+            f"no `import:` source in the registry for {', '.join(missing)}; "
+            "add one or build them from their sample files (prompts: sample)"
+        )
     claimed: dict[str, str] = {}
     unchecked: list[str] = []
     out: dict[str, DatasetPrompts] = {}
@@ -134,14 +142,26 @@ def build_prompt_sets(
             rejects = _RejectsFile(rejects_path(name)) if rejects_path else None
             try:
                 prompts, report = import_prompts(
-                    name, spec.real, source_rows(spec, sources_dir), cap=spec.sample_cap, length=length,
-                    claimed=claimed, on_reject=rejects.write if rejects else (lambda row, reason: None))
+                    name,
+                    spec.real,
+                    source_rows(spec, sources_dir),
+                    cap=spec.sample_cap,
+                    length=length,
+                    claimed=claimed,
+                    on_reject=rejects.write if rejects else (lambda row, reason: None),
+                )
             finally:
                 if rejects:
                     rejects.close()
             where = f"local copy under {sources_dir}" if sources_dir else "the Hugging Face Hub"
-            result = DatasetPrompts(name, prompts, report, f"{spec.real.source} from {where}", spec.real.settings(),
-                                    rejects_path=rejects.path if rejects else None)
+            result = DatasetPrompts(
+                name,
+                prompts,
+                report,
+                f"{spec.real.source} from {where}",
+                spec.real.settings(),
+                rejects_path=rejects.path if rejects else None,
+            )
         result.not_checked_against = list(unchecked)
         log(f"{name}: {result.report.summary()} [{result.source}]")
         for p in result.prompts:

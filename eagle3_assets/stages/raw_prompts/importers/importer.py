@@ -59,15 +59,23 @@ class ImportReport:
     def summary(self) -> str:
         dups = self.duplicates + sum(self.duplicates_of.values())
         filtered = sum(self.filtered.values())
-        return (f"{self.rows:,} rows: {self.rejected:,} rejected ({100 * self.reject_rate:.2f}%), {dups:,} duplicates, "
-                f"{filtered:,} filtered, {self.selected:,} selected" + (f" (cap {self.cap:,})" if self.cap else ""))
+        return (
+            f"{self.rows:,} rows: {self.rejected:,} rejected ({100 * self.reject_rate:.2f}%), {dups:,} duplicates, "
+            f"{filtered:,} filtered, {self.selected:,} selected" + (f" (cap {self.cap:,})" if self.cap else "")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "rows": self.rows, "rejected": self.rejected, "reject_rate": round(self.reject_rate, 6),
+            "rows": self.rows,
+            "rejected": self.rejected,
+            "reject_rate": round(self.reject_rate, 6),
             "reject_reasons": dict(self.reject_reasons.most_common(10)),
-            "duplicates_within": self.duplicates, "duplicates_of_earlier": dict(self.duplicates_of),
-            "filtered": dict(self.filtered), "measured": self.measured, "selected": self.selected, "cap": self.cap,
+            "duplicates_within": self.duplicates,
+            "duplicates_of_earlier": dict(self.duplicates_of),
+            "filtered": dict(self.filtered),
+            "measured": self.measured,
+            "selected": self.selected,
+            "cap": self.cap,
         }
 
 
@@ -164,8 +172,16 @@ def import_prompts(
         if (why := _filtered_by(conv.messages, conv.tools, spec, length)) is not None:
             report.filtered[why] += 1
             continue
-        prompt = Prompt(f"{dataset}-{key[:16]}", conv.messages, conv.tools, row.row, conv.dropped_turns,
-                        source_row=row.where, key=key, native_id=conv.native_id)
+        prompt = Prompt(
+            f"{dataset}-{key[:16]}",
+            conv.messages,
+            conv.tools,
+            row.row,
+            conv.dropped_turns,
+            source_row=row.where,
+            key=key,
+            native_id=conv.native_id,
+        )
         heapq.heappush(heap, _Ranked(-rank, prompt))
         if cap is not None and len(heap) > cap:
             heapq.heappop(heap)

@@ -46,7 +46,9 @@ def _apply_system(messages: list[dict[str, Any]], spec: ImportSpec) -> None:
         messages.pop(0)
 
 
-def _finish(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, spec: ImportSpec, native_id: Any = None) -> Converted:
+def _finish(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, spec: ImportSpec, native_id: Any = None
+) -> Converted:
     _apply_system(messages, spec)
     dropped = _drop_final_answer(messages)
     if not any(m["role"] == "user" for m in messages):
@@ -148,8 +150,10 @@ def convert_sharegpt(row: dict[str, Any], spec: ImportSpec) -> Converted:
         speaker = turn.get("from") if isinstance(turn, dict) else None
         role = SHAREGPT_ROLES.get(speaker)
         if role is None:
-            raise InvalidPrompt(f"turn {i + 1}: speaker {speaker!r} (known: {', '.join(SHAREGPT_ROLES)}); "
-                                "tool turns in ShareGPT carry no call ids")
+            raise InvalidPrompt(
+                f"turn {i + 1}: speaker {speaker!r} (known: {', '.join(SHAREGPT_ROLES)}); "
+                "tool turns in ShareGPT carry no call ids"
+            )
         value = turn.get("value")
         if not isinstance(value, str):
             raise InvalidPrompt(f"turn {i + 1}: value must be text")

@@ -25,7 +25,11 @@ LANGUAGE_SAMPLE_CHARS = 2000
 def normalized_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     parts = []
     for m in messages:
-        calls = json.dumps([c["function"] for c in m["tool_calls"]], sort_keys=True, ensure_ascii=False) if m.get("tool_calls") else ""
+        calls = (
+            json.dumps([c["function"] for c in m["tool_calls"]], sort_keys=True, ensure_ascii=False)
+            if m.get("tool_calls")
+            else ""
+        )
         parts.append(f"{m['role']}: {m.get('content') or ''} {calls}")
     if tools:
         parts.append(json.dumps(tools, sort_keys=True, ensure_ascii=False))
