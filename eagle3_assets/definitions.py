@@ -21,9 +21,11 @@ systems (README: "Pointing it at real systems"):
     EAGLE3_UNSETTLED_HORIZON_S   how long a started generation without a bill is looked up (default 900)
     EAGLE3_LEDGER_TOLERANCE_USD  account-vs-ledger drift that is alerted (default 1.0)
     EAGLE3_ALERT_WEBHOOK_URL     a Slack-compatible webhook for alerts (default: the run log only)
-    EAGLE3_LEDGER_URL            the spend ledger in this PostgreSQL database (several hosts); unset: SQLite in the data root
+    EAGLE3_LEDGER_URL            the spend ledger in this PostgreSQL database (several hosts);
+                                 unset: SQLite in the data root
     EAGLE3_EXECUTOR              k8s: each step its own Kubernetes Job, sized by its stage's tag
-                                 (eagle3_assets/common/k8s.py, with the EAGLE3_K8S_* pod settings); unset: Dagster's default
+                                 (eagle3_assets/common/k8s.py, with the EAGLE3_K8S_* pod settings);
+                                 unset: Dagster's default
 
 The completions backend and the spend policy read their variables when they are used, not only
 here: a launchpad that configures one field of them keeps the others from the environment.
@@ -32,6 +34,7 @@ here: a launchpad that configures one field of them keeps the others from the en
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dagster as dg
 
@@ -57,13 +60,13 @@ from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
-def _env_or_none(name: str):
+def _env_or_none(name: str) -> dg.EnvVar | None:
     """An EnvVar binding when the variable is set, so its value is resolved late and never shown."""
     return dg.EnvVar(name) if os.environ.get(name) else None
 
 
 def completions_resource() -> CompletionsResource:
-    kwargs = {"backend": os.environ.get("EAGLE3_COMPLETIONS_BACKEND", "local")}
+    kwargs: dict[str, Any] = {"backend": os.environ.get("EAGLE3_COMPLETIONS_BACKEND", "local")}
     for field, var in (
         ("openrouter_api_key", "OPENROUTER_API_KEY"),
         ("openrouter_base_url", "OPENROUTER_BASE_URL"),
@@ -75,7 +78,7 @@ def completions_resource() -> CompletionsResource:
 
 
 def hidden_states_resource() -> HiddenStatesResource:
-    kwargs: dict = {"backend": os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")}
+    kwargs: dict[str, Any] = {"backend": os.environ.get("EAGLE3_HIDDEN_STATES_BACKEND", "transformers")}
     for field, var in (
         ("batch_tokens", "EAGLE3_HIDDEN_STATES_BATCH_TOKENS"),
         ("sglang_tp_size", "EAGLE3_SGLANG_TP_SIZE"),
@@ -86,7 +89,7 @@ def hidden_states_resource() -> HiddenStatesResource:
     return HiddenStatesResource(**kwargs)
 
 
-def resources() -> dict:
+def resources() -> dict[str, Any]:
     data_dir = default_data_dir()
     standin = str(data_dir / "standin")
     return {

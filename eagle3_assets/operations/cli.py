@@ -34,10 +34,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from eagle3_assets.operations.instance import DAEMON_LIVE_S, dagster_home
 from eagle3_resources.storage import PROJECT_ROOT, default_data_dir
+
+if TYPE_CHECKING:  # dagster and the ledger are imported when a command needs them: `eagle3 env` starts at once
+    import dagster as dg
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from eagle3_assets.money.ledger import SpendLedger
 
 
 def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
@@ -50,7 +59,8 @@ def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
         first, _, last = item.partition("...")
         if last and first in DATASETS and last in DATASETS:
             if names.index(first) > names.index(last):
-                print(f"{item}: {first} comes after {last} in the registry order: " + ", ".join(names), file=sys.stderr)
+                order = ", ".join(names)
+                print(f"{item}: {first} comes after {last} in the registry order: {order}", file=sys.stderr)
                 return None
             chosen += names[names.index(first) : names.index(last) + 1]
         else:
@@ -66,8 +76,10 @@ def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
     return names[idx[0]], names[idx[-1]]
 
 
-def _execute(job_fn, start: str, end: str, run_config: dict | None = None):
-    """Run a job of the code location (`job_fn` returns it) now, in this process, over the partition range start...end."""
+def _execute(
+    job_fn: Callable[[], dg.JobDefinition], start: str, end: str, run_config: dict[str, Any] | None = None
+) -> tuple[dg.ExecuteJobResult, DagsterRun]:
+    """Run a job of the code location (`job_fn` returns it) now, in this process, over the range start...end."""
     import dagster as dg
     from dagster._core.storage.tags import (
         ASSET_PARTITION_RANGE_END_TAG,
@@ -81,7 +93,9 @@ def _execute(job_fn, start: str, end: str, run_config: dict | None = None):
             tags={ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end},
             run_config={"execution": {"config": {"in_process": {}}}, **(run_config or {})},
         )
-        return result, instance.get_run_by_id(result.run_id)
+        run = instance.get_run_by_id(result.run_id)
+        assert run is not None, "execute_job records its run in the instance"
+        return result, run
 
 
 def run_pipeline(datasets: list[str] | None) -> int:
@@ -146,18 +160,19 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
     return 0 if result.success and not failed else 1
 
 
-def _ledger():
+def _ledger() -> SpendLedger:
     from eagle3_assets.money import open_data_root_ledger
 
     return open_data_root_ledger()
 
 
-def _print_ledger(ledger) -> None:
+def _print_ledger(ledger: SpendLedger) -> None:
     from eagle3_assets.money import ledger as L
 
     figs = ledger.figures()
     print(
-        f"ledger {ledger.location}: billed ${figs.total.settled_usd:.4f} in all, ${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
+        f"ledger {ledger.location}: billed ${figs.total.settled_usd:.4f} in all, "
+        f"${figs.today.settled_usd:.4f} today ({figs.day} UTC); "
         f"in flight {figs.live} (worst ${figs.total.live_usd:.4f})"
     )
     stuck = figs.unsettled + figs.unidentified
@@ -225,7 +240,7 @@ def ledger_command(action: str, wait_s: float) -> int:
             print("OPENROUTER_API_KEY is not set: nothing can be looked up", file=sys.stderr)
             return 2
 
-        async def settle():
+        async def settle() -> None:
             with LedgerWriter(ledger) as writer:
                 async with OpenRouterAccount(*endpoint) as account:
                     deadline = time.monotonic() + wait_s
@@ -246,14 +261,14 @@ def ledger_command(action: str, wait_s: float) -> int:
     return 0
 
 
-def _pipeline_job():
+def _pipeline_job() -> dg.JobDefinition:
     """Module-level so the run can be reconstructed by the executor."""
     from eagle3_assets.definitions import defs
 
     return defs.get_job_def("eagle3_pipeline")
 
 
-def _import_job():
+def _import_job() -> dg.JobDefinition:
     from eagle3_assets.definitions import defs
 
     return defs.get_job_def("import_prompts")
@@ -299,7 +314,7 @@ def run_in_group(cmd: list[str]) -> int:
         ),
     )
 
-    def stop(signum, _frame):
+    def stop(signum: int, _frame: FrameType | None) -> None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -318,11 +333,8 @@ def run_in_group(cmd: list[str]) -> int:
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    """`run`, `prompts`, `dev`, `dagster`: building the assets and the Dagster tools."""
     p_run = sub.add_parser("run", help="run eagle3_pipeline now and wait for it")
     p_run.add_argument("--datasets", help="contiguous datasets: A1,A2 or B1...B6 (default: all)")
     p_run.add_argument(
@@ -345,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_dg = sub.add_parser("dagster", help="any dagster command with this project's DAGSTER_HOME")
     p_dg.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    """`hold`, `ledger`, `status`, `env`: what an operator reads and puts right."""
     p_hold = sub.add_parser("hold", help="show or lift the spending hold")
     p_hold.add_argument("action", choices=["show", "lift"], nargs="?", default="show")
     p_ledger = sub.add_parser(
@@ -357,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     p_status = sub.add_parser("status", help="each dataset's stages, runs in progress, money and the hold")
     p_status.add_argument("--json", action="store_true", help="print the same data as JSON")
     sub.add_parser("env", help="print DAGSTER_HOME and EAGLE3_DATA_DIR as shell lines")
+
+
+def _add_gpu_check_command(sub: argparse._SubParsersAction) -> None:
     p_gpu = sub.add_parser("gpu-check", help="CUDA, sglang, its API contract, and short hidden-state captures")
     p_gpu.add_argument("--model", help="also capture from this target folder (e.g. Kimi-K2.5) with SGLang")
     p_gpu.add_argument(
@@ -386,27 +405,44 @@ def main(argv: list[str] | None = None) -> int:
     p_gpu.add_argument(
         "--no-capture", action="store_true", help="host, install and contract rows only (no tiny-model captures)"
     )
-    args = parser.parse_args(argv)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_pipeline_commands(sub)
+    _add_operator_commands(sub)
+    _add_gpu_check_command(sub)
+    return parser
+
+
+def _gpu_check_command(args: argparse.Namespace) -> int:
+    from eagle3_assets.operations.gpu_check import HostPlan, gpu_check
+
+    host = HostPlan(
+        data_dir=(args.data_dir or default_data_dir()).resolve(),
+        tokens=args.tokens,
+        max_forward_tokens=args.max_forward_tokens,
+        handoff_slabs=args.handoff_slabs,
+        shm_dir=args.shm_dir,
+        disk_mib=args.disk_mib,
+        min_disk_gbps=args.min_disk_gbps,
+    )
+    return gpu_check(
+        str(Path(args.model).resolve()) if args.model else None,
+        args.tp,
+        args.json,
+        host,
+        capture=not args.no_capture,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "gpu-check":
-        from eagle3_assets.operations.gpu_check import HostPlan, gpu_check
-
-        host = HostPlan(
-            data_dir=(args.data_dir or default_data_dir()).resolve(),
-            tokens=args.tokens,
-            max_forward_tokens=args.max_forward_tokens,
-            handoff_slabs=args.handoff_slabs,
-            shm_dir=args.shm_dir,
-            disk_mib=args.disk_mib,
-            min_disk_gbps=args.min_disk_gbps,
-        )
-        return gpu_check(
-            str(Path(args.model).resolve()) if args.model else None,
-            args.tp,
-            args.json,
-            host,
-            capture=not args.no_capture,
-        )
+        return _gpu_check_command(args)
 
     os.chdir(PROJECT_ROOT)
     if args.command == "run":

@@ -222,7 +222,10 @@ def gpus_row(tp: int | None, model: str | None, required: bool) -> Check:
         return Check("gpus", OK, detail, required, data)
     if have == 0:
         return Check("gpus", UNAVAILABLE, detail, required, data, fix="see torch/cuda and nvidia driver above")
-    fix = f"eagle3 gpu-check --tp {have}, and capture with EAGLE3_SGLANG_TP_SIZE={have} (Kimi-K2.5 needs 8 GPUs of 141 GB)"
+    fix = (
+        f"eagle3 gpu-check --tp {have}, and capture with EAGLE3_SGLANG_TP_SIZE={have} "
+        "(Kimi-K2.5 needs 8 GPUs of 141 GB)"
+    )
     return Check("gpus", FAIL if required else WARN, detail, required, data, fix=fix)
 
 
@@ -291,7 +294,7 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
     files = -(-mib * 2**20 // file_bytes)
     buffer = host_buffer(file_bytes, pin=False)
     buffer.copy_(torch.randint(0, 256, (file_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
-    memory = memoryview(buffer.numpy())
+    memory = buffer.numpy().data  # the memoryview of the array (numpy types its buffer protocol from Python 3.12)
     work = Path(tempfile.mkdtemp(prefix=".eagle3-gpu-check-", dir=root))
     try:
         start = time.perf_counter()
@@ -357,7 +360,12 @@ def disk_space_row(root: Path, tokens: int | None, hidden: int, hidden_from: str
         )
     settings = StoreSettings()
     needed = planned * token_bytes(hidden)
-    data = {"path": str(root), "tokens": planned, "tokens_from": source, "bytes_per_token": token_bytes(hidden)}
+    data: dict[str, Any] = {
+        "path": str(root),
+        "tokens": planned,
+        "tokens_from": source,
+        "bytes_per_token": token_bytes(hidden),
+    }
     detail = f"{planned:,} tokens ({source}) x {token_bytes(hidden):,} B ({hidden_from}) = {human(needed)}"
     try:
         data.update(
@@ -370,10 +378,12 @@ def disk_space_row(root: Path, tokens: int | None, hidden: int, hidden_from: str
         free = shutil.disk_usage(probe).free
         fits = int(max(0, (free - settings.reserve_bytes) / (1 + settings.margin_pct / 100)) // token_bytes(hidden))
         config = json.dumps({"ops": {"hidden_states": {"config": {"max_tokens": fits}}}})
+        wanted = needed * (1 + settings.margin_pct / 100) + settings.reserve_bytes
         fix = (
-            f"export EAGLE3_DATA_DIR=<a volume with {human(needed * (1 + settings.margin_pct / 100) + settings.reserve_bytes)}"
+            f"export EAGLE3_DATA_DIR=<a volume with {human(wanted)}"
             f" free> (check: eagle3 gpu-check --data-dir DIR --tokens {planned}), or capture what fits: "
-            f"eagle3 dagster asset materialize -m eagle3_assets.definitions --select hidden_states --config-json '{config}'"
+            "eagle3 dagster asset materialize -m eagle3_assets.definitions --select hidden_states "
+            f"--config-json '{config}'"
         )
         data.update(free_bytes=free, fits_tokens=fits)
         return Check(
@@ -475,7 +485,8 @@ def tiny_deepseek_v3(folder: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
+    DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)  # type: ignore[arg-type]
     files = sorted(folder.glob("*.safetensors"))
     tensors: dict[str, Any] = {}
     for f in files:
@@ -490,7 +501,9 @@ def tiny_deepseek_v3(folder: Path, seed: int = 0) -> Path:
     cfg.update(SGLANG_DEEPSEEK_KEYS)
     cfg.setdefault("torch_dtype", "bfloat16")  # older readers (transformers 4.x in an SGLang env) need this key
     cfg_file.write_text(json.dumps(cfg, indent=2))
-    _, info = DeepseekV3ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    # with output_loading_info=True from_pretrained returns (model, info); its annotation names the model only
+    loaded: Any = DeepseekV3ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    _, info = loaded
     problems = {k: v for k, v in info.items() if v}
     if problems:
         raise RuntimeError(f"the tiny DeepseekV3 written to {folder} does not load back in transformers: {problems}")
@@ -522,16 +535,16 @@ def cosine_stats(got, truth, hidden: int, n_aux: int) -> dict[str, float]:
     import torch
 
     parts: dict[str, list[torch.Tensor]] = {}
-    for (ga, gf), (ta, tf) in zip(got, truth):
+    for (ga, gf), (ta, tf) in zip(got, truth, strict=True):  # both: one per tiny sequence
         for k in range(n_aux):
             sl = slice(k * hidden, (k + 1) * hidden)
             parts.setdefault(f"aux{k}", []).append(torch.cosine_similarity(ga[:, sl].float(), ta[:, sl], dim=-1))
         parts.setdefault("final", []).append(torch.cosine_similarity(gf.float(), tf, dim=-1))
-    stats = {}
-    for k, v in parts.items():
-        c = torch.cat(v)
-        stats[f"{k}_mean"] = round(float(c.mean()), 5)
-        stats[f"{k}_min"] = round(float(c.min()), 5)
+    stats: dict[str, float] = {}
+    for part, values in parts.items():
+        c = torch.cat(values)
+        stats[f"{part}_mean"] = round(float(c.mean()), 5)
+        stats[f"{part}_min"] = round(float(c.min()), 5)
     return stats
 
 
@@ -548,9 +561,13 @@ def transformers_row(folder: Path, sequences, truth) -> Check:
     got = [(a.float().cpu(), f.float().cpu()) for a, f in backend.extract_batch(sequences)]
     hidden = model.config.hidden_size
     shapes_ok = all(
-        a.shape == (len(s), 3 * hidden) and f.shape == (len(s), hidden) for (a, f), s in zip(got, sequences)
+        a.shape == (len(s), 3 * hidden) and f.shape == (len(s), hidden)
+        for (a, f), s in zip(got, sequences, strict=True)  # one capture per sequence
     )
-    err = max(max(float((a - ta).abs().max()), float((f - tf).abs().max())) for (a, f), (ta, tf) in zip(got, truth))
+    err = max(
+        max(float((a - ta).abs().max()), float((f - tf).abs().max()))
+        for (a, f), (ta, tf) in zip(got, truth, strict=True)
+    )
     data = {"layer_ids": TINY_LAYER_IDS, "lengths": [len(s) for s in sequences], "max_abs_err": err}
     ok = shapes_ok and err <= 1e-3
     detail = (
@@ -619,7 +636,7 @@ def sglang_target_row(model_path: str, tp: int) -> Check:
         described = backend.describe()
     n_aux = len(described["layer_ids"])
     problems = []
-    for (a, f), s in zip(got, batch):
+    for (a, f), s in zip(got, batch, strict=True):  # one capture per sequence of the batch
         if a.shape != (len(s), n_aux * shape.hidden_size) or f.shape != (len(s), shape.hidden_size):
             problems.append(f"shape aux {tuple(a.shape)} final {tuple(f.shape)} for {len(s)} tokens")
         if not (torch.isfinite(a).all() and torch.isfinite(f).all()):
@@ -742,7 +759,7 @@ def render(checks: list[Check]) -> str:
     marks = [c.status + ("" if c.required or c.status == OK else " (not asked)") for c in checks]
     width, sw = max(len(c.name) for c in checks), max(len(m) for m in marks)
     lines = [f"{'check':<{width}}  {'status':<{sw}}  detail", f"{'-' * width}  {'-' * sw}  {'-' * 40}"]
-    for c, mark in zip(checks, marks):
+    for c, mark in zip(checks, marks, strict=True):  # marks: one per check
         lines.append(f"{c.name:<{width}}  {mark:<{sw}}  {c.detail}")
     fixes = [c for c in checks if c.status != OK and c.fix]
     if fixes:

@@ -32,7 +32,8 @@ pipeline_status = dg.AssetSpec(
     group_name="training",
     kinds={"dagster"},
     description="Every dataset and stage at a glance, observed by the `status_board` sensor when something changes: "
-    "materialized or not (—), rows, ok / warn / **FAIL** and the names of the checks that fail (ERROR first); the training stages' figures "
+    "materialized or not (—), rows, ok / warn / **FAIL** and the names of the checks that fail (ERROR first); "
+    "the training stages' figures "
     "(the drafter's real accept length, from lossless speculative decoding, then the simulated one). The same as "
     "`eagle3 status` in a terminal. A dataset is complete when its "
     "`token_ids` are materialized with no failing ERROR check: materialize the missing ones (the nightly schedule "
