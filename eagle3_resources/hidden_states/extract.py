@@ -19,12 +19,13 @@ its buffer back, and lists it in the manifest with the shards other writers fini
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -144,7 +145,9 @@ class Stager:
         if not items:
             return
         device = items[0][1].device
-        offsets = pending.image.layout.row_offsets
+        layout = pending.image.layout
+        assert layout is not None  # the image was started before its first batch
+        offsets = layout.row_offsets
         if device.type != "cuda":
             with one_thread():
                 sums = torch.stack([finite_hint(a, f) for _, a, f in items])
@@ -221,7 +224,7 @@ class PendingShard:
         return [
             self.rows[j].sample_id
             for positions, hints in self.sums
-            for j, ok in zip(positions, torch.isfinite(hints).tolist())
+            for j, ok in zip(positions, torch.isfinite(hints).tolist(), strict=True)  # built together in stage()
             if not ok
         ]
 
@@ -299,8 +302,9 @@ def check_disk(
         usable = max(0, (free - settings.reserve_bytes) / (1 + settings.margin_pct / 100))
         fits = int(usable // token_bytes(hidden_size))
         raise DiskSpaceError(
-            f"hidden_states would write {human_bytes(needed)} ({tokens_pending:,} tokens x {token_bytes(hidden_size):,} "
-            f"bytes) and keeps a margin of {settings.margin_pct:g}% + {human_bytes(settings.reserve_bytes)}: "
+            f"hidden_states would write {human_bytes(needed)} "
+            f"({tokens_pending:,} tokens x {token_bytes(hidden_size):,} bytes) and keeps a margin of "
+            f"{settings.margin_pct:g}% + {human_bytes(settings.reserve_bytes)}: "
             f"{human_bytes(required)} in all, but {probe} has {human_bytes(free)} free. "
             f"About {fits:,} of the {total_tokens:,} tokens fit: set `max_tokens` (the asset's config) to at most "
             f"that, or `dataset_weights` to keep some datasets only, or point EAGLE3_DATA_DIR at a larger volume."
@@ -308,182 +312,292 @@ def check_disk(
     return figures
 
 
+@dataclass(frozen=True)
+class ExtractionOptions:
+    """How one extraction runs and reports, beside the store's own figures (`StoreSettings`)."""
+
+    identity: dict[str, Any]  # names the target: it enters every shard's key
+    notes: dict[str, Any] | None = None  # recorded in the manifest only
+    log: Callable[[str], None] = print
+    progress_every_s: float = 10.0  # a progress line (and `on_progress`) at most this often
+    on_progress: Callable[[dict[str, Any]], None] | None = None  # the progress figures (the asset's observations)
+    buffers: HostBuffers | None = None  # host buffers to reuse (a benchmark's rounds); None: writers + 1, see run()
+    null_sink: bool = False  # benchmarks only: the whole capture but the write; nothing is recorded
+
+
 def extract_to_store(
     samples: Sequence[StoredSample],
     backend: HiddenStatesBackend,
     root: Path,
     settings: StoreSettings,
-    *,
-    identity: dict[str, Any],
-    notes: dict[str, Any] | None = None,
-    log: Callable[[str], None] = print,
-    progress_every_s: float = 10.0,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
-    buffers: HostBuffers | None = None,
-    null_sink: bool = False,
+    options: ExtractionOptions | None = None,
+    **fields: Any,
 ) -> ExtractionReport:
-    """Fill `root` with the shards of `samples`; return what this call did.
+    """Fill `root` with the shards of `samples`; return what this call did (`Extraction` tells how, phase by phase).
 
-    `identity` names the target (it enters every shard's key); `notes` are recorded in the manifest only.
-    `buffers`: host buffers to reuse (a benchmark's rounds); by default `writers + 1`, page-locked when the
-    backend is on a GPU. `null_sink` (benchmarks only): the whole capture but the write; nothing is recorded.
+    `options`, or its fields by name (`identity={...}, progress_every_s=3600`), which replace those of `options`.
     """
-    root = Path(root)
-    H = backend.hidden_size
-    layer_ids = list(backend.layer_ids)
-    plans = plan_shards(samples, H, settings.shard_bytes, {**identity, "aux_layer_ids": layer_ids})
-    old = read_manifest(root) if (root / MANIFEST).exists() else {}
-    manifest = {
-        "format": FORMAT,
-        "aux_layer_ids": layer_ids,
-        "layer_convention": LAYER_CONVENTION,
-        "final_hidden_state": FINAL_CONVENTION,
-        "num_target_layers": backend.num_layers,
-        "hidden_size": H,
-        "dtype": "bfloat16",
-        "identity": identity,
-        **(notes or {}),
-        "backend": backend.describe(),
-        "shard_bytes": settings.shard_bytes,
-        "planned_shards": [p.name for p in plans],
-        "shards": {},
-    }
-    done = trusted_shards(root, old, plans, settings.verify_on_resume) if old else set()
-    stale = stale_shards(root, old, plans) if old else {}
-    if stale and not settings.discard_stale:
-        size = sum(e["bytes"] for e in stale.values())
-        raise StaleShardsError(
-            f"{len(stale)} committed shard(s) in {root} ({human_bytes(size)}, {sum(e['tokens'] for e in stale.values()):,} "
-            f"tokens, e.g. {', '.join(sorted(stale)[:3])}) do not match this run's plan: {why_stale(old, manifest)}. "
-            f"Nothing was deleted. Restore the previous settings to keep them, or set `discard_stale_shards: true` "
-            f"(the asset's config) to delete them and compute their samples again."
-        )
-    manifest["shards"] = {name: old["shards"][name] for name in sorted(done)}
-    pending = [p for p in plans if p.name not in done]
-    total_tokens = sum(p.tokens for p in plans)
-    tokens_pending = sum(p.tokens for p in pending)
-    check_disk(
-        root,
-        disk_needed(plans, {p.name for p in pending}, H),
-        settings,
-        tokens_pending=tokens_pending,
-        total_tokens=total_tokens,
-        hidden_size=H,
-    )
+    options = ExtractionOptions(**fields) if options is None else replace(options, **fields)
+    return Extraction(samples, backend, Path(root), settings, options).run()
 
-    root.mkdir(parents=True, exist_ok=True)
-    committer = ShardCommitter(root, manifest)
-    committer.save_manifest()  # drops shards no longer planned or no longer trusted before anything else
-    removed = remove_untrusted(root, manifest)
-    if done:
-        log(
-            f"hidden states: {len(done)} of {len(plans)} shards already stored; {len(pending)} to go ({tokens_pending:,} tokens)"
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Every shard of the store, and which of them a run still has to compute."""
+
+    shards: list[ShardPlan]
+    manifest: dict[str, Any]  # the manifest this run writes, listing the committed shards it keeps
+    done: set[str]  # committed, trusted, and wanted as they are
+    pending: list[ShardPlan]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(p.tokens for p in self.shards)
+
+    @property
+    def tokens_pending(self) -> int:
+        return sum(p.tokens for p in self.pending)
+
+
+class Extraction:
+    """One `extract_to_store` call, in the order its phases run:
+
+    plan        the shards (a resumed run plans the same ones); which are committed and trusted; stale ones refused
+    check_disk  the pending shards' bytes plus the margin against the free space, before the first byte
+    open_store  the manifest rewritten with the shards kept, files no manifest lists removed
+    capture     each pending shard's batches through the backend (`capture_batch`), staged into its host image
+    write       on a writer thread: wait for the copies, check, write, hash, fsync, rename, record (`ShardCommitter`)
+    finish      every shard handed to a writer is committed whatever stopped the loop; then the report
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[StoredSample],
+        backend: HiddenStatesBackend,
+        root: Path,
+        settings: StoreSettings,
+        options: ExtractionOptions,
+    ):
+        self.samples, self.backend, self.root = samples, backend, root
+        self.settings, self.options = settings, options
+        self.hidden_size = backend.hidden_size
+        self.layer_ids = list(backend.layer_ids)
+        self.stager = Stager()
+        self.failures: list[tuple[str, BaseException]] = []  # appended by writer threads
+        self._lock = threading.Lock()  # the writers' report figures
+
+    def run(self) -> ExtractionReport:
+        self.resume = self.plan()
+        self.check_disk()
+        self.committer, removed = self.open_store()
+        plan = self.resume
+        self.report = ExtractionReport(len(plan.shards), 0, len(plan.done), 0, 0, 0, 0.0, removed_untrusted=removed)
+        self._started = self._last_progress = time.monotonic()
+        buffers = self.options.buffers
+        if buffers is None:  # page-locked when the states come from a GPU
+            device = getattr(self.backend, "device", None)
+            buffers = HostBuffers(
+                self.settings.writers + 1, pin=isinstance(device, torch.device) and device.type == "cuda"
+            )
+        self.buffers = buffers
+        self.capture()
+        return self.finish()
+
+    # ------------------------------------------------------------ before the first byte
+
+    def plan(self) -> ResumePlan:
+        """The shards, the committed ones this run keeps; StaleShardsError for committed ones it would replace."""
+        root, identity = self.root, self.options.identity
+        shards = plan_shards(
+            self.samples, self.hidden_size, self.settings.shard_bytes, {**identity, "aux_layer_ids": self.layer_ids}
         )
-    if removed:
-        log(
-            f"hidden states: removed {len(removed)} untrusted file(s) left by an interrupted run: {', '.join(removed[:5])}"
+        old = read_manifest(root) if (root / MANIFEST).exists() else {}
+        manifest = self.new_manifest(shards)
+        done = trusted_shards(root, old, shards, self.settings.verify_on_resume) if old else set()
+        stale = stale_shards(root, old, shards) if old else {}
+        if stale and not self.settings.discard_stale:
+            raise stale_error(root, stale, why_stale(old, manifest))
+        manifest["shards"] = {name: old["shards"][name] for name in sorted(done)}
+        return ResumePlan(shards, manifest, done, [p for p in shards if p.name not in done])
+
+    def new_manifest(self, shards: list[ShardPlan]) -> dict[str, Any]:
+        """The manifest's settings (its key order is the file's), with no shard listed yet."""
+        return {
+            "format": FORMAT,
+            "aux_layer_ids": self.layer_ids,
+            "layer_convention": LAYER_CONVENTION,
+            "final_hidden_state": FINAL_CONVENTION,
+            "num_target_layers": self.backend.num_layers,
+            "hidden_size": self.hidden_size,
+            "dtype": "bfloat16",
+            "identity": self.options.identity,
+            **(self.options.notes or {}),
+            "backend": self.backend.describe(),
+            "shard_bytes": self.settings.shard_bytes,
+            "planned_shards": [p.name for p in shards],
+            "shards": {},
+        }
+
+    def check_disk(self) -> None:
+        plan = self.resume
+        check_disk(
+            self.root,
+            disk_needed(plan.shards, {p.name for p in plan.pending}, self.hidden_size),
+            self.settings,
+            tokens_pending=plan.tokens_pending,
+            total_tokens=plan.total_tokens,
+            hidden_size=self.hidden_size,
         )
 
-    report = ExtractionReport(len(plans), 0, len(done), 0, 0, 0, 0.0, removed_untrusted=removed)
-    started = last = time.monotonic()
-    if buffers is None:
-        device = getattr(backend, "device", None)
-        buffers = HostBuffers(settings.writers + 1, pin=isinstance(device, torch.device) and device.type == "cuda")
-    stager = Stager()
-    futures: list[Future] = []
+    def open_store(self) -> tuple[ShardCommitter, list[str]]:
+        """The store's folder and manifest as this run keeps them; (the committer, the untrusted files removed)."""
+        plan, log = self.resume, self.options.log
+        self.root.mkdir(parents=True, exist_ok=True)
+        committer = ShardCommitter(self.root, plan.manifest)
+        committer.save_manifest()  # drops shards no longer planned or no longer trusted before anything else
+        removed = remove_untrusted(self.root, plan.manifest)
+        if plan.done:
+            log(
+                f"hidden states: {len(plan.done)} of {len(plan.shards)} shards already stored; "
+                f"{len(plan.pending)} to go ({plan.tokens_pending:,} tokens)"
+            )
+        if removed:
+            log(
+                f"hidden states: removed {len(removed)} untrusted file(s) left by an interrupted run: "
+                f"{', '.join(removed[:5])}"
+            )
+        return committer, removed
 
-    def progress(final: bool = False) -> None:
-        elapsed = max(1e-9, time.monotonic() - started)
-        rate = report.tokens_written / elapsed
-        left = tokens_pending - report.tokens_written
+    # ------------------------------------------------------------ the capture loop (this thread)
+
+    def capture(self) -> None:
+        """Capture each pending shard here and hand it to a writer thread, which writes it while the next is captured.
+
+        Twice as many threads as writers: a writer waiting for the manifest write that lists its shard (its buffer
+        already given back) does not hold up the next shard's write; the buffers bound the writes in flight.
+        """
+        futures: list[Future[int]] = []
+        workers = 2 * max(1, self.settings.writers)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-writer") as pool:
+            try:
+                for plan in self.resume.pending:
+                    if self.failures:  # a full disk or a failing volume: stop computing what cannot be kept
+                        name, error = self.failures[0]
+                        raise RuntimeError(f"writing {name} failed: {error}") from error
+                    shard = self.capture_shard(plan)
+                    future = pool.submit(self.write, shard)
+                    future.add_done_callback(functools.partial(self._written, plan.name))
+                    futures.append(future)
+                    self.report.samples_written += len(shard.rows)
+            finally:
+                for future in futures:  # the finished shards are committed whatever stopped the loop
+                    future.exception()
+
+    def capture_shard(self, plan: ShardPlan) -> PendingShard:
+        """One shard's samples through the backend, batch by batch, into a host image (its copies may be in flight)."""
+        rows = [self.samples[i] for i in plan.samples]
+        layout = shard_layout(plan, rows, self.hidden_size)
+        image = self.buffers.take(layout.size)  # waits while every buffer is being written
+        shard = PendingShard(image, rows)
+        try:
+            image.start(plan, rows, self.hidden_size, layout)
+            for batch in batches([len(r.input_ids) for r in rows], self.settings.batch_tokens):
+                self.capture_batch(shard, batch)
+                if time.monotonic() - self._last_progress >= self.options.progress_every_s:
+                    self._last_progress = time.monotonic()
+                    self.progress()
+        except BaseException:
+            shard.wait()  # copies in flight into the buffer land before it is reused
+            self.buffers.give(image)
+            raise
+        return shard
+
+    def capture_batch(self, shard: PendingShard, batch: list[int]) -> None:
+        """The samples at positions `batch` of the shard through the backend, their states staged into its image."""
+        rows = shard.rows
+        outputs = self.backend.extract_batch([list(rows[j].input_ids) for j in batch])
+        for j, (a, f) in zip(batch, outputs, strict=False):
+            if a.shape[0] != len(rows[j].input_ids) or f.shape[0] != a.shape[0]:
+                raise RuntimeError(
+                    f"{self.backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
+                    f"which has {len(rows[j].input_ids)} tokens"
+                )
+            self.report.tokens_written += a.shape[0]
+        self.stager.stage(shard, [(j, a, f) for j, (a, f) in zip(batch, outputs, strict=False)])
+
+    # ------------------------------------------------------------ the writers (their own threads)
+
+    def write(self, shard: PendingShard) -> int:
+        """A writer thread: wait for the shard's copies, check it, write it, give its buffer back, then record it."""
+        plan, layout = shard.image.plan, shard.image.layout
+        assert plan is not None and layout is not None  # started by capture_shard
+        entry = None
+        try:
+            shard.wait()
+            bad = shard.non_finite()
+            if not self.options.null_sink:
+                entry = self.committer.write(shard.image, direct=self.settings.direct_io)
+        finally:
+            self.buffers.give(shard.image)  # durable on disk (or failed): the next shard can be built in it
+        if entry is not None:
+            self.committer.record(plan.name, entry)
+        with self._lock:
+            self.report.nan_samples.extend(bad)
+            self.report.shards_written += 1
+            self.report.bytes_written += layout.size
+        return layout.size
+
+    def _written(self, name: str, future: Future[int]) -> None:
+        error = future.exception()
+        if error is not None:
+            self.failures.append((name, error))
+
+    # ------------------------------------------------------------ progress and the end
+
+    def progress(self, final: bool = False) -> None:
+        """A progress line in the log, and its figures to `on_progress`."""
+        report, pending, shards = self.report, self.resume.tokens_pending, len(self.resume.shards)
+        rate = report.tokens_written / max(1e-9, time.monotonic() - self._started)
+        left = pending - report.tokens_written
         figures = {
             "tokens_written": report.tokens_written,
-            "tokens_pending": tokens_pending,
+            "tokens_pending": pending,
             "tokens_per_s": round(rate, 1),
             "bytes_written": report.bytes_written,
             "gb_written": round(report.bytes_written / 1e9, 3),
             "shards_written": report.shards_written,
-            "shards": len(plans),
+            "shards": shards,
             "eta_s": round(left / rate, 1) if rate > 0 else None,
         }
         eta = f"{figures['eta_s']:,.0f} s" if figures["eta_s"] is not None else "?"
-        log(
-            f"hidden states {'done: ' if final else ''}{report.tokens_written:,}/{tokens_pending:,} tokens, {rate:,.0f} tok/s, "
-            f"{report.bytes_written / 1e9:.2f} GB written, shard {report.shards_written + report.shards_skipped}/{len(plans)}, ETA {eta}"
+        self.options.log(
+            f"hidden states {'done: ' if final else ''}{report.tokens_written:,}/{pending:,} tokens, "
+            f"{rate:,.0f} tok/s, {report.bytes_written / 1e9:.2f} GB written, "
+            f"shard {report.shards_written + report.shards_skipped}/{shards}, ETA {eta}"
         )
-        if on_progress is not None:
-            on_progress(figures)
+        if self.options.on_progress is not None:
+            self.options.on_progress(figures)
 
-    failures: list[tuple[str, BaseException]] = []  # appended by writer threads
-    lock = threading.Lock()
+    def finish(self) -> ExtractionReport:
+        """Raise if a shard could not be written; else the report, with a last progress line."""
+        if self.failures:
+            name, error = self.failures[0]
+            raise RuntimeError(f"{len(self.failures)} shard(s) could not be written, first {name}: {error}") from error
+        self.report.seconds = time.monotonic() - self._started
+        self.progress(final=True)
+        return self.report
 
-    def write(pending: PendingShard) -> int:
-        """A writer thread: wait for the shard's copies, check it, write it, give its buffer back, then record it."""
-        name, entry = pending.image.plan.name, None
-        try:
-            pending.wait()
-            bad = pending.non_finite()
-            size = pending.image.layout.size
-            if not null_sink:
-                entry = committer.write(pending.image, direct=settings.direct_io)
-        finally:
-            buffers.give(pending.image)  # durable on disk (or failed): the next shard can be built in it
-        if entry is not None:
-            committer.record(name, entry)
-        with lock:
-            report.nan_samples.extend(bad)
-            report.shards_written += 1
-            report.bytes_written += size
-        return size
 
-    def written(name: str, fut: Future) -> None:
-        if fut.exception() is not None:
-            failures.append((name, fut.exception()))
-
-    # Twice as many threads as writers: a writer waiting for the manifest write that lists its shard (its buffer
-    # already given back) does not hold up the next shard's write; the buffers bound the writes in flight.
-    with ThreadPoolExecutor(max_workers=2 * max(1, settings.writers), thread_name_prefix="shard-writer") as pool:
-        try:
-            for plan in pending:
-                if failures:  # a full disk or a failing volume: stop computing what cannot be kept
-                    raise RuntimeError(f"writing {failures[0][0]} failed: {failures[0][1]}") from failures[0][1]
-                rows = [samples[i] for i in plan.samples]
-                layout = shard_layout(plan, rows, H)
-                image = buffers.take(layout.size)  # waits while every buffer is being written
-                shard = PendingShard(image, rows)
-                try:
-                    image.start(plan, rows, H, layout)
-                    for batch in batches([len(r.input_ids) for r in rows], settings.batch_tokens):
-                        outputs = backend.extract_batch([list(rows[j].input_ids) for j in batch])
-                        for j, (a, f) in zip(batch, outputs):
-                            if a.shape[0] != len(rows[j].input_ids) or f.shape[0] != a.shape[0]:
-                                raise RuntimeError(
-                                    f"{backend.name} returned {a.shape[0]} rows for {rows[j].sample_id}, "
-                                    f"which has {len(rows[j].input_ids)} tokens"
-                                )
-                            report.tokens_written += a.shape[0]
-                        stager.stage(shard, [(j, a, f) for j, (a, f) in zip(batch, outputs)])
-                        if time.monotonic() - last >= progress_every_s:
-                            last = time.monotonic()
-                            progress()
-                except BaseException:
-                    shard.wait()  # copies in flight into the buffer land before it is reused
-                    buffers.give(image)
-                    raise
-                fut = pool.submit(write, shard)
-                fut.add_done_callback(lambda f, name=plan.name: written(name, f))
-                futures.append(fut)
-                report.samples_written += len(rows)
-        finally:
-            for fut in futures:  # the finished shards are committed whatever stopped the loop
-                fut.exception()
-    if failures:
-        raise RuntimeError(
-            f"{len(failures)} shard(s) could not be written, first {failures[0][0]}: {failures[0][1]}"
-        ) from failures[0][1]
-    report.seconds = time.monotonic() - started
-    progress(final=True)
-    return report
+def stale_error(root: Path, stale: dict[str, dict[str, Any]], why: str) -> StaleShardsError:
+    """What a run refuses with when committed shards do not match its plan: how many, how big, why, what to do."""
+    size = sum(e["bytes"] for e in stale.values())
+    tokens = sum(e["tokens"] for e in stale.values())
+    return StaleShardsError(
+        f"{len(stale)} committed shard(s) in {root} ({human_bytes(size)}, {tokens:,} "
+        f"tokens, e.g. {', '.join(sorted(stale)[:3])}) do not match this run's plan: {why}. "
+        f"Nothing was deleted. Restore the previous settings to keep them, or set `discard_stale_shards: true` "
+        f"(the asset's config) to delete them and compute their samples again."
+    )
 
 
 def store_figures(root: Path) -> dict[str, Any]:

@@ -1,5 +1,8 @@
 """`hidden_states`: the target's EAGLE-3 auxiliary layers and final hidden state, in shards."""
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -21,6 +24,8 @@ from eagle3_assets.stages.hidden_states.selection import (
 from eagle3_assets.stages.merged_dataset.asset import merged_dataset
 from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.hidden_states.extract import (
+    ExtractionOptions,
+    ExtractionReport,
     StoreSettings,
     extract_to_store,
     store_figures,
@@ -57,12 +62,14 @@ class HiddenStatesConfig(dg.Config):
     )
     writers: int = Field(
         default=4,
-        description="background threads writing finished shards while the next batches run (writers + 1 shard-sized host buffers)",
+        description="background threads writing finished shards while the next batches run "
+        "(writers + 1 shard-sized host buffers)",
     )
     verify_on_resume: bool = Field(
         default=False,
         description="re-hash every committed shard against its recorded checksum "
-        "(xxh3_128; sha256 in older stores) before trusting it (reads the whole store); off, a shard is trusted by its manifest entry and size",
+        "(xxh3_128; sha256 in older stores) before trusting it (reads the whole store); off, a shard is "
+        "trusted by its manifest entry and size",
     )
     free_bytes: int | None = Field(
         default=None,
@@ -111,9 +118,32 @@ def hidden_states(
     )
     root = store.layout.hidden_states()
     folder = target.folder(tokenizer, context.log.info)
-    settings = StoreSettings(
+    settings = store_settings(config, hidden_states_backend.batch_tokens)
+    options = ExtractionOptions(
+        identity=target_identity(folder),
+        notes={"target": str(folder)},
+        log=context.log.info,
+        on_progress=progress_observer(context),
+    )
+    apply_torch_threads("hidden-state extraction", context.log.info)
+    backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
+    try:
+        report = extract_to_store(stored_samples(selected), backend, root, settings, options)
+    finally:
+        backend.close()
+    outcomes = {name: fn(root, selected) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
+    outcomes["finite"] = hidden_state_finite(report.nan_samples)
+    return dg.MaterializeResult(
+        check_results=to_results(HIDDEN_STATE_CHECKS, outcomes),
+        metadata=store_metadata(root, report, selected, merged),
+    )
+
+
+def store_settings(config: HiddenStatesConfig, batch_tokens: int) -> StoreSettings:
+    """The store's figures from the asset's config (GB to bytes) and the backend's batch budget."""
+    return StoreSettings(
         shard_bytes=int(config.shard_gb * 1e9),
-        batch_tokens=hidden_states_backend.batch_tokens,
+        batch_tokens=batch_tokens,
         writers=config.writers,
         verify_on_resume=config.verify_on_resume,
         free_bytes=config.free_bytes,
@@ -122,7 +152,11 @@ def hidden_states(
         discard_stale=config.discard_stale_shards,
     )
 
-    def observe(figures: dict) -> None:  # live progress on the asset's page
+
+def progress_observer(context: dg.AssetExecutionContext) -> Callable[[dict[str, Any]], None]:
+    """The extraction's progress figures as observations: live progress on the asset's page."""
+
+    def observe(figures: dict[str, Any]) -> None:
         context.log_event(
             dg.AssetObservation(
                 asset_key=context.assets_def.key,
@@ -131,49 +165,36 @@ def hidden_states(
             )
         )
 
-    apply_torch_threads("hidden-state extraction", context.log.info)
-    backend = hidden_states_backend.make_backend(target, tokenizer, context.log.info)
-    try:
-        report = extract_to_store(
-            stored_samples(selected),
-            backend,
-            root,
-            settings,
-            identity=target_identity(folder),
-            notes={"target": str(folder)},
-            log=context.log.info,
-            on_progress=observe,
-        )
-    finally:
-        backend.close()
-    outcomes = {name: fn(root, selected) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
-    outcomes["finite"] = hidden_state_finite(report.nan_samples)
+    return observe
+
+
+def store_metadata(
+    root: Path, report: ExtractionReport, selected: pl.DataFrame, merged: pl.DataFrame
+) -> dict[str, Any]:
+    """The materialization's metadata: the store's totals from its manifest, what this run wrote, a preview."""
     manifest, figures = read_manifest(root), store_figures(root)
     by_dataset = tokens_by_dataset(selected, merged)
     reader = HiddenStateStore(root)
-    return dg.MaterializeResult(
-        check_results=to_results(HIDDEN_STATE_CHECKS, outcomes),
-        metadata={
-            "samples": figures["samples"],
-            "tokens": figures["tokens"],
-            "merged_samples": merged.height,
-            "shards": figures["shards"],
-            "shards_written": report.shards_written,
-            "shards_kept": report.shards_skipped,
-            "bytes": figures["bytes"],
-            "bytes_written": report.bytes_written,
-            "bytes_per_token": figures["bytes_per_token"],
-            "min_bytes_per_token": figures["min_bytes_per_token"],
-            "overhead_over_min_pct": figures["overhead_pct"],
-            "tokens_per_s": round(report.tokens_per_s, 1),
-            "aux_layer_ids": json_value(manifest["aux_layer_ids"]),
-            "layer_convention": manifest["layer_convention"],
-            "final_hidden_state": manifest["final_hidden_state"],
-            "hidden_size": manifest["hidden_size"],
-            "path": path_value(root),
-            "backend": json_value(manifest["backend"]),
-            "tokens_by_dataset": markdown_table(by_dataset, rows=len(by_dataset)),
-            "tokens_by_dataset_picture": png_markdown(tokens_picture(by_dataset, token_bytes(manifest["hidden_size"]))),
-            "preview": markdown_table(sample_preview(reader, selected["sample_id"].to_list()), rows=5),
-        },
-    )
+    return {
+        "samples": figures["samples"],
+        "tokens": figures["tokens"],
+        "merged_samples": merged.height,
+        "shards": figures["shards"],
+        "shards_written": report.shards_written,
+        "shards_kept": report.shards_skipped,
+        "bytes": figures["bytes"],
+        "bytes_written": report.bytes_written,
+        "bytes_per_token": figures["bytes_per_token"],
+        "min_bytes_per_token": figures["min_bytes_per_token"],
+        "overhead_over_min_pct": figures["overhead_pct"],
+        "tokens_per_s": round(report.tokens_per_s, 1),
+        "aux_layer_ids": json_value(manifest["aux_layer_ids"]),
+        "layer_convention": manifest["layer_convention"],
+        "final_hidden_state": manifest["final_hidden_state"],
+        "hidden_size": manifest["hidden_size"],
+        "path": path_value(root),
+        "backend": json_value(manifest["backend"]),
+        "tokens_by_dataset": markdown_table(by_dataset, rows=len(by_dataset)),
+        "tokens_by_dataset_picture": png_markdown(tokens_picture(by_dataset, token_bytes(manifest["hidden_size"]))),
+        "preview": markdown_table(sample_preview(reader, selected["sample_id"].to_list()), rows=5),
+    }

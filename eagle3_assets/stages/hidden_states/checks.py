@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -17,7 +18,7 @@ def hidden_state_shapes(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     re-materialize `hidden_states` (only they are redone); a mismatch of H means the target changed."""
     store = HiddenStateStore(root, tolerate_damage=True)
     H = store.hidden_size
-    bad = [{"shard": name, "error": why} for name, why in store.damaged.items()]
+    bad: list[dict[str, Any]] = [{"shard": name, "error": why} for name, why in store.damaged.items()]
     for name in store.manifest["shards"]:
         if name in store.damaged:
             continue

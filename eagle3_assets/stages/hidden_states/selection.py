@@ -83,7 +83,7 @@ def tokens_picture(by_dataset: pl.DataFrame, bytes_per_token: float):
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], by_dataset["merged_tokens"].to_list(), width=0.4, label="merged set", color="#c8d3e6")
     ax.bar([i + 0.2 for i in x], by_dataset["stored_tokens"].to_list(), width=0.4, label="stored", color="#3b6fb6")
-    for i, t in zip(x, by_dataset["stored_tokens"].to_list()):
+    for i, t in zip(x, by_dataset["stored_tokens"].to_list(), strict=True):  # one row per dataset
         ax.annotate(
             f"{t * bytes_per_token / 1e9:.2f} GB"
             if t * bytes_per_token >= 1e8
