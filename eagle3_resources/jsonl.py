@@ -61,7 +61,7 @@ def iter_json_lines(data: bytes) -> Iterator[JsonLine]:
         if not raw.strip():
             continue
         text, problem = _decode(raw, lineno)
-        if problem is not None:
+        if text is None:  # _decode gives the text or its problem
             yield JsonLine(lineno, None, problem)
             continue
         try:

@@ -11,6 +11,7 @@ JSON Lines, or one JSON array (glaive-function-calling-v2 is a single `.json` ar
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ class SourceRow:
 
 
 def resolve_files(
-    repo: str | None, pattern: str, revision: str = "main", local_root: str | Path | None = None
+    repo: str | None, pattern: str, revision: str = "main", local_root: str | os.PathLike[str] | None = None
 ) -> list[tuple[str, Path]]:
     """(name inside the dataset, local path) of every file the glob matches, sorted by name."""
     if local_root is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ def check_description(fn: Callable[..., CheckOutcome]) -> str:
     return " ".join(line.strip() for line in paragraph.splitlines())
 
 
-def check_specs(asset: str, checks: Checks, blocking: set[str] = frozenset()) -> list[dg.AssetCheckSpec]:
+def check_specs(asset: str, checks: Checks, blocking: Collection[str] = frozenset()) -> list[dg.AssetCheckSpec]:
     return [
         dg.AssetCheckSpec(name, asset=asset, description=check_description(fn), blocking=name in blocking)
         for name, (fn, _) in checks.items()

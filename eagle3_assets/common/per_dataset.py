@@ -10,7 +10,7 @@ them and none of its own checks. Here each dataset gets its own metadata (partit
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
@@ -28,7 +28,7 @@ from eagle3_assets.common.outcome import (
 from eagle3_assets.common.registry import dataset_partitions
 
 
-def dataset_check_specs(asset: str, checks: Checks, blocking: set[str] = frozenset()) -> list[dg.AssetCheckSpec]:
+def dataset_check_specs(asset: str, checks: Checks, blocking: Collection[str] = frozenset()) -> list[dg.AssetCheckSpec]:
     """Check specs partitioned like the asset: a dataset's page lists its own check results."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.PreviewWarning)  # partitioned checks are "preview" in 1.13; they work

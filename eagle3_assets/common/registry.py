@@ -91,6 +91,15 @@ class DatasetSpec:
     source: str = ""
     real: ImportSpec | None = None  # how to import the full-size dataset, when it has one
 
+    def imported(self) -> ImportSpec:
+        """How to import the full-size dataset; a RegistryError when the registry names no source."""
+        if self.real is None:
+            raise RegistryError(
+                f"no `import:` source in the registry for {self.name}; "
+                "add one or build them from their sample files (prompts: sample)"
+            )
+        return self.real
+
 
 def _positive_or_none(value, where: str) -> int | None:
     if value is None:
@@ -129,8 +138,9 @@ def _import_spec(entry, where: str) -> ImportSpec:
         for k in ("min_prompt_tokens", "max_prompt_tokens", "min_turns", "max_turns")
     }
     for low, high in (("min_prompt_tokens", "max_prompt_tokens"), ("min_turns", "max_turns")):
-        if bounds[low] and bounds[high] and bounds[low] > bounds[high]:
-            raise RegistryError(f"{where}: {low} {bounds[low]} is above {high} {bounds[high]}")
+        least, most = bounds[low], bounds[high]
+        if least and most and least > most:
+            raise RegistryError(f"{where}: {low} {least} is above {high} {most}")
     return ImportSpec(
         schema=entry["schema"],
         files=entry["files"],

@@ -67,9 +67,7 @@ class StopSignals:
             return
         if self._draining:  # asked again while draining: cancel what is in flight now
             self._draining = False
-            if self._task is not None and not self._task.done():
-                self._task.cancel()
-                self._loop.call_soon_threadsafe(lambda: None)
+            self._cancel_main_task()
             return
         if self.received is not None:  # asked twice: no more waiting for a clean stop
             self._restore()
@@ -77,7 +75,11 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.received = signal.Signals(signum)
-        if self._task is not None and not self._task.done():
+        self._cancel_main_task()
+
+    def _cancel_main_task(self) -> None:
+        # attach() sets the task and its loop together
+        if self._task is not None and self._loop is not None and not self._task.done():
             self._task.cancel()
             self._loop.call_soon_threadsafe(lambda: None)  # wake a loop blocked in select()
 

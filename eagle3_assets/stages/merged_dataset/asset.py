@@ -45,7 +45,8 @@ def mix_plot(accounting: pl.DataFrame):
     kinds={"polars", "parquet"},
     op_tags={K8S_CONFIG_TAG: api_pod_config()},  # a small CPU pod under the k8s executor
     description="All datasets' token ids: failed and truncated samples dropped, exact duplicates removed, a "
-    'deterministic train/eval split. Not partitioned: a backfill dialog\'s preview lists it under "No partitions available to materialize", yet a run over datasets builds it once, after their `token_ids`.',
+    "deterministic train/eval split. Not partitioned: a backfill dialog's preview lists it under "
+    '"No partitions available to materialize", yet a run over datasets builds it once, after their `token_ids`.',
 )
 @failure_for_operator
 def merged_dataset(context: dg.AssetExecutionContext, config: MergeConfig, store: DataStore) -> dg.MaterializeResult:

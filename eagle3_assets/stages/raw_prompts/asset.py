@@ -6,6 +6,8 @@ the real public dataset its `import:` block names (`prompts: real`, or EAGLE3_PR
 
 import functools
 import os
+from pathlib import Path
+from typing import Any, cast
 
 import dagster as dg
 import polars as pl
@@ -17,7 +19,7 @@ from eagle3_assets.common.metadata import json_value, markdown_table, path_value
 from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.common.registry import DATASETS, dataset_partitions
 from eagle3_assets.stages.raw_prompts.checks import PROMPT_CHECKS, reject_rate
-from eagle3_assets.stages.raw_prompts.importers.build import build_prompt_sets
+from eagle3_assets.stages.raw_prompts.importers.build import DatasetPrompts, build_prompt_sets
 from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength
 from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, with_prompt_tokens
 from eagle3_resources.errors import PromptFileError, RegistryError, SourceError
@@ -106,13 +108,13 @@ def raw_prompts(
         path = store.layout.ensure(store.layout.raw_prompts(key))
         df.write_parquet(path)
         context.log.info(f"{key}: {df.height} prompts -> {path}")
-        limit = DATASETS[key].real.max_reject_rate if mode == "real" else 0.0
+        limit = DATASETS[key].imported().max_reject_rate if mode == "real" else 0.0
         outcomes[key] = {"reject_rate": reject_rate(result.report, limit)}
         metadata[key] = prompt_set_metadata(df, result, mode, path)
     yield from per_dataset_results(context, metadata, PROMPT_CHECKS, outcomes)
 
 
-def prompt_set_metadata(df: pl.DataFrame, result, mode: str, path) -> dict:
+def prompt_set_metadata(df: pl.DataFrame, result: DatasetPrompts, mode: str, path: Path) -> dict[str, Any]:
     """One dataset's figures: what was read, what was dropped and why, what was kept."""
     report = result.report
     return {
@@ -120,7 +122,7 @@ def prompt_set_metadata(df: pl.DataFrame, result, mode: str, path) -> dict:
         "prompts_source": mode,
         "source": result.source,
         "tokens": int(df["prompt_tokens"].sum()),
-        "max_prompt_tokens": int(df["prompt_tokens"].max()),
+        "max_prompt_tokens": int(cast(int, df["prompt_tokens"].max())),  # an integer column, never empty here
         "source_rows": report.rows,
         "rejected": report.rejected,
         "duplicates": report.duplicates + sum(report.duplicates_of.values()),

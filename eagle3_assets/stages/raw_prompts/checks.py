@@ -7,8 +7,9 @@ from eagle3_assets.stages.raw_prompts.importers.importer import ImportReport
 
 
 def reject_rate(report: ImportReport, limit: float) -> CheckOutcome:
-    """The share of source rows that could not be converted stays under the dataset's `max_reject_rate`. When it fails:
-    read the dataset's `<ds>.rejects.jsonl` (row, reason); fix the importer or the `import:` settings, or raise the limit."""
+    """The share of source rows that could not be converted stays under the dataset's `max_reject_rate`. When it
+    fails: read the dataset's `<ds>.rejects.jsonl` (row, reason); fix the importer or the `import:` settings, or raise
+    the limit."""
     rate = report.reject_rate
     reasons = dict(report.reject_reasons.most_common(5))
     return CheckOutcome(

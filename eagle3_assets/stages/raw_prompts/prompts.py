@@ -160,7 +160,8 @@ def validate_conversation(messages: Any, tools: list[dict[str, Any]] | None) -> 
                 raise InvalidPrompt(f"{where}: tool_call_id {ref!r} does not match an earlier tool call")
     if messages[-1]["role"] not in ("user", "tool"):
         raise InvalidPrompt(
-            f"the last message is {messages[-1]['role']!r}; it must be 'user' or 'tool' (the target writes the next turn)"
+            f"the last message is {messages[-1]['role']!r}; it must be 'user' or 'tool' "
+            "(the target writes the next turn)"
         )
     if not any(m["role"] == "user" for m in messages):
         raise InvalidPrompt("no user message")
@@ -193,7 +194,8 @@ def parse_glaive_system(system: str) -> tuple[str, list[dict[str, Any]] | None]:
         return text.strip(), None
     prompt = text[:start].strip().rstrip("-").strip()
     decoder = json.JSONDecoder()
-    functions, pos = [], start
+    functions: list[dict[str, Any]] = []
+    pos = start
     while pos < len(text):
         while pos < len(text) and text[pos].isspace():
             pos += 1
@@ -241,8 +243,10 @@ def glaive_to_messages(system: str, chat: str) -> tuple[list[dict[str, Any]], li
     if parts[0].strip():
         raise InvalidPrompt(f"chat text before the first turn marker: {parts[0][:60]!r}")
     messages: list[dict[str, Any]] = []
-    n_calls, last_call = 0, None
-    for speaker, text in zip(parts[1::2], parts[2::2]):
+    n_calls = 0
+    last_call: dict[str, Any] | None = None
+    # split() on one capturing group: [before, speaker, text, speaker, text, ...], so the pairs match
+    for speaker, text in zip(parts[1::2], parts[2::2], strict=True):
         text = text.strip()
         if speaker == "SYSTEM":
             if messages:
@@ -310,7 +314,7 @@ def read_prompts(spec: DatasetSpec) -> list[Prompt]:
     for rec in iter_json_lines(raw):
         lineno, obj = rec.line, rec.value
         if obj is None:
-            error.problems.append((lineno, rec.problem))
+            error.problems.append((lineno, rec.problem or "unreadable"))  # a line without an object has its problem
             continue
         if not isinstance(obj.get("id"), (str, int)) or obj.get("id") == "":
             error.problems.append((lineno, 'missing field "id"'))

@@ -12,8 +12,8 @@ INVARIANT_SHARE = 0.99
 
 
 def billed_completion_match(df: pl.DataFrame, limit: float = BILLED_DIFF_LIMIT) -> CheckOutcome:
-    """Reconstructed completion lengths agree with the billed `completion_tokens` (aggregate <= 0.04%). When it fails:
-    the tokenizer or `billed_includes_im_end` is wrong; do not train on the dataset until it passes."""
+    """Reconstructed completion lengths agree with the billed `completion_tokens` (aggregate <= 0.04%). When it
+    fails: the tokenizer or `billed_includes_im_end` is wrong; do not train on the dataset until it passes."""
     billed = df.filter(pl.col("billed_completion_tokens").is_not_null())
     if billed.height == 0:
         return CheckOutcome(True, "no billed counts to compare (the backend reported none)", {"rows": 0})
@@ -23,7 +23,8 @@ def billed_completion_match(df: pl.DataFrame, limit: float = BILLED_DIFF_LIMIT) 
     share = abs(diff) / total if total else 0.0
     return CheckOutcome(
         share <= limit,
-        f"reconstructed vs billed completion tokens: {diff:+,} of {total:,} ({100 * share:.4f}%, limit {100 * limit:.2f}%)",
+        f"reconstructed vs billed completion tokens: {diff:+,} of {total:,} "
+        f"({100 * share:.4f}%, limit {100 * limit:.2f}%)",
         {
             "aggregate_diff_pct": round(100 * share, 6),
             "billed_tokens": total,
@@ -43,14 +44,16 @@ def prompt_tokens_match(df: pl.DataFrame) -> CheckOutcome:
     off = billed.filter(pl.col("prompt_len_diff") != 0)
     return CheckOutcome(
         off.height == 0,
-        f"{off.height} of {billed.height} prompts differ in length from what the provider counted (an altered template?)",
+        f"{off.height} of {billed.height} prompts differ in length from what the provider counted "
+        "(an altered template?)",
         {"samples_with_diff": off.height, "outliers": _ids(off), "diff_tokens": int(billed["prompt_len_diff"].sum())},
     )
 
 
 def separator_and_end(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> CheckOutcome:
-    """Complete responses have exactly one `</think>` (or end reasoning with a tool call) and end in `<|im_end|>`. When it
-    fails: the answers are not in the target's format (a wrong model or template); look at the listed samples."""
+    """Complete responses have exactly one `</think>` (or end reasoning with a tool call) and end in `<|im_end|>`.
+    When it fails: the answers are not in the target's format (a wrong model or template); look at the listed
+    samples."""
     normal = df.filter(pl.col("finish_reason").is_in(["stop", "tool_calls"]))
     if normal.height == 0:
         return CheckOutcome(True, "no complete responses", {"rows": 0})
@@ -62,7 +65,8 @@ def separator_and_end(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> Check
     good_share = 1 - bad.height / normal.height
     return CheckOutcome(
         good_share >= share,
-        f"{100 * good_share:.2f}% of complete responses have exactly one `</think>` and end in `<|im_end|>` (need {100 * share:.0f}%)",
+        f"{100 * good_share:.2f}% of complete responses have exactly one `</think>` and end in `<|im_end|>` "
+        f"(need {100 * share:.0f}%)",
         {
             "violations": bad.height,
             "rows": normal.height,
@@ -80,7 +84,8 @@ def no_leaked_specials(df: pl.DataFrame) -> CheckOutcome:
     leaked = df.filter(pl.col("n_leaked_specials") > 0)
     return CheckOutcome(
         leaked.height == 0,
-        f"{leaked.height} completions contain special tokens a completion must not (a new turn, a stray `<|im_end|>`, ...)",
+        f"{leaked.height} completions contain special tokens a completion must not "
+        "(a new turn, a stray `<|im_end|>`, ...)",
         {
             "samples": leaked.height,
             "tokens": int(leaked["n_leaked_specials"].sum()) if leaked.height else 0,
@@ -98,7 +103,8 @@ def backend_ids_agree(df: pl.DataFrame, share: float = INVARIANT_SHARE) -> Check
     agree = int(with_ids["ids_match"].sum())
     return CheckOutcome(
         agree / with_ids.height >= share,
-        f"text reconstruction equals the backend's ids for {agree} of {with_ids.height} samples (the backend's ids are kept)",
+        f"text reconstruction equals the backend's ids for {agree} of {with_ids.height} samples "
+        "(the backend's ids are kept)",
         {"agree": agree, "rows": with_ids.height, "disagree_examples": _ids(with_ids.filter(~pl.col("ids_match")))},
     )
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -99,12 +100,13 @@ TOKEN_IDS_SCHEMA = {
 }
 
 
-def _list_column(flat: array, lengths: list[int]) -> pl.Series:
+def _list_column(flat: array[int], lengths: list[int]) -> pl.Series:
     """An Int32 list column from one flat buffer and row lengths (no per-row Series)."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = np.frombuffer(flat, dtype=np.int32) if len(flat) else np.zeros(0, dtype=np.int32)
-    return pl.from_arrow(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
+    # from_arrow gives a Series for an Arrow array (a DataFrame for a table)
+    return cast(pl.Series, pl.from_arrow(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))))
 
 
 SCALAR_INPUTS = [
@@ -139,30 +141,36 @@ def build_token_ids(
     usable = completions.filter(pl.col("status").is_in(USABLE_STATUSES))
     if "tools_in_request" not in usable.columns:
         usable = usable.with_columns(tools_in_request=pl.lit(None, pl.String))
+    end_in_bill = 0 if billed_includes_im_end else 1
+    cols, flat = _per_sample_columns(usable, tokenizer, end_in_bill)
+    computed = {"prompt_len", "n_separators", "has_end", "n_leaked_specials", "completion_len_diff", "prompt_len_diff"}
+    df = pl.DataFrame(
+        {k: v for k, v in cols.items() if k not in computed},
+        schema={k: v for k, v in TOKEN_IDS_SCHEMA.items() if k not in computed},
+    )
+    df = df.with_columns(
+        prompt_ids=usable["prompt_ids"].cast(pl.List(pl.Int32)), completion=_list_column(flat, cols["completion_len"])
+    )
+    df = _with_invariants(df, tokenizer, end_in_bill)
+    return _with_training_columns(df, mask_im_end)
+
+
+def _per_sample_columns(
+    usable: pl.DataFrame, tokenizer: KimiTokenizer, end_in_bill: int
+) -> tuple[dict[str, list[Any]], array[int]]:
+    """The columns computed row by row (the completion ids, their source and the proof from text), and every
+    completion's ids in one flat buffer."""
     rows = usable.select(SCALAR_INPUTS).rows()
     backend_col = usable["completion_ids"]
     backend = backend_col.to_list() if backend_col.null_count() < len(backend_col) else [None] * len(rows)
     think_end, im_end = tokenizer.token_id(THINK_END), tokenizer.token_id(IM_END)
-    allowed = {think_end, im_end} | {tokenizer.token_id(m) for m in TOOL_CALL_MARKERS}
-    leak_ids = sorted(tokenizer.special_ids - allowed)
-    end_in_bill = 0 if billed_includes_im_end else 1
     flat = array("i")
-    cols: dict[str, list] = {name: [] for name in TOKEN_IDS_SCHEMA}
-    for (pid, dataset, status, finish, reasoning, content, tool_json, billed, billed_prompt, tools_in_request), (
-        r_ids,
-        c_ids,
-    ), backend_ids in zip(rows, _encoded_in_background(tokenizer, rows), backend):
+    cols: dict[str, list[Any]] = {name: [] for name in TOKEN_IDS_SCHEMA}
+    encoded = _encoded_in_background(tokenizer, rows)
+    for row, (r_ids, c_ids), backend_ids in zip(rows, encoded, backend, strict=True):  # all three: one per row
+        pid, dataset, status, finish, reasoning, content, tool_json, billed, billed_prompt, tools_in_request = row
         tool_calls = json.loads(tool_json) if tool_json else None
-        rebuilt = reconstruct_completion(tokenizer, r_ids, c_ids, finish, tool_calls)
-        think_end_kind = None
-        if finish == "length" and not c_ids and not tool_calls and billed is not None and len(rebuilt) + 1 == billed:
-            rebuilt = rebuilt + [think_end]  # cut right after </think>: the bill counts the separator
-        if tool_calls and not c_ids and billed is not None:
-            # A tool-call turn may end the reasoning implicitly (no </think>): the bill tells which.
-            implicit = rebuilt[: len(r_ids)] + rebuilt[len(r_ids) + 1 :]
-            think_end_kind = "explicit" if len(rebuilt) - end_in_bill == billed else "unknown"
-            if len(implicit) - end_in_bill == billed:
-                rebuilt, think_end_kind = implicit, "implicit"
+        rebuilt, think_end_kind = _rebuilt_completion(tokenizer, r_ids, c_ids, finish, tool_calls, billed, end_in_bill)
         completion = backend_ids if backend_ids is not None else rebuilt
         flat.extend(completion)
         for name, value in (
@@ -187,16 +195,39 @@ def build_token_ids(
             ("tools_in_request", tools_in_request),
         ):
             cols[name].append(value)
-    computed = {"prompt_len", "n_separators", "has_end", "n_leaked_specials", "completion_len_diff", "prompt_len_diff"}
-    df = pl.DataFrame(
-        {k: v for k, v in cols.items() if k not in computed},
-        schema={k: v for k, v in TOKEN_IDS_SCHEMA.items() if k not in computed},
-    )
+    return cols, flat
+
+
+def _rebuilt_completion(
+    tokenizer: KimiTokenizer,
+    r_ids: list[int],
+    c_ids: list[int],
+    finish: str | None,
+    tool_calls: list[dict[str, Any]] | None,
+    billed: int | None,
+    end_in_bill: int,
+) -> tuple[list[int], str | None]:
+    """The completion ids from text, and how a tool-call turn ended its reasoning ("explicit", "implicit",
+    "unknown"; None for other turns). Where the text leaves a choice the bill settles it."""
+    rebuilt = reconstruct_completion(tokenizer, r_ids, c_ids, finish, tool_calls)
+    think_end_kind = None
+    if finish == "length" and not c_ids and not tool_calls and billed is not None and len(rebuilt) + 1 == billed:
+        rebuilt = rebuilt + [tokenizer.token_id(THINK_END)]  # cut right after </think>: the bill counts the separator
+    if tool_calls and not c_ids and billed is not None:
+        # A tool-call turn may end the reasoning implicitly (no </think>): the bill tells which.
+        implicit = rebuilt[: len(r_ids)] + rebuilt[len(r_ids) + 1 :]
+        think_end_kind = "explicit" if len(rebuilt) - end_in_bill == billed else "unknown"
+        if len(implicit) - end_in_bill == billed:
+            rebuilt, think_end_kind = implicit, "implicit"
+    return rebuilt, think_end_kind
+
+
+def _with_invariants(df: pl.DataFrame, tokenizer: KimiTokenizer, end_in_bill: int) -> pl.DataFrame:
+    """The per-sample invariants, counted in Rust over the whole column."""
+    think_end, im_end = tokenizer.token_id(THINK_END), tokenizer.token_id(IM_END)
+    allowed = {think_end, im_end} | {tokenizer.token_id(m) for m in TOOL_CALL_MARKERS}
+    leak_ids = sorted(tokenizer.special_ids - allowed)
     completion = pl.col("completion")
-    df = df.with_columns(
-        prompt_ids=usable["prompt_ids"].cast(pl.List(pl.Int32)), completion=_list_column(flat, cols["completion_len"])
-    )
-    # The per-sample invariants, counted in Rust over the whole column.
     df = df.with_columns(
         prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64),
         n_separators=completion.list.count_matches(think_end).cast(pl.Int64),
@@ -211,7 +242,11 @@ def build_token_ids(
         - end_in_bill * pl.col("has_end").cast(pl.Int64)
         - pl.col("billed_completion_tokens"),
     )
-    df = df.with_columns(prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64))
+    return df.with_columns(prompt_len=pl.col("prompt_ids").list.len().cast(pl.Int64))
+
+
+def _with_training_columns(df: pl.DataFrame, mask_im_end: bool) -> pl.DataFrame:
+    """A training sample: `input_ids` (prompt, then completion) and its `loss_mask` over the completion."""
     unmasked_end = (pl.col("has_end") & pl.lit(not mask_im_end)).cast(pl.Int64)
     zero, one = pl.lit(0, pl.Int8), pl.lit(1, pl.Int8)
     df = df.with_columns(
@@ -234,24 +269,28 @@ def _as_generated(reasoning: str | None, content: str | None, ids: list[int], th
     return text + ("<|im_end|>" if ids and ids[-1] == im_end else "")
 
 
-def _encoded_in_background(tokenizer: KimiTokenizer, rows: list[tuple], block: int = 128):
+def _encoded_in_background(
+    tokenizer: KimiTokenizer, rows: list[tuple[Any, ...]], block: int = 128
+) -> Iterator[tuple[list[int], list[int]]]:
     """(reasoning ids, content ids) per row, encoded one block ahead in a worker thread.
 
     tiktoken encodes with the GIL released, so while block k+1 is being encoded the caller's
     Python work on block k runs beside it: the reconstruction costs little more than the encode.
     """
 
-    def encode(lo: int):
+    def encode(lo: int) -> tuple[list[list[int]], list[list[int]]]:
         chunk = rows[lo : lo + block]
         return encode_completion_texts(tokenizer, [r[4] or "" for r in chunk], [r[5] or "" for r in chunk])
 
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(encode, 0) if rows else None
+        if not rows:
+            return
+        pending = pool.submit(encode, 0)
         for lo in range(0, len(rows), block):
             r_ids, c_ids = pending.result()
             if lo + block < len(rows):
                 pending = pool.submit(encode, lo + block)
-            yield from zip(r_ids, c_ids)
+            yield from zip(r_ids, c_ids, strict=True)  # one reasoning and one content per row
 
 
 def encode_completion_texts(
@@ -265,7 +304,7 @@ def encode_completion_texts(
     plain = tokenizer.encode_batch(reasonings + [c for i, c in enumerate(contents) if i not in marked])
     r_ids, plain_contents = plain[: len(reasonings)], iter(plain[len(reasonings) :])
     special = tokenizer.encode_batch([contents[i] for i in with_markers], allow_special=set(TOOL_CALL_MARKERS))
-    by_index = dict(zip(with_markers, special))
+    by_index = dict(zip(with_markers, special, strict=True))  # one encoding per text
     c_ids = [by_index[i] if i in marked else next(plain_contents) for i in range(len(contents))]
     return r_ids, c_ids
 
@@ -282,22 +321,22 @@ def token_ids_summary(df: pl.DataFrame) -> dict[str, Any]:
     normal = df.filter(pl.col("finish_reason") == "stop")
     return {
         "rows": n,
-        "tokens": int(df["prompt_len"].sum() + df["completion_len"].sum()),
+        "tokens": int(df["prompt_len"].sum()) + int(df["completion_len"].sum()),
         "completion_tokens": int(df["completion_len"].sum()),
         "billed_completion_tokens": total_billed,
         "billed_completion_diff_pct": round(100.0 * total_diff / total_billed, 4) if total_billed else None,
         "backend_ids_rows": with_backend.height,
-        "backend_ids_match_pct": round(100.0 * with_backend["ids_match"].sum() / with_backend.height, 2)
+        "backend_ids_match_pct": round(100.0 * int(with_backend["ids_match"].sum()) / with_backend.height, 2)
         if with_backend.height
         else None,
-        "normal_with_one_separator_pct": round(100.0 * (normal["n_separators"] == 1).sum() / normal.height, 2)
+        "normal_with_one_separator_pct": round(100.0 * int((normal["n_separators"] == 1).sum()) / normal.height, 2)
         if normal.height
         else None,
-        "normal_ending_in_im_end_pct": round(100.0 * normal["has_end"].sum() / normal.height, 2)
+        "normal_ending_in_im_end_pct": round(100.0 * int(normal["has_end"].sum()) / normal.height, 2)
         if normal.height
         else None,
         "backend_ids_decode_to_text_pct": round(
-            100.0 * with_backend["text_roundtrip_ok"].sum() / with_backend.height, 2
+            100.0 * int(with_backend["text_roundtrip_ok"].sum()) / with_backend.height, 2
         )
         if with_backend.height
         else None,

@@ -40,7 +40,7 @@ class DatasetPrompts:
 
 
 def source_rows(spec: DatasetSpec, sources_dir: str | os.PathLike[str] | None) -> Iterator[SourceRow]:
-    real = spec.real
+    real = spec.imported()
     read, required = columns(real)
     if real.repo is None and sources_dir is None:
         raise SourceError(
@@ -85,7 +85,8 @@ def _sample_prompts(spec: DatasetSpec, claimed: dict[str, str]) -> tuple[list[Pr
     """The hand-written file: strictly validated (any bad line fails), then de-duplicated like an import."""
     prompts = read_prompts(spec)
     report = ImportReport(rows=len(prompts))
-    kept, seen = [], set()
+    kept: list[Prompt] = []
+    seen: set[str] = set()
     for p in prompts:
         p.key = prompt_key(p.messages, p.tools)
         p.source_row = f"{spec.prompt_file.name}:{p.line}"
@@ -98,6 +99,39 @@ def _sample_prompts(spec: DatasetSpec, claimed: dict[str, str]) -> tuple[list[Pr
             kept.append(p)
     report.selected = len(kept)
     return kept, report
+
+
+def _imported_prompts(
+    spec: DatasetSpec,
+    sources_dir: str | os.PathLike[str] | None,
+    length: PromptLength,
+    claimed: dict[str, str],
+    rejects: _RejectsFile | None,
+) -> DatasetPrompts:
+    """The real source of `spec` imported; rejected rows go to `rejects` (closed here)."""
+    real = spec.imported()
+    try:
+        prompts, report = import_prompts(
+            spec.name,
+            real,
+            source_rows(spec, sources_dir),
+            cap=spec.sample_cap,
+            length=length,
+            claimed=claimed,
+            on_reject=rejects.write if rejects else (lambda row, reason: None),
+        )
+    finally:
+        if rejects:
+            rejects.close()
+    where = f"local copy under {sources_dir}" if sources_dir else "the Hugging Face Hub"
+    return DatasetPrompts(
+        spec.name,
+        prompts,
+        report,
+        f"{real.source} from {where}",
+        real.settings(),
+        rejects_path=rejects.path if rejects else None,
+    )
 
 
 def build_prompt_sets(
@@ -140,28 +174,7 @@ def build_prompt_sets(
             result = DatasetPrompts(name, prompts, report, f"sample file {spec.prompt_file}")
         else:
             rejects = _RejectsFile(rejects_path(name)) if rejects_path else None
-            try:
-                prompts, report = import_prompts(
-                    name,
-                    spec.real,
-                    source_rows(spec, sources_dir),
-                    cap=spec.sample_cap,
-                    length=length,
-                    claimed=claimed,
-                    on_reject=rejects.write if rejects else (lambda row, reason: None),
-                )
-            finally:
-                if rejects:
-                    rejects.close()
-            where = f"local copy under {sources_dir}" if sources_dir else "the Hugging Face Hub"
-            result = DatasetPrompts(
-                name,
-                prompts,
-                report,
-                f"{spec.real.source} from {where}",
-                spec.real.settings(),
-                rejects_path=rejects.path if rejects else None,
-            )
+            result = _imported_prompts(spec, sources_dir, length, claimed, rejects)
         result.not_checked_against = list(unchecked)
         log(f"{name}: {result.report.summary()} [{result.source}]")
         for p in result.prompts:

@@ -79,7 +79,7 @@ def convert_glaive(row: dict[str, Any], spec: ImportSpec) -> Converted:
         raise InvalidPrompt('empty or missing "chat"')
     if system is not None and not isinstance(system, str):
         raise InvalidPrompt('"system" must be text')
-    messages, tools, _ = glaive_to_messages(system if (system or "").strip() else "SYSTEM:", chat)
+    messages, tools, _ = glaive_to_messages(system if system is not None and system.strip() else "SYSTEM:", chat)
     return _finish(messages, tools, spec, row.get("id"))
 
 
@@ -148,7 +148,7 @@ def convert_sharegpt(row: dict[str, Any], spec: ImportSpec) -> Converted:
         messages.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
         speaker = turn.get("from") if isinstance(turn, dict) else None
-        role = SHAREGPT_ROLES.get(speaker)
+        role = SHAREGPT_ROLES.get(speaker) if speaker is not None else None
         if role is None:
             raise InvalidPrompt(
                 f"turn {i + 1}: speaker {speaker!r} (known: {', '.join(SHAREGPT_ROLES)}); "
