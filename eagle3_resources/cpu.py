@@ -123,9 +123,9 @@ def _quota_of(cgroup_dir: Path) -> float | None:
     except (OSError, ValueError):
         pass
     try:  # cgroup v1
-        quota = int((cgroup_dir / "cpu.cfs_quota_us").read_text())
-        period = int((cgroup_dir / "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 or period <= 0 else quota / period
+        quota_us = int((cgroup_dir / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup_dir / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
     except (OSError, ValueError):
         return None
 

@@ -38,7 +38,8 @@ from eagle3_resources.tokenizer.tool_declaration import (
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
 
-class TemplateVersion(str, Enum):
+# StrEnum would change str() of a member (its value instead of "TemplateVersion.K2"); kept (issue 26 item 6)
+class TemplateVersion(str, Enum):  # noqa: UP042
     """Which revision's chat semantics to render (they differ in how tools are declared)."""
 
     K2_5 = "k2.5"  # also K2.6: TypeScript-style tool declaration

@@ -55,7 +55,7 @@ TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
 
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+_LONG_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1},}}|\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> Iterator[str]:

@@ -86,7 +86,7 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}  # appended in pairs
 
 
 def train_ranks(texts: Iterable[str]) -> list[bytes]:
