@@ -204,11 +204,8 @@ def fused_causal(
     qp, kp, vp = torch.cat([q, pad], 1), torch.cat([k, pad], 1), torch.cat([v, pad], 1)
     outs = []
     for n, longest, idx in layout.groups:
-
-        def gather(x):
-            return x.index_select(1, idx).view(h, n, longest, D).transpose(0, 1)
-
-        outs.append(call(gather(qp), gather(kp), gather(vp)).transpose(0, 1).reshape(h, n * longest, D))
+        qg, kg, vg = (x.index_select(1, idx).view(h, n, longest, D).transpose(0, 1) for x in (qp, kp, vp))
+        outs.append(call(qg, kg, vg).transpose(0, 1).reshape(h, n * longest, D))
     return torch.cat(outs, 1).index_select(1, layout.back)
 
 
@@ -315,6 +312,11 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    # buffers (registered in __init__), typed for the checker: nn.Module's attribute lookup says Tensor | Module
+    embed_weight: torch.Tensor
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, draft_ids: torch.Tensor):
         super().__init__()
         self.cfg = cfg
@@ -389,9 +391,9 @@ def train_flops_per_token(cfg: DrafterConfig, ttt_steps: int, mean_window: float
     convention). Not counted: the frozen embedding, norms, elementwise work, the teacher (the target's
     head) and padding. Returns {"linear", "attention", "total"}.
     """
-    H, Ht, I, V = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    H, Ht, inter, V = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_step = 2 * H * (qd + 2 * kvd) + qd * H + 3 * H * I + H * V  # multiply-adds
+    per_step = 2 * H * (qd + 2 * kvd) + qd * H + 3 * H * inter + H * V  # multiply-adds
     fc = 3 * Ht * H
     linear = 2 * (fc + ttt_steps * per_step) + 2 * 2 * (ttt_steps * per_step) + 2 * fc
     pairs = sum((mean_window + 1) / 2 + k for k in range(ttt_steps))

@@ -19,6 +19,13 @@ and ends where an uninterrupted run ends. Data parallel: under `torchrun`, DDP (
 NCCL on GPUs) with each step's windows spread over the ranks and gradients averaged so a step
 equals the one-process step over the same windows.
 
+The loop is `Trainer.fit`, read top to bottom: `set_up` (resume or start), then per epoch the steps (`step`,
+then `after_step`: hooks, metrics read every `LOG_EVERY` steps, a checkpoint when due), then `end_epoch`
+(evaluation), and a last checkpoint. What it trains is `TrainSettings` (frozen; the checkpoint's fingerprint
+covers it), how it runs `RunOptions` (device, log, checkpoint folder, rank, early stop). Its windows come from
+a `TrainingData` (`FixedWindows` today: the store's or the online target's windows, shuffled per epoch); an
+`Every(n, call)` hook runs `call(trainer)` every n steps. `train()` is the one-call form.
+
 Metrics, on the eval split (simulated: teacher-forced, no target in the loop):
 - `acc_k`: share of completion positions where draft step k's argmax equals the target's argmax
   (out-of-vocabulary targets count as misses);
@@ -37,11 +44,13 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -61,9 +70,11 @@ from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter, default_lea
 CHECKPOINT_FILE = "training_state.pt"
 LOG_EVERY = 32  # optimizer steps between reads of the device-side metrics (each read waits for the device)
 PREFETCH_STEPS = 2  # steps packed ahead by the data thread
+T = TypeVar("T")
+R = TypeVar("R")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSettings:
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -179,6 +190,13 @@ def evaluate(model: Eagle3Drafter, samples: Iterable[Sample], steps: int) -> dic
     }
 
 
+def eval_samples(
+    source: SampleSource, windows: Sequence[Window], teacher: Teacher, device: torch.device
+) -> Iterator[Sample]:
+    """The windows' samples on `device`, each read when `evaluate` reaches it."""
+    return (load_window(source, w, teacher, device) for w in windows)
+
+
 def training_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,7 +252,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---------------------------------------------------------------- the loop
+# ---------------------------------------------------------------- what a run is given
 
 
 @dataclass
@@ -259,23 +277,145 @@ class Distributed:
             torch.distributed.barrier()
 
 
-def prefetched(
-    make: Callable[[list[int]], PackedBatch], steps: Sequence[list[int]], depth: int
-) -> Iterator[PackedBatch]:
-    """`make(step)` for each step in order, computed `depth` steps ahead on one background thread."""
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run is driven, beside what it trains (`TrainSettings`): on which device, logging where, checkpointing
+    where (None: no checkpoint), as which rank, and where to stop early (after a checkpoint, as a kill would; for
+    tests)."""
+
+    device: torch.device
+    log: Callable[[str], None]
+    checkpoint_dir: Path | None = None
+    dist: Distributed = field(default_factory=Distributed)
+    stop_after_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class Every:
+    """A hook: `call(trainer)` after every `steps`-th optimizer step (counted from the run's first step, across a
+    resume), on every rank, before that step's metrics are read and its checkpoint written. What it does counts as
+    training time unless it runs inside `trainer.clock.paused()`, as an evaluation should (and then, under DDP,
+    every rank must enter it: it ends with a wait for the device, not for the others)."""
+
+    steps: int
+    call: Callable[[Trainer], None]
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"a hook runs every 1 or more steps, not {self.steps}")
+
+
+# ---------------------------------------------------------------- the data the loop reads
+
+
+class TrainingData(Protocol):
+    """Where the trainer's windows come from: the windows of each optimizer step, all ranks' (for the token count
+    and each rank's share of the loss), with this rank's share packed on the host. The trainer keeps its
+    position as (epoch, step in epoch) in its checkpoint and asks for the steps from there."""
+
+    def steps_in_epoch(self, epoch: int) -> int: ...
+
+    def mean_window_tokens(self) -> float: ...
+
+    def fingerprint(self, draft_ids: torch.Tensor) -> str:
+        """What a checkpoint must have been trained on to be resumed."""
+        ...
+
+    def steps(self, epoch: int, start: int) -> Generator[tuple[list[Window], PackedBatch], None, None]:
+        """The epoch's steps from step `start` on; closed when the loop leaves them."""
+        ...
+
+
+class FixedWindows:
+    """Windows known before training (the hidden-state store, or the target run online): shuffled by (seed,
+    epoch), packed into steps by the token budget (`plan_steps`); this rank's share of each step read and packed
+    on one background thread, `PREFETCH_STEPS` ahead (pinned on CUDA, for a copy that does not block)."""
+
+    def __init__(
+        self,
+        source: SampleSource,
+        windows: Sequence[Window],
+        settings: TrainSettings,
+        device: torch.device,
+        dist: Distributed,
+    ):
+        if not windows:
+            raise ValueError("no training samples: every sample was dropped before the drafter stage")
+        self.source, self.windows, self.settings, self.device, self.dist = source, windows, settings, device, dist
+        self.plans = [plan_steps(windows, settings.batch_tokens, settings.seed, e) for e in range(settings.epochs)]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self.plans[epoch])
+
+    def mean_window_tokens(self) -> float:
+        return sum(w.tokens for w in self.windows) / len(self.windows)
+
+    def fingerprint(self, draft_ids: torch.Tensor) -> str:
+        return data_fingerprint(self.windows, self.settings, draft_ids)
+
+    def steps(self, epoch: int, start: int) -> Generator[tuple[list[Window], PackedBatch], None, None]:
+        plan = [[self.windows[i] for i in step] for step in self.plans[epoch][start:]]
+        batches = prefetched(self.pack, plan, PREFETCH_STEPS)
+        try:
+            for windows in plan:
+                yield windows, next(batches)
+        finally:
+            batches.close()
+
+    def pack(self, windows: list[Window]) -> PackedBatch:
+        """This rank's windows of a step (the first window for a rank left without one: it joins with weight 0)."""
+        cuda = self.device.type == "cuda"
+        mine = windows[self.dist.rank :: self.dist.world_size]
+        aux_dtype = torch.bfloat16 if cuda else torch.float32
+        return pack_windows(self.source, mine or windows[:1], aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
+
+
+def prefetched(make: Callable[[T], R], items: Sequence[T], depth: int) -> Generator[R, None, None]:
+    """`make(item)` for each item in order, computed `depth` items ahead on one background thread."""
     with ThreadPoolExecutor(1, thread_name_prefix="drafter-data") as pool:
-        pending = deque(pool.submit(make, s) for s in steps[:depth])
+        pending = deque(pool.submit(make, s) for s in items[:depth])
         nxt = depth
         try:
             while pending:
                 batch = pending.popleft().result()
-                if nxt < len(steps):
-                    pending.append(pool.submit(make, steps[nxt]))
+                if nxt < len(items):
+                    pending.append(pool.submit(make, items[nxt]))
                     nxt += 1
                 yield batch
         finally:
             for f in pending:
                 f.cancel()
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class Clock:
+    """The run's wall time (`elapsed`: evaluations and checkpoints included, carried over a resume) and this
+    process's training time (`training`: the step loop's laps; what runs `paused()` is not counted)."""
+
+    def __init__(self, device: torch.device, carried: float = 0.0):
+        self.device = device
+        self.started = time.monotonic() - carried
+        self.since = time.monotonic()
+        self.training = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def lap(self) -> None:
+        now = time.monotonic()
+        self.training += now - self.since
+        self.since = now
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Waits for the device's queued steps (they are training time), then leaves the block out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.lap()
+        yield
+        self.since = time.monotonic()
 
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
@@ -309,6 +449,239 @@ def compile_mlp(model: Eagle3Drafter, device: torch.device, log: Callable[[str],
         return False
 
 
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at a step: linear warmup, then a cosine down to 5%. A plain function, so the
+    scheduler's checkpoint holds no state of it (as LambdaLR saves lambdas)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    """One training run, read top to bottom in `fit`: set up or resume, then each epoch's steps (`step`; after
+    each, `after_step`: hooks, the metrics read every `LOG_EVERY` steps, a checkpoint when due), then the epoch's
+    evaluation (`end_epoch`), and a last checkpoint. Its state is its attributes: the position (`epoch`,
+    `step_in_epoch`, `global_step`), the optimizer and scheduler, the record (`history`), the device-side metrics
+    not yet read (`pending`), and the clock."""
+
+    def __init__(
+        self,
+        model: Eagle3Drafter,
+        data: TrainingData,
+        settings: TrainSettings,
+        options: RunOptions,
+        teacher: Teacher,
+        held_out: Callable[[], Iterable[Sample]] | None = None,
+        hooks: Sequence[Every] = (),
+    ):
+        """`held_out()`: the eval split's samples, scored at each epoch's end on the main process (None: none)."""
+        self.model, self.data, self.settings, self.options = model, data, settings, options
+        self.teacher, self.held_out, self.hooks = teacher, held_out, hooks
+        self.dist, self.device, self.log = options.dist, options.device, options.log
+        self.cuda = self.device.type == "cuda"
+        model.to(self.device)
+        if self.cuda:  # frozen: bf16 halves it (4.7 -> 2.3 GB at Kimi size) and feeds the bf16 norms directly
+            model.embed_weight = model.embed_weight.to(torch.bfloat16)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.lr = settings.lr if settings.lr is not None else default_learning_rate(model.cfg.hidden_size)
+        self.opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
+        self.total_steps = sum(data.steps_in_epoch(e) for e in range(settings.epochs))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(settings.warmup_steps, self.total_steps))
+        self.history = TrainHistory(lr=self.lr, device=str(self.device), world_size=self.dist.world_size)
+        self.fingerprint = data.fingerprint(model.draft_ids)
+        ckpt_dir = options.checkpoint_dir
+        self.checkpoint_path = ckpt_dir / CHECKPOINT_FILE if ckpt_dir is not None else None
+        self.epoch, self.step_in_epoch, self.global_step = 0, 0, 0
+        self.module: torch.nn.Module = model  # what a step calls: the drafter, or its DDP wrapper
+        self.pending: list[torch.Tensor] = []  # per step [loss, loss_0..loss_{k-1}, grad norm], on the device
+        self.tokens_done = 0  # this process's run (a resumed run counts from its resume)
+        self.tokens_counted = 0  # of tokens_done, those already added to history.tokens (which a resume carries over)
+        self.flops_per_token = 0.0
+        self.peak = peak_tflops(self.device)
+        self.clock = Clock(self.device)
+        self.first_step, self.last_log = 0, 0.0  # for the progress log's rate
+
+    def fit(self) -> TrainHistory:
+        """Train in place and return the record (also when `stop_after_steps` ends the run early)."""
+        self.set_up()
+        self.clock = Clock(self.device, carried=self.history.seconds)
+        self.first_step, self.last_log = self.global_step, time.monotonic()
+        self.model.train()
+        while self.epoch < self.settings.epochs:
+            with closing(self.data.steps(self.epoch, self.step_in_epoch)) as steps:
+                for windows, batch in steps:
+                    self.step(windows, batch)
+                    if self.after_step():
+                        return self.history  # stopped early, after a checkpoint
+            self.end_epoch()
+        self.history.seconds = self.clock.elapsed()
+        self.save_checkpoint()
+        return self.history
+
+    # -------------------------------------------------------- the phases, in the order `fit` runs them
+
+    def set_up(self) -> None:
+        """Resume from a checkpoint of this very run if there is one; say what will run; compile the MLP where
+        asked; wrap the drafter in DDP under several processes."""
+        self.resume()
+        self.log(
+            f"drafter: {self.total_steps} optimizer steps over {self.settings.epochs} epochs on {self.device}"
+            f"{f' x {self.dist.world_size} processes' if self.dist.world_size > 1 else ''}, peak learning rate "
+            f"{self.lr:g}"
+            + ("" if self.settings.lr is not None else f" (default for width {self.model.cfg.hidden_size})")
+        )
+        if self.settings.compile if self.settings.compile is not None else self.cuda:
+            self.history.compiled = compile_mlp(self.model, self.device, self.log)
+        if self.dist.world_size > 1:
+            self.module = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+        mean_window = self.data.mean_window_tokens()
+        self.flops_per_token = train_flops_per_token(self.model.cfg, self.settings.ttt_steps, mean_window)["total"]
+
+    def resume(self) -> None:
+        """Weights, optimizer, scheduler, RNG, position and record from the checkpoint, when it is of this data
+        and these settings (its fingerprint); otherwise a fresh start."""
+        if self.checkpoint_path is None or not self.checkpoint_path.exists():
+            return
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        if state["fingerprint"] != self.fingerprint:
+            self.log("drafter: the training checkpoint is of other data or settings; starting afresh")
+            return
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.history = TrainHistory(**{**state["history"], "resumed_from_step": self.global_step})
+        self.log(
+            f"drafter: resumed from the checkpoint at step {self.global_step}/{self.total_steps} "
+            f"(epoch {self.epoch + 1})"
+        )
+
+    def step(self, windows: list[Window], batch: PackedBatch) -> None:
+        """One optimizer step: ONE forward and backward of this rank's packed share; the metrics stay on the
+        device, in `pending` (nothing here reads a device value on the host)."""
+        mine = bool(windows[self.dist.rank :: self.dist.world_size])  # a rank without a window joins with weight 0
+        self.tokens_done += sum(w.tokens for w in windows)
+        batch = batch.to(self.device)
+        self.opt.zero_grad(set_to_none=True)
+        with autocast(self.device):
+            teacher_p, teacher_argmax = self.teacher.packed(batch)
+            loss, per_step = packed_loss(
+                self.model, self.module, batch, teacher_p, teacher_argmax, self.settings, len(windows)
+            )
+            # DDP averages over the ranks: times world_size, the one-process step's gradient
+            (loss * (self.dist.world_size if mine else 0.0)).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        self.opt.step()
+        self.sched.step()
+        metrics = torch.cat([loss.detach()[None], per_step]).float() * (1.0 if mine else 0.0)
+        self.pending.append(torch.cat([self.dist.all_sum(metrics), grad_norm.detach().float()[None]]))
+        self.step_in_epoch += 1
+        self.global_step += 1
+
+    def after_step(self) -> bool:
+        """The hooks due; the metrics read every `LOG_EVERY` steps (and progress logged every 10 s or more); a
+        checkpoint every `checkpoint_every` steps. True when the run stops here (`stop_after_steps`)."""
+        for hook in self.hooks:
+            if self.global_step % hook.steps == 0:
+                hook.call(self)
+        if len(self.pending) >= LOG_EVERY:
+            self.clock.lap()
+            self.flush()
+            self.log_progress()
+        stop = self.options.stop_after_steps is not None and self.global_step >= self.options.stop_after_steps
+        every = self.settings.checkpoint_every
+        if (every and self.global_step % every == 0) or stop:
+            with self.clock.paused():
+                self.history.seconds = self.clock.elapsed()
+                self.save_checkpoint()
+        return stop
+
+    def flush(self) -> None:
+        """One read of the device for the steps since the last one: losses and gradient norms into the record,
+        and the tokens, the rate and the MFU so far."""
+        history = self.history
+        if self.pending:
+            for row in torch.stack(self.pending).tolist():
+                history.step_loss.append(round(row[0], 6))
+                history.step_loss_by_ttt.append([round(x, 6) for x in row[1:-1]])
+                history.grad_norm.append(float(f"{row[-1]:.7g}"))  # 7 significant digits, whatever its size
+            self.pending.clear()
+        history.tokens += self.tokens_done - self.tokens_counted
+        self.tokens_counted = self.tokens_done
+        if self.clock.training > 0:
+            rate = self.tokens_done / self.clock.training
+            history.tokens_per_s = round(rate, 1)
+            history.flops_per_token = self.flops_per_token
+            peak, world = self.peak, self.dist.world_size
+            history.mfu = round(rate / world * self.flops_per_token / (peak * 1e12), 4) if peak else None
+
+    def log_progress(self) -> None:
+        if time.monotonic() - self.last_log < 10 or not self.dist.main:
+            return
+        self.last_log = time.monotonic()
+        rate = (self.global_step - self.first_step) / max(1e-9, self.clock.training)
+        eta = (self.total_steps - self.global_step) / rate if rate > 0 else float("nan")
+        h = self.history
+        self.log(
+            f"drafter step {self.global_step}/{self.total_steps}: loss {h.step_loss[-1]:.4f}, "
+            f"{h.tokens_per_s:,.0f} tokens/s ({self.dist.world_size} process(es))"
+            + (f", MFU {h.mfu:.1%}" if h.mfu is not None else "")
+            + f", ETA {eta:,.0f} s"
+        )
+
+    def save_checkpoint(self) -> None:
+        """The metrics read, then (main process) the weights, optimizer, scheduler, RNG, position and record,
+        written atomically; every rank waits for it."""
+        self.flush()
+        if self.checkpoint_path is not None and self.dist.main:
+            save_training_state(
+                self.checkpoint_path,
+                {
+                    "fingerprint": self.fingerprint,
+                    "model": trainable_state(self.model),
+                    "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(),
+                    "rng": rng_state(),
+                    "epoch": self.epoch,
+                    "step_in_epoch": self.step_in_epoch,
+                    "global_step": self.global_step,
+                    "history": self.history.to_dict() | {"resumed_from_step": None},
+                },
+            )
+        self.dist.barrier()
+
+    def end_epoch(self) -> None:
+        """The epoch's metrics read; the eval split scored (main process; not training time); the epoch recorded,
+        logged, and the position moved to the next epoch's first step."""
+        with self.clock.paused():
+            self.flush()
+            metrics: dict[str, Any] = {}
+            if self.held_out is not None and self.dist.main:
+                metrics = evaluate(self.model, self.held_out(), self.settings.ttt_steps)
+            h = self.history
+            seconds = round(self.clock.elapsed(), 1)
+            metrics.update(
+                epoch=self.epoch + 1, train_loss=h.step_loss[-1], seconds=seconds, tokens_per_s=h.tokens_per_s
+            )
+            h.epochs.append(metrics)
+            if self.dist.main:
+                self.log(
+                    f"drafter epoch {self.epoch + 1}/{self.settings.epochs}: loss {metrics['train_loss']:.4f}, "
+                    f"eval acc {metrics.get('acc')}, accept length {metrics.get('accept_length')} ({seconds}s, "
+                    f"{h.tokens_per_s:,.0f} training tokens/s"
+                    + (f", MFU {h.mfu:.1%}" if h.mfu is not None else "")
+                    + ")"
+                )
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+
+# 13 parameters: the one-call form tests and benchmarks use; it only sorts them into `Trainer`'s objects
 def train(
     model: Eagle3Drafter,
     source: SampleSource,
@@ -325,193 +698,16 @@ def train(
     teacher: Teacher | None = None,
     on_step: Callable[[int, int], None] | None = None,
 ) -> TrainHistory:
-    """Train in place; resume from `checkpoint_dir` when it holds a checkpoint of this very run.
+    """Train in place on `train_windows` of `source`, evaluating `eval_windows` at each epoch's end; resume from
+    `checkpoint_dir` when it holds a checkpoint of this very run.
 
     `stop_after_steps` ends the loop early (after saving a checkpoint), as a kill would, for tests.
     `on_step(global_step, tokens so far)` is called after each optimizer step (benchmarks time steps with it).
     """
-    if not train_windows:
-        raise ValueError("no training samples: every sample was dropped before the drafter stage")
     dist = dist or Distributed()
-    model.to(device)
-    cuda = device.type == "cuda"
-    if cuda:  # frozen: bf16 halves it (4.7 -> 2.3 GB at Kimi size) and feeds the bf16 norms directly
-        model.embed_weight = model.embed_weight.to(torch.bfloat16)
-    draft_ids = model.draft_ids
-    teacher = teacher or Teacher(head, draft_ids, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    lr = settings.lr if settings.lr is not None else default_learning_rate(model.cfg.hidden_size)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
-    plans = [plan_steps(train_windows, settings.batch_tokens, settings.seed, e) for e in range(settings.epochs)]
-    total_steps = sum(len(p) for p in plans)
-
-    def lr_at(step: int) -> float:
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        progress = (step - settings.warmup_steps) / max(1, total_steps - settings.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    history = TrainHistory(lr=lr, device=str(device), world_size=dist.world_size)
-    fingerprint = data_fingerprint(train_windows, settings, draft_ids)
-    ckpt = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir is not None else None
-    epoch, step_in_epoch, global_step = 0, 0, 0
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state["fingerprint"] == fingerprint:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-            epoch, step_in_epoch, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
-            history = TrainHistory(**{**state["history"], "resumed_from_step": global_step})
-            log(f"drafter: resumed from the checkpoint at step {global_step}/{total_steps} (epoch {epoch + 1})")
-        else:
-            log("drafter: the training checkpoint is of other data or settings; starting afresh")
-    log(
-        f"drafter: {total_steps} optimizer steps over {settings.epochs} epochs on {device}"
-        f"{f' x {dist.world_size} processes' if dist.world_size > 1 else ''}, peak learning rate {lr:g}"
-        + ("" if settings.lr is not None else f" (default for width {model.cfg.hidden_size})")
-    )
-    if settings.compile if settings.compile is not None else cuda:
-        history.compiled = compile_mlp(model, device, log)
-
-    run = model
-    if dist.world_size > 1:
-        run = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-
-    mean_window = sum(w.tokens for w in train_windows) / len(train_windows)
-    flops_per_token = train_flops_per_token(model.cfg, settings.ttt_steps, mean_window)["total"]
-    peak = peak_tflops(device)
-    pending: list[torch.Tensor] = []  # per step [loss, loss_0..loss_{k-1}, grad norm], on the device
-    train_seconds = 0.0  # this process's time in the step loop (evaluation excluded)
-    tokens_done = 0  # this process's run (a resumed run counts from its resume)
-    tokens_counted = 0  # of tokens_done, those already added to history.tokens (which a resume carries over)
-
-    def flush() -> None:
-        """One read of the device for the steps since the last one."""
-        nonlocal tokens_counted
-        if pending:
-            for row in torch.stack(pending).tolist():
-                history.step_loss.append(round(row[0], 6))
-                history.step_loss_by_ttt.append([round(x, 6) for x in row[1:-1]])
-                history.grad_norm.append(float(f"{row[-1]:.7g}"))  # 7 significant digits, whatever its size
-            pending.clear()
-        history.tokens += tokens_done - tokens_counted
-        tokens_counted = tokens_done
-        if train_seconds > 0:
-            rate = tokens_done / train_seconds
-            history.tokens_per_s = round(rate, 1)
-            history.flops_per_token = flops_per_token
-            history.mfu = round(rate / dist.world_size * flops_per_token / (peak * 1e12), 4) if peak else None
-
-    def checkpoint() -> None:
-        flush()
-        if ckpt is not None and dist.main:
-            save_training_state(
-                ckpt,
-                {
-                    "fingerprint": fingerprint,
-                    "model": trainable_state(model),
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "rng": rng_state(),
-                    "epoch": epoch,
-                    "step_in_epoch": step_in_epoch,
-                    "global_step": global_step,
-                    "history": history.to_dict() | {"resumed_from_step": None},
-                },
-            )
-        dist.barrier()
-
-    aux_dtype = torch.bfloat16 if cuda else torch.float32
-
-    def make(step: list[int]) -> PackedBatch:
-        windows = [train_windows[i] for i in step]
-        mine = windows[dist.rank :: dist.world_size]
-        return pack_windows(source, mine or windows[:1], aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
-
-    started = time.monotonic() - history.seconds
-    last_log = time.monotonic()
-    first_step = global_step
-    model.train()
-    while epoch < settings.epochs:
-        steps = plans[epoch]
-        batches = prefetched(make, steps[step_in_epoch:], PREFETCH_STEPS)
-        loop_started = time.monotonic()
-        try:
-            while step_in_epoch < len(steps):
-                windows = [train_windows[i] for i in steps[step_in_epoch]]
-                mine = bool(windows[dist.rank :: dist.world_size])  # a rank without a window joins with weight 0
-                n = len(windows)
-                tokens_done += sum(w.tokens for w in windows)
-                batch = next(batches).to(device)
-                opt.zero_grad(set_to_none=True)
-                with autocast(device):
-                    teacher_p, teacher_argmax = teacher.packed(batch)
-                    loss, per_step = packed_loss(model, run, batch, teacher_p, teacher_argmax, settings, n)
-                    # DDP averages over the ranks: times world_size, the one-process step's gradient
-                    (loss * (dist.world_size if mine else 0.0)).backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
-                opt.step()
-                sched.step()
-                metrics = torch.cat([loss.detach()[None], per_step]).float() * (1.0 if mine else 0.0)
-                pending.append(torch.cat([dist.all_sum(metrics), grad_norm.detach().float()[None]]))
-                step_in_epoch += 1
-                global_step += 1
-                if on_step is not None:
-                    on_step(global_step, tokens_done)
-                if len(pending) >= LOG_EVERY:
-                    train_seconds += time.monotonic() - loop_started
-                    loop_started = time.monotonic()
-                    flush()
-                    if time.monotonic() - last_log >= 10 and dist.main:
-                        last_log = time.monotonic()
-                        rate = (global_step - first_step) / max(1e-9, train_seconds)
-                        eta = (total_steps - global_step) / rate if rate > 0 else float("nan")
-                        log(
-                            f"drafter step {global_step}/{total_steps}: loss {history.step_loss[-1]:.4f}, "
-                            f"{history.tokens_per_s:,.0f} tokens/s ({dist.world_size} process(es))"
-                            + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "")
-                            + f", ETA {eta:,.0f} s"
-                        )
-                stop = stop_after_steps is not None and global_step >= stop_after_steps
-                if (settings.checkpoint_every and global_step % settings.checkpoint_every == 0) or stop:
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    train_seconds += time.monotonic() - loop_started
-                    history.seconds = time.monotonic() - started
-                    checkpoint()
-                    loop_started = time.monotonic()
-                if stop:
-                    return history
-        finally:
-            batches.close()
-        if cuda:
-            torch.cuda.synchronize(device)
-        train_seconds += time.monotonic() - loop_started
-        flush()
-        metrics = {}
-        if eval_windows and dist.main:
-            metrics = evaluate(
-                model, (load_window(source, w, teacher, device) for w in eval_windows), settings.ttt_steps
-            )
-        metrics.update(
-            epoch=epoch + 1,
-            train_loss=history.step_loss[-1],
-            seconds=round(time.monotonic() - started, 1),
-            tokens_per_s=history.tokens_per_s,
-        )
-        history.epochs.append(metrics)
-        if dist.main:
-            log(
-                f"drafter epoch {epoch + 1}/{settings.epochs}: loss {metrics['train_loss']:.4f}, "
-                f"eval acc {metrics.get('acc')}, accept length {metrics.get('accept_length')} ({metrics['seconds']}s, "
-                f"{history.tokens_per_s:,.0f} training tokens/s"
-                + (f", MFU {history.mfu:.1%}" if history.mfu is not None else "")
-                + ")"
-            )
-        epoch, step_in_epoch = epoch + 1, 0
-    history.seconds = time.monotonic() - started
-    checkpoint()
-    return history
+    data = FixedWindows(source, train_windows, settings, device, dist)
+    teacher = teacher or Teacher(head, model.draft_ids, device)
+    options = RunOptions(device, log, checkpoint_dir, dist, stop_after_steps)
+    held_out = partial(eval_samples, source, eval_windows, teacher, device) if eval_windows else None
+    hooks = [Every(1, lambda t: on_step(t.global_step, t.tokens_done))] if on_step is not None else []
+    return Trainer(model, data, settings, options, teacher, held_out, hooks).fit()
