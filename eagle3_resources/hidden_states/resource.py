@@ -55,10 +55,9 @@ class HiddenStatesResource(dg.ConfigurableResource):
         self, target: TargetModelResource, tokenizer: TokenizerResource, log: Callable[[str], None] = print
     ):
         if self.backend is HiddenStatesBackendKind.SGLANG:
-            from eagle3_resources.hidden_states.sglang_backend import SGLangHiddenStates
+            from eagle3_resources.hidden_states.sglang_backend import SGLangHiddenStates, SGLangOptions
 
-            return SGLangHiddenStates(
-                str(target.folder(tokenizer, log)),
+            options = SGLangOptions(
                 tp_size=self.sglang_tp_size,
                 max_length=self.max_length,
                 mem_fraction_static=self.sglang_mem_fraction,
@@ -66,6 +65,7 @@ class HiddenStatesResource(dg.ConfigurableResource):
                 max_forward_requests=self.sglang_max_forward_requests,
                 handoff_slabs=self.sglang_handoff_slabs,
             )
+            return SGLangHiddenStates(str(target.folder(tokenizer, log)), options)
         from eagle3_resources.hidden_states.transformers_backend import (
             TransformersHiddenStates,
         )

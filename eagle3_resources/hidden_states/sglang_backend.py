@@ -50,8 +50,8 @@ import time
 import traceback
 import weakref
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, Self
 
@@ -417,7 +417,7 @@ class RankZeroHandoff:
             self.slabs.append(layout.views(buf))
         self.pinned = False
         self.waits, self.wait_s = 0, 0.0
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self._pending: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._complete, name="handoff-completion", daemon=True)
         self._thread.start()
@@ -470,12 +470,13 @@ class RankZeroHandoff:
                 raise RuntimeError("rank 0's states are on CUDA but the hand-off slabs are not page-locked")
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=aux.device)
-            self._stream.wait_stream(torch.cuda.current_stream(aux.device))  # after the forward, not before
-            with torch.cuda.stream(self._stream):
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(aux.device))  # after the forward, not before
+            with torch.cuda.stream(stream):
                 slab_aux[:tokens].copy_(aux, non_blocking=True)
                 slab_final[:tokens].copy_(final, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self._stream)
+                event.record(stream)
             keep = (aux, final)  # freed by the completion thread once the copy has landed
         else:
             slab_aux[:tokens].copy_(aux)
@@ -541,6 +542,7 @@ def _rank_main(
             try:
                 aux, final = engine.capture(sequences)
                 if handoff is not None:
+                    assert aux is not None and final is not None  # rank 0's capture returns its states or raises
                     handoff.hand_off(batch_id, sequences, aux, final)  # replies once the rows have landed
                 else:
                     replies.put(Done(rank, batch_id))
@@ -741,7 +743,9 @@ class RankPool:
         del self._gathers[batch_id]
         self._next_result += 1
         self._waiting.discard(batch_id)
-        handoff = gather.result.handoff
+        done = gather.result
+        assert done is not None and done.handoff is not None  # ReplyGather.add refuses rank 0 without a hand-off
+        handoff = done.handoff
         ids = self._sizes.pop(batch_id)
         aux, final, slab_ids = self.ring.slabs[handoff.slab]
         if handoff.tokens != len(ids) or not torch.equal(slab_ids[: len(ids)], torch.tensor(ids, dtype=torch.int64)):
@@ -1059,9 +1063,9 @@ class LentExtraction:
         lengths = [len(s) for s in sequences]
         groups = plan_sub_batches(lengths, self.limits)
         batch_ids = [self.pool.submit([list(sequences[i]) for i in group]) for group in groups]
-        results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
+        results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sequence index -> its rows
         held: list[tuple[Rows, list[int]]] = []
-        for group, batch_id in zip(groups, batch_ids):
+        for group, batch_id in zip(groups, batch_ids, strict=True):  # one batch id per group
             while True:
                 try:
                     rows = self.pool.result(batch_id)
@@ -1075,11 +1079,12 @@ class LentExtraction:
                     oldest.release()
                     self.copied_out += 1
             group_lengths = [lengths[i] for i in group]
-            for i, a, f in zip(group, split_rows(rows.aux, group_lengths), split_rows(rows.final, group_lengths)):
+            aux, final = split_rows(rows.aux, group_lengths), split_rows(rows.final, group_lengths)
+            for i, a, f in zip(group, aux, final, strict=True):  # split_rows gives one tensor per length
                 results[i] = (a, f)
             held.append((rows, group))
         self._lent = [rows for rows, _ in held]
-        return results  # type: ignore[return-value]
+        return [results[i] for i in range(len(sequences))]  # the groups cover every index
 
     def figures(self) -> dict[str, Any]:
         """The hand-off so far: batches and bytes through the slabs, rank 0's waits for a free one."""
@@ -1093,38 +1098,44 @@ class LentExtraction:
         }
 
 
+@dataclass(frozen=True)
+class SGLangOptions:
+    """How the SGLang backend runs: its ranks, the layers, the forward bounds, the hand-off ring, the timeouts."""
+
+    tp_size: int = 8
+    layer_ids: Sequence[int] | None = None  # outputs of 0-based decoder layers; None: eagle3_aux_layers
+    max_length: int = 32768
+    mem_fraction_static: float = 0.8
+    max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS
+    max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS
+    trust_remote_code: bool = True
+    start_timeout_s: float = 3600.0
+    batch_timeout_s: float = 1800.0
+    log_level: str = "warning"
+    handoff_slabs: int = DEFAULT_HANDOFF_SLABS
+
+
 class SGLangHiddenStates:
     """Aux [L, 3H] (layers low -> high) and final [L, H] hidden states, bf16 on the CPU, per sequence.
 
     `extract_batch`'s tensors are views into the hand-off slabs, valid until the next call to
     `extract_batch`/`extract` (clone what must live longer); `handoff_slabs` sets the ring's size.
+    Built in three steps: the checks before any process (bounds, host, SGLang's sources), the capture
+    argument for this SGLang, then the ranks started and their pools read (`limits_of`).
     """
 
     name = "sglang"
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        tp_size: int = 8,
-        layer_ids: list[int] | None = None,
-        max_length: int = 32768,
-        mem_fraction_static: float = 0.8,
-        max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS,
-        max_forward_requests: int = DEFAULT_MAX_FORWARD_REQUESTS,
-        trust_remote_code: bool = True,
-        start_timeout_s: float = 3600.0,
-        batch_timeout_s: float = 1800.0,
-        log_level: str = "warning",
-        handoff_slabs: int = DEFAULT_HANDOFF_SLABS,
-    ):
-        check_forward_bounds(max_length, max_forward_tokens, max_forward_requests)
-        preflight(tp_size)
+    def __init__(self, model_path: str, options: SGLangOptions | None = None, **fields: Any):
+        """`options`, or its fields by name (`tp_size=8, max_length=8192`), which replace those of `options`."""
+        o = self.options = SGLangOptions(**fields) if options is None else replace(options, **fields)
+        check_forward_bounds(o.max_length, o.max_forward_tokens, o.max_forward_requests)
+        preflight(o.tp_size)
         shape = read_text_shape(model_path)
         self.model_path = str(model_path)
-        self.tp_size = tp_size
+        self.tp_size = o.tp_size
         self.num_layers, self.hidden_size = shape.num_layers, shape.hidden_size
-        self.layer_ids = list(layer_ids) if layer_ids is not None else eagle3_aux_layers(self.num_layers)
+        self.layer_ids = list(o.layer_ids) if o.layer_ids is not None else eagle3_aux_layers(self.num_layers)
         rule = sglang_api.capture_rule()
         if rule is None:
             raise SGLangUnavailable(
@@ -1132,37 +1143,46 @@ class SGLangHiddenStates:
             )
         self.capture_rule = rule
         self.capture_argument = sglang_api.capture_argument(self.layer_ids, self.num_layers, rule)
-        spec = EngineSpec(
-            model_path=self.model_path,
-            tp_size=tp_size,
-            capture_argument=tuple(self.capture_argument),
-            capture_rule=rule,
-            nccl_port=free_port(),
-            max_length=max_length,
-            mem_fraction_static=mem_fraction_static,
-            max_forward_tokens=max_forward_tokens,
-            max_forward_requests=max_forward_requests,
-            trust_remote_code=trust_remote_code,
-            log_level=log_level,
-        )
-        # One slab holds one forward: max_forward_tokens rows of the packed aux layers and the final state.
-        layout = SlabLayout(max_forward_tokens, len(self.layer_ids) * self.hidden_size, self.hidden_size)
-        self._pool = RankPool(
-            tp_size,
-            functools.partial(build_sglang_engine, spec),
-            handoff=layout,
-            slabs=handoff_slabs,
-            start_timeout_s=start_timeout_s,
-            batch_timeout_s=batch_timeout_s,
-        )
+        self._pool = self._rank_pool()
         infos = self._pool.start()
         self.rank_info = infos[0]
         try:
-            self.limits = limits_of(infos, max_length=max_length, max_forward_tokens=max_forward_tokens)
+            self.limits = limits_of(infos, max_length=o.max_length, max_forward_tokens=o.max_forward_tokens)
         except BaseException:
             self._pool.close()
             raise
         self._extraction = LentExtraction(self._pool, self.limits)
+
+    def _engine_spec(self) -> EngineSpec:
+        """What every rank builds its runner from."""
+        o = self.options
+        return EngineSpec(
+            model_path=self.model_path,
+            tp_size=o.tp_size,
+            capture_argument=tuple(self.capture_argument),
+            capture_rule=self.capture_rule,
+            nccl_port=free_port(),
+            max_length=o.max_length,
+            mem_fraction_static=o.mem_fraction_static,
+            max_forward_tokens=o.max_forward_tokens,
+            max_forward_requests=o.max_forward_requests,
+            trust_remote_code=o.trust_remote_code,
+            log_level=o.log_level,
+        )
+
+    def _rank_pool(self) -> RankPool:
+        """The rank processes (not started yet) and their ring: one slab holds one forward, max_forward_tokens rows
+        of the packed aux layers and the final state."""
+        o = self.options
+        layout = SlabLayout(o.max_forward_tokens, len(self.layer_ids) * self.hidden_size, self.hidden_size)
+        return RankPool(
+            o.tp_size,
+            functools.partial(build_sglang_engine, self._engine_spec()),
+            handoff=layout,
+            slabs=o.handoff_slabs,
+            start_timeout_s=o.start_timeout_s,
+            batch_timeout_s=o.batch_timeout_s,
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
