@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +16,21 @@ from eagle3_assets.stages.eagle3_drafter.data import (
     OnlineSource,
     SampleSource,
     Teacher,
-    load_window,
+    WindowPlan,
     plan_windows,
 )
-from eagle3_assets.stages.eagle3_drafter.export import export_checkpoint, read_checkpoint
+from eagle3_assets.stages.eagle3_drafter.export import DrafterCheckpoint, export_checkpoint, read_checkpoint
 from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
     Distributed,
+    FixedWindows,
+    RunOptions,
+    Trainer,
     TrainHistory,
     TrainSettings,
+    eval_samples,
     evaluate,
-    train,
     training_device,
 )
 from eagle3_assets.stages.eagle3_drafter.vocab import (
@@ -76,6 +80,31 @@ def drafter_config(
     )
 
 
+@dataclass(frozen=True)
+class DrafterJob:
+    """What one drafter training is given. Offline (`hidden_root`): samples stream from the hidden-state store.
+    Online (`online_backend`, a transformers hidden-states backend of the target): the target computes them
+    inside the loop. `init_from`: warm start from an exported drafter. `stop_after_steps`: end early (tests)."""
+
+    hidden_root: Path | None
+    merged: pl.DataFrame
+    target_folder: Path
+    out_dir: Path
+    settings: TrainSettings
+    requested_draft_vocab: int
+    log: Callable[[str], None]
+    device: str = "auto"
+    online_backend: Any = None
+    init_from: Path | None = None
+    dist: Distributed = field(default_factory=Distributed)
+    stop_after_steps: int | None = None
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(str(self.out_dir) + ".training")
+
+
+# 12 parameters: the keyword form of `DrafterJob` that tests and scripts call
 def train_drafter(
     hidden_root: Path | None,
     merged: pl.DataFrame,
@@ -86,119 +115,149 @@ def train_drafter(
     log: Callable[[str], None],
     *,
     device: str = "auto",
-    online_backend=None,
+    online_backend: Any = None,
     init_from: Path | None = None,
     dist: Distributed | None = None,
     stop_after_steps: int | None = None,
 ) -> DrafterReport | None:
-    """Train, evaluate and export; returns the report on the main process (None on the other ranks, or when
-    `stop_after_steps` ended the run early). The training checkpoint lives in `<out_dir>.training/`.
+    """`run_drafter_job` of these options."""
+    job = DrafterJob(
+        hidden_root,
+        merged,
+        target_folder,
+        out_dir,
+        settings,
+        requested_draft_vocab,
+        log,
+        device,
+        online_backend,
+        init_from,
+        dist or Distributed(),
+        stop_after_steps,
+    )
+    return run_drafter_job(job)
 
-    Offline (`hidden_root`): samples stream from the hidden-state store. Online (`online_backend`, a
-    transformers hidden-states backend of the target): the target computes them inside the loop.
-    """
-    dist = dist or Distributed()
-    dev = training_device(device)
+
+def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
+    """Train, evaluate and export; returns the report on the main process (None on the other ranks, or when
+    `stop_after_steps` ended the run early). The training checkpoint lives in `<out_dir>.training/`."""
+    settings, log, dist = job.settings, job.log, job.dist
+    dev = training_device(job.device)
     if dev.type == "cpu":
         apply_torch_threads("drafter training", log)
-    target_config = json.loads((Path(target_folder) / "config.json").read_text())
+    target_config = json.loads((Path(job.target_folder) / "config.json").read_text())
     target_config = target_config.get("text_config", target_config)
-    embed, head = load_embed_and_head(Path(target_folder))
-    vocab_size = embed.shape[0]
+    embed, head = load_embed_and_head(Path(job.target_folder))
+    source, lengths, manifest = data_source(job.hidden_root, job.merged, job.online_backend)
+    splits = split_windows(job, lengths)
+    vocab = draft_vocabulary(job, splits.train_ids, embed.shape[0])
 
-    source, lengths, manifest = data_source(hidden_root, merged, online_backend)
-    train_ids = [s for s in merged.filter(pl.col("split") == "train")["sample_id"].to_list() if s in lengths]
-    eval_ids = [s for s in merged.filter(pl.col("split") == "eval")["sample_id"].to_list() if s in lengths]
-    eval_split = "eval"
-    if not eval_ids:
-        log("the eval split is empty: metrics are measured on the training split")
-        eval_ids, eval_split = train_ids, "train"
-    train_plan = plan_windows([(s, lengths[s]) for s in train_ids], settings.max_len)
-    eval_plan = plan_windows([(s, lengths[s]) for s in eval_ids], settings.max_len)
-    log(
-        f"drafter data: {train_plan.samples} training samples, {train_plan.tokens:,} tokens in {len(train_plan.windows)} "
-        f"windows of at most {settings.max_len} ({train_plan.split_samples} longer samples cut into windows, no token "
-        f"dropped); {eval_plan.samples} {eval_split} samples; {'online (target in the loop)' if online_backend else 'streamed from the store'}"
-    )
-
-    wanted = set(train_ids)
-    rows = merged.filter(pl.col("sample_id").is_in(list(wanted))).select("input_ids", "loss_mask").iter_rows()
-    counts = count_loss_tokens((torch.as_tensor(ids), torch.as_tensor(mask)) for ids, mask in rows)
-    warm = read_checkpoint(Path(init_from)) if init_from is not None else None
-    if warm is not None:
-        draft_ids = warm.draft_ids
-        size = len(draft_ids)
-        log(f"drafter: warm start from {init_from} ({size} draft ids kept)")
-    else:
-        size = effective_draft_vocab_size(requested_draft_vocab, len(counts))
-        draft_ids = build_draft_vocab(counts, size, vocab_size)
-    covered = sum(c for t, c in counts.items() if t in set(draft_ids.tolist())) / max(1, sum(counts.values()))
-    log(f"draft vocabulary: {size} ids ({len(counts)} distinct loss tokens, {covered:.1%} of loss tokens covered)")
-
-    cfg = drafter_config(target_config, manifest["hidden_size"], size, vocab_size)
+    cfg = drafter_config(target_config, manifest["hidden_size"], vocab.size, embed.shape[0])
     torch.manual_seed(settings.seed)
-    model = Eagle3Drafter(cfg, embed, draft_ids)
-    if warm is not None:
-        warm.load_into(model)
+    model = Eagle3Drafter(cfg, embed, vocab.draft_ids)
+    if vocab.warm is not None:
+        vocab.warm.load_into(model)
     model.to(dev)
     teacher = Teacher(head, model.draft_ids, dev)  # shared by evaluation and training: each argmax computed once
+    held_out = partial(eval_samples, source, splits.eval.windows, teacher, dev)
 
-    def eval_samples():
-        return (load_window(source, w, teacher, dev) for w in eval_plan.windows)
-
-    untrained = evaluate(model, eval_samples(), settings.ttt_steps) if dist.main else {}
+    untrained = evaluate(model, held_out(), settings.ttt_steps) if dist.main else {}
     if dist.main:
-        log(f"untrained drafter on {eval_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
-    history = train(
-        model,
-        source,
-        train_plan.windows,
-        eval_plan.windows,
-        settings,
-        head=head,
-        device=dev,
-        log=log,
-        checkpoint_dir=Path(str(out_dir) + ".training"),
-        dist=dist,
-        stop_after_steps=stop_after_steps,
-        teacher=teacher,
-    )
+        accept, acc = untrained["accept_length"], untrained["acc"]
+        log(f"untrained drafter on {splits.eval_split}: accept length {accept}, acc {acc}")
+    data = FixedWindows(source, splits.train.windows, settings, dev, dist)
+    options = RunOptions(dev, log, job.checkpoint_dir, dist, job.stop_after_steps)
+    history = Trainer(model, data, settings, options, teacher, held_out if splits.eval.windows else None).fit()
     if not dist.main or len(history.epochs) < settings.epochs:  # another rank, or stopped early
         return None
-    trained = evaluate(model, eval_samples(), settings.ttt_steps)
-    log(f"trained drafter on {eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
+    trained = evaluate(model, held_out(), settings.ttt_steps)
+    log(f"trained drafter on {splits.eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
     checkpoint = export_checkpoint(
         model.cpu(),
-        out_dir,
+        job.out_dir,
         manifest["aux_layer_ids"],
         extra={
             "eagle3_pipeline": {
                 "ttt_steps": settings.ttt_steps,
-                "train_samples": train_plan.samples,
+                "train_samples": splits.train.samples,
                 "eval_accept_length": trained["accept_length"],
-                "target": Path(target_folder).name,
+                "target": Path(job.target_folder).name,
             }
         },  # a name, not this machine's path
     )
     return DrafterReport(
         checkpoint=checkpoint,
         config=json.loads((checkpoint / "config.json").read_text()),
-        draft_vocab_size=size,
-        distinct_loss_tokens=len(counts),
-        train_samples=train_plan.samples,
-        eval_samples=eval_plan.samples,
-        eval_split=eval_split,
+        draft_vocab_size=vocab.size,
+        distinct_loss_tokens=vocab.distinct_loss_tokens,
+        train_samples=splits.train.samples,
+        eval_samples=splits.eval.samples,
+        eval_split=splits.eval_split,
         untrained=untrained,
         trained=trained,
         history=history,
-        train_tokens=train_plan.tokens,
-        split_samples=train_plan.split_samples,
-        windows=len(train_plan.windows),
+        train_tokens=splits.train.tokens,
+        split_samples=splits.train.split_samples,
+        windows=len(splits.train.windows),
     )
 
 
+@dataclass(frozen=True)
+class Splits:
+    train_ids: list[str]
+    train: WindowPlan
+    eval: WindowPlan
+    eval_split: str  # "eval", or "train" when the eval split is empty
+
+
+def split_windows(job: DrafterJob, lengths: dict[str, int]) -> Splits:
+    """The train and eval splits' samples that have states, cut into windows (logged)."""
+    merged, settings = job.merged, job.settings
+    train_ids = [s for s in merged.filter(pl.col("split") == "train")["sample_id"].to_list() if s in lengths]
+    eval_ids = [s for s in merged.filter(pl.col("split") == "eval")["sample_id"].to_list() if s in lengths]
+    eval_split = "eval"
+    if not eval_ids:
+        job.log("the eval split is empty: metrics are measured on the training split")
+        eval_ids, eval_split = train_ids, "train"
+    train_plan = plan_windows([(s, lengths[s]) for s in train_ids], settings.max_len)
+    eval_plan = plan_windows([(s, lengths[s]) for s in eval_ids], settings.max_len)
+    where = "online (target in the loop)" if job.online_backend else "streamed from the store"
+    job.log(
+        f"drafter data: {train_plan.samples} training samples, {train_plan.tokens:,} tokens in "
+        f"{len(train_plan.windows)} windows of at most {settings.max_len} ({train_plan.split_samples} longer samples "
+        f"cut into windows, no token dropped); {eval_plan.samples} {eval_split} samples; {where}"
+    )
+    return Splits(train_ids, train_plan, eval_plan, eval_split)
+
+
+@dataclass(frozen=True)
+class DraftVocabulary:
+    draft_ids: torch.Tensor
+    size: int
+    distinct_loss_tokens: int
+    warm: DrafterCheckpoint | None  # the drafter warm-started from, whose draft ids are kept
+
+
+def draft_vocabulary(job: DrafterJob, train_ids: list[str], vocab_size: int) -> DraftVocabulary:
+    """The training split's most frequent loss tokens (or a warm start's draft ids), logged with their coverage."""
+    wanted = set(train_ids)
+    rows = job.merged.filter(pl.col("sample_id").is_in(list(wanted))).select("input_ids", "loss_mask").iter_rows()
+    counts = count_loss_tokens((torch.as_tensor(ids), torch.as_tensor(mask)) for ids, mask in rows)
+    warm = read_checkpoint(Path(job.init_from)) if job.init_from is not None else None
+    if warm is not None:
+        draft_ids = warm.draft_ids
+        size = len(draft_ids)
+        job.log(f"drafter: warm start from {job.init_from} ({size} draft ids kept)")
+    else:
+        size = effective_draft_vocab_size(job.requested_draft_vocab, len(counts))
+        draft_ids = build_draft_vocab(counts, size, vocab_size)
+    covered = sum(c for t, c in counts.items() if t in set(draft_ids.tolist())) / max(1, sum(counts.values()))
+    job.log(f"draft vocabulary: {size} ids ({len(counts)} distinct loss tokens, {covered:.1%} of loss tokens covered)")
+    return DraftVocabulary(draft_ids, size, len(counts), warm)
+
+
 def data_source(
-    hidden_root: Path | None, merged: pl.DataFrame, online_backend
+    hidden_root: Path | None, merged: pl.DataFrame, online_backend: Any
 ) -> tuple[SampleSource, dict[str, int], dict[str, Any]]:
     """(source, sample id -> tokens, {hidden_size, aux_layer_ids}) of the store, or of the target run online."""
     if online_backend is not None:
@@ -208,6 +267,8 @@ def data_source(
             {s: len(r[0]) for s, r in rows.items()},
             {"hidden_size": online_backend.hidden_size, "aux_layer_ids": list(online_backend.layer_ids)},
         )
+    if hidden_root is None:
+        raise ValueError("the drafter reads the hidden-state store (hidden_root) or runs the target (online_backend)")
     store = HiddenStateStore(Path(hidden_root))
     lengths = {sid: end - start for sid, (_, start, end, _) in store.index.items()}
     return store, lengths, store.manifest
