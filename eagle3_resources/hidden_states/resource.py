@@ -12,7 +12,7 @@ from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
-class HiddenStatesBackendKind(str, Enum):
+class HiddenStatesBackendKind(str, Enum):  # noqa: UP042 - StrEnum would change str() of the config value
     TRANSFORMERS = "transformers"
     SGLANG = "sglang"
 

@@ -30,6 +30,7 @@ import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 # Written against the 0.5.23 wheel (the newest release when this was written; its sources are
 # what `check_contract` was run on). The API moves within the 0.5 series, hence the narrow range.
@@ -215,7 +216,7 @@ CAPTURE_SETTER = ("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM.set_ea
 # ---------------------------------------------------------------- layer-id convention
 
 
-class CaptureRule(str, enum.Enum):
+class CaptureRule(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() of a rule
     """How `set_eagle3_layers_to_capture(ids)` turns ids into `layers_to_capture`.
 
     SGLang captures `hidden_states + residual` at the INPUT of each layer in `layers_to_capture`,
@@ -345,6 +346,11 @@ class _Found:
     node: ast.AST
 
 
+def _class_node(found: _Found) -> ast.ClassDef:
+    """The class `found` names: its callers pass classes (`resolve` follows classes, `fields_from` names ServerArgs)."""
+    return cast(ast.ClassDef, found.node)
+
+
 class SourceTree:
     """Looks names up in an sglang source tree by parsing files; imports nothing."""
 
@@ -392,23 +398,24 @@ class SourceTree:
                 return _Found(module, node)
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
                 return _Found(module, node)
-        for node in ast.walk(tree):  # imports, also those inside try/if blocks
-            if isinstance(node, ast.ImportFrom):
-                source = self._absolute(module, node)
-                for alias in node.names:
+        for imp in ast.walk(tree):  # imports, also those inside try/if blocks
+            if isinstance(imp, ast.ImportFrom):
+                source = self._absolute(module, imp)
+                for alias in imp.names:
                     if alias.name == "*":
                         star.append(source)
                     elif (alias.asname or alias.name) == name:
                         found = self.find(source, alias.name, seen)
-                        if found is None and self.module_file(f"{source}.{alias.name}"):
-                            return _Found(f"{source}.{alias.name}", self.module_ast(f"{source}.{alias.name}"))
-                        return found
+                        return found if found is not None else self._module(f"{source}.{alias.name}")
         for source in star:
             if (found := self.find(source, name, seen)) is not None:
                 return found
-        if self.module_file(f"{module}.{name}"):
-            return _Found(f"{module}.{name}", self.module_ast(f"{module}.{name}"))
-        return None
+        return self._module(f"{module}.{name}")
+
+    def _module(self, module: str) -> _Found | None:
+        """The module itself (a name imported from a package may be its submodule), if its file is there."""
+        tree = self.module_ast(module)
+        return _Found(module, tree) if tree is not None else None
 
     def resolve(self, module: str, qualname: str) -> _Found | None:
         head, *rest = qualname.split(".")
@@ -421,14 +428,14 @@ class SourceTree:
 
     def bases(self, cls: _Found) -> list[_Found]:
         out = []
-        for b in cls.node.bases:
+        for b in _class_node(cls).bases:
             name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None
             if name and (found := self.find(cls.module, name)) is not None and isinstance(found.node, ast.ClassDef):
                 out.append(found)
         return out
 
     def class_member(self, cls: _Found, name: str, _depth: int = 0) -> _Found | None:
-        for node in cls.node.body:
+        for node in _class_node(cls).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 return _Found(cls.module, node)
         if _depth < 10:
@@ -440,20 +447,16 @@ class SourceTree:
     def members(self, cls: _Found, _depth: int = 0) -> set[str]:
         """Methods, class attributes and fields, and `self.x` assigned in any method; with bases."""
         names: set[str] = set()
-        for node in cls.node.body:
+        for node in _class_node(cls).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, ast.Assign):
                 names.update(t.id for t in node.targets if isinstance(t, ast.Name))
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
-        for node in ast.walk(cls.node):
+        for sub in ast.walk(cls.node):
             targets = (
-                node.targets
-                if isinstance(node, ast.Assign)
-                else [node.target]
-                if isinstance(node, ast.AnnAssign)
-                else []
+                sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(sub, ast.AnnAssign) else []
             )
             for t in targets:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
@@ -465,7 +468,11 @@ class SourceTree:
 
     def fields(self, cls: _Found, _depth: int = 0) -> set[str]:
         """Annotated class-level fields (dataclasses, msgspec structs), with bases."""
-        names = {n.target.id for n in cls.node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        names = {
+            n.target.id
+            for n in _class_node(cls).body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
         if _depth < 10:
             for base in self.bases(cls):
                 names |= self.fields(base, _depth + 1)
@@ -503,6 +510,7 @@ class SourceTree:
 
     def source_of(self, found: _Found) -> str:
         f = self.module_file(found.module)
+        assert f is not None  # `found` was read from this file
         return ast.get_source_segment(f.read_text(encoding="utf-8"), found.node) or ""
 
 
