@@ -15,17 +15,68 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import torch
 
-from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport, train_drafter
+from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.train import Distributed, TrainHistory, TrainSettings
 
 
+@dataclass(frozen=True)
+class TrainSpec:
+    """What a training process is told, as `spec.json` holds it (paths as strings, the settings as a dict)."""
+
+    hidden_root: Path | None  # None: online (the target computes the states)
+    merged_path: Path
+    target_folder: Path
+    out_dir: Path
+    settings: TrainSettings
+    draft_vocab_size: int
+    report_path: Path | None  # where the main process writes the report (JSON); None: nowhere
+    device: str = "auto"
+    online: bool = False
+    init_from: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hidden_root": str(self.hidden_root) if self.hidden_root else None,
+            "merged_path": str(self.merged_path),
+            "target_folder": str(self.target_folder),
+            "out_dir": str(self.out_dir),
+            "settings": asdict(self.settings),
+            "draft_vocab_size": self.draft_vocab_size,
+            "report_path": str(self.report_path) if self.report_path else None,
+            "device": self.device,
+            "online": self.online,
+            "init_from": str(self.init_from) if self.init_from else None,
+        }
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> TrainSpec:
+        return cls(
+            hidden_root=Path(spec["hidden_root"]) if spec.get("hidden_root") else None,
+            merged_path=Path(spec["merged_path"]),
+            target_folder=Path(spec["target_folder"]),
+            out_dir=Path(spec["out_dir"]),
+            settings=TrainSettings(**spec["settings"]),
+            draft_vocab_size=int(spec["draft_vocab_size"]),
+            report_path=Path(spec["report_path"]) if spec.get("report_path") else None,
+            device=spec.get("device", "auto"),
+            online=bool(spec.get("online")),
+            init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
+        )
+
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+
+# 11 parameters: the keyword form of `TrainSpec` that tests and benchmarks call
 def write_spec(
     path: Path,
     *,
@@ -40,20 +91,19 @@ def write_spec(
     online: bool = False,
     init_from: Path | None = None,
 ) -> Path:
-    spec = {
-        "hidden_root": str(hidden_root) if hidden_root else None,
-        "merged_path": str(merged_path),
-        "target_folder": str(target_folder),
-        "out_dir": str(out_dir),
-        "settings": asdict(settings),
-        "draft_vocab_size": draft_vocab_size,
-        "report_path": str(report_path),
-        "device": device,
-        "online": online,
-        "init_from": str(init_from) if init_from else None,
-    }
-    path.write_text(json.dumps(spec, indent=2) + "\n")
-    return path
+    spec = TrainSpec(
+        hidden_root,
+        merged_path,
+        target_folder,
+        out_dir,
+        settings,
+        draft_vocab_size,
+        report_path,
+        device,
+        online,
+        init_from,
+    )
+    return spec.write(path)
 
 
 def report_json(report: DrafterReport) -> dict[str, Any]:
@@ -106,47 +156,51 @@ def join_process_group(device: str) -> tuple[Distributed, str]:
     return Distributed(rank, world), device if cuda else "cpu"
 
 
-def run(spec: dict[str, Any], log=print, stop_after_steps: int | None = None) -> DrafterReport | None:
-    dist, device = join_process_group(spec.get("device", "auto"))
+def run(
+    spec: dict[str, Any], log: Callable[[str], None] = print, stop_after_steps: int | None = None
+) -> DrafterReport | None:
+    """One rank's run of a spec: join the process group, train (loading the target here when online), and on the
+    main process write the report."""
+    train_spec = TrainSpec.from_json(spec)
+    dist, device = join_process_group(train_spec.device)
     try:
-        merged = pl.read_parquet(spec["merged_path"])
-        backend = None
-        if spec.get("online"):
-            from transformers import AutoModelForCausalLM
-
-            from eagle3_resources.hidden_states.transformers_backend import (
-                TransformersHiddenStates,
-            )
-
-            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-            target = (
-                AutoModelForCausalLM.from_pretrained(spec["target_folder"], dtype=dtype)
-                .to(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-                .eval()
-            )
-            backend = TransformersHiddenStates(target)
-        report = train_drafter(
-            Path(spec["hidden_root"]) if spec.get("hidden_root") else None,
+        merged = pl.read_parquet(train_spec.merged_path)
+        job = DrafterJob(
+            train_spec.hidden_root,
             merged,
-            Path(spec["target_folder"]),
-            Path(spec["out_dir"]),
-            TrainSettings(**spec["settings"]),
-            int(spec["draft_vocab_size"]),
+            train_spec.target_folder,
+            train_spec.out_dir,
+            train_spec.settings,
+            train_spec.draft_vocab_size,
             log if dist.main else (lambda _m: None),
             device=device,
-            online_backend=backend,
-            init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
+            online_backend=online_target(train_spec.target_folder, device) if train_spec.online else None,
+            init_from=train_spec.init_from,
             dist=dist,
             stop_after_steps=stop_after_steps,
         )
-        if report is not None and dist.main and spec.get("report_path"):
-            tmp = Path(spec["report_path"] + ".tmp")
+        report = run_drafter_job(job)
+        if report is not None and dist.main and train_spec.report_path is not None:
+            tmp = Path(str(train_spec.report_path) + ".tmp")
             tmp.write_text(json.dumps(report_json(report)) + "\n")
-            os.replace(tmp, spec["report_path"])
+            os.replace(tmp, train_spec.report_path)
         return report
     finally:
         if dist.world_size > 1:
             torch.distributed.destroy_process_group()
+
+
+def online_target(folder: Path, device: str) -> Any:
+    """The target as a transformers hidden-states backend on `device` (bf16 on CUDA, fp32 on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    # as a Module: PreTrainedModel.to is `wraps(Module.to)`, which the checker reads as unbound
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    on = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return TransformersHiddenStates(model.to(on).eval())
 
 
 def main(argv: list[str] | None = None) -> int:
