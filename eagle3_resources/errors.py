@@ -19,7 +19,9 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   └── StreamError                a stream carried an error chunk or ended truncated (`code`)
     ├── StoreError                     the hidden-state store and the disk under it
     │   ├── DiskSpaceError             (RuntimeError) the volume cannot hold the extraction
-    │   └── StaleShardsError           (RuntimeError) committed shards would be discarded by a changed plan
+    │   ├── StaleShardsError           (RuntimeError) committed shards would be discarded by a changed plan
+    │   ├── SpoolTooSmall              (ValueError) the streaming spool's budget cannot hold its working set
+    │   └── SpoolStateError            (RuntimeError) the spool's files disagree with this run, or a shard is damaged
     ├── BackendError                   the SGLang hidden-state backend
     │   ├── SGLangUnavailable          (RuntimeError) this host cannot run it
     │   ├── RankError                  (RuntimeError) a rank process failed or died
@@ -195,6 +197,26 @@ class StaleShardsError(StoreError, RuntimeError):
     what_to_do: ClassVar[str] = (
         "restore the plan the shards were written with, or set `discard_stale_shards: true` "
         "in the hidden_states run config to delete them and extract again"
+    )
+
+
+class SpoolTooSmall(StoreError, ValueError):
+    """The streaming spool's byte budget cannot hold the minimum working set (refused before anything starts)."""
+
+    what_to_do: ClassVar[str] = (
+        "raise the spool's byte budget, or lower shard_gb, the passes per token or the capture hosts sharing "
+        "it, as the figures in the message say; nothing was captured or trained"
+    )
+
+
+class SpoolStateError(StoreError, RuntimeError):
+    """The spool's files disagree with this run (other settings or capture plan, a trainer position behind the
+    spool's), or a shard's bytes are not its recorded checksum's."""
+
+    what_to_do: ClassVar[str] = (
+        "use a new spool folder for new settings or a new plan; resume the trainer from its latest checkpoint; "
+        "for a damaged shard, restart its capture lane with verify_on_resume (it captures the shard again), "
+        "then the trainer"
     )
 
 

@@ -1,0 +1,702 @@
+"""The spool: the hidden-state store used as a bounded queue between capture and training (issue 27).
+
+Capture workers ("lanes", one per capture host) commit shards with the store's own machinery
+(`ShardCommitter`: the file written, fsynced and renamed, then listed in the lane's manifest with
+its checksum); one trainer takes them in commit order, trains each row `passes` times, and deletes a
+shard once all its passes are durable in the trainer's position. Capture pauses while its lane's
+share of the byte budget is full, training waits while no shard is committed.
+
+Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMany volume):
+
+    spool.json                  settings, written once: byte budget, each lane's share of it, passes,
+                                window length, step tokens, seed, hidden size
+    lanes/<lane>/               one store per capture worker (manifest.json, shards, as store.py)
+        plan.json               the lane's capture plan: every shard's name, key, tokens and file bytes
+    order.log                   the trainer's adoption log: one JSON line per shard taken, appended and
+                                fsynced before any of its rows is handed out
+    consumer.json               the trainer's ledger: its durable position, shards deleted, passes done
+
+Every file has ONE writer: a lane's folder its capture worker, order.log and consumer.json the trainer.
+Nothing relies on a lock across hosts. What is assumed of the file system: a rename over a file is atomic
+for readers (they see the old file or the new, as NFS's close-to-open consistency gives a reader that
+opens the file after the rename), fsync of a file and of a directory makes a write and a rename durable,
+and an append by the single writer followed by fsync is durable. A reader that sees an older version of a
+file than the newest (NFS attribute caching) only sees less progress: the trainer fewer committed shards
+(it waits a little longer), a capture worker fewer deletions (it counts more bytes than are on disk, and
+waits). Every stale view errs on the safe side, so the budget is never exceeded and nothing is lost.
+
+The schedule. Shards are numbered in the order the trainer adopts them (order.log); the trainer's work
+is cut into slots: slot i trains pass p of shard i - p for every p < passes (the shards that exist),
+its windows shuffled by (seed, i) and packed into steps of at most `batch_tokens` tokens. So each shard
+is trained `passes` times, in `passes` consecutive slots, mixed with its neighbours' other passes, and is
+done (deletable) once slot `i + passes - 1` is; the trainer holds at most `passes` shards on disk (and in
+memory: a shard is read whole once, its checksum verified on those bytes, and served from memory for all
+its passes, so the spool carries each byte once in and once out). A slot is a function of the adopted
+order, so it is the same in every process and after every restart.
+
+The position. `Position(slot, step)`: every step before it is trained. The trainer records the position
+after a step in its own checkpoint (written atomically with the weights) and only then calls
+`SpoolReader.commit(position)`, which writes consumer.json atomically and then deletes the shards done.
+Exactly-once means: the windows counted in the durable position are exactly those whose updates are in the
+durable weights. A kill after the checkpoint but before `commit` leaves consumer.json behind; the restarted
+trainer passes its checkpoint's position and the reader catches up (commits it). Steps trained after the
+last checkpoint died with the process that trained them and are trained again from the checkpoint, which
+is an exact resume, not a repeat: no update of the surviving weights saw them. A checkpoint older than
+consumer.json's position is refused (its shards may be deleted).
+
+The budget. A lane's bytes = its committed shards not yet deleted (the file bytes in its manifest, minus
+the shards the trainer's ledger says are deleted: deletions are recorded only after the unlink) + the
+shards reserved by its writers (their padded size: an O_DIRECT write lays down the padded tail before
+truncating it). A writer reserves before writing a shard and waits while reservation would exceed the
+lane's share. So the bytes of shard files under `root` (including `.tmp` files of writes in flight) never
+exceed the budget. A lane's share must hold `passes + 1` of its largest shards (`min_lane_bytes`): the
+`passes` shards the trainer may be holding from it and the one being written. Below that, capture and
+training could wait for each other forever; `SpoolTooSmall` refuses it before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_resources.errors import SpoolStateError, SpoolTooSmall
+from eagle3_resources.hidden_states.store import (
+    CHECKSUMS,
+    MANIFEST,
+    WRITE_CHUNK,
+    ShardCommitter,
+    ShardFile,
+    ShardImage,
+    ShardLayout,
+    ShardPlan,
+    StoredSample,
+    padded_size,
+    read_manifest,
+    recorded_checksum,
+    remove_untrusted,
+    shard_layout,
+    trusted_shards,
+    write_json_atomic,
+)
+
+SETTINGS = "spool.json"
+LEDGER = "consumer.json"
+ORDER = "order.log"
+LANES = "lanes"
+PLAN = "plan.json"
+SPOOL_FORMAT = "eagle3-spool/1"
+
+
+def min_lane_bytes(passes: int, shard_file_bytes: int) -> int:
+    """The least share a lane can run with: the `passes` shards the trainer may hold from it, plus one being written."""
+    return (passes + 1) * padded_size(shard_file_bytes)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class SpoolSettings:
+    """What both sides must agree on; written once to spool.json (`create_spool`)."""
+
+    lanes: dict[str, int]  # lane -> its share of the byte budget (bytes of shard files)
+    passes: int  # times every row is trained
+    max_len: int  # a sample longer than this is cut into consecutive windows (every token trained)
+    batch_tokens: int  # tokens per step at most (a longer window is a step of its own)
+    seed: int
+    hidden_size: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return sum(self.lanes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": SPOOL_FORMAT, **asdict(self), "budget_bytes": self.budget_bytes}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SpoolSettings:
+        return cls(
+            lanes={k: int(v) for k, v in d["lanes"].items()},
+            passes=int(d["passes"]),
+            max_len=int(d["max_len"]),
+            batch_tokens=int(d["batch_tokens"]),
+            seed=int(d["seed"]),
+            hidden_size=int(d["hidden_size"]),
+        )
+
+
+def create_spool(root: Path, settings: SpoolSettings) -> SpoolSettings:
+    """Write spool.json once; a spool that exists must have these settings (else `SpoolStateError`)."""
+    if settings.passes < 1 or settings.max_len < 4 or settings.batch_tokens < 1 or not settings.lanes:
+        raise ValueError(f"spool settings out of range: {settings}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    old = _read_json(root / SETTINGS)
+    if old is None:
+        write_json_atomic(root / SETTINGS, settings.to_json())
+        return settings
+    if SpoolSettings.from_json(old) != settings:
+        raise SpoolStateError(
+            f"{root / SETTINGS} holds other settings ({old}) than this run's ({settings.to_json()}); "
+            "a spool's settings cannot change mid-run"
+        )
+    return settings
+
+
+def open_settings(root: Path) -> SpoolSettings:
+    d = _read_json(Path(root) / SETTINGS)
+    if d is None:
+        raise SpoolStateError(f"{Path(root) / SETTINGS} does not exist: create the spool (create_spool) first")
+    return SpoolSettings.from_json(d)
+
+
+# -- the trainer's durable records, as both sides read them ------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    """Every step before (slot, step) is trained; steps are counted within their slot."""
+
+    slot: int = 0
+    step: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"slot": self.slot, "step": self.step}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Position:
+        return cls(int(d["slot"]), int(d["step"]))
+
+
+def read_order(root: Path) -> list[tuple[str, str, str]]:
+    """The adopted shards, (lane, name, key), in adoption order; a torn last line (a kill mid-append, never
+    fsynced, so never used) is not an adoption."""
+    try:
+        text = (Path(root) / ORDER).read_text()
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # the part after the last newline is torn or empty
+    out = []
+    for line in lines:
+        lane, name, key = json.loads(line)
+        out.append((str(lane), str(name), str(key)))
+    return out
+
+
+def read_ledger(root: Path) -> dict[str, Any]:
+    return _read_json(Path(root) / LEDGER) or {"position": Position().to_json(), "deleted": 0}
+
+
+def trained_out(position: Position, passes: int) -> int:
+    """How many adopted shards (a prefix of the order) have had all their passes at `position`."""
+    return max(0, position.slot - passes + 1)
+
+
+@dataclass
+class _ConsumerView:
+    """What a capture worker knows of the trainer: which of its shards are deleted, which are fully trained."""
+
+    deleted: set[str] = field(default_factory=set)
+    trained: dict[str, str] = field(default_factory=dict)  # name -> key
+
+
+def _consumer_view(root: Path, lane: str, passes: int) -> _ConsumerView:
+    ledger = read_ledger(root)  # the ledger first: order.log only grows, so it holds what the ledger counts
+    order = read_order(root)
+    done = min(len(order), trained_out(Position.from_json(ledger["position"]), passes))
+    view = _ConsumerView()
+    for i, (ln, name, key) in enumerate(order[: max(done, int(ledger["deleted"]))]):
+        if ln == lane:
+            view.trained[name] = key
+            if i < int(ledger["deleted"]):
+                view.deleted.add(name)
+    return view
+
+
+# -- the capture side ---------------------------------------------------------------------------------------
+
+
+class SpoolWriter:
+    """One capture lane: its store (the lane's folder), its plan, its share of the budget.
+
+    `todo` is what is left to capture after a resume: the planned shards neither committed intact nor already
+    trained on (a shard the trainer has finished and deleted is never captured again). Call `reserve(plan)`
+    before capturing a shard (it waits while the lane is full) and `commit(image)` once its states are in.
+    Several writer threads may share one SpoolWriter.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        lane: str,
+        samples: Sequence[StoredSample],
+        plans: Sequence[ShardPlan],
+        manifest_settings: dict[str, Any],
+        *,
+        verify_on_resume: bool = False,
+        poll_s: float = 0.2,
+    ):
+        self.root, self.lane = Path(root), lane
+        self.settings = open_settings(self.root)
+        if lane not in self.settings.lanes:
+            raise SpoolStateError(f"lane {lane!r} is not one of the spool's lanes {sorted(self.settings.lanes)}")
+        self.share = self.settings.lanes[lane]
+        self.dir = self.root / LANES / lane
+        self.poll_s = poll_s
+        hidden = self.settings.hidden_size
+        self.layouts: dict[str, ShardLayout] = {
+            p.name: shard_layout(p, [samples[i] for i in p.samples], hidden) for p in plans
+        }
+        self.plans = list(plans)
+        largest = max((lay.size for lay in self.layouts.values()), default=0)
+        need = min_lane_bytes(self.settings.passes, largest)
+        if need > self.share:
+            raise SpoolTooSmall(
+                f"lane {lane!r}: its share of the spool is {self.share:,} bytes; it needs {need:,} "
+                f"({self.settings.passes} passes + 1 of its largest shard, {largest:,} bytes)"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_plan()
+        view = _consumer_view(self.root, lane, self.settings.passes)
+        old = read_manifest(self.dir) if (self.dir / MANIFEST).exists() else {"shards": {}}
+        intact = trusted_shards(self.dir, old, self.plans, verify_on_resume)
+        keys = {p.name: p.key for p in self.plans}
+        # Kept listed: intact shards, and shards fully trained but not yet deleted (still on disk, still counted).
+        kept = {
+            name: entry
+            for name, entry in old.get("shards", {}).items()
+            if name not in view.deleted
+            and (name in intact or (name in view.trained and view.trained[name] == keys.get(name)))
+        }
+        manifest = {**manifest_settings, "hidden_size": hidden, "planned_shards": list(keys), "shards": kept}
+        self.committer = ShardCommitter(self.dir, manifest)
+        self.committer.save_manifest()
+        self.removed = remove_untrusted(self.dir, manifest)  # .tmp of a write cut short, a shard never listed
+        self.todo = [p for p in self.plans if p.name not in kept and view.trained.get(p.name) != p.key]
+        self._lock = threading.Lock()
+        self._committed = {name: int(e["bytes"]) for name, e in kept.items()}
+        self._reserved: dict[str, int] = {}
+        self.waits = 0  # reservations that had to wait
+        self.waited_s = 0.0
+
+    def _write_plan(self) -> None:
+        plan = {
+            "shards": [
+                {"name": p.name, "key": p.key, "tokens": p.tokens, "bytes": self.layouts[p.name].size}
+                for p in self.plans
+            ]
+        }
+        old = _read_json(self.dir / PLAN)
+        if old is None:
+            write_json_atomic(self.dir / PLAN, plan)
+        elif old != plan:
+            raise SpoolStateError(
+                f"{self.dir / PLAN} records another capture plan than this run's ({len(old['shards'])} shards "
+                f"against {len(plan['shards'])}): a lane's plan cannot change mid-run"
+            )
+
+    def used_bytes(self) -> int:
+        """Bytes of this lane's shards on disk, at most: committed and not yet deleted, plus reserved."""
+        deleted = _consumer_view(self.root, self.lane, self.settings.passes).deleted
+        with self._lock:
+            return self._used(deleted)
+
+    def _used(self, deleted: set[str]) -> int:
+        committed = sum(n for name, n in self._committed.items() if name not in deleted)
+        return committed + sum(self._reserved.values())
+
+    def reserve(self, plan: ShardPlan, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until the shard fits the lane's share, then reserve its bytes; False if `stop()` said so first."""
+        need = padded_size(self.layouts[plan.name].size)
+        started, waited = time.monotonic(), False
+        while True:
+            deleted = _consumer_view(self.root, self.lane, self.settings.passes).deleted
+            with self._lock:
+                if self._used(deleted) + need <= self.share:
+                    self._reserved[plan.name] = need
+                    if waited:
+                        self.waits += 1
+                        self.waited_s += time.monotonic() - started
+                    return True
+            if stop():
+                return False
+            waited = True
+            time.sleep(self.poll_s)
+
+    def start(self, image: ShardImage, plan: ShardPlan, samples: Sequence[StoredSample]) -> None:
+        """Lay out a reserved shard in `image` (ids, masks, offsets written; the states are the caller's)."""
+        image.start(plan, [samples[i] for i in plan.samples], self.settings.hidden_size, self.layouts[plan.name])
+
+    def commit(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
+        """Write and list the reserved shard (the store's atomic commit); its reservation becomes committed bytes."""
+        plan = image.plan
+        assert plan is not None and plan.name in self._reserved, "reserve() the shard before committing it"
+        try:
+            entry = self.committer.commit(image, direct=direct)
+        except BaseException:
+            (self.dir / (plan.name + ".tmp")).unlink(missing_ok=True)
+            with self._lock:
+                del self._reserved[plan.name]
+            raise
+        with self._lock:
+            self._committed[plan.name] = int(entry["bytes"])
+            del self._reserved[plan.name]
+        return entry
+
+
+# -- the training side --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpoolWindow:
+    """Tokens start:end of one sample, in one pass over its shard."""
+
+    shard: int  # index in the adoption order
+    sample_id: str
+    start: int
+    end: int
+    pass_index: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Step:
+    position: Position  # where this step is
+    after: Position  # the position once it is trained: what the trainer's checkpoint records
+    windows: list[SpoolWindow]
+
+
+class _Loaded:
+    """One shard read whole into memory, its checksum verified on those bytes."""
+
+    def __init__(self, path: Path, entry: dict[str, Any]):
+        algorithm, digest = recorded_checksum(entry)
+        size = int(entry["bytes"])
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = buf.numpy().data  # a memoryview of the tensor's bytes
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:
+                got = f.readinto(view[done : done + WRITE_CHUNK])
+                if not got:
+                    raise SpoolStateError(f"{path}: {done:,} bytes, {size:,} recorded in its lane's manifest")
+                done += got
+            if f.read(1):
+                raise SpoolStateError(f"{path}: longer than the {size:,} bytes recorded in its lane's manifest")
+        hasher = CHECKSUMS[algorithm]
+        assert hasher is not None  # recorded_checksum raised otherwise
+        h = hasher()
+        h.update(view)
+        if h.hexdigest() != digest:
+            raise SpoolStateError(f"{path}: its {algorithm} is {h.hexdigest()}, its lane's manifest records {digest}")
+        (n,) = struct.unpack("<Q", bytes(view[:8]))
+        header = json.loads(bytes(view[8 : 8 + n]))
+        meta = json.loads(header.pop("__metadata__")["eagle3"])
+        self.tensors: dict[str, torch.Tensor] = {}
+        for key, t in header.items():
+            a, b = t["data_offsets"]
+            self.tensors[key] = buf[8 + n + a : 8 + n + b].view(ShardFile.DTYPES[t["dtype"]]).view(t["shape"])
+        offsets = self.tensors["offsets"].tolist()
+        self.samples: dict[str, tuple[int, int]] = {
+            sid: (offsets[j], offsets[j + 1]) for j, sid in enumerate(meta["sample_ids"])
+        }
+        self.size = size
+
+
+class SpoolReader:
+    """The trainer's side: steps in a fixed order from the adopted shards; `commit` after each checkpoint.
+
+    `reader[sample_id]` gives a sample's tensors (input_ids, loss_mask, aux_hidden_states, final_hidden_state)
+    for any window of the steps handed out and not yet past, as the store does (a `SampleSource`).
+    """
+
+    def __init__(self, root: Path, *, position: Position | None = None, poll_s: float = 0.2):
+        self.root = Path(root)
+        self.settings = open_settings(self.root)
+        self.poll_s = poll_s
+        self._truncate_torn_order()
+        self.order = read_order(self.root)
+        ledger = read_ledger(self.root)
+        self.committed = Position.from_json(ledger["position"])
+        self.deleted = int(ledger["deleted"])
+        if position is not None and position < self.committed:
+            raise SpoolStateError(
+                f"the trainer resumes at {position}, behind the spool's recorded position {self.committed} "
+                f"({self.root / LEDGER}): shards it would train again may be deleted"
+            )
+        self.cursor = position or self.committed
+        self.lane_plans: dict[str, dict[str, dict[str, Any]]] | None = None
+        self.total: int | None = None  # shards in every lane's plan
+        self._slot: tuple[int, list[list[SpoolWindow]]] | None = None
+        self._loaded: dict[int, _Loaded] = {}
+        self._by_sample: dict[str, int] = {}
+        self._next_lane = 0
+        self.waited_s = 0.0
+        self.bytes_read = 0
+        self._commit_pending_deletions()
+        if self.cursor > self.committed:  # the checkpoint is durable and ahead of the ledger: catch up
+            self.commit(self.cursor)
+
+    # -- files
+
+    def _truncate_torn_order(self) -> None:
+        path = self.root / ORDER
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        if keep != len(data):
+            with open(path, "r+b") as f:
+                f.truncate(keep)
+                os.fsync(f.fileno())
+
+    def _append_order(self, ref: tuple[str, str, str]) -> None:
+        path = self.root / ORDER
+        new = not path.exists()
+        with open(path, "a") as f:
+            f.write(json.dumps(list(ref)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if new:
+            _fsync_dir(self.root)
+        self.order.append(ref)
+
+    def _write_ledger(self) -> None:
+        p = self.settings.passes
+        done = min(len(self.order), trained_out(self.committed, p))
+        in_progress = range(done, min(len(self.order), self.committed.slot + 1))
+        write_json_atomic(
+            self.root / LEDGER,
+            {
+                "position": self.committed.to_json(),
+                "deleted": self.deleted,
+                "trained_out": done,
+                "adopted": len(self.order),
+                "passes": p,
+                # passes finished of the shards still being trained (each earlier one has all `passes`)
+                "passes_done": {f"{self.order[k][0]}/{self.order[k][1]}": self.committed.slot - k for k in in_progress},
+            },
+        )
+
+    def _commit_pending_deletions(self) -> None:
+        """Delete the shards the durable position has finished, then record the deletion (in that order: a
+        capture worker counts a shard's bytes until the ledger says its file is gone)."""
+        done = min(len(self.order), trained_out(self.committed, self.settings.passes))
+        if done <= self.deleted:
+            return
+        lanes = set()
+        for lane, name, _ in self.order[self.deleted : done]:
+            (self.root / LANES / lane / name).unlink(missing_ok=True)
+            lanes.add(lane)
+        for lane in lanes:
+            _fsync_dir(self.root / LANES / lane)
+        self.deleted = done
+        self._write_ledger()
+
+    def commit(self, position: Position) -> None:
+        """Record `position` durably (call it once the trainer's checkpoint at that position is durable), then
+        delete the shards it has finished."""
+        if position <= self.committed:
+            return
+        if position > self.cursor:
+            raise ValueError(f"commit({position}) is past the last step handed out ({self.cursor})")
+        self.committed = position
+        self._write_ledger()
+        self._commit_pending_deletions()
+
+    # -- adoption
+
+    def _read_plans(self) -> bool:
+        if self.lane_plans is not None:
+            return True
+        plans = {}
+        for lane in self.settings.lanes:
+            plan = _read_json(self.root / LANES / lane / PLAN)
+            if plan is None:
+                return False
+            plans[lane] = {s["name"]: s for s in plan["shards"]}
+        self.lane_plans = plans
+        self.total = sum(len(v) for v in plans.values())
+        return True
+
+    def _adopt_one(self) -> bool:
+        """Take one committed, planned shard no one has taken, from the lanes in turn; False if there is none."""
+        assert self.lane_plans is not None
+        taken = {(lane, name) for lane, name, _ in self.order}
+        lanes = sorted(self.settings.lanes)
+        for k in range(len(lanes)):
+            lane = lanes[(self._next_lane + k) % len(lanes)]
+            d = self.root / LANES / lane
+            manifest = _read_json(d / MANIFEST)
+            if manifest is None:
+                continue
+            for name, entry in manifest.get("shards", {}).items():  # commit order
+                plan = self.lane_plans[lane].get(name)
+                if (lane, name) not in taken and plan is not None and plan["key"] == entry["key"]:
+                    self._append_order((lane, name, entry["key"]))
+                    self._next_lane = (self._next_lane + k + 1) % len(lanes)
+                    return True
+        return False
+
+    def _load(self, k: int) -> _Loaded:
+        if k not in self._loaded:
+            lane, name, key = self.order[k]
+            d = self.root / LANES / lane
+            entry = (_read_json(d / MANIFEST) or {}).get("shards", {}).get(name)
+            if entry is None or entry["key"] != key:
+                raise SpoolStateError(f"{d / name}: adopted by the trainer, no longer listed in {d / MANIFEST}")
+            shard = _Loaded(d / name, entry)
+            for sid in shard.samples:
+                if sid in self._by_sample and self._by_sample[sid] != k:
+                    raise SpoolStateError(f"sample {sid!r} is in two shards of the spool: {self.order[k]} and another")
+                self._by_sample[sid] = k
+            self._loaded[k] = shard
+            self.bytes_read += shard.size
+        return self._loaded[k]
+
+    # -- steps
+
+    def _slot_parts(self, slot: int) -> list[tuple[int, int]]:
+        """(shard index, pass) of slot `slot`."""
+        assert self.total is not None
+        return [(slot - p, p) for p in range(self.settings.passes) if 0 <= slot - p < self.total]
+
+    def _steps_of(self, slot: int) -> list[list[SpoolWindow]]:
+        s = self.settings
+        windows: list[SpoolWindow] = []
+        for k, p in self._slot_parts(slot):
+            for sid, (a, b) in self._load(k).samples.items():
+                n = b - a
+                windows.extend(SpoolWindow(k, sid, x, min(n, x + s.max_len), p) for x in range(0, n, s.max_len))
+        random.Random(f"{s.seed}:{slot}").shuffle(windows)
+        steps: list[list[SpoolWindow]] = []
+        tokens = 0
+        for w in windows:
+            if steps and tokens + w.tokens <= s.batch_tokens:
+                steps[-1].append(w)
+                tokens += w.tokens
+            else:
+                steps.append([w])
+                tokens = w.tokens
+        # The shards of this slot and of the one before stay in memory: a step handed out just before this slot's
+        # first may still be read (`reader[sample_id]`) by a trainer that prefetches.
+        keep = {k for k, _ in [*self._slot_parts(slot), *self._slot_parts(slot - 1)]}
+        for k in [k for k in self._loaded if k not in keep]:
+            for sid in self._loaded.pop(k).samples:
+                self._by_sample.pop(sid, None)
+        return steps
+
+    @property
+    def finished(self) -> bool:
+        return self.total is not None and self.cursor.slot >= self.total + self.settings.passes - 1
+
+    def _try_step(self) -> Step | None:
+        """The next step if the shards it needs are committed (adopting them), else None (or `finished`)."""
+        assert self.total is not None
+        while not self.finished:
+            slot = self.cursor.slot
+            while len(self.order) <= min(slot, self.total - 1):
+                if not self._adopt_one():
+                    return None
+            if self._slot is None or self._slot[0] != slot:
+                self._slot = (slot, self._steps_of(slot))
+            steps = self._slot[1]
+            here = self.cursor
+            if here.step >= len(steps):  # a slot without windows (shards of empty samples only)
+                self.cursor = Position(slot + 1, 0)
+                continue
+            self.cursor = Position(slot, here.step + 1) if here.step + 1 < len(steps) else Position(slot + 1, 0)
+            return Step(here, self.cursor, steps[here.step])
+        return None
+
+    def next_step(
+        self, stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], None] | None = None
+    ) -> Step | None:
+        """The next step, waiting while a shard it needs is not committed yet; None when every pass is done
+        (`finished`) or `stop()` said so while waiting. `on_wait` is called once before waiting: the trainer
+        checkpoints and commits there, so the shards it has finished are deleted and capture can go on."""
+        started: float | None = None
+        try:
+            while True:
+                if self._read_plans():
+                    step = self._try_step()
+                    if step is not None or self.finished:
+                        return step
+                if started is None:
+                    started = time.monotonic()
+                    if on_wait is not None:
+                        on_wait()
+                        continue
+                if stop():
+                    return None
+                time.sleep(self.poll_s)
+        finally:
+            if started is not None:
+                self.waited_s += time.monotonic() - started
+
+    def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
+        """The sample's tensors (views of its shard in memory), as `HiddenStateStore[sample_id]` gives them."""
+        shard = self._loaded[self._by_sample[sample_id]]
+        a, b = shard.samples[sample_id]
+        keys = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
+        return {key: shard.tensors[key][a:b] for key in keys}
+
+
+def spool_status(root: Path) -> dict[str, Any]:
+    """The spool's fill, from the files themselves (bytes of shard files on disk, `.tmp` included) and the
+    trainer's ledger: what a progress report shows."""
+    root = Path(root)
+    settings = open_settings(root)
+    ledger = read_ledger(root)
+    lanes = {}
+    for lane, share in settings.lanes.items():
+        d = root / LANES / lane
+        on_disk = 0
+        if d.exists():
+            for e in os.scandir(d):
+                if e.name.endswith((".safetensors", ".safetensors.tmp")):
+                    try:
+                        on_disk += e.stat().st_size
+                    except FileNotFoundError:
+                        pass
+        plan = _read_json(d / PLAN) or {"shards": []}
+        manifest = _read_json(d / MANIFEST) or {"shards": {}}
+        lanes[lane] = {
+            "share_bytes": share,
+            "bytes_on_disk": on_disk,
+            "planned_shards": len(plan["shards"]),
+            "listed_shards": len(manifest["shards"]),
+        }
+    return {
+        "budget_bytes": settings.budget_bytes,
+        "bytes_on_disk": sum(v["bytes_on_disk"] for v in lanes.values()),
+        "lanes": lanes,
+        "adopted": len(read_order(root)),
+        "position": ledger["position"],
+        "deleted": ledger["deleted"],
+    }

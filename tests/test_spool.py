@@ -1,0 +1,360 @@
+"""The spool (eagle3_resources/hidden_states/spool.py): capture and training as separate processes through a
+spool whose budget is a tenth of the data, kill -9 of either side at random moments, two hosts sharing the
+directory; and, in one process, the refusals and the resume rules.
+
+The processes are tests/spool_worker.py: a capture lane writing real shards through the store's API, and a
+counting trainer whose checkpoint (its per-token counts and the spool position, one atomic file) is the
+trainer's side of "exactly once": at the end every token of the data is counted exactly `passes` times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import spool_worker as worker
+
+from eagle3_resources.errors import SpoolStateError, SpoolTooSmall
+from eagle3_resources.hidden_states.spool import (
+    LANES,
+    ORDER,
+    Position,
+    SpoolReader,
+    SpoolSettings,
+    SpoolWriter,
+    create_spool,
+    min_lane_bytes,
+    read_ledger,
+    read_order,
+)
+from eagle3_resources.hidden_states.store import (
+    FORMAT,
+    ShardImage,
+    host_buffer,
+    padded_size,
+    plan_shards,
+    shard_layout,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = 160
+PASSES = 2
+pytestmark = pytest.mark.timeout(600)
+
+
+def lane_bytes(n_lanes: int) -> tuple[list[int], list[int]]:
+    """(each lane's data bytes, each lane's largest shard file) for the worker's dataset cut into n lanes."""
+    data, largest = [], []
+    for i in range(n_lanes):
+        samples = worker.lane_samples(worker.dataset(SAMPLES), i, n_lanes)
+        plans = plan_shards(samples, worker.HIDDEN, worker.SHARD_BYTES, {"target": "synthetic"})
+        sizes = [shard_layout(p, [samples[j] for j in p.samples], worker.HIDDEN).size for p in plans]
+        data.append(sum(sizes))
+        largest.append(max(sizes))
+    return data, largest
+
+
+def make_spool(root: Path, lanes: list[str]) -> tuple[SpoolSettings, int]:
+    """A spool whose budget is a tenth of the data's bytes; (its settings, the data's bytes)."""
+    data, largest = lane_bytes(len(lanes))
+    budget = sum(data) // 10
+    share = budget // len(lanes)
+    for lane_max in largest:  # the budget is a tenth of the data and still holds each lane's working set
+        assert share >= min_lane_bytes(PASSES, lane_max), (share, lane_max)
+    settings = SpoolSettings(
+        {lane: share for lane in lanes}, passes=PASSES, max_len=64, batch_tokens=256, seed=5, hidden_size=worker.HIDDEN
+    )
+    return create_spool(root, settings), sum(data)
+
+
+class Sampler:
+    """Sums the bytes of the shard files under the spool (`.tmp` of writes in flight included), over and over,
+    from its own thread: the largest sum seen is the spool's peak."""
+
+    def __init__(self, root: Path):
+        self.root, self.peak, self.samples = root, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def bytes_now(self) -> int:
+        total = 0
+        lanes = self.root / LANES
+        for lane in os.scandir(lanes) if lanes.exists() else []:
+            for e in os.scandir(lane.path):
+                if e.name.endswith((".safetensors", ".safetensors.tmp")):
+                    try:
+                        total += e.stat().st_size
+                    except FileNotFoundError:
+                        pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.bytes_now())
+            self.samples += 1
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Procs:
+    """The worker processes of a test, each in the process group the test puts it in; all killed at the end."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.all: list[subprocess.Popen] = []
+
+    def start(self, *args: str, group: int | None = None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, str(REPO / "tests" / "spool_worker.py"), *args]
+        p = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            process_group=0 if group is None else group,
+        )
+        self.all.append(p)
+        return p
+
+    def produce(self, root: Path, lane: str, index: int, lanes: int, slow: float, group: int | None = None):
+        stats = self.tmp / f"produce-{lane}.jsonl"
+        args = ["produce", str(root), lane, "--lane-index", str(index), "--lanes", str(lanes)]
+        return self.start(*args, "--samples", str(SAMPLES), "--slow", str(slow), "--stats", str(stats), group=group)
+
+    def consume(self, root: Path, slow: float, group: int | None = None):
+        ckpt, stats = self.tmp / "trainer.json", self.tmp / "consume.jsonl"
+        return self.start("consume", str(root), str(ckpt), "--slow", str(slow), "--stats", str(stats), group=group)
+
+    def finish(self, p: subprocess.Popen) -> None:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+
+    def kill_all(self) -> None:
+        for p in self.all:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if os.getpgid(p.pid) == p.pid else p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.kill_all()
+
+
+def stats(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_trained_exactly(tmp: Path, n_lanes: int) -> None:
+    """Every token of every lane's samples counted exactly PASSES times by the trainer, nothing else counted."""
+    counts = json.loads((tmp / "trainer.json").read_text())["counts"]
+    expected = {
+        s.sample_id: len(s.input_ids)
+        for i in range(n_lanes)
+        for s in worker.lane_samples(worker.dataset(SAMPLES), i, n_lanes)
+    }
+    assert set(counts) == set(expected)
+    wrong = {sid: row for sid, row in counts.items() if len(row) != expected[sid] or set(row) != {PASSES}}
+    assert not wrong, f"{len(wrong)} sample(s) not trained exactly {PASSES} times: {list(wrong.items())[:3]}"
+
+
+def assert_spool_emptied(root: Path, lanes: list[str]) -> None:
+    """Every shard was deleted once trained, and recorded so: nothing is left on disk, nothing was captured again."""
+    left = [p.name for lane in lanes for p in (root / LANES / lane).glob("*.safetensors*")]
+    assert not left, left
+    ledger = read_ledger(root)
+    assert (
+        ledger["deleted"]
+        == len(read_order(root))
+        == sum(len(json.loads((root / LANES / lane / "plan.json").read_text())["shards"]) for lane in lanes)
+    )
+
+
+def test_capture_and_training_as_processes_through_a_spool_of_a_tenth_of_the_data(procs, tmp_path):
+    root = tmp_path / "spool"
+    settings, data = make_spool(root, ["a"])
+    sampler = Sampler(root)
+    producer = procs.produce(root, "a", 0, 1, slow=0.0)
+    trainer = procs.consume(root, slow=0.02)
+    procs.finish(producer)
+    procs.finish(trainer)
+    sampler.stop()
+    assert 0 < sampler.peak <= settings.budget_bytes, (sampler.peak, settings.budget_bytes)
+    assert settings.budget_bytes * 10 <= data
+    assert_trained_exactly(tmp_path, 1)
+    assert_spool_emptied(root, ["a"])
+    (p,) = stats(tmp_path / "produce-a.jsonl")
+    assert p["waits"] > 0, "capture never paused for a full spool: the budget was not exercised"
+    (c,) = stats(tmp_path / "consume.jsonl")
+    assert c["bytes_read"] == data  # each shard read once, whatever the passes
+
+
+def wait_for_slot(root: Path, slot: int) -> None:
+    """Until the trainer's durable position reaches `slot` (its progress, not a time)."""
+    while Position.from_json(read_ledger(root)["position"]).slot < slot:
+        time.sleep(0.01)
+
+
+def test_kill_9_of_capture_then_of_training_resumes_without_losing_or_repeating_a_window(procs, tmp_path):
+    root = tmp_path / "spool"
+    settings, _ = make_spool(root, ["a"])
+    rng = random.Random(2027)
+    sampler = Sampler(root)
+    producer = procs.produce(root, "a", 0, 1, slow=0.01)
+    trainer = procs.consume(root, slow=0.03)
+    for lo in (10, 70):  # twice each side, capture first, at random moments of their work
+        wait_for_slot(root, rng.randint(lo, lo + 20))
+        time.sleep(rng.uniform(0.0, 0.5))
+        assert producer.poll() is None, "capture had finished before its kill"
+        os.killpg(producer.pid, signal.SIGKILL)
+        producer.wait()
+        producer = procs.produce(root, "a", 0, 1, slow=0.01)
+        wait_for_slot(root, rng.randint(lo + 30, lo + 50))
+        time.sleep(rng.uniform(0.0, 0.5))
+        assert trainer.poll() is None, "training had finished before its kill"
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        trainer = procs.consume(root, slow=0.03)
+    procs.finish(producer)
+    procs.finish(trainer)
+    sampler.stop()
+    assert sampler.peak <= settings.budget_bytes, (sampler.peak, settings.budget_bytes)
+    assert_trained_exactly(tmp_path, 1)
+    assert_spool_emptied(root, ["a"])
+    runs = stats(tmp_path / "produce-a.jsonl")
+    assert len(runs) == 1 and runs[0]["todo"] < len(
+        json.loads((root / LANES / "a" / "plan.json").read_text())["shards"]
+    )
+
+
+def test_two_hosts_sharing_the_spool_directory(procs, tmp_path):
+    """Host A: two capture lanes in one process group; host B: the trainer in another. They share only files."""
+    root = tmp_path / "spool"
+    lanes = ["hostA-0", "hostA-1"]
+    settings, _ = make_spool(root, lanes)
+    sampler = Sampler(root)
+    first = procs.produce(root, lanes[0], 0, 2, slow=0.0)
+    second = procs.produce(root, lanes[1], 1, 2, slow=0.0, group=first.pid)
+    trainer = procs.consume(root, slow=0.02)
+    assert os.getpgid(second.pid) == first.pid != os.getpgid(trainer.pid) == trainer.pid
+    for p in (first, second, trainer):
+        procs.finish(p)
+    sampler.stop()
+    assert sampler.peak <= settings.budget_bytes
+    assert_trained_exactly(tmp_path, 2)
+    assert_spool_emptied(root, lanes)
+    taken = [lane for lane, _, _ in read_order(root)]
+    assert set(taken) == set(lanes)
+
+
+# -- in one process: the refusals and the resume rules ------------------------------------------------------
+
+
+def fill(root: Path, lane: str = "a", samples: int = 24) -> SpoolWriter:
+    """Commit every shard of a lane that fits (no trainer runs here), through the same code as the worker."""
+    data = worker.dataset(samples)
+    plans = plan_shards(data, worker.HIDDEN, worker.SHARD_BYTES, {"target": "synthetic"})
+    writer = SpoolWriter(root, lane, data, plans, {"format": FORMAT}, poll_s=0.01)
+    image = ShardImage(host_buffer(max(padded_size(lay.size) for lay in writer.layouts.values()), pin=False))
+    for plan in writer.todo:
+        if not writer.reserve(plan, stop=lambda: True):
+            break
+        writer.start(image, plan, data)
+        assert image.layout is not None
+        for j, i in enumerate(plan.samples):
+            a, b = image.layout.row_offsets[j], image.layout.row_offsets[j + 1]
+            image.aux[a:b], image.final[a:b] = worker.expected_states(data[i].sample_id, b - a)
+        writer.commit(image, direct=False)
+    return writer
+
+
+def small_spool(root: Path, share: int = 10**7, passes: int = 1) -> SpoolSettings:
+    return create_spool(root, SpoolSettings({"a": share}, passes, max_len=64, batch_tokens=256, seed=1, hidden_size=32))
+
+
+def test_a_lane_whose_share_cannot_hold_its_working_set_is_refused(tmp_path):
+    data = worker.dataset(24)
+    plans = plan_shards(data, worker.HIDDEN, worker.SHARD_BYTES, {"target": "synthetic"})
+    largest = max(shard_layout(p, [data[j] for j in p.samples], worker.HIDDEN).size for p in plans)
+    small_spool(tmp_path / "ok", share=min_lane_bytes(2, largest), passes=2)
+    SpoolWriter(tmp_path / "ok", "a", data, plans, {"format": FORMAT})  # exactly the minimum: accepted
+    small_spool(tmp_path / "no", share=min_lane_bytes(2, largest) - 1, passes=2)
+    with pytest.raises(SpoolTooSmall, match="needs") as e:
+        SpoolWriter(tmp_path / "no", "a", data, plans, {"format": FORMAT})
+    assert "budget" in e.value.what_to_do
+
+
+def test_a_shard_whose_bytes_are_not_its_checksums_is_refused(tmp_path):
+    small_spool(tmp_path)
+    fill(tmp_path)
+    first = read_order(tmp_path) or None
+    assert first is None  # nothing adopted yet
+    manifest = json.loads((tmp_path / LANES / "a" / "manifest.json").read_text())
+    name = next(iter(manifest["shards"]))
+    path = tmp_path / LANES / "a" / name
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # one bit of the last row's loss mask
+    path.write_bytes(bytes(data))
+    with pytest.raises(SpoolStateError, match="xxh3_128|sha256"):
+        SpoolReader(tmp_path).next_step()
+
+
+def test_capture_resumes_without_capturing_again_what_was_trained_and_deleted(tmp_path):
+    small_spool(tmp_path)
+    writer = fill(tmp_path)
+    assert not writer.todo or len(writer.todo) == len(writer.plans)
+    reader = SpoolReader(tmp_path, poll_s=0.01)
+    steps = 0
+    while (step := reader.next_step(stop=lambda: True)) is not None and step.position.slot < 3:
+        steps += 1
+        last = step.after
+    reader.commit(last)  # slots 0-2 done: 3 shards trained on their one pass and deleted
+    assert read_ledger(tmp_path)["deleted"] == 3
+    resumed = fill(tmp_path)
+    gone = {name for _, name, _ in read_order(tmp_path)[:3]}
+    assert not gone & {p.name for p in resumed.todo}
+    assert not gone & set(json.loads((tmp_path / LANES / "a" / "manifest.json").read_text())["shards"])
+
+
+def test_a_trainer_checkpoint_behind_the_spools_position_is_refused_and_one_ahead_is_caught_up(tmp_path):
+    small_spool(tmp_path)
+    fill(tmp_path)
+    reader = SpoolReader(tmp_path, poll_s=0.01)
+    handed = [reader.next_step(stop=lambda: True) for _ in range(6)]
+    assert all(handed)
+    reader.commit(handed[3].after)
+    with pytest.raises(SpoolStateError, match="behind"):
+        SpoolReader(tmp_path, position=handed[1].after)
+    ahead = handed[5].after
+    again = SpoolReader(tmp_path, position=ahead)  # the checkpoint reached the disk, the ledger did not
+    assert Position.from_json(read_ledger(tmp_path)["position"]) == ahead
+    nxt = again.next_step(stop=lambda: True)
+    assert nxt is not None and nxt.position == ahead
+
+
+def test_a_torn_line_of_the_adoption_log_is_not_an_adoption(tmp_path):
+    small_spool(tmp_path)
+    fill(tmp_path)
+    reader = SpoolReader(tmp_path, poll_s=0.01)
+    reader.next_step(stop=lambda: True)
+    whole = (tmp_path / ORDER).read_bytes()
+    (tmp_path / ORDER).write_bytes(whole + b'["a", "G1-000')  # a kill in the middle of the next append
+    assert read_order(tmp_path) == [tuple(json.loads(line)) for line in whole.decode().splitlines()]
+    SpoolReader(tmp_path)
+    assert (tmp_path / ORDER).read_bytes() == whole
