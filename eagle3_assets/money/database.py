@@ -25,7 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 LEDGER_URL_ENV = "EAGLE3_LEDGER_URL"
 POSTGRES_SCHEMA = "eagle3_spend"
-# URL schemes of PostgreSQL with psycopg2, the driver dagster-postgres uses (the instance's URL is checked against them too).
+# URL schemes of PostgreSQL with psycopg2, the driver dagster-postgres uses (the instance's URL is checked against
+# them too).
 POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg2")
 
 try:  # what a failed statement or commit raises, whichever database the ledger is in
@@ -37,7 +38,8 @@ except ImportError:  # without the `postgres` extra the ledger is SQLite only
 
 
 class Cursor(Protocol):
-    description: Any
+    @property
+    def description(self) -> Any: ...  # read-only, as sqlite3's and psycopg2's cursors have it
 
     def fetchone(self) -> Any: ...
 

@@ -343,12 +343,12 @@ def reserve(
         return [], Block("spending hold: " + "; ".join(hold["reasons"]), reached=True, hold=True)
     day = utc_day(now)
     keys = _scope_keys(run_id, dataset, day)
-    total, today, run, ds = (_read_scope(conn, k) for k in keys)
+    scopes = _Scopes(*(_read_scope(conn, k) for k in keys))
     granted: list[tuple] = []
     added_usd, added_tokens = 0.0, 0
     block = None
     for want in wants:
-        block = _does_not_fit(want, caps, total, today, run, ds, added_usd, added_tokens)
+        block = _does_not_fit(want, caps, scopes, added_usd, added_tokens)
         if block is not None:
             break
         attempt_id = os.urandom(12).hex()
@@ -359,8 +359,8 @@ def reserve(
         added_tokens += want.tokens
     if granted:
         conn.executemany(
-            "insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, reserved_usd, "
-            "reserved_tokens, state) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'reserved')",
+            "insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
+            "reserved_usd, reserved_tokens, state) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'reserved')",
             granted,
         )
         _bump(conn, keys, live_usd=added_usd, live_tokens=added_tokens, attempts=len(granted))
@@ -370,9 +370,19 @@ def reserve(
 reserve.reads_scopes = True  # type: ignore[attr-defined]
 
 
-def _does_not_fit(
-    want: Want, caps: Caps, total: Scope, today: Scope, run: Scope, ds: Scope, added_usd: float, added_tokens: int
-) -> Block | None:
+@dataclass(frozen=True)
+class _Scopes:
+    """The scopes one reservation counts against (`_scope_keys` order), read once per `reserve`."""
+
+    total: Scope
+    today: Scope
+    run: Scope
+    dataset: Scope
+
+
+def _does_not_fit(want: Want, caps: Caps, scopes: _Scopes, added_usd: float, added_tokens: int) -> Block | None:
+    """What blocks `want` after the wants before it in this `reserve` (`added_usd`, `added_tokens`), if anything."""
+    ds = scopes.dataset
     if caps.token_budget is not None:
         committed = ds.committed_tokens + added_tokens
         if committed + want.tokens > caps.token_budget:
@@ -383,9 +393,9 @@ def _does_not_fit(
                 reached,
             )
     for cap, scope, what in (
-        (caps.run_usd, run, "run"),
-        (caps.day_usd, today, "daily"),
-        (caps.total_usd, total, "total"),
+        (caps.run_usd, scopes.run, "run"),
+        (caps.day_usd, scopes.today, "daily"),
+        (caps.total_usd, scopes.total, "total"),
     ):
         if cap is None:
             continue
@@ -393,7 +403,8 @@ def _does_not_fit(
             reached = scope.settled_usd + scope.stuck_usd + want.worst_usd > cap
             return Block(
                 f"{what} dollar cap ${cap:.2f} reached (${scope.settled_usd:.4f} billed, "
-                f"${scope.live_usd + scope.stuck_usd + added_usd:.4f} reserved, next request up to ${want.worst_usd:.4f})",
+                f"${scope.live_usd + scope.stuck_usd + added_usd:.4f} reserved, "
+                f"next request up to ${want.worst_usd:.4f})",
                 reached,
             )
     return None
@@ -407,7 +418,8 @@ def _row(conn: Connection, attempt_id: str) -> tuple | None:
 
 
 def sending(conn: Connection, attempt_id: str, now: float) -> None:
-    """The attempt is about to leave the process (committed before its first byte is sent): it may be billed from now on."""
+    """The attempt is about to leave the process (committed before its first byte is sent): it may be billed from now
+    on."""
     conn.execute("update attempts set sent_at = ? where attempt_id = ? and sent_at is null", (now, attempt_id))
 
 
@@ -420,7 +432,7 @@ def opened(conn: Connection, attempt_id: str, generation_id: str) -> None:
     )
 
 
-def settle(
+def settle(  # 11 parameters: the bill's fields by keyword, as every settler (and the tests) name them
     conn: Connection,
     attempt_id: str,
     *,
@@ -462,9 +474,9 @@ def settle(
     else:  # expired, then found after all
         _bump(conn, keys, expired_usd=-reserved_usd, settled_usd=cost_usd, settled_tokens=tokens)
     conn.execute(
-        "update attempts set state = ?, cost_usd = ?, prompt_tokens = ?, completion_tokens = ?, source = ?, settled_at = ?, "
-        "ended_at = coalesce(ended_at, ?), generation_id = coalesce(?, generation_id), finish_reason = ?, provider = ? "
-        "where attempt_id = ?",
+        "update attempts set state = ?, cost_usd = ?, prompt_tokens = ?, completion_tokens = ?, source = ?, "
+        "settled_at = ?, ended_at = coalesce(ended_at, ?), generation_id = coalesce(?, generation_id), "
+        "finish_reason = ?, provider = ? where attempt_id = ?",
         (
             state,
             cost_usd,
@@ -600,7 +612,7 @@ def lost_answers(conn: Connection, dataset: str) -> list[dict[str, Any]]:
         (dataset,),
     )
     cols = [c[0] for c in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
 
 
 def mark_recovered(conn: Connection, attempt_ids: list[str], recovered: bool) -> None:
@@ -650,6 +662,14 @@ def scope(conn: Connection, key: str) -> Scope:
     return _read_scope(conn, key)
 
 
+def settled_series(conn: Connection) -> list[tuple[str, float, float]]:
+    """(dataset, settled_at, cost) of every billed attempt, in time order (the `spend` asset's picture)."""
+    return conn.execute(
+        "select dataset, settled_at, cost_usd from attempts where settled_at is not null and cost_usd > 0 "
+        "order by settled_at"
+    ).fetchall()
+
+
 def stuck_attempts(conn: Connection, limit: int = 20) -> list[dict[str, Any]]:
     cur = conn.execute(
         f"select dataset, prompt_id, state, generation_id, reserved_usd, ended_at, lookups from attempts "
@@ -657,7 +677,7 @@ def stuck_attempts(conn: Connection, limit: int = 20) -> list[dict[str, Any]]:
         (limit,),
     )
     cols = [c[0] for c in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
 
 
 # -- the hold: one row, read by every admission ----------------------------------------------
@@ -681,7 +701,8 @@ def set_hold(
     hold = {"since": now, "reasons": reasons, "figures": figs, "thresholds": thresholds}
     conn.execute(
         "insert into hold(id, since, reasons, figures, thresholds) values (1, ?, ?, ?, ?) on conflict (id) do update "
-        "set since = excluded.since, reasons = excluded.reasons, figures = excluded.figures, thresholds = excluded.thresholds",
+        "set since = excluded.since, reasons = excluded.reasons, figures = excluded.figures, "
+        "thresholds = excluded.thresholds",
         (now, json.dumps(reasons), json.dumps(figs, default=str), json.dumps(thresholds)),
     )
     conn.execute("insert into hold_log values (?, 'set', ?)", (now, json.dumps(hold, default=str)))
@@ -718,7 +739,8 @@ def import_journals(conn: Connection, journals: list[Path]) -> dict[str, Any]:
             conn.execute(
                 "insert into attempts(attempt_id, run_id, dataset, prompt_id, number, owner, day, reserved_at, "
                 "reserved_usd, reserved_tokens, state, generation_id, cost_usd, completion_tokens, source, settled_at) "
-                "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?) on conflict do nothing",
+                "values (?, ?, ?, ?, 1, 'journal', ?, ?, 0, 0, 'settled', ?, ?, ?, 'journal-import', ?) "
+                "on conflict do nothing",
                 (
                     attempt_id,
                     run_id,

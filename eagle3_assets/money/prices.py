@@ -129,7 +129,8 @@ def allowed(endpoints: list[dict[str, Any]], routing: dict[str, Any]) -> tuple[l
 
 
 async def fetch_prices(account: OpenRouterAccount, model: str, routing: dict[str, Any]) -> PriceSheet | None:
-    """The model's price sheet under this routing, from the endpoint list (else the model list); None if the API has neither."""
+    """The model's price sheet under this routing, from the endpoint list (else the model list); None if the API has
+    neither."""
     endpoints = await account.endpoints(model)
     if endpoints:
         keep, excluded = allowed(endpoints, routing)

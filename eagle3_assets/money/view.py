@@ -13,18 +13,18 @@ import json
 import time
 from collections.abc import Mapping
 from datetime import UTC
-from typing import Any
+from typing import Any, cast
 
 import dagster as dg
 
-from eagle3_assets.money.database import Connection
-from eagle3_assets.money.ledger import Figures, Scope, scope, usd
+from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.money.ledger import Figures, Scope, SpendLedger, scope, settled_series, usd
 
 HEARTBEAT_S = 900.0
 SERIES_POINTS = 400  # points per dataset in the picture
 
 
-def dataset_scopes(ledger, datasets: list[str]) -> dict[str, Scope]:
+def dataset_scopes(ledger: SpendLedger, datasets: list[str]) -> dict[str, Scope]:
     """Each dataset's ledger scope (every run, every attempt), for datasets that ever spent or reserved."""
     out = {}
     for name in datasets:
@@ -32,14 +32,6 @@ def dataset_scopes(ledger, datasets: list[str]) -> dict[str, Scope]:
         if s.attempts:
             out[name] = s
     return out
-
-
-def settled_series(conn: Connection) -> list[tuple[str, float, float]]:
-    """(dataset, settled_at, cost) of every billed attempt, in time order."""
-    return conn.execute(
-        "select dataset, settled_at, cost_usd from attempts where settled_at is not null and cost_usd > 0 "
-        "order by settled_at"
-    ).fetchall()
 
 
 def spend_figures(
@@ -133,8 +125,9 @@ def spend_plot(series: list[tuple[str, float, float]], thresholds: Mapping[str, 
     if len(by_dataset) > 1:
         draw(total, label="all", color="black", lw=2)
     for name, style in (("max_total_usd", "--"), ("max_day_usd", ":")):
-        if thresholds.get(name) is not None:
-            ax.axhline(thresholds[name], color="red", ls=style, lw=1, label=f"{name} ${thresholds[name]:,.2f}")
+        limit = thresholds.get(name)
+        if limit is not None:
+            ax.axhline(limit, color="red", ls=style, lw=1, label=f"{name} ${limit:,.2f}")
     ax.set_ylabel("dollars billed")
     title = f"spend over time: ${running:,.4f} in all"
     ax.set_title(title + ("  (SPENDING ON HOLD)" if hold else ""), color="red" if hold else "black")
@@ -155,10 +148,13 @@ def pending_projections(instance: dg.DagsterInstance, datasets: list[str]) -> di
         records = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[name]), limit=1
         ).records
-        meta = records[0].asset_materialization.metadata if records else {}
+        materialization = records[0].asset_materialization if records else None
+        meta = materialization.metadata if materialization is not None else {}
         if "projection" not in meta or "status_pending" not in meta:
             continue
-        projection, pending = meta["projection"].value, meta["status_pending"].value
+        # the pilot's projection (JSON: prompts, usd) and the prompts still pending, as the completions asset has them
+        projection = cast(dict[str, Any], meta["projection"].value)
+        pending = cast(int, meta["status_pending"].value)
         if pending and projection.get("prompts"):
             out[name] = projection["usd"] * min(1.0, pending / projection["prompts"])
     return out
@@ -166,21 +162,16 @@ def pending_projections(instance: dg.DagsterInstance, datasets: list[str]) -> di
 
 def current_figures(
     instance: dg.DagsterInstance,
-    ledger,
+    ledger: SpendLedger,
     account: dict[str, Any] | None,
     hold: dict[str, Any] | None,
     thresholds: Mapping[str, float | None],
-    runs: list[str] | None = None,
+    runs: list[str],
 ) -> dict[str, Any]:
     """Every figure of the `spend` asset, read now from the ledger, the account and the instance.
 
-    `runs`: the ids of the runs spending now (looked up when not given; the credit sensor has them already).
+    `runs`: the ids of the runs spending now (`hold.active_spending_runs`; the credit sensor has them already).
     """
-    from eagle3_assets.common.registry import DATASETS
-    from eagle3_assets.money.hold import active_spending_runs
-
-    if runs is None:
-        runs = [r.run_id for r in active_spending_runs(instance)]
     return spend_figures(
         ledger.figures(runs),
         dataset_scopes(ledger, list(DATASETS)),
@@ -201,8 +192,10 @@ def headline(figures: Mapping[str, Any], hold: dict[str, Any] | None) -> str:
     )
 
 
-def picture(ledger, thresholds: Mapping[str, float | None], hold: dict[str, Any] | None) -> dg.MetadataValue:
-    from eagle3_assets.common.metadata import png_markdown
+def picture(
+    ledger: SpendLedger, thresholds: Mapping[str, float | None], hold: dict[str, Any] | None
+) -> dg.MetadataValue:
+    from eagle3_assets.common.metadata import png_markdown  # polars, matplotlib: loaded when a picture is drawn
 
     return png_markdown(spend_plot(ledger.read(settled_series), thresholds, hold))
 

@@ -16,12 +16,12 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 from eagle3_assets.money.database import DATABASE_ERRORS
 from eagle3_assets.money.ledger import ScopeBatch, SpendLedger
 
-Done = Optional[Callable[[bool, Any], None]]
+Done = Callable[[bool, Any], None] | None
 
 
 class LedgerWriter:
