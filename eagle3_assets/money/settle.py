@@ -1,5 +1,11 @@
 """Settling what was started: look-ups of unsettled generations, the horizon, and recovery after a crash.
 
+    settle_due            look up unsettled generations (every due one, or given ones until found)
+    settle_idle           the credit sensor's tick: recovery of idle datasets, then the due look-ups
+    partition_lock        one spending run per dataset (recovery takes it too)
+    recover_idle_datasets live attempts of datasets no process is completing, put right from their journals
+    recover_dataset       the same for one dataset, inside a ledger transaction
+
 A generation that was started and has no bill stays *unsettled* in the ledger and is looked up
 (`/api/v1/generation`) with backoff, by whichever process gets there first: the run that started
 it (before retrying its prompt), the next run, the credit sensor, or `eagle3 ledger settle`.
@@ -10,14 +16,22 @@ sent again; the account-vs-ledger drift check is then the only witness of what i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from eagle3_assets.money import ledger as L
+from eagle3_assets.money.ledger import SpendLedger
+from eagle3_assets.money.policy import SpendPolicy
 from eagle3_assets.money.writer import LedgerWriter
-from eagle3_resources.completions.openrouter_account import GenerationBill
+from eagle3_resources.completions.openrouter_account import GenerationBill, OpenRouterAccount
+from eagle3_resources.errors import DatasetBusy
+from eagle3_resources.journal import read_journal
+from eagle3_resources.storage import DataLayout
 
 Lookup = Callable[[str], Awaitable[GenerationBill | None]]  # generation id -> its bill, None while unknown
 
@@ -32,8 +46,8 @@ class SettleReport:
 
     def line(self) -> str:
         return (
-            f"{len(self.ids)} unsettled generation(s) looked up ({self.looked_up} look-ups): {len(self.found_ids)} billed "
-            f"(${self.found_usd:.4f}), {len(self.ids) - len(self.found_ids)} not found yet"
+            f"{len(self.ids)} unsettled generation(s) looked up ({self.looked_up} look-ups): "
+            f"{len(self.found_ids)} billed (${self.found_usd:.4f}), {len(self.ids) - len(self.found_ids)} not found yet"
             + (f"; {len(self.expired)} expired past the horizon" if self.expired else "")
         )
 
@@ -54,23 +68,37 @@ async def settle_due(
     with backoff in the ledger), within `deadline_s`. With them: keep looking those up, backing
     off from 0.25 s to 4 s, until all are settled, the deadline passes or `stop()`.
     """
-    report = SettleReport()
-    report.expired = await writer.call(L.expire, time.time(), horizon_s)
-    end = time.monotonic() + deadline_s
-    gate = asyncio.Semaphore(concurrency)
+    lookups = _Lookups(writer, lookup, time.monotonic() + deadline_s, asyncio.Semaphore(concurrency))
+    lookups.report.expired = await writer.call(L.expire, time.time(), horizon_s)
+    if attempt_ids is None:
+        await lookups.every_due(stop)
+    else:
+        await lookups.these(attempt_ids, stop)
+    return lookups.report
 
-    async def one(attempt_id: str, generation_id: str) -> bool:
-        async with gate:
+
+class _Lookups:
+    """One `settle_due`: look-ups against one deadline, at most `gate`'s many at once, counted in `report`."""
+
+    BATCH = 512  # due look-ups read from the ledger at a time
+
+    def __init__(self, writer: LedgerWriter, lookup: Lookup, end: float, gate: asyncio.Semaphore):
+        self.writer, self.lookup, self.end, self.gate = writer, lookup, end, gate
+        self.report = SettleReport()
+
+    async def one(self, attempt_id: str, generation_id: str) -> bool:
+        """Look one generation up; settle its attempt if it is billed, else schedule the next look-up. True: found."""
+        async with self.gate:
             try:
-                bill = await asyncio.wait_for(lookup(generation_id), max(0.1, end - time.monotonic()))
+                bill = await asyncio.wait_for(self.lookup(generation_id), max(0.1, self.end - time.monotonic()))
             except Exception:  # a network error, a timeout: a miss like any other
                 bill = None
-        report.looked_up += 1
-        report.ids.add(attempt_id)
+        self.report.looked_up += 1
+        self.report.ids.add(attempt_id)
         if bill is None:
-            await writer.call(L.looked_up_in_vain, attempt_id, time.time())
+            await self.writer.call(L.looked_up_in_vain, attempt_id, time.time())
             return False
-        if await writer.call(
+        if await self.writer.call(
             L.settle,
             attempt_id,
             cost_usd=bill.cost_usd,
@@ -82,33 +110,102 @@ async def settle_due(
             finish_reason=bill.finish_reason,
             provider=bill.provider,
         ):
-            report.found_ids.add(attempt_id)
-            report.found_usd += bill.cost_usd
+            self.report.found_ids.add(attempt_id)
+            self.report.found_usd += bill.cost_usd
         return True
 
-    if attempt_ids is None:
-        while time.monotonic() < end and not stop():
-            due = await writer.call(L.due_lookups, time.time(), 512)
+    async def every_due(self, stop: Callable[[], bool]) -> None:
+        """One pass over every look-up the ledger has due, a batch at a time, until none is left or the deadline."""
+        while time.monotonic() < self.end and not stop():
+            due = await self.writer.call(L.due_lookups, time.time(), self.BATCH)
             if not due:
                 break
-            await asyncio.gather(*(one(a, g) for a, g in due))
-            if len(due) < 512:
+            await asyncio.gather(*(self.one(a, g) for a, g in due))
+            if len(due) < self.BATCH:
                 break
-        return report
 
-    waiting = list(attempt_ids)
-    delay = 0.25
-    while waiting and not stop():
-        due = await writer.call(L.due_lookups, time.time(), len(waiting), waiting)
-        if not due:  # settled or expired meanwhile (by another process, perhaps)
-            break
-        found = await asyncio.gather(*(one(a, g) for a, g in due))
-        waiting = [a for (a, _), ok in zip(due, found) if not ok]
-        if not waiting or time.monotonic() + delay > end:
-            break
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 4.0)
-    return report
+    async def these(self, attempt_ids: list[str], stop: Callable[[], bool]) -> None:
+        """Look these attempts up again and again, backing off from 0.25 s to 4 s, until each is settled."""
+        waiting = list(attempt_ids)
+        delay = 0.25
+        while waiting and not stop():
+            due = await self.writer.call(L.due_lookups, time.time(), len(waiting), waiting)
+            if not due:  # settled or expired meanwhile (by another process, perhaps)
+                break
+            found = await asyncio.gather(*(self.one(a, g) for a, g in due))
+            waiting = [a for (a, _), ok in zip(due, found, strict=True) if not ok]
+            if not waiting or time.monotonic() + delay > self.end:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 4.0)
+
+
+def settle_idle(
+    ledger: SpendLedger, layout: DataLayout, policy: SpendPolicy, *, budget_s: float, log: Any
+) -> dict[str, Any]:
+    """What the credit sensor settles each tick: datasets no run is completing get their unfinished attempts put right
+    (`recover_idle_datasets`); where the policy has an account, the look-ups that are due run within `budget_s`.
+    Returns what it did, for the `spend` observation (empty when nothing). `log`: the sensor's (info, warning)."""
+    recovered = recover_idle_datasets(layout, ledger)
+    endpoint = policy.account_endpoint()
+    out: dict[str, Any] = {"recovered": recovered} if recovered else {}
+    if endpoint is None:
+        return out
+
+    async def look_up() -> SettleReport:
+        with LedgerWriter(ledger, on_error=log.warning) as writer:
+            async with OpenRouterAccount(*endpoint) as account:
+                return await settle_due(writer, account.generation, deadline_s=budget_s, horizon_s=policy.horizon_s)
+
+    try:
+        report = asyncio.run(look_up())
+    except Exception as e:  # look-ups are retried next tick; the hold never depends on them
+        log.warning(f"looking up unsettled generations failed ({type(e).__name__}: {e})")
+        return out
+    if report.looked_up or report.expired:
+        log.info(report.line())
+        out.update(found=len(report.found_ids), found_usd=round(report.found_usd, 6), expired=len(report.expired))
+    return out
+
+
+@contextlib.contextmanager
+def partition_lock(journal: Path, run_id: str, *, wait: bool = False) -> Iterator[None]:
+    """One spending run per dataset at a time: an exclusive lock next to the journal (fcntl, released by the OS on
+    death). Recovery takes it too: a dataset whose lock is free has no process completing it."""
+    path = journal.with_name("lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            f.seek(0)
+            raise DatasetBusy(
+                f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
+                "one spending run per dataset at a time"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(run_id)
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def recover_idle_datasets(layout: DataLayout, ledger: SpendLedger, *, free: bool = False) -> dict[str, dict[str, int]]:
+    """Live attempts of datasets no process is completing (their lock is free): put right from their journals."""
+    out = {}
+    for dataset in ledger.read(L.datasets_with_live_attempts):
+        journal = layout.completions_journal(dataset)
+        try:
+            with partition_lock(journal, "credit_sensor: recovering"):
+                records = read_journal(journal).records
+                with ledger.transaction() as conn:
+                    out[dataset] = recover_dataset(conn, dataset, records, free=free, now=time.time())
+        except DatasetBusy:
+            continue
+    return out
 
 
 def recover_dataset(

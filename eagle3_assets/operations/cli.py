@@ -228,7 +228,7 @@ def ledger_command(action: str, wait_s: float) -> int:
 
     ledger = _ledger()
     if action == "settle":
-        from eagle3_assets.stages.completions.run import recover_idle_datasets
+        from eagle3_assets.money.settle import recover_idle_datasets
         from eagle3_resources.storage import DataLayout
 
         # Attempts of processes that ended (killed): never sent ones released, the others held and looked up below.
