@@ -51,7 +51,11 @@ class PackedBatch:
         """On `device`; from pinned memory without blocking the host on CUDA."""
         nb = device.type == "cuda"
         return PackedBatch(
-            *(t.to(device, non_blocking=nb) for t in (self.tokens, self.positions, self.mask, self.aux, self.final)),
+            tokens=self.tokens.to(device, non_blocking=nb),
+            positions=self.positions.to(device, non_blocking=nb),
+            mask=self.mask.to(device, non_blocking=nb),
+            aux=self.aux.to(device, non_blocking=nb),
+            final=self.final.to(device, non_blocking=nb),
             layout=self.layout.to(device, non_blocking=nb),
             keys=self.keys,
         )
@@ -111,7 +115,8 @@ def plan_windows(lengths: Sequence[tuple[str, int]], max_len: int) -> WindowPlan
     """Consecutive windows of at most `max_len` tokens covering every sample whole."""
     if max_len < 4:
         raise ValueError(f"max_len {max_len} is too short for training-time test")
-    out, split = [], 0
+    out: list[Window] = []
+    split = 0
     for sample_id, n in lengths:
         split += n > max_len
         out.extend(Window(sample_id, a, min(n, a + max_len)) for a in range(0, n, max_len))
@@ -194,7 +199,9 @@ class Teacher:
         final = batch.final.to(self.device, self.dtype)
         p = torch.softmax((final @ self.head_draft.T).float(), -1)
         a = batch.layout.starts
-        arg = [self.argmax(key, final[s : s + n]) for key, s, n in zip(batch.keys, a, batch.layout.lengths)]
+        arg = [
+            self.argmax(key, final[s : s + n]) for key, s, n in zip(batch.keys, a, batch.layout.lengths, strict=True)
+        ]
         return p, torch.cat(arg)
 
 

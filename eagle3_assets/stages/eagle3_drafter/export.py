@@ -104,16 +104,16 @@ def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, A
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    H, Ht, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    H, Ht, inter = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return {
         "midlayer.self_attn.q_proj.weight": (q, 2 * H),
         "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
+        "midlayer.mlp.gate_proj.weight": (inter, H),
+        "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.mlp.down_proj.weight": (H, inter),
         "midlayer.input_layernorm.weight": (H,),
         "midlayer.hidden_norm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,),
@@ -239,7 +239,8 @@ class DrafterCheckpoint:
         return d2t + torch.arange(len(d2t))
 
     def load_into(self, model: Eagle3Drafter) -> None:
-        """Copy every weight; a shape that differs (another target width, another vocabulary) is an error, not a skip."""
+        """Copy every weight; a shape that differs (another target width, another vocabulary) is an error, not a
+        skip."""
         own = model.state_dict()
         missing = []
         for name, t in self.tensors.items():

@@ -16,7 +16,8 @@ run, no retraining), once it has checked that the weights the benchmark measured
 
     .venv/bin/python -m eagle3_assets.operations.record_figures sglang_engine_speculative.json
 
-(the instance `eagle3` uses: DAGSTER_HOME if set, else the project's default, as eagle3_assets/operations/instance.py decides).
+(the instance `eagle3` uses: DAGSTER_HOME if set, else the project's default, as
+eagle3_assets/operations/instance.py decides).
 
 The observation shows under the asset's Observations in the UI, newest first, with the latest materialization's
 run id beside it, so which drafter the figures belong to is plain.
@@ -38,9 +39,9 @@ DRAFTER_ASSET = dg.AssetKey("eagle3_drafter")
 SOURCES = {
     "simulated": "simulated: the trainer's eval pass on the eval split, teacher-forced (each draft step scored "
     "against the target's own next token); no decoding, not a serving figure",
-    "transformers": "measured: this project's lossless speculative decoding in transformers (eagle3_assets/stages/eagle3_drafter/"
-    "speculative.py), greedy, checked token for token against greedy decoding; SGLang's definition "
-    "(completion_tokens / verify passes), not SGLang's engine",
+    "transformers": "measured: this project's lossless speculative decoding in transformers "
+    "(eagle3_assets/stages/eagle3_drafter/speculative.py), greedy, checked token for token against greedy "
+    "decoding; SGLang's definition (completion_tokens / verify passes), not SGLang's engine",
     "sglang_server": "measured: SGLang's HTTP server (benchmarks/serving_speculative.py, native /generate), greedy; "
     "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
     "sglang_engine": "measured: SGLang's offline Engine (benchmarks/sglang_engine_speculative.py), greedy and sampled; "
@@ -97,7 +98,8 @@ def figures_table(source: str, summary: dict[str, dict[str, Any]]) -> str:
         for bs, speeds in s["output_tokens_per_s"].items():
             lines.append(
                 f"| {tk} | {bs} | {f(s['accept_length_by_concurrency'].get(bs), '.3f')} | "
-                f"{f(speeds.get('baseline'), '.1f')} | {f(speeds.get('eagle3'), '.1f')} | {f(s['speedup'].get(bs), '.2f')} |"
+                f"{f(speeds.get('baseline'), '.1f')} | {f(speeds.get('eagle3'), '.1f')} | "
+                f"{f(s['speedup'].get(bs), '.2f')} |"
             )
     return f"{SOURCES[source]}\n\n" + "\n".join(lines)
 

@@ -47,6 +47,7 @@ def run_torchrun(spec_path: Path, processes: int, log: Callable[[str], None]) ->
         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
     )
     tail: list[str] = []
+    assert proc.stdout is not None  # stdout=PIPE above
     try:
         for line in proc.stdout:
             line = line.rstrip()

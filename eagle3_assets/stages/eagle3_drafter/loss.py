@@ -1,6 +1,7 @@
 """Soft cross-entropy of draft logits against the teacher's distribution, in row chunks.
 
-    loss = sum_t w_t * ( -sum_v p[j_t, v] * log_softmax(z_t)_v )  =  sum_t w_t * (lse(z_t) * sum_v p[j_t, v] - p[j_t] . z_t)
+    loss = sum_t w_t * ( -sum_v p[j_t, v] * log_softmax(z_t)_v )
+         = sum_t w_t * (lse(z_t) * sum_v p[j_t, v] - p[j_t] . z_t)
 
 The plain autograd form (`-(p[j] * log_softmax(z.float())).sum(-1)`) holds several fp32 [tokens,
 vocab] tensors per TTT step for backward (z in fp32, its log-softmax, the gathered p, the product):
@@ -25,8 +26,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
         for a in range(0, n, chunk_rows):
             z = logits[a : a + chunk_rows].to(acc)
             p = target_p.index_select(0, rows[a : a + chunk_rows]).to(acc)
-            lse[a : a + chunk_rows] = l = torch.logsumexp(z, -1)
-            ce = l * p.sum(-1) - torch.linalg.vecdot(p, z)
+            lse[a : a + chunk_rows] = lz = torch.logsumexp(z, -1)
+            ce = lz * p.sum(-1) - torch.linalg.vecdot(p, z)
             total = total + (weight[a : a + chunk_rows] * ce).sum()
         ctx.save_for_backward(logits, target_p, rows, weight, lse)
         ctx.chunk_rows = chunk_rows
