@@ -51,17 +51,17 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 try:
     import xxhash
 except ImportError:  # see the module docstring: sha256 then, recorded as sha256
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]  # the module or None: every use checks
 
 FORMAT = "eagle3-hidden-states-shards/1"
 MANIFEST = "manifest.json"
@@ -73,7 +73,10 @@ ALIGN = 4096  # the tensors start at a page boundary, so O_DIRECT can write the 
 WRITE_CHUNK = 16 * 2**20  # one write (and one hash update) per 16 MiB: large sequential writes
 CHECKSUM = "xxh3_128" if xxhash else "sha256"  # what new shards are hashed with (the manifest entry's key)
 # What a manifest entry may carry, newest first, with the hasher this process has for each (None: not installed).
-CHECKSUMS = {"xxh3_128": xxhash.xxh3_128 if xxhash else None, "sha256": hashlib.sha256}
+CHECKSUMS: dict[str, Callable[[], Any] | None] = {
+    "xxh3_128": xxhash.xxh3_128 if xxhash else None,
+    "sha256": hashlib.sha256,
+}
 
 
 def min_bytes_per_token(hidden_size: int) -> int:
@@ -126,8 +129,8 @@ def plan_shards(
     for group, members in groups.items():
         current: list[int] = []
         tokens = count = 0
-        for i in [*members, None]:
-            if current and (i is None or (tokens + len(samples[i].input_ids)) * per_token > shard_bytes):
+        for at in [*members, None]:  # None: the group's end
+            if current and (at is None or (tokens + len(samples[at].input_ids)) * per_token > shard_bytes):
                 h = hashlib.sha256(prefix)
                 for j in current:
                     s = samples[j]
@@ -136,9 +139,9 @@ def plan_shards(
                     h.update(torch.tensor(list(s.loss_mask), dtype=torch.int8).numpy().tobytes())
                 plans.append(ShardPlan(shard_name(group, count), tuple(current), tokens, h.hexdigest()))
                 current, tokens, count = [], 0, count + 1
-            if i is not None:
-                current.append(i)
-                tokens += len(samples[i].input_ids)
+            if at is not None:
+                current.append(at)
+                tokens += len(samples[at].input_ids)
     return plans
 
 
@@ -207,7 +210,8 @@ def shard_layout(plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
-    """`nbytes` of host memory starting at an ALIGN boundary (O_DIRECT needs it); page-locked with `pin` (CUDA copies)."""
+    """`nbytes` of host memory starting at an ALIGN boundary (O_DIRECT needs it); page-locked with `pin` (for CUDA
+    copies)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
@@ -227,6 +231,7 @@ class ShardImage:
         return self.buffer.numel()
 
     def view(self, key: str) -> torch.Tensor:
+        assert self.layout is not None  # called by start(), once the layout is set
         dtype, shape, start = self.layout.tensors[key]
         n = math.prod(shape) * dtype.itemsize
         return self.buffer[start : start + n].view(dtype).view(shape)
@@ -250,7 +255,7 @@ class ShardImage:
 
     def memory(self) -> memoryview:
         """The whole buffer: the file is its first `layout.size` bytes."""
-        return memoryview(self.buffer.numpy())
+        return self.buffer.numpy().data  # a memoryview of the array (numpy types its buffer protocol from 3.12)
 
 
 def padded_size(size: int) -> int:
@@ -289,7 +294,7 @@ def write_file(
     """
     n = len(data) if size is None else size
     chunk = chunk or WRITE_CHUNK
-    h = CHECKSUMS[checksum]() if checksum is not None else None
+    h = _hasher(checksum) if checksum is not None else None
     aligned = direct and chunk % ALIGN == 0 and len(data) >= padded_size(n) and _address(data) % ALIGN == 0
     fd, direct = _open_for_write(path, aligned)
     try:
@@ -318,6 +323,14 @@ def write_file(
     finally:
         os.close(fd)
     return (h.hexdigest() if h is not None else ""), direct
+
+
+def _hasher(checksum: str) -> Any:
+    """A new hash object for `checksum`, one of CHECKSUMS that this process has (CHECKSUM always is)."""
+    make = CHECKSUMS[checksum]
+    if make is None:
+        raise RuntimeError(f"{checksum} needs the xxhash package: pip install xxhash (the project's install has it)")
+    return make()
 
 
 def _address(view: memoryview) -> int:
@@ -357,7 +370,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
 
 def file_checksum(path: Path, checksum: str = CHECKSUM) -> str:
     """The hex digest of the file's bytes with `checksum` (one of CHECKSUMS), read in WRITE_CHUNK pieces."""
-    h = CHECKSUMS[checksum]()
+    h = _hasher(checksum)
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(WRITE_CHUNK)
         view = memoryview(buf)
@@ -405,16 +418,17 @@ class ShardCommitter:
     def write(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
         """Write the image under a temporary name, fsync, rename; return its manifest entry (not listed yet: `record`).
         The image's buffer is no longer needed when this returns."""
-        plan = image.plan
+        plan, layout = image.plan, image.layout
+        assert plan is not None and layout is not None  # a started image
         path = self.root / plan.name
         tmp = path.with_name(path.name + ".tmp")
-        digest, _ = write_file(tmp, image.memory(), image.layout.size, direct=direct, checksum=CHECKSUM)
+        digest, _ = write_file(tmp, image.memory(), layout.size, direct=direct, checksum=CHECKSUM)
         os.replace(tmp, path)
         return {
             "key": plan.key,
             CHECKSUM: digest,
-            "bytes": image.layout.size,
-            "samples": len(image.layout.row_offsets) - 1,
+            "bytes": layout.size,
+            "samples": len(layout.row_offsets) - 1,
             "tokens": plan.tokens,
         }
 
@@ -443,6 +457,7 @@ class ShardCommitter:
     def commit(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
         """Write the image, fsync, rename, then list the shard in the manifest: only then is it trusted."""
         entry = self.write(image, direct=direct)
+        assert image.plan is not None  # write() has checked it
         self.record(image.plan.name, entry)
         return entry
 
@@ -525,9 +540,16 @@ class ShardFile:
             self.close()
             raise
 
+    @overload
+    def _read(self, offset: int, n: int) -> bytes: ...
+
+    @overload
+    def _read(self, offset: int, n: int, into: torch.Tensor) -> torch.Tensor: ...
+
     def _read(self, offset: int, n: int, into: torch.Tensor | None = None) -> bytes | torch.Tensor:
+        """`n` bytes from `offset`: as bytes, or into the uint8 tensor `into` (returned)."""
         out = torch.empty(n, dtype=torch.uint8) if into is None else into
-        view, done = memoryview(out.numpy()), 0
+        view, done = out.numpy().data, 0
         while done < n:  # preadv may return less than asked (signals, some filesystems)
             got = os.preadv(self.fd, [view[done:]], offset + done)
             if got == 0:
@@ -581,7 +603,7 @@ class HiddenStateStore:
         meta = json.loads(f.metadata["eagle3"])
         ids, splits = meta["sample_ids"], meta["splits"]
         offsets = f.rows("offsets", 0, f.shape("offsets")[0]).tolist()
-        for j, (sid, split) in enumerate(zip(ids, splits)):
+        for j, (sid, split) in enumerate(zip(ids, splits, strict=False)):  # as written: one split per id
             self.index[sid] = (name, offsets[j], offsets[j + 1], split)
 
     def shard(self, name: str) -> ShardFile:

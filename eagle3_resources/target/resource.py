@@ -75,7 +75,8 @@ class TargetModelResource(dg.ConfigurableResource):
                         folder, dtype=getattr(torch, dtype), device_map=self.device_map
                     )
                 else:
-                    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
+                    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+                    model = model.to(device)  # type: ignore[arg-type]  # transformers types `to` through wraps: no self
                 log(f"target {folder.name} loaded on {self.device_map or device} in {dtype}")
                 _models[key] = model.eval()
             return _models[key]

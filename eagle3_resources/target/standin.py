@@ -26,9 +26,10 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,7 +104,8 @@ def rule_reply(text: str) -> tuple[str, str]:
 def fitting_sequences(
     tokenizer: KimiTokenizer, texts: Iterable[str], prompt_tokens: int = FIT_PROMPT_TOKENS
 ) -> list[tuple[list[int], int]]:
-    """(ids, prompt length) per text: a one-turn chat answered by `rule_reply`, its prompt's last `prompt_tokens` kept."""
+    """(ids, prompt length) per text: a one-turn chat answered by `rule_reply`, its prompt's last `prompt_tokens`
+    kept."""
     think_end, im_end = tokenizer.token_id(THINK_END), tokenizer.token_id(IM_END)
     seqs = []
     for text in sorted({t for t in texts if len(t.strip()) >= 8}):
@@ -127,79 +129,99 @@ def fixed_torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class UsedRows:
+    """What the fit trains of `embed_tokens` and `lm_head`: the rows of the tokens the fitting text uses, as
+    parameters of their own, and one shared row standing for every unused token (its logit carries the log of
+    their count). The other rows get no gradient (AdamW would leave them unchanged anyway), so the optimizer
+    steps over ~1M numbers instead of the 21M of two 163,840-row matrices."""
+
+    def __init__(self, model: Any, tokens: set[int]):
+        self.used = torch.tensor(sorted(tokens))
+        n_unused = model.config.vocab_size - len(self.used)
+        self.head, self.embed = model.lm_head.weight, model.get_input_embeddings().weight
+        self.keep = torch.zeros(self.head.shape[0], dtype=torch.bool)
+        self.keep[self.used] = True
+        self.unused_row = torch.nn.Parameter(torch.zeros(self.head.shape[1]))
+        self.remap = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+        self.remap[self.used] = torch.arange(len(self.used))
+        self.log_unused = math.log(n_unused) if n_unused else -math.inf
+        self.head_used = torch.nn.Parameter(self.head.detach()[self.used].clone())
+        self.embed_used = torch.nn.Parameter(self.embed.detach()[self.used].clone())
+
+    def loss(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The exact full-vocabulary loss on the `target` positions, with the unused tokens kept improbable."""
+        rows = self.remap[ids]  # padding (never a used token) reads row 0: masked out of attention and loss
+        embeds = self.embed_used[rows.clamp(min=0)]
+        hidden = model.model(inputs_embeds=embeds, attention_mask=mask).last_hidden_state[:, :-1]
+        valid = target[:, 1:]
+        h = hidden[valid]
+        logits = torch.cat([h @ self.head_used.T, (self.log_unused + h @ self.unused_row)[:, None]], dim=1)
+        loss = torch.nn.functional.cross_entropy(logits, rows[:, 1:][valid])
+        # Keep the unseen tokens' total probability below e^-BACKGROUND_MARGIN everywhere, even
+        # where the model is unsure: a sampler must never pick a token the model never saw.
+        log_p_unused = logits[:, -1] - torch.logsumexp(logits, dim=1)
+        return loss + torch.relu(log_p_unused + BACKGROUND_MARGIN).mean()
+
+    def write_back(self) -> None:
+        """The trained rows into the model's matrices; every unused row becomes the shared one."""
+        with torch.no_grad():
+            self.head[self.keep] = self.head_used
+            self.head[~self.keep] = self.unused_row
+            self.embed[self.used] = self.embed_used
+
+
+def padded_batch(
+    batch: Sequence[tuple[list[int], int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, completion positions) of (ids, prompt length) pairs, right-padded to the longest."""
+    width = max(len(s) for s, _ in batch)
+    ids = torch.full((len(batch), width), pad_id)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    target = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, (s, n_prompt) in enumerate(batch):
+        ids[row, : len(s)] = torch.tensor(s)
+        mask[row, : len(s)] = 1
+        target[row, n_prompt : len(s)] = True
+    return ids, mask, target
+
+
 def fit(
-    model,
+    model: Any,
     seqs: list[tuple[list[int], int]],
     pad_id: int,
     *,
     steps: int,
     log: Callable[[str], None],
-    long_seqs: list[tuple[list[int], int]] = (),
+    long_seqs: Sequence[tuple[list[int], int]] = (),
 ) -> list[float]:
-    """Fit the completions of `seqs` (not their prompts) with the exact full-vocabulary loss.
-
-    Only the rows of `embed_tokens` and `lm_head` that the fitting text uses are trained (the
-    others get no gradient: AdamW would leave them unchanged anyway), so the optimizer steps over
-    ~1M numbers instead of the 21M of two 163,840-row matrices.
-    """
-    used = torch.tensor(sorted({t for s, _ in [*seqs, *long_seqs] for t in s}))
-    n_unused = model.config.vocab_size - len(used)
-    head, embed = model.lm_head.weight, model.get_input_embeddings().weight
-    keep = torch.zeros(head.shape[0], dtype=torch.bool)
-    keep[used] = True
-    unused_row = torch.nn.Parameter(torch.zeros(head.shape[1]))
-    remap = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-    remap[used] = torch.arange(len(used))
-    log_unused = math.log(n_unused) if n_unused else -math.inf
-
+    """Fit the completions of `seqs` (not their prompts) with the exact full-vocabulary loss, training the used rows
+    of the embedding and the head only (`UsedRows`); every FIT_LONG_EVERY steps a batch of `long_seqs`."""
+    rows = UsedRows(model, {t for s, _ in [*seqs, *long_seqs] for t in s})
     gen = torch.Generator().manual_seed(SEED)
-    head_used = torch.nn.Parameter(head.detach()[used].clone())
-    embed_used = torch.nn.Parameter(embed.detach()[used].clone())
-    params = [p for p in model.parameters() if p is not head and p is not embed] + [unused_row, embed_used]
-    opt = torch.optim.AdamW(params + [head_used], lr=FIT_LR, weight_decay=0.0)
+    params = [p for p in model.parameters() if p is not rows.head and p is not rows.embed]
+    params += [rows.unused_row, rows.embed_used]
+    opt = torch.optim.AdamW(params + [rows.head_used], lr=FIT_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps) + 0.05)
     model.train()
     losses = []
     started = time.monotonic()
     for step in range(steps):
-        pool, size = (
-            (long_seqs, FIT_LONG_BATCH)
-            if long_seqs and step % FIT_LONG_EVERY == FIT_LONG_EVERY // 2
-            else (seqs, FIT_BATCH)
-        )
+        long_turn = bool(long_seqs) and step % FIT_LONG_EVERY == FIT_LONG_EVERY // 2
+        pool, size = (long_seqs, FIT_LONG_BATCH) if long_turn else (seqs, FIT_BATCH)
         batch = [pool[i] for i in torch.randint(len(pool), (size,), generator=gen).tolist()]
-        width = max(len(s) for s, _ in batch)
-        ids = torch.full((len(batch), width), pad_id)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        target = torch.zeros((len(batch), width), dtype=torch.bool)
-        for row, (s, n_prompt) in enumerate(batch):
-            ids[row, : len(s)] = torch.tensor(s)
-            mask[row, : len(s)] = 1
-            target[row, n_prompt : len(s)] = True
-        rows = remap[ids]  # padding (never a used token) reads row 0: masked out of attention and loss
-        hidden = model.model(inputs_embeds=embed_used[rows.clamp(min=0)], attention_mask=mask).last_hidden_state[:, :-1]
-        valid = target[:, 1:]
-        h = hidden[valid]
-        logits = torch.cat([h @ head_used.T, (log_unused + h @ unused_row)[:, None]], dim=1)
-        loss = torch.nn.functional.cross_entropy(logits, rows[:, 1:][valid])
-        # Keep the unseen tokens' total probability below e^-BACKGROUND_MARGIN everywhere, even
-        # where the model is unsure: a sampler must never pick a token the model never saw.
-        log_p_unused = logits[:, -1] - torch.logsumexp(logits, dim=1)
-        loss = loss + torch.relu(log_p_unused + BACKGROUND_MARGIN).mean()
+        loss = rows.loss(model, *padded_batch(batch, pad_id))
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params + [head_used], 1.0)
+        torch.nn.utils.clip_grad_norm_(params + [rows.head_used], 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
         if step % 40 == 0 or step == steps - 1:
             log(
-                f"stand-in target fit step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)"
+                f"stand-in target fit step {step + 1}/{steps} loss {loss.item():.3f} "
+                f"({time.monotonic() - started:.0f}s)"
             )
-    with torch.no_grad():
-        head[keep] = head_used
-        head[~keep] = unused_row
-        embed[used] = embed_used
+    rows.write_back()
     model.eval()
     return losses
 
@@ -227,7 +249,8 @@ def build_standin_target(
     long_seqs = [s for s in fitting_sequences(tokenizer, texts, FIT_LONG_PROMPT_TOKENS) if s[1] > FIT_LONG_MIN]
     with fixed_torch_threads(FIT_THREADS):
         log(
-            f"torch threads for the stand-in target's fit: {FIT_THREADS} (fixed: the fitted weights must not depend on the load)"
+            f"torch threads for the stand-in target's fit: {FIT_THREADS} "
+            "(fixed: the fitted weights must not depend on the load)"
         )
         torch.manual_seed(SEED)
         model = DeepseekV3ForCausalLM(standin_config(tokenizer))
