@@ -30,6 +30,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from eagle3_assets.money import ledger as L
@@ -43,6 +44,23 @@ BATCH = 256  # attempts reserved per transaction, at most
 RECHECK_S = 0.5  # a request that waits for headroom tries again at least this often
 OTHERS_WAIT_S = 120.0  # with nothing of ours in flight, how long to wait on other processes' reservations
 
+_Slot = tuple[
+    asyncio.Future, CompletionRequest, Attempt | None, bool
+]  # a waiting worker: its future, request, previous
+
+
+@dataclass(frozen=True)
+class AdmissionTerms:
+    """What every attempt of a run is admitted under: the caps, the worst-case prices and the stop rules."""
+
+    caps: Caps
+    pricing: Pricing
+    max_tokens: int
+    hold_mode: str = "drain"  # the hold's in-flight requests: "drain" (finish) or "cancel"
+    resend_unsettled: bool = False  # send a prompt again although an earlier attempt has no bill yet
+    unsettled_wait_s: float = 60.0  # how long a retry waits for the bill of the attempt before it
+    horizon_s: float = L.DEFAULT_HORIZON_S
+
 
 class Admission:
     def __init__(
@@ -50,31 +68,19 @@ class Admission:
         pending: list[CompletionRequest],
         *,
         writer: LedgerWriter,
-        caps: Caps,
-        pricing: Pricing,
-        max_tokens: int,
+        terms: AdmissionTerms,
         run_id: str,
         dataset: str,
         note: Callable[[dict[str, Any]], None] = lambda record: None,
-        hold_mode: str = "drain",
-        resend_unsettled: bool = False,
-        unsettled_wait_s: float = 60.0,
-        horizon_s: float = L.DEFAULT_HORIZON_S,
         lookup: Lookup | None = None,
         owner: str | None = None,
     ):
         self.pending: deque[CompletionRequest] = deque(pending)
         self.writer = writer
-        self.caps = caps
-        self.pricing = pricing
-        self.max_tokens = max_tokens
+        self.terms = terms
         self.run_id = run_id
         self.dataset = dataset
         self.note = note
-        self.hold_mode = hold_mode
-        self.resend_unsettled = resend_unsettled
-        self.unsettled_wait_s = unsettled_wait_s
-        self.horizon_s = horizon_s
         self.lookup = lookup
         self.owner = owner or L.process_owner()
         self.admitted = 0  # first attempts
@@ -115,6 +121,7 @@ class Admission:
         self._bind()
         if self.stopped_by:
             return None
+        assert self._loop is not None and self._wake is not None  # bound just above
         future = self._loop.create_future()
         self._waiters.append((future, previous, wait))
         self._wake.set()
@@ -139,15 +146,15 @@ class Admission:
         """The next attempt of the request `previous` belongs to (which must have ended).
 
         `pace`: the backend's wait before a send, awaited once the retry is allowed and before it is reserved."""
-        if previous.outcome == "unsettled" and not self.resend_unsettled:
+        if previous.outcome == "unsettled" and not self.terms.resend_unsettled:
             found = await self._wait_for_bill(previous)
             if not found:
                 return Refusal(
                     "deferred",
                     f"{why}; generation {previous.generation_id} was not billed within "
-                    f"{self.unsettled_wait_s:.0f} s, so the prompt is not sent again until it is",
+                    f"{self.terms.unsettled_wait_s:.0f} s, so the prompt is not sent again until it is",
                 )
-        elif previous.outcome == "unidentified" and not self.resend_unsettled:
+        elif previous.outcome == "unidentified" and not self.terms.resend_unsettled:
             return Refusal(
                 "deferred",
                 f"{why}; the attempt was cut short before its generation id arrived: it cannot be "
@@ -167,8 +174,8 @@ class Admission:
         report = await settle_due(
             self.writer,
             self.lookup,
-            deadline_s=self.unsettled_wait_s,
-            horizon_s=self.horizon_s,
+            deadline_s=self.terms.unsettled_wait_s,
+            horizon_s=self.terms.horizon_s,
             attempt_ids=[previous.attempt_id],
             stop=lambda: self.stopped_by is not None,
         )
@@ -179,6 +186,7 @@ class Admission:
         return False
 
     async def _serve(self) -> None:
+        assert self._wake is not None  # _bind made it before starting this task
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -197,7 +205,21 @@ class Admission:
 
     async def _round(self) -> bool:
         """One reservation transaction for everyone waiting. False: wait for a wake-up before the next."""
-        slots: list[tuple[asyncio.Future, CompletionRequest, Attempt | None, bool]] = []
+        slots, wants = self._collect()
+        if not slots:
+            return True
+        ids, block = await self._reserve(slots, wants)
+        self._hand_out(slots, ids, wants)
+        self._requeue(slots[len(ids) :], block)
+        if ids:
+            self._waiting_on_others_since = None
+        if block is not None:
+            await self._blocked(block)
+        return True
+
+    def _collect(self) -> tuple[list[_Slot], list[L.Want]]:
+        """Up to BATCH waiting workers and what each wants reserved (a first attempt is the next pending request)."""
+        slots: list[_Slot] = []
         wants: list[L.Want] = []
         taken_firsts = 0
         while self._waiters and len(slots) < BATCH:
@@ -213,16 +235,12 @@ class Admission:
             else:
                 req, number = previous.request, previous.number + 1
             slots.append((future, req, previous, wait))
-            wants.append(
-                L.Want(
-                    req.prompt_id,
-                    number,
-                    self.pricing.worst_case(len(req.prompt_ids), self.max_tokens),
-                    self.max_tokens,
-                )
-            )
-        if not slots:
-            return True
+            worst = self.terms.pricing.worst_case(len(req.prompt_ids), self.terms.max_tokens)
+            wants.append(L.Want(req.prompt_id, number, worst, self.terms.max_tokens))
+        return slots, wants
+
+    async def _reserve(self, slots: list[_Slot], wants: list[L.Want]) -> tuple[list[str], L.Block | None]:
+        """The ledger transaction: the longest prefix of `wants` that fits every cap, and what blocked the rest."""
         reserving = asyncio.ensure_future(
             self.writer.call(
                 L.reserve,
@@ -230,12 +248,12 @@ class Admission:
                 run_id=self.run_id,
                 dataset=self.dataset,
                 owner=self.owner,
-                caps=self.caps,
+                caps=self.terms.caps,
                 now=time.time(),
             )
         )
         try:
-            ids, block = await asyncio.shield(reserving)
+            return await asyncio.shield(reserving)
         except asyncio.CancelledError:  # the run is ending: what was reserved for nobody is given back, never left live
             ids, _ = await reserving
             for attempt_id in ids:
@@ -244,8 +262,11 @@ class Admission:
                 if not future.done():
                     future.cancel()
             raise
+
+    def _hand_out(self, slots: list[_Slot], ids: list[str], wants: list[L.Want]) -> None:
+        """Each reserved attempt to its worker; one whose worker was cancelled meanwhile is released, never sent."""
         returned: list[CompletionRequest] = []
-        for (future, req, previous, _), attempt_id, want in zip(slots, ids, wants):
+        for (future, req, previous, _), attempt_id, want in zip(slots, ids, wants, strict=False):
             if previous is None:
                 self.pending.popleft()
             attempt = Attempt(req, attempt_id, want.number)
@@ -259,21 +280,22 @@ class Admission:
                 self.admitted += 1
             future.set_result(attempt)
         self.pending.extendleft(reversed(returned))
-        refused = slots[len(ids) :]
+
+    def _requeue(self, refused: list[_Slot], block: L.Block | None) -> None:
+        """Workers that did not fit go back to the front of the queue, in order (those who will not wait are told)."""
         if block is not None and not (block.hold or block.reached or not self.live):
             for future, _, _, wait in refused:  # it may fit later: those who will not wait are told now
                 if not wait and not future.done():
                     future.set_result(None)
             refused = [slot for slot in refused if slot[3]]
-        for future, _, previous, wait in reversed(refused):  # back to the front of the queue, in order
+        for future, _, previous, wait in reversed(refused):
             self._waiters.appendleft((future, previous, wait))
-        if ids:
-            self._waiting_on_others_since = None
-        if block is None:
-            return True
+
+    async def _blocked(self, block: L.Block) -> None:
+        """A cap or the hold stood in the way: stop for good, or wait for something in flight to settle."""
         if block.hold:
-            self.stop(HALTED + block.reason, cancel_inflight=self.hold_mode == "cancel")
-            return True
+            self.stop(HALTED + block.reason, cancel_inflight=self.terms.hold_mode == "cancel")
+            return
         if not self.live:  # only other processes' reservations stand in the way: they settle, or go stale
             since = self._waiting_on_others_since = self._waiting_on_others_since or time.monotonic()
             if time.monotonic() - since > OTHERS_WAIT_S:
@@ -282,14 +304,14 @@ class Admission:
                     reached=True,
                 )
         if block.reached:
-            self.stop(block.reason, cancel_inflight=self.caps.on_cap == "cancel")
-            return True
+            self.stop(block.reason, cancel_inflight=self.terms.caps.on_cap == "cancel")
+            return
+        assert self._settled is not None
         self._settled.clear()  # wait for one of ours to settle (or for another process's, polled)
         try:
             await asyncio.wait_for(self._settled.wait(), RECHECK_S)
         except TimeoutError:
             pass
-        return True
 
     def stop(self, reason: str, cancel_inflight: bool = False) -> None:
         """No new attempt is admitted from now on; with cancel_inflight, live ones are cancelled."""
@@ -351,7 +373,7 @@ class Admission:
         )
 
     def unbilled(self, attempt: Attempt, *, generated: bool | None, why: str) -> None:
-        if generated is False or not attempt.sent or self.pricing.free:
+        if generated is False or not attempt.sent or self.terms.pricing.free:
             if self._end(attempt, "released"):
                 self.writer.post(L.release, attempt.attempt_id, why, time.time(), on_commit=self._on_commit)
             return

@@ -1,4 +1,8 @@
-"""What a request may cost at worst, and the caps every admission is checked against."""
+"""What a request may cost at worst, and the caps every admission is checked against.
+
+One model for limits: `Limits` holds the dollar limits of one source (a run's config, or the environment's
+spend policy); `run_caps` is the one place where two sources meet: each limit is the tighter of the two.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +53,27 @@ class Caps:
             raise ValueError(f'on_cap must be "finish" or "cancel", not {self.on_cap!r}')
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Dollar limits from one source (None = no limit): a run's config, or the spend policy (EAGLE3_MAX_*_USD)."""
+
+    run_usd: float | None = None
+    day_usd: float | None = None
+    total_usd: float | None = None
+
+
 def tighter(a: float | None, b: float | None) -> float | None:
     """The stricter of two optional limits (None = no limit)."""
     return b if a is None else a if b is None else min(a, b)
+
+
+def run_caps(run: Limits, environment: Limits, *, token_budget: int | None = None, on_cap: str = "finish") -> Caps:
+    """The caps every admission of a run checks: each dollar limit the tighter of the run's config and the environment's
+    (the client enforces the policy itself, so spending stops even when no sensor daemon runs)."""
+    return Caps(
+        token_budget=token_budget,
+        run_usd=tighter(run.run_usd, environment.run_usd),
+        total_usd=tighter(run.total_usd, environment.total_usd),
+        day_usd=tighter(run.day_usd, environment.day_usd),
+        on_cap=on_cap,
+    )

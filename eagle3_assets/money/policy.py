@@ -16,6 +16,7 @@ import dagster as dg
 import httpx
 from pydantic import Field
 
+from eagle3_assets.money.caps import Limits
 from eagle3_assets.money.ledger import DEFAULT_HORIZON_S, Figures
 from eagle3_resources.completions.resource import OPENROUTER_DEFAULT_URL
 from eagle3_resources.env import setting
@@ -30,7 +31,8 @@ THRESHOLD_ENV = {
 
 
 class SpendPolicy(dg.ConfigurableResource):
-    """Thresholds the credit sensor and the client enforce (each unset here: its environment variable; none: not enforced)."""
+    """Thresholds the credit sensor and the client enforce (each unset here: its environment variable; none: not
+    enforced)."""
 
     min_balance_usd: float | None = Field(
         default=None, description="hold when the account's remaining credit falls below (EAGLE3_MIN_BALANCE_USD)"
@@ -68,6 +70,11 @@ class SpendPolicy(dg.ConfigurableResource):
 
     def thresholds(self) -> dict[str, float | None]:
         return {name: setting(getattr(self, name), env, None, float) for name, env in THRESHOLD_ENV.items()}
+
+    def limits(self) -> Limits:
+        """The environment's side of every cap a run checks (`caps.run_caps` takes the tighter of it and the run's)."""
+        t = self.thresholds()
+        return Limits(run_usd=t["max_run_usd"], day_usd=t["max_day_usd"], total_usd=t["max_total_usd"])
 
     @property
     def tolerance_usd(self) -> float:

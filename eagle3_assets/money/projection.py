@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -59,7 +59,7 @@ def project(
     usd_worst = prompt_tokens * pricing.prompt + worst_completion * pricing.completion
     if done.height == 0:
         return Projection(n, prompt_tokens, worst_completion, usd_worst, usd_worst, 0.0, "no pilot answer: worst case")
-    mean_completion = float(done["completion_tokens"].mean())
+    mean_completion = float(cast(float, done["completion_tokens"].mean()))  # a numeric column: a float
     completion_tokens = int(round(n * mean_completion))
     if token_budget_left is not None:
         completion_tokens = min(completion_tokens, max(0, token_budget_left))
@@ -69,7 +69,7 @@ def project(
     billed = float(done["cost_usd"].sum())
     ratio = billed / listed if listed > 0 else 1.0
     usd = ratio * (prompt_tokens * pricing.prompt + completion_tokens * pricing.completion)
-    latency = float(done["latency_s"].fill_null(0).mean() or 0.0)
+    latency = float(cast(float, done["latency_s"].fill_null(0).mean() or 0.0))
     rate = min(concurrency, max(1, n)) / latency if latency > 0 else float("inf")
     if max_rps:
         rate = min(rate, max_rps)
