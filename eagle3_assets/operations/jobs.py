@@ -5,17 +5,15 @@ from __future__ import annotations
 import dagster as dg
 
 from eagle3_assets.common.registry import dataset_partitions
+from eagle3_assets.stages.completions.asset import CompletionsConfig
 from eagle3_assets.stages.pipeline import PIPELINE_ASSETS
 from eagle3_resources.storage import DataStore
 
-# Shown in the launchpad, so a user sees the spend caps without knowing their names (null: the environment's
-# EAGLE3_MAX_RUN_USD / EAGLE3_MAX_TOTAL_USD, else no cap; every other field: its documented default).
+# Shown in the launchpad, so a user sees the spend caps without knowing their names, at the run config's defaults
+# (null: the environment's EAGLE3_MAX_RUN_USD / EAGLE3_MAX_TOTAL_USD, else no cap).
 SPEND_CAPS = {
-    "max_run_usd": None,
-    "max_total_usd": None,
-    "max_projected_usd": None,
-    "on_cap": "finish",
-    "pilot_size": 8,
+    name: CompletionsConfig.model_fields[name].default
+    for name in ("max_run_usd", "max_total_usd", "max_projected_usd", "on_cap", "pilot_size")
 }
 
 eagle3_pipeline = dg.define_asset_job(

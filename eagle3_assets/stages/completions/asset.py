@@ -1,7 +1,6 @@
 """`completions`: the target's answer to every prompt, journaled as it arrives."""
 
 import asyncio
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,37 +11,29 @@ from pydantic import Field
 from eagle3_assets.common.failures import failure_for_operator, operator_failure
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, api_pod_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value
-from eagle3_assets.common.outcome import CheckOutcome, per_dataset
+from eagle3_assets.common.outcome import per_dataset
 from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.common.registry import dataset_partitions, dataset_spec
-from eagle3_assets.money import SpendPolicy, cancelling, get_hold, open_ledger, tighter
+from eagle3_assets.money import SpendPolicy, cancelling, get_hold, open_ledger
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.admission import HALTED
-from eagle3_assets.money.caps import Caps, Pricing
-from eagle3_assets.money.prices import (
-    PriceSheet,
-    check_billed,
-    configured,
-    fetch_prices,
-)
-from eagle3_assets.money.projection import project
+from eagle3_assets.money.caps import Caps, Limits, Pricing, run_caps
+from eagle3_assets.money.ledger import SpendLedger
+from eagle3_assets.money.prices import PriceSheet, configured, fetch_prices
 from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
-from eagle3_assets.stages.completions.pilot import pilot_outcome, pilot_passed
+from eagle3_assets.stages.completions.pilot import Means, Partition, PartitionPilot, PilotRules, pilot_outcome
 from eagle3_assets.stages.completions.run import (
-    CompletionsRun,
+    RunOptions,
+    RunReport,
     build_requests,
     completions_frame,
-    final_results,
     partition_lock,
-    run_completions,
 )
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.completions.types import SamplingSettings
 from eagle3_resources.errors import DatasetBusy, RunFatalError
-from eagle3_resources.journal import Journal
-from eagle3_resources.storage import DataStore
+from eagle3_resources.storage import DataLayout, DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
@@ -54,7 +45,7 @@ STOP_MODES = ("drain", "cancel")
 class CompletionsConfig(SamplingSettings):
     """Request settings and spend limits of this run (recorded with the materialization)."""
 
-    max_tokens: int | None = Field(
+    max_tokens: int | None = Field(  # type: ignore[assignment]  # unset here: the backend's default (`settings`)
         default=None, description=f"unset: {LOCAL_MAX_TOKENS} on the local backend, {REMOTE_MAX_TOKENS} otherwise"
     )
     max_run_usd: float | None = Field(
@@ -109,18 +100,15 @@ class CompletionsConfig(SamplingSettings):
         fields = {k: v for k, v in self.model_dump().items() if k in SamplingSettings.model_fields}
         return SamplingSettings(**{**fields, "max_tokens": max_tokens})
 
-    def caps(self, token_budget: int | None, thresholds: dict[str, float | None]) -> Caps:
-        """This run's caps and the spend policy's, whichever is tighter: the client enforces the
-        policy in every admission, so spending stops even when no sensor daemon runs."""
+    def caps(self, token_budget: int | None, environment: Limits) -> Caps:
+        """This run's caps: its limits against the spend policy's, whichever is tighter (money.caps.run_caps)."""
         if self.on_terminate not in STOP_MODES:
             raise ValueError(f'on_terminate must be "drain" or "cancel", not {self.on_terminate!r}')
-        return Caps(
-            token_budget=token_budget,
-            run_usd=tighter(self.max_run_usd, thresholds["max_run_usd"]),
-            total_usd=tighter(self.max_total_usd, thresholds["max_total_usd"]),
-            day_usd=thresholds["max_day_usd"],
-            on_cap=self.on_cap,
-        )
+        limits = Limits(run_usd=self.max_run_usd, total_usd=self.max_total_usd)
+        return run_caps(limits, environment, token_budget=token_budget, on_cap=self.on_cap)
+
+    def pilot_rules(self) -> PilotRules:
+        return PilotRules(self.pilot_size, self.price_tolerance, self.max_projected_usd)
 
     def price_sheet(self, backend: BackendKind, make_account, settings: SamplingSettings) -> PriceSheet | None:
         """Where admission's prices come from: the run config, else the API; None for a backend that bills nothing."""
@@ -179,13 +167,7 @@ def completions(
     spend_policy: SpendPolicy,
 ):
     ledger = open_ledger(store.layout)
-    hold = get_hold(ledger)
-    if hold:
-        raise dg.Failure(
-            description="spending is on hold: " + "; ".join(hold["reasons"]) + ". Lift it with `eagle3 hold lift` "
-            "(or the lift_spend_hold job), or raise the threshold.",
-            metadata={"hold": json_value(hold)},
-        )
+    refuse_while_on_hold(ledger)
     tok = tokenizer.load()
     kind = completions_backend.backend_kind()
     settings = config.settings(kind)
@@ -193,149 +175,109 @@ def completions(
         tok, lambda: target.load_model(tokenizer, context.log.info), context.log.info
     )
     sheet = config.price_sheet(kind, getattr(backend, "account", None), settings)
-    pricing = sheet.pricing() if sheet else Pricing(source="free backend")
-    if sheet:
-        context.log.info(
-            f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
-            f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)"
-        )
-    thresholds = spend_policy.thresholds()
-    metadata, outcomes, pilots, projections = {}, {}, {}, {}
+    pricing = worst_case_pricing(sheet, context.log.info)
+    means = Means(
+        backend, settings, sheet, ledger, tok, completions_backend.concurrency, context.run_id, context.log.info
+    )
+    environment = spend_policy.limits()
+    metadata, outcomes = {}, {}
     for key in context.partition_keys:
         spec = dataset_spec(key)
-        prompts = pl.read_parquet(store.layout.raw_prompts(key))
-        if spec.sample_cap is not None and prompts.height > spec.sample_cap:
-            context.log.info(f"{key}: sample cap {spec.sample_cap} of {prompts.height} prompts")
-            prompts = prompts.head(spec.sample_cap)
+        prompts = read_prompts(store.layout, key, spec.sample_cap, context.log.info)
         requests = build_requests(
             prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools
         )
+        options = RunOptions(
+            caps=config.caps(spec.token_budget, environment),
+            pricing=pricing,
+            run_id=context.run_id,
+            halt=lambda: cancelling(context.instance, context.run_id),
+            hold_mode=spend_policy.hold_action,
+            on_terminate=config.on_terminate,
+            resend_unsettled=config.resend_unsettled,
+            unsettled_wait_s=config.unsettled_wait_s,
+            horizon_s=spend_policy.horizon_s,
+            on_progress=live_progress(context, key),
+        )
         journal = store.layout.completions_journal(key)
-        caps = config.caps(spec.token_budget, thresholds)
-
-        def complete(batch, key=key, journal=journal, caps=caps) -> CompletionsRun:
-            return run_completions(
-                key,
-                batch,
-                backend,
-                settings,
-                journal,
-                ledger=ledger,
-                caps=caps,
-                pricing=pricing,
-                log=context.log.info,
-                run_id=context.run_id,
-                halt=lambda: cancelling(context.instance, context.run_id),
-                hold_mode=spend_policy.hold_action,
-                on_terminate=config.on_terminate,
-                resend_unsettled=config.resend_unsettled,
-                unsettled_wait_s=config.unsettled_wait_s,
-                horizon_s=spend_policy.horizon_s,
-                on_progress=live_progress(context, key),
-            )
-
+        pilot = PartitionPilot(Partition(key, prompts, requests, journal, options), means, config.pilot_rules())
         with dataset_lock(journal, context.run_id):
             try:
-                run = None  # what was sent and why it stopped; None when the pilot stopped the partition
-                sent = []  # this run's request batches (pilot, rest): the figures count both
-                if config.pilot_size and not pilot_passed(journal):
-                    done, _ = final_results(journal)
-                    batch = [r for r in requests if r.prompt_id not in done][: config.pilot_size]
-                    context.log.info(f"{key}: pilot of {len(batch)} prompts before the rest")
-                    pilot_run = complete(batch)
-                    sent.append(("pilot", pilot_run))
-                    if (
-                        pilot_run.stopped_by
-                    ):  # a hold, a cap: no verdict on a part of the pilot, and nothing more is sent
-                        run = pilot_run
-                        pilots[key] = CheckOutcome(
-                            False,
-                            f"pilot cut short ({run.stopped_by}); it runs again on the next materialization",
-                            {"sent": run.sent},
-                        )
-                    else:
-                        pilot_frame = completions_frame(key, batch, journal, prompts)
-                        prices = check_billed(pilot_frame, sheet, config.price_tolerance) if sheet else None
-                        pilots[key] = pilot_outcome(pilot_frame, build_token_ids(pilot_frame, tok), prices)
-                        with Journal(journal) as j:
-                            j.append(
-                                {
-                                    "type": "pilot",
-                                    "run_id": context.run_id,
-                                    "t": time.time(),
-                                    "passed": pilots[key].passed,
-                                    "description": pilots[key].description,
-                                    "n": len(batch),
-                                }
-                            )
-                        if pilots[key].passed:
-                            projections[key] = _projection(
-                                context,
-                                key,
-                                pilot_frame,
-                                requests,
-                                journal,
-                                pricing,
-                                settings,
-                                caps,
-                                ledger,
-                                completions_backend,
-                                backend,
-                            )
-                    context.log.info(f"{key}: {pilots[key].description}")
-                if key not in pilots or pilots[key].passed:
-                    over = (
-                        projections.get(key)
-                        and config.max_projected_usd is not None
-                        and projections[key].usd > config.max_projected_usd
-                    )
-                    if over:
-                        raise dg.Failure(
-                            description=f"{projections[key].line(key)}: more than max_projected_usd "
-                            f"${config.max_projected_usd:,.2f}. Nothing more was sent; raise the limit to go on.",
-                            metadata={"projection": json_value(projections[key].as_dict())},
-                        )
-                    run = complete(requests)
-                    sent.append(("rest", run))
+                pilot.run()
             except RunFatalError as e:
                 raise operator_failure(
                     e,
                     before=f"{key}: ",
                     after=f". Every finished response is in {journal}; fix the cause and re-materialize to resume.",
                 ) from e
-        df = completions_frame(key, requests, journal, prompts)
-        path = store.layout.ensure(store.layout.completions(key))
-        df.write_parquet(path)
-        if run is not None and (run.stopped_by or "").startswith(HALTED):
-            raise dg.Failure(
-                description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
-                f"is in {journal}; re-materialize to resume once the hold is lifted."
-            )
-        summary = run_summary(key, sent, None if key not in pilots or pilots[key].passed else "pilot failed")
-        outcomes[key] = {
-            **per_dataset(COMPLETION_CHECKS, {key: df})[key],
-            PILOT_CHECK: pilots.get(key)
-            or CheckOutcome(
-                True, "no pilot needed: " + ("pilots disabled" if not config.pilot_size else "passed in an earlier run")
-            ),
-        }
-        metadata[key] = {
-            **completions_figures(df, summary, ledger.read(L.scope, f"dataset:{key}")),
-            "backend": json_value({**backend.describe(), "settings_from": completions_backend.sources()}),
-            "request_settings": json_value(recorded_settings(settings, kind)),
-            "prices": json_value(sheet.describe() if sheet else {"source": "free backend"}),
-            **({"projection": json_value(projections[key].as_dict())} if key in projections else {}),
-            "run": json_value(summary),
-            "path": path_value(path),
-            "journal": path_value(journal),
-            "preview": markdown_table(
-                df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]
-            ),
-        }
+        metadata[key], outcomes[key] = partition_results(store.layout, pilot, completions_backend, kind)
     yield from per_dataset_results(context, metadata, CHECKS, outcomes)
 
 
-def run_summary(dataset: str, sent: list, stopped_by: str | None) -> dict:
+def refuse_while_on_hold(ledger: SpendLedger) -> None:
+    hold = get_hold(ledger)
+    if hold:
+        raise dg.Failure(
+            description="spending is on hold: " + "; ".join(hold["reasons"]) + ". Lift it with `eagle3 hold lift` "
+            "(or the lift_spend_hold job), or raise the threshold.",
+            metadata={"hold": json_value(hold)},
+        )
+
+
+def worst_case_pricing(sheet: PriceSheet | None, log) -> Pricing:
+    """What admission reserves per token: the highest price the routing allows (nothing for a free backend)."""
+    if not sheet:
+        return Pricing(source="free backend")
+    pricing = sheet.pricing()
+    log(
+        f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
+        f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)"
+    )
+    return pricing
+
+
+def read_prompts(layout: DataLayout, key: str, sample_cap: int | None, log) -> pl.DataFrame:
+    prompts = pl.read_parquet(layout.raw_prompts(key))
+    if sample_cap is not None and prompts.height > sample_cap:
+        log(f"{key}: sample cap {sample_cap} of {prompts.height} prompts")
+        prompts = prompts.head(sample_cap)
+    return prompts
+
+
+def partition_results(
+    layout: DataLayout, pilot: PartitionPilot, resource: CompletionsResource, kind: BackendKind
+) -> tuple[dict, dict]:
+    """The partition's Parquet file (from its journal), its metadata and its checks' outcomes; a halted run fails."""
+    part, means = pilot.partition, pilot.means
+    key, journal = part.key, part.journal
+    df = completions_frame(key, part.requests, journal, part.prompts)
+    path = layout.ensure(layout.completions(key))
+    df.write_parquet(path)
+    run = pilot.last
+    if run is not None and (run.stopped_by or "").startswith(HALTED):
+        raise dg.Failure(
+            description=f"{key}: {run.stopped_by}. {run.sent} requests were sent; every finished response "
+            f"is in {journal}; re-materialize to resume once the hold is lifted."
+        )
+    summary = run_summary(key, pilot.batches, pilot.stopped_by)
+    outcome = {**per_dataset(COMPLETION_CHECKS, {key: df})[key], PILOT_CHECK: pilot.outcome()}
+    metadata = {
+        **completions_figures(df, summary, means.ledger.read(L.scope, f"dataset:{key}")),
+        "backend": json_value({**means.backend.describe(), "settings_from": resource.sources()}),
+        "request_settings": json_value(recorded_settings(means.settings, kind)),
+        "prices": json_value(means.sheet.describe() if means.sheet else {"source": "free backend"}),
+        **({"projection": json_value(pilot.projection.as_dict())} if pilot.projection is not None else {}),
+        "run": json_value(summary),
+        "path": path_value(path),
+        "journal": path_value(journal),
+        "preview": markdown_table(
+            df, ["prompt_id", "status", "finish_reason", "completion_tokens", "reasoning", "content"]
+        ),
+    }
+    return metadata, outcome
+
+
+def run_summary(dataset: str, sent: list[tuple[str, RunReport]], stopped_by: str | None) -> dict:
     """What this run did for a dataset, pilot and rest together (each batch's own summary kept beside)."""
     parts = {name: run.summary(dataset) for name, run in sent}
     last = list(parts.values())[-1] if parts else {}
@@ -411,27 +353,3 @@ def dataset_lock(journal: Path, run_id: str):
             yield
     except DatasetBusy as e:
         raise operator_failure(e) from e
-
-
-def _projection(context, key, pilot_frame, requests, journal, pricing, settings, caps, ledger, resource, backend):
-    """The rest of the partition's cost and duration from its pilot: logged, recorded, checked against the limit."""
-    done, _ = final_results(journal)
-    remaining = [len(r.prompt_ids) for r in requests if r.prompt_id not in done]
-    budget_left = None
-    if caps.token_budget is not None:
-        budget_left = caps.token_budget - ledger.read(L.scope, f"dataset:{key}").committed_tokens
-    rate = getattr(backend, "rate", None)
-    max_rps = rate.limit / rate.window_s if rate is not None and rate.limit and rate.window_s else None
-    projection = project(
-        pilot_frame,
-        remaining,
-        pricing=pricing,
-        max_tokens=settings.max_tokens,
-        token_budget_left=budget_left,
-        concurrency=resource.concurrency,
-        max_rps=max_rps,
-    )
-    context.log.info(projection.line(key))
-    with Journal(journal) as j:
-        j.append({"type": "projection", "run_id": context.run_id, "t": time.time(), **projection.as_dict()})
-    return projection

@@ -18,16 +18,16 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from eagle3_assets.common.stop_signals import StopSignals
 from eagle3_assets.money import ledger as L
-from eagle3_assets.money.admission import HALTED, Admission
+from eagle3_assets.money.admission import HALTED, Admission, AdmissionTerms
 from eagle3_assets.money.caps import Caps, Pricing
 from eagle3_assets.money.ledger import DEFAULT_HORIZON_S, SpendLedger
-from eagle3_assets.money.settle import recover_dataset, settle_due
+from eagle3_assets.money.settle import Lookup, recover_dataset, settle_due
 from eagle3_assets.money.writer import LedgerWriter
 from eagle3_assets.stages.raw_prompts.prompts import rendered_prompt_ids
 from eagle3_resources.completions.types import (
@@ -44,12 +44,16 @@ from eagle3_resources.storage import DataLayout
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
+if TYPE_CHECKING:
+    from polars._typing import PolarsDataType
+
 PROGRESS_EVERY_S = 10.0
 
 
 @contextlib.contextmanager
 def partition_lock(journal: Path, run_id: str, *, wait: bool = False):
-    """One spending run per dataset at a time: an exclusive lock next to the journal (fcntl, released by the OS on death)."""
+    """One spending run per dataset at a time: an exclusive lock next to the journal (fcntl, released by the OS on
+    death)."""
     path = journal.with_name("lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
@@ -108,7 +112,7 @@ def build_requests(
     ids = rendered_prompt_ids(prompts, tokenizer, version, thinking)
     out = []
     for (pid, m, t), prompt, had in zip(
-        prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids, had_tools
+        prompts.select("prompt_id", "messages_json", "tools_json").rows(), ids, had_tools, strict=True
     ):
         how = "tools_field" if t else "omitted" if had else "none"
         out.append(CompletionRequest(pid, json.loads(m), json.loads(t) if t else None, prompt, tools_in_request=how))
@@ -120,7 +124,7 @@ def final_results(
 ) -> tuple[dict[str, dict[str, Any]], bool]:
     """The final outcome recorded for each prompt, and whether a torn last record was skipped."""
     contents = contents if contents is not None else read_journal(journal_path)
-    done = {}
+    done: dict[str, dict[str, Any]] = {}
     for rec in contents.records:
         if rec.get("type") == "result" and rec.get("status") in FINAL_STATUSES:
             done.setdefault(rec["prompt_id"], rec)
@@ -179,8 +183,9 @@ class Progress:
         avg = self.completion_tokens / self.finished if self.finished else 0
         eta = f"{f['eta_s'] / 3600:.1f}h" if f["eta_s"] is not None else "-"
         return (
-            f"{self.dataset} {f['done']}/{f['total']} done ({f['done_before']} before this run; this run: {f['ok']} ok, "
-            f"{f['errors']} err, {f['truncated']} cut) {f['requests_per_s']:.1f} req/s avg_comp={avg:.0f}tok "
+            f"{self.dataset} {f['done']}/{f['total']} done ({f['done_before']} before this run; "
+            f"this run: {f['ok']} ok, {f['errors']} err, {f['truncated']} cut) {f['requests_per_s']:.1f} req/s "
+            f"avg_comp={avg:.0f}tok "
             f"tot={self.completion_tokens / 1e6:.2f}M ${f['billed_usd']:.2f} ETA {eta}"
         )
 
@@ -201,27 +206,25 @@ async def report_while_waiting(progress: Progress) -> None:
 
 
 @dataclass
-class CompletionsRun:
-    """What one materialization did."""
+class RunReport:
+    """What one run of a partition did (`CompletionsRun.execute` returns it)."""
 
-    sent: int
-    results: Counter
-    completion_tokens: int
-    cost_usd: float
-    duration_s: float
-    stopped_by: str | None
-    resumed_done: int
-    torn_tail_recovered: bool
-    errors: Counter
+    sent: int = 0
+    results: Counter = field(default_factory=Counter)
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    duration_s: float = 0.0
+    stopped_by: str | None = None
+    resumed_done: int = 0
+    torn_tail_recovered: bool = False
+    errors: Counter = field(default_factory=Counter)
     retries: int = 0
     blocked: int = 0  # prompts not sent: an earlier attempt's bill is outstanding
     attempt_outcomes: dict[str, int] = field(default_factory=dict)  # settled / released / unsettled / unidentified
     in_flight_at_stop: int | None = None
     after_stop_usd: float = 0.0  # billed for requests in flight at the stop (drained: kept)
     settled_late_usd: float = 0.0  # bills of earlier attempts found by look-ups during this run
-    recovered_answers: int = (
-        0  # billed answers lost before the journal (a kill), fetched from the provider's stored content
-    )
+    recovered_answers: int = 0  # billed answers lost before the journal (a kill), fetched from the provider's store
 
     def summary(self, dataset: str) -> dict[str, Any]:
         return {
@@ -242,6 +245,60 @@ class CompletionsRun:
             "recovered_answers": self.recovered_answers,
         }
 
+    def take_figures(self, feed: Admission, progress: Progress) -> None:
+        """The admission's and the progress's figures, once the run has ended."""
+        self.sent, self.stopped_by, self.retries = feed.admitted, feed.stopped_by, feed.retries
+        self.cost_usd, self.attempt_outcomes = feed.billed_usd, dict(feed.outcomes)
+        self.in_flight_at_stop = feed.in_flight_at_stop
+        self.after_stop_usd = feed.billed_usd - (feed.billed_at_stop or feed.billed_usd)
+        self.results, self.errors, self.completion_tokens = progress.counts, progress.errors, progress.completion_tokens
+
+    def stop_line(self, dataset: str, finished: int) -> str:
+        cut = self.attempt_outcomes.get("unsettled", 0) + self.attempt_outcomes.get("unidentified", 0)
+        return f"{dataset}: stopped after {finished} done, ${self.cost_usd:.4f} billed ({self.stopped_by})" + (
+            f"; {self.in_flight_at_stop} request(s) were in flight at the stop: ${self.after_stop_usd:.4f} billed for "
+            f"them since (kept), {cut} cut short (unsettled: looked up, prompts sent again)"
+            if self.in_flight_at_stop
+            else ""
+        )
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How one run spends and stops: the keywords of `run_completions`, one frozen object.
+
+    `halt` is polled every `halt_poll_s` (in a thread: it may read a database) and returns a reason to stop
+    admitting (the run being cancelled from the UI) or None; it makes a terminate bite on runs no launcher can
+    signal, such as in-process ones. `hold_mode` / `on_terminate`: "drain" lets requests in flight finish (kept),
+    "cancel" cancels them. A prompt whose earlier attempt is still unsettled (started, no bill yet) is not sent
+    unless `resend_unsettled`. `on_progress` gets `Progress.figures()` at the start, every PROGRESS_EVERY_S and at
+    the end.
+    """
+
+    caps: Caps = Caps()
+    pricing: Pricing = Pricing()
+    run_id: str = ""
+    halt: Callable[[], str | None] | None = None
+    halt_poll_s: float = 1.0
+    hold_mode: str = "drain"
+    on_terminate: str = "cancel"
+    resend_unsettled: bool = False
+    unsettled_wait_s: float = 60.0
+    horizon_s: float = DEFAULT_HORIZON_S
+    settle_window_s: float = 20.0
+    on_progress: Callable[[dict[str, Any]], None] | None = None
+
+    def terms(self, max_tokens: int) -> AdmissionTerms:
+        return AdmissionTerms(
+            caps=self.caps,
+            pricing=self.pricing,
+            max_tokens=max_tokens,
+            hold_mode=self.hold_mode,
+            resend_unsettled=self.resend_unsettled,
+            unsettled_wait_s=self.unsettled_wait_s,
+            horizon_s=self.horizon_s,
+        )
+
 
 def run_completions(
     dataset: str,
@@ -251,303 +308,322 @@ def run_completions(
     journal_path: Path,
     *,
     ledger: SpendLedger,
-    caps: Caps = Caps(),
-    pricing: Pricing = Pricing(),
     log: Callable[[str], None],
-    run_id: str = "",
-    halt: Callable[[], str | None] | None = None,
-    halt_poll_s: float = 1.0,
-    hold_mode: str = "drain",
-    on_terminate: str = "cancel",
-    resend_unsettled: bool = False,
-    unsettled_wait_s: float = 60.0,
-    horizon_s: float = DEFAULT_HORIZON_S,
-    settle_window_s: float = 20.0,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
-) -> CompletionsRun:
+    **options: Any,
+) -> RunReport:
     """Send every prompt without a final outcome in the journal; stop at a cap, the hold, a stop, or a halt.
 
-    Every attempt is admitted by the shared spend ledger (caps across every process, the hold) and
-    settled there. A prompt whose earlier attempt is still unsettled (started, no bill yet) is not
-    sent unless `resend_unsettled`. `halt` is polled every `halt_poll_s` (in a thread: it may read a
-    database) and returns a reason to stop admitting (the run being cancelled from the UI) or None;
-    it makes a terminate bite on runs no launcher can signal, such as in-process ones.
-    `hold_mode` / `on_terminate`: "drain" lets requests in flight finish (kept), "cancel" cancels them.
-    `on_progress` gets `Progress.figures()` at the start, every PROGRESS_EVERY_S and at the end.
+    `options` are `RunOptions`' fields. Every attempt is admitted by the shared spend ledger (caps across every
+    process, the hold) and settled there (`CompletionsRun`).
     """
-    run_id = run_id or f"local-{uuid.uuid4().hex[:12]}"
-    contents = read_journal(journal_path)
-    done, torn = final_results(journal_path, contents)
-    if torn:
-        log(f"{dataset}: the journal's last record was torn (a crash mid-write); it was skipped and truncated")
-    lookup_source = getattr(backend, "account", None)
-    run = CompletionsRun(0, Counter(), 0, 0.0, 0.0, None, len(done), torn, Counter())
-    writer = LedgerWriter(ledger, on_error=log)
+    run = CompletionsRun(dataset, requests, backend, settings, journal_path, ledger, log, RunOptions(**options))
+    return run.execute()
 
-    with StopSignals() as signals, Journal(journal_path) as journal, writer:
-        journal.append(
-            {
-                "type": "start",
-                "run_id": run_id,
-                "t": time.time(),
-                "settings": settings.model_dump(),
-                "backend": backend.describe(),
-                "caps": caps.__dict__,
-                "pricing": pricing.__dict__,
-            }
+
+class CompletionsRun:
+    """One run of a partition's completions, in phases read top to bottom (`execute`):
+
+    settle before (attempts an earlier process left unfinished, bills found late, answers billed but lost),
+    send (admission under the caps, the backend, the watch on the hold and the run's status), settle after
+    (the bills this run left unsettled), finish (the figures, the journal's end record).
+    """
+
+    def __init__(  # the work (dataset, requests, journal), the means (backend, settings, ledger), log and options
+        self,
+        dataset: str,
+        requests: list[CompletionRequest],
+        backend: CompletionBackend,
+        settings: SamplingSettings,
+        journal_path: Path,
+        ledger: SpendLedger,
+        log: Callable[[str], None],
+        options: RunOptions,
+    ):
+        self.dataset, self.requests, self.backend, self.settings = dataset, requests, backend, settings
+        self.journal_path, self.ledger, self.log, self.options = journal_path, ledger, log, options
+        self.run_id = options.run_id or f"local-{uuid.uuid4().hex[:12]}"
+        self.contents = read_journal(journal_path)
+        self.done, torn = final_results(journal_path, self.contents)
+        self.report = RunReport(resumed_done=len(self.done), torn_tail_recovered=torn)
+        self.writer = LedgerWriter(ledger, on_error=log)
+        self.account_source: Callable[[], Any] | None = getattr(backend, "account", None)
+        self.lookup: Lookup | None = None
+        self.feed: Admission | None = None
+        self.progress: Progress | None = None
+        self.signals = StopSignals()
+        self.journal = Journal(journal_path)
+
+    def execute(self) -> RunReport:
+        if self.report.torn_tail_recovered:
+            self.log(
+                f"{self.dataset}: the journal's last record was torn (a crash mid-write); it was skipped and truncated"
+            )
+        started = time.monotonic()
+        with self.signals, self.journal, self.writer:
+            self.journal.append(self._start_record())
+            try:
+                asyncio.run(self._phases())
+            except BaseException as e:  # a stop (Dagster terminate, SIGTERM, Ctrl-C) or a run-fatal error
+                why = self.signals.description or f"{type(e).__name__}: {e}"
+                if self.feed is not None:
+                    self.feed.stopped_by = self.feed.stopped_by or why
+                else:
+                    self.report.stopped_by = why
+                raise
+            finally:
+                self.finish(started)
+        return self.report
+
+    async def _phases(self) -> None:
+        self.signals.attach()
+        await self.recover_unfinished()
+        account = self.account_source() if self.account_source is not None else None
+        async with account or contextlib.nullcontext():
+            if account is not None:
+                self.lookup = account.generation
+                await self.settle_before(account)
+            await self.send()
+            await self.settle_after()
+
+    def note(self, record: dict[str, Any]) -> None:
+        self.journal.append({"run_id": self.run_id, "t": time.time(), **record})
+
+    def _start_record(self) -> dict[str, Any]:
+        return {
+            "type": "start",
+            "run_id": self.run_id,
+            "t": time.time(),
+            "settings": self.settings.model_dump(),
+            "backend": self.backend.describe(),
+            "caps": self.options.caps.__dict__,
+            "pricing": self.options.pricing.__dict__,
+        }
+
+    # -- settle before ---------------------------------------------------------------------------
+
+    async def recover_unfinished(self) -> None:
+        """Attempts an earlier process of this dataset left live are put right from the journal."""
+        recovered = await self.writer.call(
+            recover_dataset, self.dataset, self.contents.records, free=self.options.pricing.free, now=time.time()
+        )
+        if any(recovered.values()):
+            self.log(f"{self.dataset}: attempts an earlier process left unfinished: {recovered}")
+
+    async def settle_before(self, account: Any) -> None:
+        """This dataset's unsettled bills first (they block prompts), then any due; then answers billed but lost."""
+        assert self.lookup is not None
+        window, horizon = self.options.settle_window_s, self.options.horizon_s
+        mine = await self.writer.call(L.unsettled_ids, self.dataset)
+        report = (
+            await settle_due(self.writer, self.lookup, deadline_s=window, horizon_s=horizon, attempt_ids=mine)
+            if mine
+            else None
+        )
+        sweep = await settle_due(self.writer, self.lookup, deadline_s=window / 4, horizon_s=horizon)
+        for r in (report, sweep):
+            if r is not None and (r.looked_up or r.expired):
+                self.log(f"{self.dataset}: before sending: {r.line()}")
+                self.report.settled_late_usd += r.found_usd
+        self.report.recovered_answers = await self.recover_lost_answers(account)
+
+    async def recover_lost_answers(self, account: Any) -> int:
+        """Answers that were generated and billed but never reached the journal (a kill -9, a cut stream whose provider
+        finished anyway): fetched from OpenRouter's stored content, where the account keeps it, so the prompt is not
+        paid for twice. Returns how many were recovered; the others' prompts are sent again (and say so)."""
+        lost = await self.writer.call(L.lost_answers, self.dataset)
+        if not lost:
+            return 0
+        recovered, unavailable, already = [], [], []
+        for row in lost:
+            if row["prompt_id"] in self.done:
+                already.append(row["attempt_id"])
+                continue
+            content = await account.generation_content(row["generation_id"])
+            if content is None:
+                unavailable.append(row["attempt_id"])
+                continue
+            result = recovered_result(row, *content)
+            self.note({"type": "result", **result.to_record()})
+            self.done[row["prompt_id"]] = result.to_record()
+            recovered.append(row["attempt_id"])
+        await self.writer.call(L.mark_recovered, recovered + already, True)
+        await self.writer.call(L.mark_recovered, unavailable, False)
+        self.log(
+            f"{self.dataset}: {len(recovered) + len(unavailable)} answer(s) were billed but never received: "
+            f"{len(recovered)} recovered from OpenRouter's stored content"
+            + (
+                f"; {len(unavailable)} not stored (the account's input/output logging is off?): "
+                "their prompts are sent again and paid twice"
+                if unavailable
+                else ""
+            )
+        )
+        return len(recovered)
+
+    # -- send ------------------------------------------------------------------------------------
+
+    async def send(self) -> None:
+        """Every prompt without a final outcome (nor, unless resend_unsettled, an unsettled bill), through admission."""
+        feed = self.feed = await self._admission()
+        progress = self.progress = self._progress(feed)
+        if self.options.on_progress is not None:
+            self.options.on_progress(progress.figures())
+        self.signals.on_first = (
+            (lambda: feed.stop(HALTED + f"{self.signals.description}: draining", cancel_inflight=False))
+            if self.options.on_terminate == "drain"
+            else None
         )
 
-        def note(record: dict[str, Any]) -> None:
-            journal.append({"run_id": run_id, "t": time.time(), **record})
+        def emit(result: CompletionResult) -> None:
+            self.journal.append({"type": "result", "run_id": self.run_id, "t": time.time(), **result.to_record()})
+            progress.add(result)
 
-        async def main() -> None:
-            signals.attach()
-            recovered = await writer.call(
-                recover_dataset, dataset, contents.records, free=pricing.free, now=time.time()
-            )
-            if any(recovered.values()):
-                log(f"{dataset}: attempts an earlier process left unfinished: {recovered}")
-            account = lookup_source() if lookup_source is not None else None
-            async with account or contextlib.nullcontext():
-                lookup = account.generation if account is not None else None
-                if lookup is not None:  # this dataset's unsettled bills first (they block prompts), then any due
-                    mine = await writer.call(L.unsettled_ids, dataset)
-                    report = (
-                        await settle_due(
-                            writer, lookup, deadline_s=settle_window_s, horizon_s=horizon_s, attempt_ids=mine
-                        )
-                        if mine
-                        else None
-                    )
-                    sweep = await settle_due(writer, lookup, deadline_s=settle_window_s / 4, horizon_s=horizon_s)
-                    for r in (report, sweep):
-                        if r is not None and (r.looked_up or r.expired):
-                            log(f"{dataset}: before sending: {r.line()}")
-                            run.settled_late_usd += r.found_usd
-                    run.recovered_answers = await recover_lost_answers(writer, account, dataset, done, note, log)
-                blocked = await writer.call(L.blocked_prompts, dataset)
-                pending = [
-                    r for r in requests if r.prompt_id not in done and (resend_unsettled or r.prompt_id not in blocked)
-                ]
-                run.blocked = sum(1 for r in requests if r.prompt_id not in done and r.prompt_id in blocked)
-                log(
-                    f"{dataset}: {len(requests)} prompts, {len(done)} already have a final outcome, {len(pending)} to send via "
-                    f"{backend.name}"
-                    + (
-                        f"; {run.blocked} wait for an earlier attempt's bill (unsettled: not sent twice)"
-                        if run.blocked and not resend_unsettled
-                        else ""
-                    )
-                )
-                feed = Admission(
-                    pending,
-                    writer=writer,
-                    caps=caps,
-                    pricing=pricing,
-                    max_tokens=settings.max_tokens,
-                    run_id=run_id,
-                    dataset=dataset,
-                    note=note,
-                    hold_mode=hold_mode,
-                    resend_unsettled=resend_unsettled,
-                    unsettled_wait_s=unsettled_wait_s,
-                    horizon_s=horizon_s,
-                    lookup=lookup,
-                )
-                state["feed"] = feed
-                progress = Progress(
-                    dataset,
-                    len(requests),
-                    sum(1 for r in requests if r.prompt_id in done),
-                    log,
-                    spent=lambda: feed.billed_usd,
-                    on_report=on_progress,
-                )
-                state["progress"] = progress
-                if on_progress is not None:
-                    on_progress(progress.figures())
-                signals.on_first = (
-                    (lambda: feed.stop(HALTED + f"{signals.description}: draining", cancel_inflight=False))
-                    if on_terminate == "drain"
-                    else None
-                )
-
-                def emit(result: CompletionResult) -> None:
-                    journal.append({"type": "result", "run_id": run_id, "t": time.time(), **result.to_record()})
-                    progress.add(result)
-
-                watcher = asyncio.create_task(
-                    watch(feed, writer, halt, halt_poll_s, hold_mode, on_terminate, log, dataset)
-                )
-                ticker = asyncio.create_task(report_while_waiting(progress))
-                try:
-                    await backend.run(feed, settings, emit)
-                finally:
-                    watcher.cancel()
-                    ticker.cancel()
-                    await feed.close()
-                    await writer.flush()
-                # Not after a stop (halt, hold): it must take effect at once; the next run or the sensor looks them up.
-                if lookup is not None and feed.unsettled_ids and not (feed.stopped_by or "").startswith(HALTED):
-                    report = await settle_due(
-                        writer,
-                        lookup,
-                        deadline_s=settle_window_s,
-                        horizon_s=horizon_s,
-                        attempt_ids=list(feed.unsettled_ids),
-                    )
-                    run.settled_late_usd += report.found_usd
-                    feed.billed_usd += report.found_usd
-                    if report.looked_up:
-                        log(f"{dataset}: after the run: {report.line()}")
-
-        state: dict[str, Any] = {}
-        started = time.monotonic()
+        watcher = asyncio.create_task(self.watch())
+        ticker = asyncio.create_task(report_while_waiting(progress))
         try:
-            asyncio.run(main())
-        except BaseException as e:  # a stop (Dagster terminate, SIGTERM, Ctrl-C) or a run-fatal error
-            feed = state.get("feed")
-            if feed is not None:
-                feed.stopped_by = feed.stopped_by or signals.description or f"{type(e).__name__}: {e}"
-            else:
-                run.stopped_by = signals.description or f"{type(e).__name__}: {e}"
-            raise
+            await self.backend.run(feed, self.settings, emit)
         finally:
-            feed, progress = state.get("feed"), state.get("progress")
-            if progress is not None:
-                progress.report()
-            figs = ledger.figures()
-            if feed is not None:
-                run.sent, run.stopped_by, run.retries = feed.admitted, feed.stopped_by, feed.retries
-                run.cost_usd, run.attempt_outcomes = feed.billed_usd, dict(feed.outcomes)
-                run.in_flight_at_stop = feed.in_flight_at_stop
-                run.after_stop_usd = feed.billed_usd - (feed.billed_at_stop or feed.billed_usd)
-                run.results, run.errors, run.completion_tokens = (
-                    progress.counts,
-                    progress.errors,
-                    progress.completion_tokens,
-                )
-            run.duration_s = time.monotonic() - started
-            if run.stopped_by:
-                log(
-                    f"{dataset}: stopped after {progress.finished if progress else 0} done, ${run.cost_usd:.4f} billed ({run.stopped_by})"
-                    + (
-                        f"; {run.in_flight_at_stop} request(s) were in flight at the stop: ${run.after_stop_usd:.4f} billed for "
-                        f"them since (kept), {run.attempt_outcomes.get('unsettled', 0) + run.attempt_outcomes.get('unidentified', 0)} "
-                        "cut short (unsettled: looked up, prompts sent again)"
-                        if run.in_flight_at_stop
-                        else ""
-                    )
-                )
-            journal.append(
-                {
-                    "type": "end",
-                    "run_id": run_id,
-                    "t": time.time(),
-                    "stopped_by": run.stopped_by,
-                    "finished": progress.finished if progress else 0,
-                    "cost_usd": run.cost_usd,
-                    "attempts": run.attempt_outcomes,
-                    "ledger": figs.as_dict(),
-                }
+            watcher.cancel()
+            ticker.cancel()
+            await feed.close()
+            await self.writer.flush()
+
+    async def _admission(self) -> Admission:
+        blocked = await self.writer.call(L.blocked_prompts, self.dataset)
+        resend, done = self.options.resend_unsettled, self.done
+        pending = [r for r in self.requests if r.prompt_id not in done and (resend or r.prompt_id not in blocked)]
+        self.report.blocked = sum(1 for r in self.requests if r.prompt_id not in done and r.prompt_id in blocked)
+        self.log(
+            f"{self.dataset}: {len(self.requests)} prompts, {len(done)} already have a final outcome, {len(pending)} "
+            f"to send via {self.backend.name}"
+            + (
+                f"; {self.report.blocked} wait for an earlier attempt's bill (unsettled: not sent twice)"
+                if self.report.blocked and not resend
+                else ""
             )
-    return run
+        )
+        return Admission(
+            pending,
+            writer=self.writer,
+            terms=self.options.terms(self.settings.max_tokens),
+            run_id=self.run_id,
+            dataset=self.dataset,
+            note=self.note,
+            lookup=self.lookup,
+        )
+
+    def _progress(self, feed: Admission) -> Progress:
+        return Progress(
+            self.dataset,
+            len(self.requests),
+            sum(1 for r in self.requests if r.prompt_id in self.done),
+            self.log,
+            spent=lambda: feed.billed_usd,
+            on_report=self.options.on_progress,
+        )
+
+    async def watch(self) -> None:
+        """Every `halt_poll_s`: the hold (so that cancel mode cancels in-flight requests at once) and the run's own
+        status (`halt`)."""
+        assert self.feed is not None
+        feed, halt, options = self.feed, self.options.halt, self.options
+        failing = False
+        while True:
+            await asyncio.sleep(options.halt_poll_s)
+            try:
+                hold = await self.writer.call(L.get_hold)
+                reason = await asyncio.to_thread(halt) if halt is not None else None
+            except Exception as e:  # a busy database must not end the watch: the stop would stop biting
+                if not failing:
+                    self.log(
+                        f"{self.dataset}: could not read the spend hold or the run's status ({type(e).__name__}: {e}); "
+                        "retrying"
+                    )
+                failing = True
+                continue
+            failing = False
+            if hold:
+                why = "; ".join(hold["reasons"])
+                self.log(f"{self.dataset}: halting: spending hold: {why} (in-flight requests: {options.hold_mode})")
+                feed.stop(HALTED + "spending hold: " + why, cancel_inflight=options.hold_mode == "cancel")
+                return
+            if reason:
+                self.log(f"{self.dataset}: halting: {reason} (in-flight requests: {options.on_terminate})")
+                feed.stop(HALTED + reason, cancel_inflight=options.on_terminate == "cancel")
+                return
+
+    # -- settle after ----------------------------------------------------------------------------
+
+    async def settle_after(self) -> None:
+        """The bills this run left unsettled, looked up now. Not after a stop (halt, hold): it must take effect at
+        once; the next run or the sensor looks them up."""
+        feed = self.feed
+        assert feed is not None
+        if self.lookup is None or not feed.unsettled_ids or (feed.stopped_by or "").startswith(HALTED):
+            return
+        report = await settle_due(
+            self.writer,
+            self.lookup,
+            deadline_s=self.options.settle_window_s,
+            horizon_s=self.options.horizon_s,
+            attempt_ids=list(feed.unsettled_ids),
+        )
+        self.report.settled_late_usd += report.found_usd
+        feed.billed_usd += report.found_usd
+        if report.looked_up:
+            self.log(f"{self.dataset}: after the run: {report.line()}")
+
+    # -- finish ----------------------------------------------------------------------------------
+
+    def finish(self, started: float) -> None:
+        """The figures (also after a stop or an error) and the journal's end record."""
+        feed, progress, report = self.feed, self.progress, self.report
+        if progress is not None:
+            progress.report()
+        figs = self.ledger.figures()
+        if feed is not None and progress is not None:
+            report.take_figures(feed, progress)
+        report.duration_s = time.monotonic() - started
+        finished = progress.finished if progress else 0
+        if report.stopped_by:
+            self.log(report.stop_line(self.dataset, finished))
+        self.journal.append(
+            {
+                "type": "end",
+                "run_id": self.run_id,
+                "t": time.time(),
+                "stopped_by": report.stopped_by,
+                "finished": finished,
+                "cost_usd": report.cost_usd,
+                "attempts": report.attempt_outcomes,
+                "ledger": figs.as_dict(),
+            }
+        )
 
 
 FINISHED = {"stop": "ok", "length": "truncated", "content_filter": "filtered"}
 
 
-async def recover_lost_answers(
-    writer: LedgerWriter,
-    account: Any,
-    dataset: str,
-    done: dict[str, dict[str, Any]],
-    note: Callable[[dict[str, Any]], None],
-    log: Callable[[str], None],
-) -> int:
-    """Answers that were generated and billed but never reached the journal (a kill -9, a cut stream whose provider
-    finished anyway): fetched from OpenRouter's stored content, where the account keeps it, so the prompt is not paid
-    for twice. Returns how many were recovered; the others' prompts are sent again (and say so)."""
-    lost = await writer.call(L.lost_answers, dataset)
-    if not lost:
-        return 0
-    recovered, unavailable, already = [], [], []
-    for row in lost:
-        if row["prompt_id"] in done:
-            already.append(row["attempt_id"])
-            continue
-        content = await account.generation_content(row["generation_id"])
-        if content is None:
-            unavailable.append(row["attempt_id"])
-            continue
-        reasoning, text = content
-        result = CompletionResult(
-            row["prompt_id"],
-            FINISHED[row["finish_reason"]],
-            row["finish_reason"],
-            reasoning=reasoning,
-            content=text,
-            prompt_tokens=row["prompt_tokens"],
-            completion_tokens=row["completion_tokens"],
-            cost_usd=row["cost_usd"] or 0.0,
-            generation_id=row["generation_id"],
-            provider=row["provider"],
-            attempt_id=row["attempt_id"],
-            billed=True,
-            extra={"recovered_from": "generation/content"},
-        )
-        note({"type": "result", **result.to_record()})
-        done[row["prompt_id"]] = result.to_record()
-        recovered.append(row["attempt_id"])
-    await writer.call(L.mark_recovered, recovered + already, True)
-    await writer.call(L.mark_recovered, unavailable, False)
-    log(
-        f"{dataset}: {len(recovered) + len(unavailable)} answer(s) were billed but never received: {len(recovered)} recovered "
-        f"from OpenRouter's stored content"
-        + (
-            f"; {len(unavailable)} not stored (the account's input/output logging is off?): "
-            "their prompts are sent again and paid twice"
-            if unavailable
-            else ""
-        )
+def recovered_result(row: dict[str, Any], reasoning: str, text: str) -> CompletionResult:
+    """A billed answer fetched from the provider's stored content, as the result the journal would have held."""
+    return CompletionResult(
+        row["prompt_id"],
+        FINISHED[row["finish_reason"]],
+        row["finish_reason"],
+        reasoning=reasoning,
+        content=text,
+        prompt_tokens=row["prompt_tokens"],
+        completion_tokens=row["completion_tokens"],
+        cost_usd=row["cost_usd"] or 0.0,
+        generation_id=row["generation_id"],
+        provider=row["provider"],
+        attempt_id=row["attempt_id"],
+        billed=True,
+        extra={"recovered_from": "generation/content"},
     )
-    return len(recovered)
 
 
-async def watch(
-    feed: Admission,
-    writer: LedgerWriter,
-    halt: Callable[[], str | None] | None,
-    poll_s: float,
-    hold_mode: str,
-    on_terminate: str,
-    log: Callable[[str], None],
-    dataset: str,
-) -> None:
-    """Every `poll_s`: the hold (so that cancel mode cancels in-flight requests at once) and the run's own status."""
-    failing = False
-    while True:
-        await asyncio.sleep(poll_s)
-        try:
-            hold = await writer.call(L.get_hold)
-            reason = await asyncio.to_thread(halt) if halt is not None else None
-        except Exception as e:  # a busy database must not end the watch: the stop would stop biting
-            if not failing:
-                log(f"{dataset}: could not read the spend hold or the run's status ({type(e).__name__}: {e}); retrying")
-            failing = True
-            continue
-        failing = False
-        if hold:
-            log(f"{dataset}: halting: spending hold: {'; '.join(hold['reasons'])} (in-flight requests: {hold_mode})")
-            feed.stop(HALTED + "spending hold: " + "; ".join(hold["reasons"]), cancel_inflight=hold_mode == "cancel")
-            return
-        if reason:
-            log(f"{dataset}: halting: {reason} (in-flight requests: {on_terminate})")
-            feed.stop(HALTED + reason, cancel_inflight=on_terminate == "cancel")
-            return
-
-
-COMPLETION_COLUMNS = {
+COMPLETION_COLUMNS: dict[str, PolarsDataType] = {
     "prompt_id": pl.String,
     "dataset": pl.String,
     "status": pl.String,
