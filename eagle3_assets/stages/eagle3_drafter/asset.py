@@ -19,14 +19,15 @@ from eagle3_assets.stages.eagle3_drafter.checks import (
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
 from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
 from eagle3_assets.stages.eagle3_drafter.launch import run_torchrun
-from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport, train_drafter
+from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.quality import (
+    DecodeEval,
     SpeculativeQuality,
     measure_speculative,
     target_weight_bytes,
 )
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
-from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json, write_spec
+from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
 from eagle3_assets.stages.hidden_states.asset import hidden_states
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -123,8 +124,7 @@ def train_in_processes(
     """torchrun with `config.processes` ranks; the step's stop stops them all."""
     out = store.layout.drafter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec = write_spec(
-        Path(str(out) + ".spec.json"),
+    spec = TrainSpec(
         hidden_root=None if config.online else store.layout.hidden_states(),
         merged_path=store.layout.merged_dataset(),
         target_folder=folder,
@@ -135,7 +135,7 @@ def train_in_processes(
         device=config.device,
         online=config.online,
         init_from=Path(config.init_from) if config.init_from else None,
-    )
+    ).write(Path(str(out) + ".spec.json"))
     return report_from_json(run_torchrun(spec, config.processes, context.log.info))
 
 
@@ -175,6 +175,8 @@ def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int =
     records = instance.fetch_materializations(key, limit=limit).records
     out = []
     for record in reversed(records):
+        if record.asset_materialization is None:  # a materialization record always holds one
+            continue
         meta = record.asset_materialization.metadata
         simulated = meta.get("accept_length_simulated", meta.get("accept_length"))  # `accept_length` in older ones
         if simulated is None:
@@ -326,7 +328,9 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
     op_tags={K8S_CONFIG_TAG: gpu_node_config()},  # a whole GPU node under the k8s executor
     kinds={"pytorch", "safetensors"},
     description="One-layer EAGLE-3 drafter trained with training-time test on the stored hidden states; exported "
-    "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not partitioned: a backfill dialog's preview lists it under \"No partitions available to materialize\", yet a run over datasets builds it once, after their `token_ids`.",
+    "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not "
+    'partitioned: a backfill dialog\'s preview lists it under "No partitions available to materialize", yet a run '
+    "over datasets builds it once, after their `token_ids`.",
 )
 @failure_for_operator
 def eagle3_drafter(
@@ -341,14 +345,63 @@ def eagle3_drafter(
     if config.processes > 1:
         report = train_in_processes(context, config, store, folder)
     else:
-        backend = None
-        if config.online:
-            from eagle3_resources.hidden_states.transformers_backend import (
-                TransformersHiddenStates,
-            )
+        report = train_in_this_process(context, config, store, folder, target, tokenizer, merged)
+    problems = check_checkpoint(report.checkpoint)
+    quality = None
+    if config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9:
+        how = DecodeEval(
+            prompts=config.spec_eval_prompts,
+            max_new_tokens=config.spec_eval_new_tokens,
+            draft_steps=config.spec_draft_steps,
+            seed=config.seed,
+            aux_layer_ids=trained_layer_ids(report.config),
+            proxy=target.path is None,
+        )
+        model = target.load_model(tokenizer, context.log.info)
+        quality = measure_speculative(model, report.checkpoint, merged, how, context.log.info)
+    real = quality.figures() if quality else None
+    outcomes = {
+        "sglang_keys": drafter_keys(report.checkpoint),
+        "accept_length": drafter_accept_length(
+            report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length
+        ),
+        "speculative_gain": drafter_beats_floor(real, config.min_accept_gain),
+    }
+    history = drafter_history(context.instance, context.assets_def.key)
+    previous = history[-1] if history else None
+    return dg.MaterializeResult(
+        check_results=to_results(DRAFTER_CHECKS, outcomes),
+        metadata=accept_length_metadata(report, real, previous)
+        | evaluation_metadata(report, history)
+        | decoding_metadata(report, quality)
+        | training_metadata(report)
+        | {
+            "sglang_key_check": "ok" if not problems else "; ".join(problems),
+            "config": json_value(report.config),
+            "path": path_value(report.checkpoint),
+        },
+    )
 
-            backend = TransformersHiddenStates(target.load_model(tokenizer, context.log.info))
-        report = train_drafter(
+
+def train_in_this_process(
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    store: DataStore,
+    folder: Path,
+    target: TargetModelResource,
+    tokenizer: TokenizerResource,
+    merged: pl.DataFrame,
+) -> DrafterReport:
+    """`run_drafter_job` here, on the store's states, or online on the target loaded here."""
+    backend = None
+    if config.online:
+        from eagle3_resources.hidden_states.transformers_backend import (
+            TransformersHiddenStates,
+        )
+
+        backend = TransformersHiddenStates(target.load_model(tokenizer, context.log.info))
+    report = run_drafter_job(
+        DrafterJob(
             None if config.online else store.layout.hidden_states(),
             merged,
             folder,
@@ -360,29 +413,15 @@ def eagle3_drafter(
             online_backend=backend,
             init_from=Path(config.init_from) if config.init_from else None,
         )
-    problems = check_checkpoint(report.checkpoint)
-    quality = None
-    if config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9:
-        quality = measure_speculative(
-            target.load_model(tokenizer, context.log.info),
-            report.checkpoint,
-            merged,
-            prompts=config.spec_eval_prompts,
-            max_new_tokens=config.spec_eval_new_tokens,
-            draft_steps=config.spec_draft_steps,
-            seed=config.seed,
-            aux_layer_ids=trained_layer_ids(report.config),
-            proxy=target.path is None,
-            log=context.log.info,
-        )
-    real = quality.figures() if quality else None
-    outcomes = {
-        "sglang_keys": drafter_keys(report.checkpoint),
-        "accept_length": drafter_accept_length(
-            report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length
-        ),
-        "speculative_gain": drafter_beats_floor(real, config.min_accept_gain),
-    }
+    )
+    if report is None:  # only another rank, or a run stopped early, has none; this is the only rank, run whole
+        raise RuntimeError("drafter training returned no report")
+    return report
+
+
+def evaluation_metadata(report: DrafterReport, history: list[dict]) -> dict:
+    """The trained drafter's simulated per-step acceptance, its loss curves, and the quality over
+    materializations."""
     per_step = pl.DataFrame(
         {
             "draft_step": list(range(1, len(report.trained["acc"]) + 1)),
@@ -390,55 +429,50 @@ def eagle3_drafter(
             "acc_untrained": report.untrained["acc"],
         }
     )
-    history = drafter_history(context.instance, context.assets_def.key)
-    previous = history[-1] if history else None
     positions = {f"acceptance_step_{i}": round(a, 4) for i, a in enumerate(report.trained["acc"], start=1)}
-    return dg.MaterializeResult(
-        check_results=to_results(DRAFTER_CHECKS, outcomes),
-        metadata=accept_length_metadata(report, real, previous)
-        | {
-            **positions,
-            "quality_over_materializations": png_markdown(history_plot(history, report)),
-            "accept_length_product": report.trained["accept_length_product"],
-            "eval_split": report.eval_split,
-            "eval_positions": report.trained["positions"],
-            "per_step_accuracy": markdown_table(per_step, rows=len(per_step)),
-            "training_plot": png_markdown(training_plot(report)),
-            "final_loss": report.history.step_loss[-1],
-            "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
-            "loss_per_step": json_value(report.history.step_loss),
-            "loss_by_ttt_step": png_markdown(ttt_loss_plot(report.history.step_loss_by_ttt)),
-            **(
-                {
-                    "speculative_decoding": json_value(
-                        {
-                            n: r.to_metadata()
-                            for n, r in (("trained", quality.trained), ("untrained", quality.untrained))
-                        }
-                    ),
-                    "real_vs_simulated": png_markdown(acceptance_plot(report, quality)),
-                }
-                if quality
-                else {}
-            ),
-            "train_tokens": report.train_tokens,
-            "samples_cut_into_windows": report.split_samples,
-            "train_windows": report.windows,
-            "learning_rate": report.history.lr,
-            "train_device": report.history.device,
-            "train_processes": report.history.world_size,
-            **({"resumed_from_step": report.history.resumed_from_step} if report.history.resumed_from_step else {}),
-            "train_samples": report.train_samples,
-            "eval_samples": report.eval_samples,
-            "draft_vocab_size": report.draft_vocab_size,
-            "train_seconds": round(report.history.seconds, 1),
-            "train_tokens_per_s": report.history.tokens_per_s,  # all processes, training steps only
-            "train_gflop_per_token": round(report.history.flops_per_token / 1e9, 4),  # model.train_flops_per_token
-            **(
-                {"train_mfu": report.history.mfu} if report.history.mfu is not None else {}
-            ),  # per GPU, of its bf16 peak
-            "sglang_key_check": "ok" if not problems else "; ".join(problems),
-            "config": json_value(report.config),
-            "path": path_value(report.checkpoint),
-        },
-    )
+    return {
+        **positions,
+        "quality_over_materializations": png_markdown(history_plot(history, report)),
+        "accept_length_product": report.trained["accept_length_product"],
+        "eval_split": report.eval_split,
+        "eval_positions": report.trained["positions"],
+        "per_step_accuracy": markdown_table(per_step, rows=len(per_step)),
+        "training_plot": png_markdown(training_plot(report)),
+        "final_loss": report.history.step_loss[-1],
+        "loss_curve": png_markdown(loss_plot(report.history.step_loss)),
+        "loss_per_step": json_value(report.history.step_loss),
+        "loss_by_ttt_step": png_markdown(ttt_loss_plot(report.history.step_loss_by_ttt)),
+    }
+
+
+def decoding_metadata(report: DrafterReport, quality: SpeculativeQuality | None) -> dict:
+    """Real speculative decoding's reports, trained and untrained, and its picture against the simulated figures
+    (nothing when it did not run)."""
+    if quality is None:
+        return {}
+    reports = {n: r.to_metadata() for n, r in (("trained", quality.trained), ("untrained", quality.untrained))}
+    return {
+        "speculative_decoding": json_value(reports),
+        "real_vs_simulated": png_markdown(acceptance_plot(report, quality)),
+    }
+
+
+def training_metadata(report: DrafterReport) -> dict:
+    """What was trained, where, and how fast."""
+    h = report.history
+    return {
+        "train_tokens": report.train_tokens,
+        "samples_cut_into_windows": report.split_samples,
+        "train_windows": report.windows,
+        "learning_rate": h.lr,
+        "train_device": h.device,
+        "train_processes": h.world_size,
+        **({"resumed_from_step": h.resumed_from_step} if h.resumed_from_step else {}),
+        "train_samples": report.train_samples,
+        "eval_samples": report.eval_samples,
+        "draft_vocab_size": report.draft_vocab_size,
+        "train_seconds": round(h.seconds, 1),
+        "train_tokens_per_s": h.tokens_per_s,  # all processes, training steps only
+        "train_gflop_per_token": round(h.flops_per_token / 1e9, 4),  # model.train_flops_per_token
+        **({"train_mfu": h.mfu} if h.mfu is not None else {}),  # per GPU, of its bf16 peak
+    }

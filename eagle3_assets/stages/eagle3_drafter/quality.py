@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import torch
@@ -61,36 +62,40 @@ def target_weight_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
+@dataclass(frozen=True)
+class DecodeEval:
+    """How the drafters are measured: the first `prompts` eval-split prompts, `max_new_tokens` each, chains of
+    `draft_steps` (top-1); the untrained floor starts from `seed`, as training did; `aux_layer_ids`: the target
+    layers the drafter was trained on; `proxy`: the target is the stand-in."""
+
+    prompts: int
+    max_new_tokens: int
+    draft_steps: int
+    seed: int
+    aux_layer_ids: list[int]
+    proxy: bool
+
+
 def measure_speculative(
-    target_model,
-    checkpoint: Path,
-    merged: pl.DataFrame,
-    *,
-    prompts: int,
-    max_new_tokens: int,
-    draft_steps: int,
-    seed: int,
-    aux_layer_ids: list[int],
-    proxy: bool,
-    log: Callable[[str], None],
+    target_model: Any, checkpoint: Path, merged: pl.DataFrame, how: DecodeEval, log: Callable[[str], None]
 ) -> SpeculativeQuality:
     """Both drafters decode the same prompts; the untrained one starts from the seed training started from."""
     embed = target_model.get_input_embeddings().weight.detach().float().cpu()
     trained, cfg = drafter_from_checkpoint(checkpoint, embed)
-    torch.manual_seed(seed)
+    torch.manual_seed(how.seed)
     untrained = Eagle3Drafter(cfg, embed, trained.draft_ids.cpu()).eval()
     device = target_model.get_input_embeddings().weight.device
-    chosen = eval_prompts(merged, prompts)
+    chosen = eval_prompts(merged, how.prompts)
     reports = {}
     for name, drafter in (("trained", trained), ("untrained", untrained)):
         reports[name] = evaluate_speculative(
             target_model,
             drafter.to(device),
             chosen,
-            draft_steps=draft_steps,
-            max_new_tokens=max_new_tokens,
-            proxy=proxy,
-            aux_layer_ids=aux_layer_ids,
+            draft_steps=how.draft_steps,
+            max_new_tokens=how.max_new_tokens,
+            proxy=how.proxy,
+            aux_layer_ids=how.aux_layer_ids,
         )
         t = reports[name].totals()
         log(
