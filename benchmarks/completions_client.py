@@ -64,6 +64,7 @@ def start_server(latency: float) -> tuple[subprocess.Popen, str]:
         start_new_session=True,
         text=True,
     )
+    assert proc.stdout is not None  # stdout=PIPE
     proc.stdout.readline()  # {"listening": ...}
     for _ in range(100):
         try:
@@ -249,7 +250,8 @@ def main() -> None:
 
     configs = [(256, 1.0)] if args.quick else [(256, 1.0), (2000, 2.0)]
     print(
-        f"{'client':<29} {'C':>5} {'L':>4} {'ok':>6} {'req/s':>8} {'of C/L':>7} {'client CPU':>10} {'peak RSS':>9} {'(imports)':>10}"
+        f"{'client':<29} {'C':>5} {'L':>4} {'ok':>6} {'req/s':>8} {'of C/L':>7} "
+        f"{'client CPU':>10} {'peak RSS':>9} {'(imports)':>10}"
     )
     for concurrency, latency in configs:
         n = 3 * concurrency

@@ -77,7 +77,8 @@ def workload(seed: int = 0):
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(standin.standin_config(tok))
+    # a duck-typed tokenizer: standin_config reads its vocab_size and token_id only
+    model = DeepseekV3ForCausalLM(standin.standin_config(tok))  # type: ignore[arg-type]
     rng = random.Random(seed)
     used = rng.sample(range(VOCAB_SIZE - 256), 3000)
     seqs = []
@@ -118,7 +119,8 @@ def main() -> None:
         picture = cpu.measure()
         choice = cpu.choose_threads(picture, os.environ.get(cpu.ENV))
         print(
-            f"{os.cpu_count()} CPUs, load {args.load} busy processes (duty {args.duty:g}); torch default {default} threads; "
+            f"{os.cpu_count()} CPUs, load {args.load} busy processes (duty {args.duty:g}); "
+            f"torch default {default} threads; "
             f"rule: {choice.threads} ({choice.reason})",
             flush=True,
         )

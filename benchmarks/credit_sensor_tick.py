@@ -45,7 +45,7 @@ def fill_ledger(layout: DataLayout, fraction: float) -> int:
         for start in range(0, n, 512):
             wants = [L.Want(f"{name}-{i}", 1, 0.05, 16384) for i in range(start, min(n, start + 512))]
 
-            def batch(conn, wants=wants):
+            def batch(conn, wants=wants, name=name):
                 ids, _ = L.reserve(conn, wants, run_id=f"run-{name}", dataset=name, owner="bench", caps=Caps(), now=now)
                 for k, a in enumerate(ids):
                     if k % 6 == 5:  # a retried attempt: released, nothing generated
@@ -106,6 +106,7 @@ def tick_times(root: Path, ticks: int) -> list[float]:
             started = time.perf_counter()
             result = credit_sensor(context)
             out.append(time.perf_counter() - started)
+            assert isinstance(result, dg.SensorResult)  # the credit sensor always returns one (its cursor)
             cursor = result.cursor
     return out
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import torch
@@ -115,7 +116,7 @@ def target_folder(root: Path, hidden: int, vocab: int) -> Path:
 
 def dataset(root: Path, n: int, tokens: int, hidden: int, vocab: int) -> tuple[Path, Path]:
     g = torch.Generator().manual_seed(n)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(n):
         ids = torch.randint(0, vocab, (tokens,), generator=g).tolist()
         rows.append(
@@ -161,8 +162,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4000)
     a = p.parse_args()
     settings = TrainSettings(ttt_steps=3, epochs=1, batch_tokens=2400, max_len=1024, checkpoint_every=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
         folder = target_folder(tmp, a.hidden, a.vocab)
         results = {}
         for factor in (1, 4):
@@ -183,12 +184,14 @@ def main() -> None:
             rss, anon, file = peak_rss_mb(spec)
             report = json.loads((root / "report.json").read_text())
             tokens = factor * a.samples * a.tokens
-            # What the old trainer kept resident: per token aux fp32 (3H) + teacher over the draft vocabulary (fp32) + ids.
+            # What the old trainer kept resident: per token aux fp32 (3H) + teacher over the draft vocabulary (fp32)
+            # + ids.
             resident = tokens * (3 * a.hidden * 4 + report["draft_vocab_size"] * 4 + 3 * 8) / 2**20
             results[factor] = rss
             print(
                 f"{factor}x: {factor * a.samples} samples, {tokens:,} tokens, store "
-                f"{sum(f.stat().st_size for f in store.glob('*.safetensors')) / 2**20:,.0f} MiB: peak RSS {rss:,.0f} MiB "
+                f"{sum(f.stat().st_size for f in store.glob('*.safetensors')) / 2**20:,.0f} MiB: "
+                f"peak RSS {rss:,.0f} MiB "
                 f"(anonymous {anon:,.0f}, file-backed {file:,.0f}) "
                 f"(all samples in memory, the peer: {resident:,.0f} MiB of tensors alone)"
             )

@@ -44,6 +44,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,7 +159,9 @@ class InterleavedBare:
     would have to synchronize, which would stop the capture's copies from overlapping the next forward)."""
 
     def __init__(self, inner: TransformersHiddenStates):
-        self.inner, self.bare_s, self.calls = inner, [], []  # calls: when each extract_batch began
+        self.inner = inner
+        self.bare_s: list[float] = []
+        self.calls: list[float] = []  # when each extract_batch began
         self.started = self.ended = 0.0  # the run's ends (set by the caller)
 
     def __getattr__(self, name):
@@ -186,9 +189,10 @@ class InterleavedBare:
         the pipeline's work until the next batch; the setup before the first call and the wait for the writers after
         the last count with the first and the last batch)."""
         ends = [*self.calls[1:], self.ended]
-        own = [end - begin - bare for begin, end, bare in zip(self.calls, ends, self.bare_s)]
+        # one call time and one bare forward per batch
+        own = [end - begin - bare for begin, end, bare in zip(self.calls, ends, self.bare_s, strict=True)]
         own[0] += self.calls[0] - self.started
-        return [bare / o for bare, o in zip(self.bare_s, own)]
+        return [bare / o for bare, o in zip(self.bare_s, own, strict=True)]
 
 
 def disk_write_s(
@@ -198,7 +202,7 @@ def disk_write_s(
     todo = list(enumerate(sizes))
     used_direct = []
     lock = threading.Lock()
-    memory = memoryview(buffer.numpy())
+    memory = buffer.numpy().data  # the memoryview of the array (numpy types its buffer protocol from Python 3.12)
 
     def worker() -> None:
         while True:
@@ -297,7 +301,8 @@ def main() -> None:
     else:
         model = random_deepseek_v3(a.hidden, a.layers, a.vocab).to(dtype)
         name = f"random DeepseekV3 hidden {a.hidden}, {a.layers} layers"
-    model = model.to(device).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
+    model = model.to(device).eval()  # type: ignore[arg-type]
     backend = TransformersHiddenStates(model)
     n_samples = a.samples if a.samples is not None else (400 if device.type == "cuda" else 48)
     samples = sequences(n_samples, a.min_len, a.max_len, model.config.vocab_size)
@@ -329,7 +334,8 @@ def main() -> None:
     ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
     print(
         f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
-        f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards of ~{shard_bytes / 1e6:,.0f} MB, "
+        f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards "
+        f"of ~{shard_bytes / 1e6:,.0f} MB, "
         f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; checksum {CHECKSUM}",
         flush=True,
     )
@@ -379,7 +385,8 @@ def main() -> None:
         k: [] for k in ("bare", "null", "extract", "ready", "disk_buffered", "disk_direct_parallel")
     }
     cpu: dict[str, list[float]] = {k: [] for k in t}
-    direct_ok, figures = False, {}
+    direct_ok = False
+    figures: dict[str, Any] = {}
 
     interleave = device.type == "cpu" and not a.whole_runs
     pairs: dict[str, list[float]] = {"null": [], "extract": []}  # bare seconds / the run's own seconds, per run
@@ -400,16 +407,16 @@ def main() -> None:
                 if len(t[k]) > len(pairs[k]):  # the same round's run came first
                     pairs[k].append(s / t[k][-1])
         elif kind in ("null", "extract"):
-            be = InterleavedBare(backend) if interleave else backend
-            s, c, f = extraction(be, kind == "null")
+            interleaved = InterleavedBare(backend) if interleave else None
+            s, c, f = extraction(interleaved if interleaved is not None else backend, kind == "null")
             figures = f or figures
-            if interleave:
-                bare_s = sum(be.bare_s)
+            if interleaved is not None:
+                bare_s = sum(interleaved.bare_s)
                 s -= bare_s
                 t["bare"].append(bare_s)
                 bare_in[kind].append(bare_s)
                 pairs[kind].append(bare_s / s)
-                batch_pairs[kind].extend(be.batch_ratios())
+                batch_pairs[kind].extend(interleaved.batch_ratios())
             elif len(t["bare"]) > len(t[kind]):  # the same round's bare forward came first
                 pairs[kind].append(t["bare"][-1] / s)
         elif kind == "ready":
@@ -431,7 +438,8 @@ def main() -> None:
             if interleave
             else f"{a.rounds} rounds of (bare forward, null sink, extraction)"
         )
-        + f", and {a.write_rounds} rounds of (store writes, disk O_DIRECT, disk buffered); each round in a rotated order",
+        + f", and {a.write_rounds} rounds of (store writes, disk O_DIRECT, disk buffered); "
+        "each round in a rotated order",
         flush=True,
     )
     for r in range(max(a.rounds, a.write_rounds)):
@@ -458,7 +466,8 @@ def main() -> None:
     gbps = {k: spread([(write_total if k in write_kinds else total) / s / 1e9 for s in v]) for k, v in t.items()}
     # The disk's bandwidth in each write round: the better of its two ways (buffered, O_DIRECT from `writers` threads).
     disk_round = [
-        max(write_total / b, write_total / d) / 1e9 for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"])
+        max(write_total / b, write_total / d) / 1e9
+        for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"], strict=True)  # one of each per write round
     ]
     disk_kind = max(("disk_buffered", "disk_direct_parallel"), key=lambda k: gbps[k]["median"])
     # Paired ratios. On a GPU each from one round's adjacent runs, the median over rounds the figure. On a CPU the bare
@@ -467,12 +476,12 @@ def main() -> None:
     null_pairs, extract_pairs = pairs["null"], pairs["extract"]
     null_ratio = statistics.median(batch_pairs["null"] if interleave else null_pairs)
     extract_ratio = statistics.median(batch_pairs["extract"] if interleave else extract_pairs)
-    store_pairs = [write_total / s / 1e9 / d for s, d in zip(t["ready"], disk_round)]
-    disk = statistics.median(disk_round)
-    bare, null, extract = rate["bare"]["median"], rate["null"]["median"], rate["extract"]["median"]
+    store_pairs = [write_total / s / 1e9 / d for s, d in zip(t["ready"], disk_round, strict=True)]  # per write round
+    disk_gbps = statistics.median(disk_round)
+    bare = rate["bare"]["median"]
     store_gbps, extract_gbps = gbps["ready"]["median"], gbps["extract"]["median"]
     bytes_per_token = total / tokens
-    limit = min(bare, disk * 1e9 / bytes_per_token)
+    limit = min(bare, disk_gbps * 1e9 / bytes_per_token)
     extract_paired = bare * extract_ratio  # the extraction's tok/s by its paired ratio to the bare forward
     cpu_per_gb = {k: round(statistics.median(cpu[k]) / (write_total / 1e9), 4) for k in write_kinds}
     out = {
@@ -500,7 +509,7 @@ def main() -> None:
         "bare_interleaved": interleave,
         "tokens_per_s": rate,
         "gb_per_s": gbps,
-        "disk_gb_per_s": disk,
+        "disk_gb_per_s": disk_gbps,
         "disk_gb_per_s_by_round": [round(x, 4) for x in disk_round],
         "disk_measured_as": disk_kind,
         "cpu_s_per_gb_written": cpu_per_gb,
@@ -513,7 +522,7 @@ def main() -> None:
         "ratio_store_write_to_disk": statistics.median(store_pairs),
         "ratio_store_write_to_disk_by_round": [round(x, 4) for x in store_pairs],
         "ratio_store_write_to_disk_best": gbps["ready"]["best"] / max(disk_round),
-        "ratio_extraction_write_to_disk": extract_gbps / disk,
+        "ratio_extraction_write_to_disk": extract_gbps / disk_gbps,
         "limit_tokens_per_s": limit,
         "ratio_extraction_to_limit": extract_paired / limit,
         "overhead_pct_bytes_per_token": figures["overhead_pct"],
@@ -522,7 +531,8 @@ def main() -> None:
     def line(label: str, key: str) -> str:
         r = rate[key]
         return (
-            f"{label:<16}{r['median']:12,.0f} tok/s  (median of {len(t[key])}; best {r['best']:,.0f}, worst {r['worst']:,.0f}; "
+            f"{label:<16}{r['median']:12,.0f} tok/s  (median of {len(t[key])}; "
+            f"best {r['best']:,.0f}, worst {r['worst']:,.0f}; "
             f"{gbps[key]['median']:.3f} GB/s)"
         )
 
@@ -533,7 +543,8 @@ def main() -> None:
     print(line("null sink", "null"))
     print(line("extraction", "extract"))
     print(
-        f"{'store writes':<16}{rate['ready']['median']:12,.0f} tok/s  ({store_gbps:.3f} GB/s median of {len(t['ready'])}, "
+        f"{'store writes':<16}{rate['ready']['median']:12,.0f} tok/s  "
+        f"({store_gbps:.3f} GB/s median of {len(t['ready'])}, "
         f"all {listed(gbps['ready']['all'])}: ready states, no forward; {cpu_per_gb['ready']:.3f} CPU s/GB)"
     )
     print(
@@ -543,7 +554,8 @@ def main() -> None:
             f"{cpu_per_gb[k]:.3f} CPU s/GB)"
             for k in ("disk_direct_parallel", "disk_buffered")
         )
-        + f"  -> {disk:.3f} GB/s (median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})"
+        + f"  -> {disk_gbps:.3f} GB/s "
+        f"(median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})"
     )
 
     def paired(kind: str) -> str:
@@ -551,23 +563,27 @@ def main() -> None:
             b = batch_pairs[kind]
             return (
                 f"median of {len(b)} batches (each batch's bare forward run next to its capture; quartiles "
-                f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) in {len(pairs[kind])} runs; "
+                f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) "
+                f"in {len(pairs[kind])} runs; "
                 f"each run's own sums {listed(pairs[kind])}"
             )
         return f"median of {listed(pairs[kind])}, each from one round's adjacent runs"
 
     print(
-        f"ratio null sink / bare forward:   {null_ratio:.3f}   (goal >= 0.95: the capture's own overhead; {paired('null')})"
+        f"ratio null sink / bare forward:   {null_ratio:.3f}   "
+        f"(goal >= 0.95: the capture's own overhead; {paired('null')})"
     )
     print(f"ratio extraction / bare forward:  {extract_ratio:.3f}   ({paired('extract')})")
     print(
-        f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; median of {listed(store_pairs)}, "
-        f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; the extraction "
+        f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; "
+        f"median of {listed(store_pairs)}, "
+        f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; "
+        "the extraction "
         f"itself wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)"
     )
     print(
         f"extraction {extract_paired:,.0f} tok/s (bare x its paired ratio) vs 0.9 x min(bare {bare:,.0f}, disk "
-        f"{disk * 1e9 / bytes_per_token:,.0f}) = "
+        f"{disk_gbps * 1e9 / bytes_per_token:,.0f}) = "
         f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)"
     )
     print(

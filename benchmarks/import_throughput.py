@@ -20,20 +20,23 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from typing import Any
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3_assets.common.registry import DatasetSpec, ImportSpec
-from eagle3_assets.stages.raw_prompts.importers.build import source_rows
-from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength, import_prompts
-from eagle3_resources.tokenizer.chat_format import render_messages
-from eagle3_resources.tokenizer.resource import TokenizerResource
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable from a plain checkout, installed or not
+
+from eagle3_assets.common.registry import DatasetSpec, ImportSpec  # noqa: E402
+from eagle3_assets.stages.raw_prompts.importers.build import source_rows  # noqa: E402
+from eagle3_assets.stages.raw_prompts.importers.importer import PromptLength, import_prompts  # noqa: E402
+from eagle3_resources.source_files import SourceRow  # noqa: E402
+from eagle3_resources.tokenizer.chat_format import render_messages  # noqa: E402
+from eagle3_resources.tokenizer.resource import TokenizerResource  # noqa: E402
 
 WORDS = [
     "the",
@@ -95,7 +98,8 @@ def text(rng: random.Random, n_words: int, words=WORDS) -> str:
 
 def make_source(path: Path, rows: int, answer_chars: int, seed: int = 0) -> None:
     rng = random.Random(seed)
-    batch, writer = [], None
+    batch: list[dict[str, Any]] = []
+    writer: pq.ParquetWriter | None = None
     for i in range(rows):
         words = FRENCH if rng.random() < 0.05 else WORDS
         messages = []
@@ -108,6 +112,7 @@ def make_source(path: Path, rows: int, answer_chars: int, seed: int = 0) -> None
             writer = writer or pq.ParquetWriter(path, table.schema)
             writer.write_table(table)
             batch = []
+    assert writer is not None  # the last row wrote a batch
     writer.close()
 
 
@@ -132,7 +137,8 @@ def main() -> None:
         t = time.perf_counter()
         make_source(src, args.rows, args.answer_chars)
         print(
-            f"source: {args.rows:,} rows, {src.stat().st_size / 1e6:.0f} MB Parquet (written in {time.perf_counter() - t:.0f} s)"
+            f"source: {args.rows:,} rows, {src.stat().st_size / 1e6:.0f} MB Parquet "
+            f"(written in {time.perf_counter() - t:.0f} s)"
         )
         spec = ImportSpec(
             schema="messages",
@@ -157,7 +163,8 @@ def main() -> None:
         pl.read_parquet(src)
         read_s = time.perf_counter() - t
 
-        rows_of = lambda: source_rows(reg["B6"], Path(tmp) / "src")
+        def rows_of() -> Iterator[SourceRow]:
+            return source_rows(reg["B6"], Path(tmp) / "src")
 
         def timed(cap):
             t = time.perf_counter()
@@ -171,14 +178,17 @@ def main() -> None:
     same = [p.prompt_id for p in ours] == [p.prompt_id for p in peer]
     r = report
     print(
-        f"selected {r.selected:,} of {r.rows:,} rows (filtered {dict(r.filtered)}); the peer selects the same prompts: {same}"
+        f"selected {r.selected:,} of {r.rows:,} rows (filtered {dict(r.filtered)}); "
+        f"the peer selects the same prompts: {same}"
     )
     print(f"polars read only:                   {read_s:7.1f} s  ({args.rows / read_s:10,.0f} rows/s)")
     print(
-        f"import, filters on ranked rows:     {ours_s:7.1f} s  ({args.rows / ours_s:10,.0f} rows/s), measured {r.measured:,} prompts"
+        f"import, filters on ranked rows:     {ours_s:7.1f} s  ({args.rows / ours_s:10,.0f} rows/s), "
+        f"measured {r.measured:,} prompts"
     )
     print(
-        f"peer: filters on every row first:   {peer_s:7.1f} s  ({args.rows / peer_s:10,.0f} rows/s), measured {peer_report.measured:,}"
+        f"peer: filters on every row first:   {peer_s:7.1f} s  ({args.rows / peer_s:10,.0f} rows/s), "
+        f"measured {peer_report.measured:,}"
     )
     print(f"ratio peer / ours: {peer_s / ours_s:.2f}x")
 

@@ -25,9 +25,9 @@ Reported per server and concurrency:
   speed-up        output tok/s over the baseline server's at the same concurrency.
 
 The JSON (`--output`) has `source: "sglang_server"` and a `summary` per temperature (here only "0", greedy) of the
-shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.operations.record_figures FILE` records it on the
-`eagle3_drafter` asset (eagle3_assets/stages/eagle3_drafter/figures.py). The eval prompts and the arithmetic are
-benchmarks/speculative_common.py's, shared with that script.
+shape benchmarks/sglang_engine_speculative.py writes; `python -m eagle3_assets.operations.record_figures FILE` records
+it on the `eagle3_drafter` asset (eagle3_assets/stages/eagle3_drafter/figures.py). The eval prompts and the arithmetic
+are benchmarks/speculative_common.py's, shared with that script.
 
 Imports only the standard library at module import; the Parquet file is read with pyarrow when one is given
 (a JSONL file of prompt ids needs nothing): runs where sglang is installed without this project's extras.
@@ -228,8 +228,8 @@ def bench_server(
 
 def signals_for_servers() -> None:
     """The servers this script starts must stop on SIGTERM. A blocked signal mask and ignored dispositions survive
-    fork and exec, so a parent that blocked SIGTERM (the full test suite's process did, measured: each stop then waited its
-    grace before SIGKILL) would hand them down to every rank: clear both here, before any server starts."""
+    fork and exec, so a parent that blocked SIGTERM (the full test suite's process did, measured: each stop then waited
+    its grace before SIGKILL) would hand them down to every rank: clear both here, before any server starts."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) is signal.SIG_IGN:

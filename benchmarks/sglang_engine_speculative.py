@@ -24,9 +24,9 @@ Reported per temperature (and per concurrency):
   output tok/s    sum(completion_tokens) / wall time of the batch (first request sent to last answer).
   speed-up        the speculative engine's output tok/s over the baseline's, same temperature and concurrency.
 
-The JSON (`--output`) has `source: "sglang_engine"`; `python -m eagle3_assets.operations.record_figures FILE` records it on
-the `eagle3_drafter` asset as an observation (eagle3_assets/stages/eagle3_drafter/figures.py). sglang is imported only when the
-engines start, with a clear message where it is missing; everything else is the standard library.
+The JSON (`--output`) has `source: "sglang_engine"`; `python -m eagle3_assets.operations.record_figures FILE` records it
+on the `eagle3_drafter` asset as an observation (eagle3_assets/stages/eagle3_drafter/figures.py). sglang is imported
+only when the engines start, with a clear message where it is missing; everything else is the standard library.
 """
 
 from __future__ import annotations

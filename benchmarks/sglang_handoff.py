@@ -75,8 +75,11 @@ def _queue_rank(tokens: int, hidden: int, mode: str, requests, replies) -> None:
         else:
             host = []
             for t in (aux, final):
+                # set_(storage, offset, size): torch's stubs list this form only with a stride
                 out = torch.empty(0, dtype=torch.bfloat16).set_(
-                    torch.UntypedStorage._new_shared(t.numel() * 2), 0, tuple(t.shape)
+                    torch.UntypedStorage._new_shared(t.numel() * 2),
+                    0,
+                    tuple(t.shape),  # type: ignore[call-overload]
                 )
                 out.copy_(t)
                 host.append(out)
@@ -151,7 +154,7 @@ def time_device_to_host(tokens: int, hidden: int, repeats: int) -> dict:
         assert int(getattr(err, "value", err)) == 0, err
         stream = torch.cuda.Stream()
         pinned, pageable = [], []
-        for i in range(repeats + 1):
+        for _ in range(repeats + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             stream.wait_stream(torch.cuda.current_stream())

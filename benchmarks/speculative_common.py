@@ -114,7 +114,7 @@ def summarize(
 def add_speedups(results: dict[str, dict[str, dict[str, Any]]], baseline: str = "baseline") -> None:
     """Fill `speedup` of every run from the baseline's output tok/s at the same concurrency."""
     base = results.get(baseline) or {}
-    for label, by_bs in results.items():
+    for by_bs in results.values():
         for bs, s in by_bs.items():
             ref = (base.get(bs) or {}).get("output_tokens_per_s")
             s["speedup"] = s["output_tokens_per_s"] / ref if ref and s.get("output_tokens_per_s") else None
@@ -125,13 +125,15 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]], label_header: st
         return "-" if v is None else format(v, spec)
 
     lines = [
-        f"{label_header:<10} {'conc':>5} {'reqs':>5} {'out tok':>9} {'wall s':>8} {'tok/s':>9} {'accept len':>10} {'speed-up':>8}"
+        f"{label_header:<10} {'conc':>5} {'reqs':>5} {'out tok':>9} {'wall s':>8} {'tok/s':>9} "
+        f"{'accept len':>10} {'speed-up':>8}"
     ]
     for label, by_bs in results.items():
         for bs, s in by_bs.items():
             lines.append(
                 f"{label:<10} {bs:>5} {s['requests']:>5} {s['completion_tokens']:>9} {f(s['wall_s'], '.2f'):>8} "
-                f"{f(s['output_tokens_per_s'], '.1f'):>9} {f(s['accept_length'], '.3f'):>10} {f(s['speedup'], '.2f'):>8}"
+                f"{f(s['output_tokens_per_s'], '.1f'):>9} {f(s['accept_length'], '.3f'):>10} "
+                f"{f(s['speedup'], '.2f'):>8}"
             )
     return "\n".join(lines + [ACCEPT_LENGTH_NOTE])
 
@@ -188,8 +190,8 @@ def load_prompts(path: Path, num_prompts: int, split: str = "eval", seed: int = 
         table = pq.read_table(
             path, columns=["sample_id", "split", "input_ids", "prompt_len"], filters=[("split", "==", split)]
         )
-        for sid, ids, plen in zip(
-            table["sample_id"].to_pylist(), table["input_ids"].to_pylist(), table["prompt_len"].to_pylist()
+        for sid, ids, plen in zip(  # three columns of one table
+            table["sample_id"].to_pylist(), table["input_ids"].to_pylist(), table["prompt_len"].to_pylist(), strict=True
         ):
             rows.append((sid, ids[:plen]))
     else:

@@ -68,6 +68,7 @@ def unroll(attn, h, L, d, steps, device, dtype) -> tuple[float, float, float]:
         for s in range(steps):
             out = attn(q[s], k[0], v[0], k[1 : s + 1], v[1 : s + 1], 1 / math.sqrt(d))
             total = total + out.float().square().mean()
+    assert isinstance(total, torch.Tensor)  # steps >= 1
     total.backward()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -96,8 +97,8 @@ def main() -> None:
     h, d = SHAPES[a.shape]
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     print(
-        f"{a.device}, {a.shape} ({h} heads x {d}), {dtype}, {a.steps} TTT steps, forward + backward, best of {a.repeats}"
-        + (f", {torch.get_num_threads()} threads" if a.device == "cpu" else "")
+        f"{a.device}, {a.shape} ({h} heads x {d}), {dtype}, {a.steps} TTT steps, forward + backward, "
+        f"best of {a.repeats}" + (f", {torch.get_num_threads()} threads" if a.device == "cpu" else "")
     )
     for L in (int(x) for x in a.lengths.split(",")):
         rows = {}
@@ -107,7 +108,8 @@ def main() -> None:
         (tf, sf, pf), (tw, sw, pw) = rows["fused"], rows["written out"]
         peak = f", CUDA peak {pf:,.0f} vs {pw:,.0f} MiB" if a.device == "cuda" else ""
         print(
-            f"L {L:>5}: fused {tf * 1e3:8.1f} ms, {sf:7,.0f} MiB kept for backward | written out (peer) {tw * 1e3:8.1f} ms, "
+            f"L {L:>5}: fused {tf * 1e3:8.1f} ms, {sf:7,.0f} MiB kept for backward | "
+            f"written out (peer) {tw * 1e3:8.1f} ms, "
             f"{sw:7,.0f} MiB | {tw / tf:5.2f}x faster, {sw / sf:5.1f}x less kept{peak}"
         )
         figures["lengths"][L] = {

@@ -68,7 +68,8 @@ def chromium_page():
 
 @contextlib.contextmanager
 def eagle3_dev(tmp_path: Path, data_dir: Path, **env_vars: str):
-    """`eagle3 dev` (webserver and daemon) on 127.0.0.1:<free port> with a fresh DAGSTER_HOME; yields (base url, log path).
+    """`eagle3 dev` (webserver and daemon) on 127.0.0.1:<free port> with a fresh DAGSTER_HOME; yields (base url, log
+    path).
 
     The instance is the one `eagle3` writes on first use (its dagster.yaml turns Dagster's community sign-up form off).
     The server runs in its own process group, which is killed on exit.

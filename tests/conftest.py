@@ -63,7 +63,8 @@ def ledger(tmp_path) -> SpendLedger:
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """A real PostgreSQL server for the session, started on first use (tests/fakes/postgres_server.py) and stopped by its pid."""
+    """A real PostgreSQL server for the session, started on first use (tests/fakes/postgres_server.py) and stopped
+    by its pid."""
     from fakes.postgres_server import PostgresServer
 
     server = PostgresServer().start()

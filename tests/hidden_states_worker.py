@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3_resources.hidden_states import store
-from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
+from eagle3_resources.hidden_states.extract import HiddenStatesBackend, StoreSettings, extract_to_store
 from eagle3_resources.hidden_states.store import StoredSample
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
@@ -76,10 +76,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.slow_write:
         store.WRITE_CHUNK = 4096
-        store.os = SlowWrites(args.slow_write)
+        store.os = SlowWrites(args.slow_write)  # type: ignore[assignment]  # the store's os, with slow writes
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    backend = TransformersHiddenStates(model)
+    backend: HiddenStatesBackend = TransformersHiddenStates(model)
     if args.slow:
         backend = Slow(backend, args.slow)
     settings = StoreSettings(shard_bytes=SHARD_BYTES, batch_tokens=BATCH_TOKENS, free_bytes=10**12, reserve_bytes=0)

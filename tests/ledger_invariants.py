@@ -50,7 +50,7 @@ ATTEMPT_COLUMNS = (
 def _rows(cur, sql: str) -> list[dict[str, Any]]:
     cur.execute(sql)
     cols = [c[0] for c in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]  # a name per column
 
 
 def read_ledger(location: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]] | None:
@@ -64,7 +64,8 @@ def read_ledger(location: str) -> tuple[list[dict[str, Any]], dict[str, dict[str
         try:
             with conn.cursor() as cur:
                 cur.execute(
-                    "select 1 from information_schema.tables where table_schema = 'eagle3_spend' and table_name = 'scopes'"
+                    "select 1 from information_schema.tables where table_schema = 'eagle3_spend' "
+                    "and table_name = 'scopes'"
                 )
                 if cur.fetchone() is None:
                     return None

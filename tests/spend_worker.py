@@ -1,7 +1,8 @@
 """A process that buys completions for synthetic datasets, as a run would: the money tests start several and kill some.
 
     python tests/spend_worker.py --url URL --key K --tokenizer DIR --data DIR --run-id R --datasets A,B
-        [--prompts 40] [--run-usd X] [--total-usd Y] [--start-at EPOCH] [--concurrency 16] [--max-tokens 400] [--stream 0]
+        [--prompts 40] [--run-usd X] [--total-usd Y] [--start-at EPOCH] [--concurrency 16] [--max-tokens 400]
+        [--stream 0]
 
 Each dataset's prompts are rendered with the project's chat format (what a real run sends), completed through
 `run_completions` with the data root's shared ledger, journaled under DIR/completions/<dataset>/journal.jsonl.

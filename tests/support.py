@@ -67,7 +67,7 @@ def ledger_rows(ledger) -> list[dict]:
     def rows(conn):
         cur = conn.execute("select * from attempts")
         cols = [c[0] for c in cur.description]
-        return [dict(zip(cols, r)) for r in cur.fetchall()]
+        return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]  # a name per column
 
     return ledger.read(rows)
 

@@ -190,7 +190,7 @@ def test_fused_ttt_attention_equals_the_written_out_softmax_and_its_gradients():
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         grads_got = torch.autograd.grad((got * weights).sum(), leaves)
         grads_want = torch.autograd.grad((want * weights).sum(), leaves)
-        for a, b in zip(grads_got, grads_want):
+        for a, b in zip(grads_got, grads_want, strict=True):  # a gradient per leaf
             torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
     # bf16, as under CUDA autocast: the sink's constant is rounded to bf16, and the merge stays as close to
     # the exact softmax (on the same bf16 inputs) as the written-out attention computed in bf16 is

@@ -4,6 +4,8 @@ and a training step reads nothing back from the device."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,8 +74,8 @@ def test_packed_ttt_attention_equals_a_written_out_document_mask_and_its_gradien
             want = written_out_packed(q, k0, v0, chain_k, chain_v, scale, LENGTHS)
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
             w = torch.randn(h, L, d, generator=g, dtype=torch.float64)
-            for a, b in zip(
-                torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)
+            for a, b in zip(  # a gradient per leaf
+                torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves), strict=True
             ):
                 torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
     assert len(DocLayout(LENGTHS, waste=1.0).groups) == 5  # equal lengths share a call even without waste
@@ -169,7 +171,7 @@ def synthetic_run(seed: int = 0):
     return model, source, windows, head, settings
 
 
-def test_a_training_step_reads_nothing_back_from_the_device():
+def test_a_training_step_reads_nothing_back_from_the_device() -> None:
     model, source, windows, head, settings = synthetic_run()
     reads = ScalarReads()
     at_step: list[int] = []
@@ -187,7 +189,7 @@ def test_a_training_step_reads_nothing_back_from_the_device():
             on_step=lambda step, tokens: at_step.append(reads.count),
         )
     assert len(at_step) >= 5 and len(history.step_loss) == len(at_step) == len(history.grad_norm)
-    per_step = [b - a for a, b in zip(at_step, at_step[1:])]
+    per_step = [b - a for a, b in itertools.pairwise(at_step)]
     assert per_step == [0] * len(per_step), f"host reads of device values per training step: {per_step}"
 
 

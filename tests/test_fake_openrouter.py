@@ -110,9 +110,9 @@ def test_billed_counts_equal_the_projects_reconstruction_on_every_shipped_prompt
     enc(reasoning) + </think> + enc(content) + <|im_end|>, for every prompt in data/prompts."""
     prompt_diffs, completion_diffs, n = [], [], 0
     with serve(tok.folder, template_version=version, mean_reasoning_words=12, mean_content_words=6) as (fake, client):
-        for name, prompts, frame in _shipped_prompts():
+        for _name, prompts, frame in _shipped_prompts():
             ours = rendered_prompt_ids(frame, tok, TemplateVersion(version), thinking=True)
-            for prompt, ids in zip(prompts, ours):
+            for prompt, ids in zip(prompts, ours, strict=True):  # the frame has a row per prompt
                 body = {"messages": prompt.messages, **({"tools": prompt.tools} if prompt.tools else {})}
                 r = chat(client, **body)
                 assert r.status_code == 200, r.text
@@ -150,7 +150,8 @@ def test_tool_declarations_as_moonshot_renders_them():
     k25 = render_prompt(HI, tools, version="k2.5")
     assert k25.startswith(
         "<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n// Get weather\n"
-        'type get_weather = (_: {\n  // City name\n  city: string,\n  // Default: "c"\n  unit?: "c" | "f"\n}) => any;\n}\n'
+        'type get_weather = (_: {\n  // City name\n  city: string,\n  // Default: "c"\n'
+        '  unit?: "c" | "f"\n}) => any;\n}\n'
         "<|im_end|><|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
     )
     k2 = render_prompt(HI, tools, version="k2")
@@ -184,7 +185,8 @@ def test_history_reasoning_tool_calls_and_results():
         "<|im_assistant|>assistant<|im_middle|><think></think>a1<|im_end|><|im_user|>user<|im_middle|>u2<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think>kept</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
         '<|tool_call_argument_begin|>{"x": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
-        "<|im_system|>f<|im_middle|>## Return of functions.f:0\n42<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+        "<|im_system|>f<|im_middle|>## Return of functions.f:0\n42<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
     )
 
 

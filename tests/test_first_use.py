@@ -97,7 +97,7 @@ def test_commands_started_together_on_fresh_homes_all_work(tmp_path):
                 time.sleep(0.1)
             fcntl.flock(held, fcntl.LOCK_UN)  # every command starts now
             outputs = [(p, *proc.communicate(timeout=600)) for p, proc in procs]
-            results = [(p, proc.returncode, out, err) for (p, out, err), (_, proc) in zip(outputs, procs)]
+            results = [(p, proc.returncode, out, err) for (p, out, err), (_, proc) in zip(outputs, procs, strict=True)]
         finally:
             for _, proc in procs:
                 if proc.poll() is None:
@@ -107,7 +107,7 @@ def test_commands_started_together_on_fresh_homes_all_work(tmp_path):
     assert not failed, "\n".join(failed)
     for p in range(PAIRS):
         home, data_dir = tmp_path / f"home{p}", tmp_path / f"data{p}"
-        for _, rc, out, _ in (r for r in results if r[0] == p):
+        for _, _, out, _ in (r for r in results if r[0] == p):
             assert f"export DAGSTER_HOME={home}" in out
         assert_made(home, data_dir)
 

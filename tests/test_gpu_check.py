@@ -135,6 +135,7 @@ class ConfigReads:
             and len(node.args) >= 2
             and _is_config(node.args[0])
             and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
         ):
             name = node.args[1].value
             if node.func.id == "hasattr":
@@ -168,7 +169,8 @@ class ConfigReads:
         if isinstance(node, ast.IfExp):
             t = self.value(node.test)
             if t is UNKNOWN:
-                self.visit(node.body), self.visit(node.orelse)
+                self.visit(node.body)
+                self.visit(node.orelse)
                 return UNKNOWN
             return self.value(node.body if t else node.orelse)
         self.visit_children(node)
@@ -178,7 +180,7 @@ class ConfigReads:
         for child in ast.iter_child_nodes(node):
             self.visit(child)
 
-    def visit(self, node: ast.AST) -> None:
+    def visit(self, node: ast.AST | list[ast.stmt]) -> None:  # a node, or a block of statements
         if isinstance(node, list):
             for n in node:
                 self.visit(n)
@@ -287,14 +289,17 @@ class SGLangDeepseek:
             and isinstance(n.func, ast.Attribute)
             and n.func.attr == "make_expert_params_mapping"
         )
-        self.expert_kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_experts"}
+        self.expert_kwargs = {
+            k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None and k.arg != "num_experts"
+        }
         moe_layer = ast.parse((source / "sglang/srt/layers/moe/fused_moe_triton/layer.py").read_text())
         fn = next(
             n
             for n in classes(moe_layer)["FusedMoE"].body
             if isinstance(n, ast.FunctionDef) and n.name == "make_expert_params_mapping"
         )
-        fn = ast.FunctionDef(fn.name, fn.args, fn.body, [], None, type_params=[])  # drop @classmethod
+        # drop @classmethod; type_params is a field from Python 3.12 (3.11 keeps it as a plain attribute)
+        fn = ast.FunctionDef(fn.name, fn.args, fn.body, [], None, type_params=[])  # type: ignore[call-arg]
         namespace: dict = {}
         exec(
             compile(ast.fix_missing_locations(ast.Module([fn], [])), "<FusedMoE>", "exec"),
@@ -341,6 +346,7 @@ class SGLangDeepseek:
             for n in ast.walk(method(self.cls["DeepseekV2DecoderLayer"], "_is_layer_sparse"))
             if isinstance(n, ast.Return)
         ).value
+        assert sparse_rule is not None  # _is_layer_sparse returns an expression
         gate_init = method(self.cls["MoEGate"], "__init__")
         bias_if = _if_around(gate_init, "e_score_correction_bias")
         moe_init = method(self.cls["DeepseekV2MoE"], "__init__")

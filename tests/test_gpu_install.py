@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def uv_binary() -> str:
 def resolve(
     out_dir: Path,
     *inputs: str,
-    extras: list[str] = (),
+    extras: Sequence[str] = (),
     overrides: str | None = None,
     python: str = "3.12",
     offline: bool = False,

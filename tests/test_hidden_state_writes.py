@@ -381,7 +381,7 @@ class Poisoned:
 
     def extract_batch(self, sequences):
         out = []
-        for s, (a, f) in zip(sequences, self.inner.extract_batch(sequences)):
+        for s, (a, f) in zip(sequences, self.inner.extract_batch(sequences), strict=True):  # one per sequence
             a, f = a.clone(), f.clone()
             if s == self.nan_id:
                 a[len(s) // 2, 5] = float("nan")

@@ -140,7 +140,7 @@ def test_a_padded_batch_gives_each_sample_its_own_states(target_model):
     backend = TransformersHiddenStates(target_model)
     seqs = [s.input_ids for s in make_samples(4, target_model.config.vocab_size, lengths=(3, 40, 11, 26))]
     together = backend.extract_batch([list(s) for s in seqs])
-    for s, (aux, final) in zip(seqs, together):
+    for s, (aux, final) in zip(seqs, together, strict=True):  # one capture per sequence
         alone_aux, alone_final = backend.extract(list(s))
         assert aux.shape == alone_aux.shape and final.shape == alone_final.shape
         torch.testing.assert_close(aux, alone_aux, rtol=1e-4, atol=1e-4)
@@ -159,7 +159,7 @@ def test_a_multimodal_wrapper_is_looked_through(target_model):
     ids = list(range(300, 320))
     wrapped = TransformersHiddenStates(Wrapper(target_model))
     assert wrapped.num_layers == target_model.config.num_hidden_layers and wrapped.layer_ids == [1, 3, 4]
-    for got, want in zip(wrapped.extract(ids), TransformersHiddenStates(target_model).extract(ids)):
+    for got, want in zip(wrapped.extract(ids), TransformersHiddenStates(target_model).extract(ids), strict=True):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="no decoder layers"):
         TransformersHiddenStates(torch.nn.Linear(2, 2))
@@ -406,7 +406,7 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(
     assert {n: e["xxh3_128"] for n, e in final.items()} == {
         n: e["xxh3_128"] for n, e in json.loads((whole / MANIFEST).read_text())["shards"].items()
     }
-    for n, (digest, ino, mtime) in kept.items():  # finished shards were not redone
+    for n, (_digest, ino, mtime) in kept.items():  # finished shards were not redone
         assert ((killed / n).stat().st_ino, (killed / n).stat().st_mtime_ns) == (ino, mtime)
     for n, e in final.items():  # and every file is what its manifest entry says
         assert file_xxh3(killed / n) == e["xxh3_128"]

@@ -55,7 +55,11 @@ from eagle3_resources.source_files import iter_rows, resolve_files
 mode, repo, pattern = sys.argv[1:4]
 try:
     files = resolve_files(repo, pattern)
-    rows = [[r.where, r.value, r.problem] for name, path in files for r in iter_rows(name, path, ["messages", "prompt_id"], ["messages"])]
+    rows = [
+        [r.where, r.value, r.problem]
+        for name, path in files
+        for r in iter_rows(name, path, ["messages", "prompt_id"], ["messages"])
+    ]
     print(json.dumps({"files": [[name, str(path)] for name, path in files], "rows": rows}))
 except Exception as e:
     print(json.dumps({"error": type(e).__name__, "message": str(e)}))

@@ -93,7 +93,11 @@ def problems(root: Path) -> dict[str, list[str]]:
 
 def cycles(graph: dict[str, set[str]]) -> list[str]:
     """One cycle per strongly connected component of more than one module (or a module importing itself)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[str] = []
 
     def connect(v: str) -> None:  # Tarjan, iterative enough for this graph's depth
         index[v] = low[v] = len(index)

@@ -203,14 +203,16 @@ EXPECTED = {
             ],
         },
     },
-    # OpenCodeInstruct (`id`, `input`, `output`, ...): `input` is the user turn; the very long row is over max_prompt_tokens
+    # OpenCodeInstruct (`id`, `input`, `output`, ...): `input` is the user turn; the very long row is over
+    # max_prompt_tokens
     "B2": {
         "data/train-00000-of-00001.parquet:1": {
             "tools": None,
             "messages": [
                 {
                     "role": "user",
-                    "content": "Implement a function `is_palindrome(s: str) -> bool` that ignores case and non-alphanumeric characters.",
+                    "content": "Implement a function `is_palindrome(s: str) -> bool` that ignores case "
+                    "and non-alphanumeric characters.",
                 }
             ],
         },
@@ -219,13 +221,15 @@ EXPECTED = {
             "messages": [
                 {
                     "role": "user",
-                    "content": "You are given a list of integers `nums`. Return the length of the longest strictly increasing subsequence.\n\n"
+                    "content": "You are given a list of integers `nums`. Return the length "
+                    "of the longest strictly increasing subsequence.\n\n"
                     "**Sample Input:**\n```\n[10, 9, 2, 5, 3, 7, 101, 18]\n```\n**Sample Output:**\n```\n4\n```",
                 }
             ],
         },
     },
-    # Mixture-of-Thoughts (`messages`, `num_tokens`, `source`): the answer with its <think> is dropped, a system prompt kept
+    # Mixture-of-Thoughts (`messages`, `num_tokens`, `source`): the answer with its <think> is dropped, a system
+    # prompt kept
     "B4": {
         "all/train-00000-of-00001.parquet:1": {
             "tools": None,
@@ -255,7 +259,8 @@ EXPECTED = {
             "messages": [
                 {
                     "role": "user",
-                    "content": "Return your final response within \\boxed{}. What is the sum of the first 100 positive integers?",
+                    "content": "Return your final response within \\boxed{}. "
+                    "What is the sum of the first 100 positive integers?",
                 }
             ],
         },
@@ -264,12 +269,14 @@ EXPECTED = {
             "messages": [
                 {
                     "role": "user",
-                    "content": "Generate an executable Python function generated from the given prompt. Read N and print N factorial.",
+                    "content": "Generate an executable Python function generated from the given prompt. "
+                    "Read N and print N factorial.",
                 }
             ],
         },
     },
-    # ultrachat_200k (`prompt`, `prompt_id`, `messages`): the history kept, the last answer dropped; French filtered (languages: [en])
+    # ultrachat_200k (`prompt`, `prompt_id`, `messages`): the history kept, the last answer dropped; French
+    # filtered (languages: [en])
     "B6": {
         "data/train_sft-00000-of-00001.parquet:1": {
             "tools": None,

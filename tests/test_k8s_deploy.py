@@ -376,7 +376,8 @@ def test_dockerfile_passes_hadolint():
 
 
 def test_deploy_yaml_passes_yamllint():
-    """The Helm values and the team's dagster.yaml, strict (warnings fail): duplicate keys, truthy words, indentation."""
+    """The Helm values and the team's dagster.yaml, strict (warnings fail): duplicate keys, truthy words,
+    indentation."""
     yamllint = shutil.which("yamllint") or shutil.which("yamllint", path=str(Path(sys.executable).parent))
     assert yamllint, "yamllint comes with the test extras: pip install -e '.[test]'"
     config = "{extends: default, rules: {line-length: {max: 120}, document-start: disable}}"

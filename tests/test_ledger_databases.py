@@ -132,12 +132,13 @@ def test_one_history_gives_the_same_ledger_in_sqlite_and_postgres(tmp_path, post
         cur.execute("select table_name from information_schema.tables where table_schema = 'eagle3_spend' order by 1")
         assert [t for (t,) in cur.fetchall()] == ["attempts", "hold", "hold_log", "meta", "scopes"]
         cur.execute(
-            "select data_type from information_schema.columns where table_name = 'attempts' and column_name = 'cost_usd'"
+            "select data_type from information_schema.columns where table_name = 'attempts' "
+            "and column_name = 'cost_usd'"
         )
         assert cur.fetchone() == ("double precision",)
 
 
-def test_writers_on_many_connections_never_share_headroom(postgres_url):
+def test_writers_on_many_connections_never_share_headroom(postgres_url: str) -> None:
     """Eight connections reserving at once against one total cap: the advisory write lock admits exactly what fits."""
     SpendLedger(postgres_url).close()  # created once; the writers then race on the data only
     granted: list[int] = []

@@ -492,7 +492,8 @@ def test_credit_sensor_halts_spending_and_holds_it(
                 # server saw after the sensor set it were at most those already admitted (concurrency 256 here).
                 spent_requests = len(fake.billing.requests)
                 print(
-                    f"{hold_mode}: run stopped {stopped_in:.1f}s after the hold; {spent_requests - received_at_hold} requests "
+                    f"{hold_mode}: run stopped {stopped_in:.1f}s after the hold; "
+                    f"{spent_requests - received_at_hold} requests "
                     "reached the server after it"
                 )
 
@@ -514,8 +515,9 @@ def test_credit_sensor_halts_spending_and_holds_it(
                 wait_for(lambda: get_hold(ledger) is None, 120, "the sensor to lift the hold after the top-up")
         finally:
             stop_group(dev)
-        # Admission stops at the hold (read in every admission's own transaction): what reached the server after it was at
-        # most a few requests already admitted. A cancel ends the run within seconds; a drain once in flight answers end.
+        # Admission stops at the hold (read in every admission's own transaction): what reached the server after it
+        # was at most a few requests already admitted. A cancel ends the run within seconds; a drain once in flight
+        # answers end.
         assert spent_requests - received_at_hold <= 8
         assert stopped_in < (15 if hold_mode == "cancel" else 60)
         with dg.instance_for_test() as instance:

@@ -141,7 +141,8 @@ def test_definitions_validate(tmp_path):
 def test_bad_prompt_file_fails_raw_prompts_before_anything_downstream(tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
-        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n'
+        '{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+        '{"id": "b", "messages": [{"role": "robot", "content": "x"}]}\n'
     )
     spec = DatasetSpec(name="A1", prompt_file=bad, format="messages", kind="chat")
     monkeypatch.setattr("eagle3_assets.stages.raw_prompts.asset.DATASETS", {"A1": spec})

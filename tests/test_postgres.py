@@ -1,6 +1,7 @@
 """The instance in a real PostgreSQL server (started by the tests, conftest.postgres_server): the team's
 dagster.yaml, the pipeline on the stand-ins, two `eagle3 dev` on one instance (one daemon), the run queue's
-per-dataset limit and the `gpu` pool across run workers. The credit sensor on PostgreSQL is in test_operator_controls.py."""
+per-dataset limit and the `gpu` pool across run workers. The credit sensor on PostgreSQL is in
+test_operator_controls.py."""
 
 from __future__ import annotations
 

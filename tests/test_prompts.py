@@ -18,7 +18,8 @@ def spec_for(path, fmt="messages"):
 
 def write(tmp_path, lines, name="p.jsonl"):
     path = tmp_path / name
-    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l, ensure_ascii=False) for l in lines) + "\n")
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line, ensure_ascii=False) for line in lines)
+    path.write_text(text + "\n")
     return path
 
 
@@ -194,7 +195,8 @@ def test_glaive_converts_to_messages_and_tools(tmp_path):
         )
     )
     chat = (
-        'USER: Any sports news?\n\n\nASSISTANT: <functioncall> {"name": "get_news", "arguments": \'{"category": "sports"}\'} <|endoftext|>'
+        "USER: Any sports news?\n\n\nASSISTANT: "
+        '<functioncall> {"name": "get_news", "arguments": \'{"category": "sports"}\'} <|endoftext|>'
         '\n\n\nFUNCTION RESPONSE: {"headline": "Win"}\n\n\nASSISTANT: The headline is Win. <|endoftext|>\n\n\n'
     )
     path = write(tmp_path, [{"id": "g1", "system": system, "chat": chat}])

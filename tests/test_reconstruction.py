@@ -160,7 +160,7 @@ def test_tools_can_be_left_out_of_the_request_and_the_prompt(tok):
     sent = build_requests(prompts, tok, TemplateVersion.K2_5, True)
     omitted = build_requests(prompts, tok, TemplateVersion.K2_5, True, send_tools=False)
     declare = tok.encode("<|im_system|>tool_declare", allow_special=True)[:1] + tok.encode("tool_declare")
-    for a, b in zip(sent, omitted):
+    for a, b in zip(sent, omitted, strict=True):  # a request per prompt either way
         if a.tools:
             assert b.tools is None and b.tools_in_request == "omitted" and a.tools_in_request == "tools_field"
             assert a.prompt_ids[: len(declare)] == declare and b.prompt_ids[: len(declare)] != declare

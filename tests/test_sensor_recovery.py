@@ -1,4 +1,4 @@
-"""The credit sensor puts right what a killed process left in the ledger, and leaves a dataset a run is completing alone.
+"""The credit sensor puts right what a killed process left in the ledger, and leaves alone a dataset a run completes.
 
 Recovery is money's (money/settle.py: `settle_idle`, `recover_idle_datasets`): the sensor reaches no stage for it. The
 oracle is the ledger's rows, read with SQL here, and the `spend` observation the tick returned.
@@ -15,7 +15,13 @@ from eagle3_assets.operations.sensors import credit_sensor
 from eagle3_resources.alerts import AlertSink
 from eagle3_resources.storage import DataStore
 
-ENV = ("OPENROUTER_API_KEY", "EAGLE3_MIN_BALANCE_USD", "EAGLE3_MAX_RUN_USD", "EAGLE3_MAX_DAY_USD", "EAGLE3_MAX_TOTAL_USD")
+ENV = (
+    "OPENROUTER_API_KEY",
+    "EAGLE3_MIN_BALANCE_USD",
+    "EAGLE3_MAX_RUN_USD",
+    "EAGLE3_MAX_DAY_USD",
+    "EAGLE3_MAX_TOTAL_USD",
+)
 
 
 def test_the_sensor_puts_right_a_dead_process_attempts_and_leaves_a_locked_dataset_alone(tmp_path, monkeypatch):

@@ -198,7 +198,8 @@ class FakeSGLang:
         self.delay_s, self.speculative, self.starting_polls = delay_s, speculative, starting_polls
         self.health_calls, self.flushes = 0, 0
         self.requests: list[tuple[int, dict]] = []  # (phase = flushes so far, body)
-        self.inflight, self.peak = 0, {}
+        self.inflight = 0
+        self.peak: dict[int, int] = {}  # the most requests in flight at once, per phase
         self.lock = threading.Lock()
         fake = self
 
@@ -357,7 +358,8 @@ def test_client_end_to_end_against_a_loopback_sglang(tmp_path):
                 assert "text" not in b
             for phase in (1, 2):  # the eval split, every prompt once per concurrency, never a train prompt
                 assert sorted(b["input_ids"] for p, b in fake.requests if p == phase) == sorted(evals)
-            # the concurrency really was 1, then 16 (all 16 in flight at once, bar a very slow start of the client's threads)
+            # the concurrency really was 1, then 16 (all 16 in flight at once, bar a very slow start of the client's
+            # threads)
             assert fake.peak[1] == 1 and fake.peak[2] >= 12
 
     report = json.loads(out.read_text())

@@ -60,7 +60,7 @@ def release_functions(pkg: Path, module: str, names: set[str], namespace: dict) 
     found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
     assert {n.name for n in found} == names, f"{module} lacks {names - {n.name for n in found}}"
     code = compile(
-        ast.Module(body=found, type_ignores=[]),
+        ast.Module(body=[*found], type_ignores=[]),
         str(path),
         "exec",
         flags=__future__.annotations.compiler_flag,
@@ -74,6 +74,7 @@ def release_functions(pkg: Path, module: str, names: set[str], namespace: dict) 
 def sglang_alloc(sglang_release_source) -> dict:
     """SGLang 0.5.23's KV allocation entry points and the helpers they call, compiled from the release."""
     pkg = sglang_api.package_dir(sglang_release_source)
+    assert pkg is not None, f"no sglang package under {sglang_release_source}"
     ns: dict = {
         "torch": torch,
         "Optional": Optional,
@@ -138,7 +139,7 @@ def sglang_extend_alloc(alloc: dict, tree_cache, lengths: list[int]):
     )
 
 
-# ---------------------------------------------------------------- a recording stand-in for the sglang modules the rank imports
+# ------------------------------------------------------- a recording stand-in for the sglang modules the rank imports
 
 FAKE_SGLANG = {
     "_recorder.py": """
@@ -402,7 +403,9 @@ def test_every_planned_forward_fits_the_bound_in_whole_pages(page_size):
         assert [i for g in groups for i in g] == list(range(len(lengths)))
         cost = [sum(page_rounded(lengths[i], page_size) for i in g) for g in groups]
         assert all(c <= 8192 for c in cost) and all(len(g) <= 48 for g in groups)  # 8192: whole pages of each size
-        for g, nxt, c in zip(groups, groups[1:], cost):  # greedy: a forward closes only when the next would not fit
+        # greedy: a forward closes only when the next would not fit (each group with the one after it; the last has
+        # none)
+        for g, nxt, c in zip(groups, groups[1:], cost, strict=False):
             assert len(g) == 48 or c + page_rounded(lengths[nxt[0]], page_size) > 8192
 
 
@@ -494,7 +497,8 @@ def tree_cache_members_reached(tree: SourceTree, cache) -> dict[str, list[str]]:
         found = tree.resolve(module, qualname)
         if found is None or not isinstance(found.node, ast.FunctionDef):
             return
-        where, false_names = f"{found.module}:{qualname}", set()
+        where = f"{found.module}:{qualname}"
+        false_names: set[str] = set()
 
         def visit(node) -> None:
             if (
@@ -506,8 +510,8 @@ def tree_cache_members_reached(tree: SourceTree, cache) -> dict[str, list[str]]:
                 false_names.add(node.targets[0].id)
             if isinstance(node, (ast.If, ast.IfExp, ast.While)) and is_false(node.test, false_names):
                 visit(node.test)
-                for child in node.orelse if isinstance(node.orelse, list) else [node.orelse]:
-                    visit(child)
+                for branch in node.orelse if isinstance(node.orelse, list) else [node.orelse]:
+                    visit(branch)
                 return
             if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):  # short-circuit at a False operand
                 for value in node.values:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -49,13 +50,14 @@ class FakeEngine:
     `async_generate(input_ids=, sampling_params=)`, `flush_cache()` (a FlushCacheReqOutput) and `shutdown()`.
     Answers as 0.5.23's tokenizer_manager builds meta_info; the spec_* keys only with a drafter."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.speculative = kwargs.get("speculative_algorithm") == "EAGLE3"
         self.loop = asyncio.new_event_loop()
         self.flushes = 0
         self.requests: list[tuple[int, list[int], dict]] = []  # (phase = flushes so far, input_ids, sampling_params)
-        self.inflight, self.peak = 0, {}
+        self.inflight = 0
+        self.peak: dict[int, int] = {}  # the most requests in flight at once, per phase
         self.closed = False
 
     async def async_generate(self, input_ids=None, sampling_params=None):
@@ -104,7 +106,7 @@ class FakeEngine:
 class FakeSGLang:
     """Stands in for `sglang.Engine`: makes FakeEngines, and refuses a second while the first still runs."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.engines: list[FakeEngine] = []
 
     def __call__(self, **kwargs):
@@ -329,7 +331,7 @@ def script_engine_names() -> tuple[set[str], set[str]]:
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "engine"
     }
     keywords = {
-        k.arg
+        k.arg or "**"  # a **mapping has no name
         for n in ast.walk(tree)
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "async_generate"
         for k in n.keywords
@@ -378,12 +380,13 @@ def meta_info_keys(tokenizer_manager: Path) -> set[str]:
         if isinstance(n, ast.Assign):
             for t in n.targets:
                 if isinstance(t, ast.Name) and t.id == "meta_info" and isinstance(n.value, ast.Dict):
-                    keys |= {k.value for k in n.value.keys if isinstance(k, ast.Constant)}
+                    keys |= {k.value for k in n.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
                 if (
                     isinstance(t, ast.Subscript)
                     and isinstance(t.value, ast.Name)
                     and t.value.id == "meta_info"
                     and isinstance(t.slice, ast.Constant)
+                    and isinstance(t.slice.value, str)
                 ):
                     keys.add(t.slice.value)
         if (
@@ -395,13 +398,14 @@ def meta_info_keys(tokenizer_manager: Path) -> set[str]:
         ):
             for arg in n.args:
                 if isinstance(arg, ast.Dict):
-                    keys |= {k.value for k in arg.keys if isinstance(k, ast.Constant)}
+                    keys |= {k.value for k in arg.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
     return keys
 
 
 def contract_problems(source_root: Path) -> list[str]:
     problems = sglang_api.check_contract(source_root, contract=script_contract())
     pkg = sglang_api.package_dir(source_root)
+    assert pkg is not None, f"no sglang package under {source_root}"
     written = meta_info_keys(pkg / "srt" / "managers" / "tokenizer_manager.py")
     read = {*common.META_KEYS, "finish_reason"}  # request_record's keys
     problems += [f"meta_info[{k!r}]: not written by tokenizer_manager" for k in sorted(read - written)]
@@ -514,9 +518,9 @@ def figures_cli(report: Path, home: Path, data: Path) -> subprocess.CompletedPro
 
 
 def test_the_engine_figures_are_recorded_on_the_drafter_asset_and_refused_for_other_weights(tmp_path, capsys):
-    """`python -m eagle3_assets.operations.record_figures REPORT` records the Engine benchmark's figures as an observation of
-    eagle3_drafter, each named by its source; once the drafter's weights change it refuses (the figures would be
-    another drafter's)."""
+    """`python -m eagle3_assets.operations.record_figures REPORT` records the Engine benchmark's figures as an
+    observation of eagle3_drafter, each named by its source; once the drafter's weights change it refuses (the
+    figures would be another drafter's)."""
     import dagster as dg
 
     from eagle3_assets.stages.eagle3_drafter.figures import DRAFTER_ASSET, SOURCES

@@ -119,7 +119,7 @@ def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows():
         for round_ in range(3):
             sequences = [[(round_ * 5 + i) % 50 + 1] * 30 for i in range(5)]
             got = extraction.extract_batch(sequences)
-            for s, (a, f) in zip(sequences, got):
+            for s, (a, f) in zip(sequences, got, strict=True):  # one capture per sequence
                 assert_exact(a, f, [s])
         assert extraction.copied_out == 3  # one per call
         extraction.release()

@@ -133,7 +133,7 @@ def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(ta
         )
     finally:
         handle.remove()
-    for p, result in zip(prompts, report.prompts):
+    for p, result in zip(prompts, report.prompts, strict=True):  # a result per prompt
         run = result.spec
         assert run.output_ids == references[tuple(p)][: 1 + rounds * (K + 1)]
         assert run.accepted == [K] * rounds
@@ -199,7 +199,8 @@ def test_a_rejected_middle_draft_rolls_back_target_and_drafter(target_model, pro
             # Before each verify the target has cached every verified token but the bonus it is fed now.
             assert log[0] == (0, len(p))
             cached = [c for c, _ in log[1:]]
-            assert cached[0] == len(p) and all(b - a == n + 1 for a, b, n in zip(cached, cached[1:], run.accepted))
+            steps = zip(cached, cached[1:], run.accepted, strict=False)  # consecutive verifies, each with its round
+            assert cached[0] == len(p) and all(b - a == n + 1 for a, b, n in steps)
             assert all(fed == K + 1 for _, fed in log[1:])
     finally:
         handle.remove()
@@ -228,7 +229,7 @@ def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, u
     assert run.output_ids == greedy_generate(target_model, p, 30, NO_EOS)[0]
     # Before round r the drafter has step-0 keys for the prompt and every verified token but the bonus.
     assert spy.cached[0] == len(p)
-    assert all(b - a == n + 1 for a, b, n in zip(spy.cached, spy.cached[1:], run.accepted))
+    assert all(b - a == n + 1 for a, b, n in zip(spy.cached, spy.cached[1:], run.accepted, strict=False))  # by round
     # The aux it was fed (prefill + verify forwards) equals what the extraction backend stores for training.
     fed = torch.cat(spy.aux)
     expected, _ = TransformersHiddenStates(target_model).extract(list(p) + run.output_ids)

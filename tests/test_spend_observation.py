@@ -89,7 +89,7 @@ def test_a_running_run_that_has_spent_is_observed_with_its_spend(tmp_path, monke
         ids, _ = ledger.write(
             L.reserve, wants, run_id=run.run_id, dataset="B4", owner="t", caps=Caps(), now=time.time()
         )
-        for attempt, cost in zip(ids, costs):
+        for attempt, cost in zip(ids, costs, strict=True):  # an attempt per want
             ledger.write(
                 L.settle,
                 attempt,

@@ -292,9 +292,10 @@ def test_a_lane_whose_share_cannot_hold_its_working_set_is_refused(tmp_path):
     data = worker.dataset(24)
     plans = plan_shards(data, worker.HIDDEN, worker.SHARD_BYTES, {"target": "synthetic"})
     largest = max(shard_layout(p, [data[j] for j in p.samples], worker.HIDDEN).size for p in plans)
-    small_spool(tmp_path / "ok", share=min_lane_bytes(2, largest), passes=2)
+    need = 3 * padded_size(largest)  # 2 passes: the 2 shards the trainer may hold, and the one being written
+    small_spool(tmp_path / "ok", share=need, passes=2)
     SpoolWriter(tmp_path / "ok", "a", data, plans, {"format": FORMAT})  # exactly the minimum: accepted
-    small_spool(tmp_path / "no", share=min_lane_bytes(2, largest) - 1, passes=2)
+    small_spool(tmp_path / "no", share=need - 1, passes=2)
     with pytest.raises(SpoolTooSmall, match="needs") as e:
         SpoolWriter(tmp_path / "no", "a", data, plans, {"format": FORMAT})
     assert "budget" in e.value.what_to_do
@@ -315,21 +316,30 @@ def test_a_shard_whose_bytes_are_not_its_checksums_is_refused(tmp_path):
         SpoolReader(tmp_path).next_step()
 
 
-def test_capture_resumes_without_capturing_again_what_was_trained_and_deleted(tmp_path):
+def test_capture_resumes_without_capturing_again_what_the_trainer_took(tmp_path):
     small_spool(tmp_path)
     writer = fill(tmp_path)
-    assert not writer.todo or len(writer.todo) == len(writer.plans)
+    lane = tmp_path / LANES / "a"
+    assert len(writer.todo) == len(writer.plans) > 8
     reader = SpoolReader(tmp_path, poll_s=0.01)
-    steps = 0
-    while (step := reader.next_step(stop=lambda: True)) is not None and step.position.slot < 3:
-        steps += 1
+    while (step := reader.next_step(stop=lambda: True)) is not None and step.after.slot <= 5:
         last = step.after
-    reader.commit(last)  # slots 0-2 done: 3 shards trained on their one pass and deleted
-    assert read_ledger(tmp_path)["deleted"] == 3
+    reader.commit(last)  # slots 0-4 done: 5 shards trained on their one pass and deleted; shard 5 taken
+    order = [name for _, name, _ in read_order(tmp_path)]
+    assert read_ledger(tmp_path)["deleted"] == 5 and len(order) == 6
+    gone, taken = set(order[:5]), order[5]
+    # A damaged file under the name of a shard trained and deleted, and another of a shard nobody took; the file of
+    # the shard taken but not yet trained is gone (what a capture worker reading a ledger older than the trainer's
+    # deletion would see: only the trainer deletes a listed shard).
+    (lane / order[4]).write_bytes(b"x")
+    untaken = next(p.name for p in writer.plans if p.name not in order)
+    (lane / untaken).write_bytes(b"x")
+    (lane / taken).unlink()
     resumed = fill(tmp_path)
-    gone = {name for _, name, _ in read_order(tmp_path)[:3]}
-    assert not gone & {p.name for p in resumed.todo}
-    assert not gone & set(json.loads((tmp_path / LANES / "a" / "manifest.json").read_text())["shards"])
+    todo = {p.name for p in resumed.todo}
+    assert not gone & todo and taken not in todo, "a shard the trainer took was captured again"
+    assert untaken in todo  # a damaged shard nobody took is captured again
+    assert not gone & set(json.loads((lane / "manifest.json").read_text())["shards"])
 
 
 def test_a_trainer_checkpoint_behind_the_spools_position_is_refused_and_one_ahead_is_caught_up(tmp_path):

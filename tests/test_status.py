@@ -79,7 +79,10 @@ def resources_for(data_dir: Path, fake_url: str) -> dict:
         "tokenizer": TokenizerResource(standin_dir=standin),
         "target": TargetModelResource(standin_dir=standin),
         "completions_backend": CompletionsResource(
-            backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY
+            # the config value as Dagster passes it; pydantic makes it a BackendKind
+            backend="openrouter",  # type: ignore[arg-type]
+            openrouter_base_url=fake_url,
+            openrouter_api_key=KEY,
         ),
         "spend_policy": SpendPolicy(),
     }
@@ -195,7 +198,8 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
     monkeypatch.setenv("DAGSTER_HOME", str(home_with_yaml(tmp_path)))
     ledger = SpendLedger(tmp_path / "ledger" / "spend.sqlite")
     now = time.time()
-    # B1: one attempt billed $0.25; B2: one in flight (worst $0.5) and one cut with a generation id (unsettled, worst $0.125)
+    # B1: one attempt billed $0.25; B2: one in flight (worst $0.5) and one cut with a generation id (unsettled,
+    # worst $0.125)
     (billed,), _ = ledger.write(
         L.reserve, [L.Want("p1", 1, 0.75, 100)], run_id="r1", dataset="B1", owner="t", caps=Caps(), now=now
     )

@@ -56,7 +56,7 @@ async def work(log: list[str], signal_from_a_task: bool) -> None:
     await asyncio.gather(*tasks)
 
 
-def test_without_it_an_interrupt_raised_in_a_task_is_swallowed(raising_sigint):
+def test_without_it_an_interrupt_raised_in_a_task_is_swallowed(raising_sigint: None) -> None:
     # The failure this module exists for: the interrupt dies with the task it landed in and the work goes on.
     log: list[str] = []
 
@@ -70,7 +70,7 @@ def test_without_it_an_interrupt_raised_in_a_task_is_swallowed(raising_sigint):
     assert log == ["worker aborted"]  # the signaller died silently; the worker was cancelled by the test itself
 
 
-def test_an_interrupt_raised_in_a_task_cancels_the_work_then_reaches_the_previous_handler(raising_sigint):
+def test_an_interrupt_raised_in_a_task_cancels_the_work_then_reaches_the_previous_handler(raising_sigint: None) -> None:
     log: list[str] = []
     with pytest.raises(Interrupted):
         with StopSignals() as signals:
@@ -82,10 +82,11 @@ def test_an_interrupt_raised_in_a_task_cancels_the_work_then_reaches_the_previou
             asyncio.run(main())
     assert "worker aborted" in log and "worker finished" not in log
     assert signals.description == "SIGINT received"
-    assert signal.getsignal(signal.SIGINT).__name__ == "handler"  # the previous handler is back
+    previous = signal.getsignal(signal.SIGINT)
+    assert callable(previous) and previous.__name__ == "handler"  # the previous handler is back
 
 
-def test_ctrl_c_becomes_keyboard_interrupt_after_a_clean_cancel():
+def test_ctrl_c_becomes_keyboard_interrupt_after_a_clean_cancel() -> None:
     log: list[str] = []
     with sigint(signal.default_int_handler):
         with pytest.raises(KeyboardInterrupt):
@@ -122,7 +123,7 @@ def test_a_second_signal_is_handed_back_at_once_and_only_once():
     assert calls == ["previous handler"]
 
 
-def test_a_signal_before_the_loop_starts_cancels_it_at_once():
+def test_a_signal_before_the_loop_starts_cancels_it_at_once() -> None:
     log: list[str] = []
     with sigint(signal.default_int_handler), pytest.raises(KeyboardInterrupt):
         with StopSignals() as signals:

@@ -39,12 +39,17 @@ def test_structured_tool_calls_become_special_markers(tok):
     ids = reconstruct_completion(tok, tok.encode("r"), [], "tool_calls", calls)
     assert ids[-1] == END and 163595 in ids and 163597 in ids and 163598 in ids and 163599 in ids and 163596 in ids
     assert tok.decode(ids).endswith(
-        '<|tool_call_begin|>functions.get_x:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+        "<|tool_call_begin|>functions.get_x:0"
+        '<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
     )
 
 
 def test_raw_tool_markers_in_content_map_to_special_ids_but_think_in_prose_does_not(tok):
-    content = "Use </think> literally. <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+    content = (
+        "Use </think> literally. "
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+    )
     df = build_token_ids(
         completion_rows(
             [

@@ -168,7 +168,8 @@ def test_tools_declared_first_then_system_and_results_rendered():
         "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
         "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|><|tool_call_begin|>"
-        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}'
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
         '<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n{"t": 21}<|im_end|>'
         "<|im_assistant|>assistant<|im_middle|><think>"
     )

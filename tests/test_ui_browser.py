@@ -58,7 +58,8 @@ def test_materialize_a_partition_from_the_ui(tmp_path, data_dir_with_standin):
         except BaseException:
             page.screenshot(path=shots / "failure.png")
             print(
-                f"page at failure: {page.url} (screenshot {shots / 'failure.png'})\n-- eagle3 dev log --\n{log_tail(log)}"
+                f"page at failure: {page.url} (screenshot {shots / 'failure.png'})\n"
+                f"-- eagle3 dev log --\n{log_tail(log)}"
             )
             raise
     print(f"UI test: {time.monotonic() - started:.0f} s; screenshots in {shots}")

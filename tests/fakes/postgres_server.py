@@ -29,10 +29,11 @@ def server_binaries() -> Path | None:
 
 
 class PostgresServer:
-    def __init__(self):
-        self.bin = server_binaries()
-        if self.bin is None:
+    def __init__(self) -> None:
+        binaries = server_binaries()
+        if binaries is None:
             raise RuntimeError("PostgreSQL server binaries not found (initdb, postgres): apt-get install postgresql")
+        self.bin: Path = binaries
         self.user = "postgres" if os.geteuid() == 0 else getpass.getuser()
         self.root = Path(tempfile.mkdtemp(prefix="eagle3-pg-"))
         self.data = self.root / "data"

@@ -406,6 +406,7 @@ class FakeOpenRouter:
         if self._roll(s.rate_500):
             return self._error(500, "Internal Server Error")
         if self._roll(s.rate_reset):
+            assert request.transport is not None  # a request being handled has its connection
             request.transport.abort()
             self.billing.statuses.append(0)
             return web.Response(status=500)
@@ -424,7 +425,7 @@ class FakeOpenRouter:
         self.inflight_worst[gen.id] = worst
         try:
             answer = self._answer(self.rng.randrange(1 << 30))
-            finish = "stop"
+            finish: str | None = "stop"
             if self._roll(s.rate_content_filter):
                 finish = "content_filter"
             elif self._roll(s.rate_finish_error):
@@ -520,7 +521,7 @@ class FakeOpenRouter:
             "object": "chat.completion.chunk",
             "created": int(time.time()),
         }
-        sent = {"reasoning": "", "content": ""}
+        sent: dict[str, Any] = {"reasoning": "", "content": ""}  # the text sent so far, and "billed" once it is
 
         def sent_tokens() -> int:  # what an aborted stream is billed for
             return len(self.encoding.encode(sent["reasoning"])) + len(self.encoding.encode(sent["content"]))
@@ -672,7 +673,8 @@ class FakeOpenRouter:
         )
 
     async def generation_content(self, request: web.Request) -> web.Response:
-        """Stored prompt and completion of a finished generation (only with the account's logging on: `store_content`)."""
+        """Stored prompt and completion of a finished generation (only with the account's logging on:
+        `store_content`)."""
         if not self._authorized(request, self.settings.api_key):
             return self._error(401, "No auth credentials found")
         gen_id = request.query.get("id", "")

@@ -195,7 +195,13 @@ class _TS:
                 kind = kind[0] if kind[0] != "null" else kind[1]
             else:
                 raise ValueError(f"enum type {kind} is not supported")
-        wanted = {"string": str, "number": (int, float), "integer": int, "boolean": bool}.get(kind)
+        types: dict[str, type | tuple[type, ...]] = {
+            "string": str,
+            "number": (int, float),
+            "integer": int,
+            "boolean": bool,
+        }
+        wanted = types.get(kind)
         for v in values:
             if v is not None and wanted is not None and not isinstance(v, wanted):
                 raise ValueError(f"enum value {v!r} is not a {kind}")
@@ -285,7 +291,7 @@ def render_prompt(
             break
     for i, m in enumerate(messages):
         role = m.get("role")
-        marker = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role, "<|im_system|>")
+        marker = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role or "", "<|im_system|>")
         head = f"{marker}{m.get('name') or role}<|im_middle|>"
         if role == "assistant":
             reasoning = "" if i <= history_end else (m.get("reasoning_content") or m.get("reasoning") or "")
