@@ -516,7 +516,9 @@ def _rank_main(
     layout: SlabLayout,
     free,
 ) -> None:
-    """A rank process: build the engine, then run every batch until told to stop (None)."""
+    """A rank process: build the engine, then run every batch until told to stop (None).
+
+    Its eight arguments are what a spawned process is handed: the rank, the engine, its queues and the ring."""
     handoff = None
     try:
         if rank == 0:
@@ -534,26 +536,31 @@ def _rank_main(
             handoff.close()
         return
     try:
-        while True:
-            message = requests.get()
-            if message is None:
-                return
-            batch_id, sequences = message
-            try:
-                aux, final = engine.capture(sequences)
-                if handoff is not None:
-                    assert aux is not None and final is not None  # rank 0's capture returns its states or raises
-                    handoff.hand_off(batch_id, sequences, aux, final)  # replies once the rows have landed
-                else:
-                    replies.put(Done(rank, batch_id))
-                del aux, final  # on CUDA the completion thread holds them until the copy has landed, no longer
-            except _Stop:
-                return
-            except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
-                replies.put(Failed(rank, batch_id, traceback.format_exc()))
+        _serve(rank, engine, requests, replies, handoff)
     finally:
         if handoff is not None:
             handoff.close()
+
+
+def _serve(rank: int, engine: RankEngine, requests, replies, handoff: RankZeroHandoff | None) -> None:
+    """A started rank's loop: each batch captured, then handed off (rank 0) or acknowledged, until a None."""
+    while True:
+        message = requests.get()
+        if message is None:
+            return
+        batch_id, sequences = message
+        try:
+            aux, final = engine.capture(sequences)
+            if handoff is not None:
+                assert aux is not None and final is not None  # rank 0's capture returns its states or raises
+                handoff.hand_off(batch_id, sequences, aux, final)  # replies once the rows have landed
+            else:
+                replies.put(Done(rank, batch_id))
+            del aux, final  # on CUDA the completion thread holds them until the copy has landed, no longer
+        except _Stop:
+            return
+        except BaseException:  # noqa: BLE001 - reported to the parent, which stops every rank
+            replies.put(Failed(rank, batch_id, traceback.format_exc()))
 
 
 def _stop(processes: list, requests: list, free, ring: SlabRing, grace_s: float) -> None:
@@ -912,55 +919,16 @@ class SGLangRankEngine:
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        """One extend over `sequences` with full capture; rank 0 gets (aux, final) on the GPU, the others (None, None).
+        The KV pool is cleared afterwards, whatever happened: the next batch starts from an empty pool."""
         from sglang.srt.model_executor.forward_batch_info import (
             CaptureHiddenMode,
             ForwardBatch,
         )
-        from sglang.srt.sampling.sampling_params import SamplingParams
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         runner = self.runner
-        params = SamplingParams(temperature=0, max_new_tokens=1)
-        reqs = []
-        for i, ids in enumerate(sequences):
-            req = Req(
-                rid=str(i),
-                origin_input_text="",
-                origin_input_ids=array("q", ids),
-                sampling_params=params,
-                return_hidden_states=True,
-            )
-            req.full_untruncated_fill_ids = req.origin_input_ids
-            req.extend_end = len(ids)
-            req.logprob_start_len = -1
-            reqs.append(req)
         try:
-            batch = ScheduleBatch.init_new(
-                reqs=reqs,
-                req_to_token_pool=runner.req_to_token_pool,
-                token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
-                tree_cache=_NoSharingCache(runner),
-                model_config=runner.model_config,
-                enable_overlap=False,
-                spec_algorithm=SpeculativeAlgorithm.NONE,
-            )
-            try:
-                batch.prepare_for_extend()  # allocates the KV slots
-            except RuntimeError as e:  # SGLang's "Prefill out of memory" / "alloc_req_slots runs out of memory"
-                if "out of memory" not in str(e).lower():
-                    raise
-                raise KVPoolExhausted(
-                    kv_pool_message(
-                        [len(s) for s in sequences],
-                        page_size=int(runner.page_size),
-                        pool_tokens=int(runner.max_total_num_tokens),
-                        pool_requests=int(runner.req_to_token_pool.size),
-                    )
-                ) from e
-            if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
-                batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
-                batch.prefill_input_ids_cpu = None
+            batch = self._extend_batch(sequences)
             forward_batch = ForwardBatch.init_new(
                 batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
             )
@@ -975,6 +943,60 @@ class SGLangRankEngine:
         finally:
             runner.req_to_token_pool.clear()
             runner.token_to_kv_pool_allocator.clear()
+
+    def _requests(self, sequences: list[list[int]]) -> list[Any]:
+        """One SGLang request per sequence, whole (no chunking, no logprobs), asking for hidden states."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_new_tokens=1)
+        reqs = []
+        for i, ids in enumerate(sequences):
+            req = Req(
+                rid=str(i),
+                origin_input_text="",
+                origin_input_ids=array("q", ids),
+                sampling_params=params,
+                return_hidden_states=True,
+            )
+            req.full_untruncated_fill_ids = req.origin_input_ids
+            req.extend_end = len(ids)
+            req.logprob_start_len = -1
+            reqs.append(req)
+        return reqs
+
+    def _extend_batch(self, sequences: list[list[int]]) -> Any:
+        """The requests scheduled as one extend, their KV slots allocated (KVPoolExhausted when they do not fit)."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        runner = self.runner
+        batch = ScheduleBatch.init_new(
+            reqs=self._requests(sequences),
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=_NoSharingCache(runner),
+            model_config=runner.model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
+        try:
+            batch.prepare_for_extend()  # allocates the KV slots
+        except RuntimeError as e:  # SGLang's "Prefill out of memory" / "alloc_req_slots runs out of memory"
+            if "out of memory" not in str(e).lower():
+                raise
+            raise KVPoolExhausted(
+                kv_pool_message(
+                    [len(s) for s in sequences],
+                    page_size=int(runner.page_size),
+                    pool_tokens=int(runner.max_total_num_tokens),
+                    pool_requests=int(runner.req_to_token_pool.size),
+                )
+            ) from e
+        if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+            batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+            batch.prefill_input_ids_cpu = None
+        return batch
 
 
 def build_sglang_engine(spec: EngineSpec, rank: int, world_size: int) -> SGLangRankEngine:
