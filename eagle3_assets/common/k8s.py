@@ -77,7 +77,7 @@ def model_volume(claim: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     return [volume], [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}]
 
 
-def gpu_node_config(
+def gpu_node_config(  # eight parameters: one optional override per pod setting, each else its EAGLE3_K8S_* variable
     gpus: int | None = None,
     node_selector: Mapping[str, str] | None = None,
     model_claim: str | None = None,

@@ -134,7 +134,7 @@ def _imported_prompts(
     )
 
 
-def build_prompt_sets(
+def build_prompt_sets(  # eight parameters: what to build, then keyword-only settings and hooks with defaults
     names: Sequence[str],
     registry: dict[str, DatasetSpec],
     *,
