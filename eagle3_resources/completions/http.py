@@ -29,6 +29,7 @@ RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 def make_client(base_url: str, headers: dict[str, str], concurrency: int, timeout_s: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(timeout_s, connect=30.0)
+    transport: httpx.AsyncBaseTransport
     try:
         from httpx_aiohttp import AiohttpTransport
 
@@ -123,6 +124,7 @@ async def run_workers(
     cancel_event = getattr(feed, "cancel_inflight", None)
 
     async def cancel_on_request() -> None:
+        assert cancel_event is not None  # only started where the feed has one
         await cancel_event.wait()
         for t in tasks:
             t.cancel()

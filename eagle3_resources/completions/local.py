@@ -186,7 +186,7 @@ class TransformersBackend:
                 raise
             latency = time.monotonic() - started
             batch_no += 1
-            for attempt, out in zip(batch, outputs):
+            for attempt, out in zip(batch, outputs, strict=True):  # one output row per prompt
                 req = attempt.request
                 result = result_from_ids(
                     self.tokenizer,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -42,7 +43,7 @@ from eagle3_resources.completions.http import (
     retry_after_seconds,
     run_workers,
 )
-from eagle3_resources.completions.openrouter_account import OpenRouterAccount
+from eagle3_resources.completions.openrouter_account import KeyInfo, OpenRouterAccount
 from eagle3_resources.completions.sse import (
     SSEDecoder,
     StreamedResponse,
@@ -172,37 +173,57 @@ def parse_response(req: CompletionRequest, data: dict[str, Any], latency: float,
     return result
 
 
+@dataclass(frozen=True)
+class ClientOptions:
+    """The client's knobs (`OpenRouterBackend`'s keywords)."""
+
+    concurrency: int = 256  # requests in flight, at most
+    stream: bool = True  # SSE: the generation id arrives with the headers; a cancel stops generation
+    max_attempts: int = 6  # per request, for retryable errors; then the prompt is deferred
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    timeout_s: float = 900.0
+    app_title: str = "eagle3-pipeline"
+    preflight: bool = True  # read /key (unbilled) before the first paid request
+
+
+async def _read_stream(resp: httpx.Response) -> dict[str, Any]:
+    """An SSE stream folded into the body a non-streaming request would have had; one cut before [DONE] raises."""
+    folded = StreamedResponse()
+    decoder = SSEDecoder()
+    async for line in resp.aiter_lines():
+        fold_events(decoder.line(line), folded)
+        if folded.done:
+            break
+    if not folded.done:
+        raise StreamError(f"stream ended after {folded.chunks} chunks without [DONE]", "stream:truncated")
+    return folded.as_body()
+
+
+async def _read_body(resp: httpx.Response) -> dict[str, Any]:
+    raw = await resp.aread()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _Retry(f"truncated or invalid body ({len(raw)} bytes): {e}", "bad_body") from None
+
+
 class OpenRouterBackend:
     name = "openrouter"
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        concurrency: int = 256,
-        stream: bool = True,
-        max_attempts: int = 6,
-        backoff_base_s: float = 1.0,
-        backoff_cap_s: float = 60.0,
-        timeout_s: float = 900.0,
-        app_title: str = "eagle3-pipeline",
-        preflight: bool = True,
-    ):
+    def __init__(self, base_url: str, api_key: str, options: ClientOptions | None = None, **keywords: Any):
+        """`keywords`: `ClientOptions`' fields, where no `options` are given."""
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
-        self.concurrency = concurrency
-        self.stream = stream
-        self.max_attempts = max_attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_cap_s = backoff_cap_s
-        self.timeout_s = timeout_s
-        self.app_title = app_title
-        self.preflight = preflight
+        self.options = options or ClientOptions(**keywords)
         self.fatal: str | None = None
         self.limiter: AdaptiveLimiter | None = None
         self.rate = RateLimiter()
-        self.key_info = None
+        self.key_info: KeyInfo | None = None
+
+    @property
+    def concurrency(self) -> int:
+        return self.options.concurrency
 
     def account(self) -> OpenRouterAccount:
         """The unbilled endpoints with this backend's key (`async with` it)."""
@@ -213,8 +234,8 @@ class OpenRouterBackend:
             "backend": self.name,
             "base_url": self.base_url,
             "concurrency": self.concurrency,
-            "stream": self.stream,
-            "max_attempts": self.max_attempts,
+            "stream": self.options.stream,
+            "max_attempts": self.options.max_attempts,
         }
         if self.limiter is not None:
             out.update(throttle_events=self.limiter.throttle_events, min_concurrency=self.limiter.min_seen)
@@ -226,7 +247,7 @@ class OpenRouterBackend:
         """Read /api/v1/key (unbilled) before any paid request: a bad or spent key stops the run here."""
         async with self.account() as account:
             try:
-                self.key_info = await account.key()
+                key_info = self.key_info = await account.key()
             except AccountError as e:
                 if e.status in (401, 402, 403):
                     self.fatal = f"the key was refused before any request was sent ({e})"
@@ -234,7 +255,7 @@ class OpenRouterBackend:
                 return  # an endpoint without /key (another OpenAI-compatible API): nothing to learn
             except httpx.TransportError:
                 return
-        remaining = self.key_info.limit_remaining_usd
+        remaining = key_info.limit_remaining_usd
         if remaining is not None and remaining <= 0:
             self.fatal = (
                 f"the key has no credit left (limit_remaining ${remaining:.4f}: every request would get HTTP 402)"
@@ -249,9 +270,8 @@ class OpenRouterBackend:
         settings: SamplingSettings,
         state: RequestState,
     ) -> CompletionResult:
+        """One attempt: its send marked in the ledger, the request, its body (streamed or not), its bill."""
         req = attempt.request
-        body = request_body(req, settings, stream=self.stream)
-        headers_seen = False
         try:  # committed before a byte leaves: after a crash, only attempts marked sent can have been billed
             await feed.sending(attempt)
         except Exception as e:
@@ -260,44 +280,9 @@ class OpenRouterBackend:
                 "ledger",
                 generated=False,
             ) from None
-        try:
-            async with client.stream(
-                "POST", "/chat/completions", json=body, headers={ATTEMPT_HEADER: attempt.attempt_id}
-            ) as resp:
-                headers_seen = True
-                gen_id = resp.headers.get("x-generation-id")
-                if gen_id:
-                    feed.started(attempt, gen_id)
-                if resp.status_code != 200:
-                    self.rate.observe(resp.headers, throttled=resp.status_code == 429)
-                    await resp.aread()
-                    self._classify_error(req, resp, state)
-                self.rate.observe(resp.headers)
-                if self.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    folded = StreamedResponse()
-                    decoder = SSEDecoder()
-                    async for line in resp.aiter_lines():
-                        fold_events(decoder.line(line), folded)
-                        if folded.done:
-                            break
-                    if not folded.done:
-                        raise StreamError(
-                            f"stream ended after {folded.chunks} chunks without [DONE]", "stream:truncated"
-                        )
-                    data = folded.as_body()
-                else:
-                    raw = await resp.aread()
-                    try:
-                        data = json.loads(raw)
-                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                        raise _Retry(f"truncated or invalid body ({len(raw)} bytes): {e}", "bad_body") from None
-        except httpx.ConnectError as e:  # never reached the server
-            raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=False) from None
-        except (httpx.TransportError, httpx.DecodingError) as e:
-            # OpenRouter streams answer with headers at once: none means nothing started. A non-streaming
-            # request may be generating (and billed) after its connection broke: unknown.
-            generated = None if headers_seen or not self.stream else False
-            raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=generated) from None
+        data = await self._exchange(
+            client, feed, attempt, request_body(req, settings, stream=self.options.stream), state
+        )
         usage = data.get("usage") or {}
         if "cost" in usage:
             feed.billed(
@@ -311,6 +296,35 @@ class OpenRouterBackend:
         result = parse_response(req, data, time.monotonic() - state.started, attempt.number)
         result.attempt_id, result.billed = attempt.attempt_id, "cost" in usage
         return result
+
+    async def _exchange(
+        self, client: httpx.AsyncClient, feed: RequestFeed, attempt: Attempt, body: dict[str, Any], state: RequestState
+    ) -> dict[str, Any]:
+        """The request and its response body (a stream folded into one); transport failures become `_Retry`."""
+        headers_seen = False
+        try:
+            async with client.stream(
+                "POST", "/chat/completions", json=body, headers={ATTEMPT_HEADER: attempt.attempt_id}
+            ) as resp:
+                headers_seen = True
+                gen_id = resp.headers.get("x-generation-id")
+                if gen_id:
+                    feed.started(attempt, gen_id)
+                if resp.status_code != 200:
+                    self.rate.observe(resp.headers, throttled=resp.status_code == 429)
+                    await resp.aread()
+                    self._classify_error(attempt.request, resp, state)
+                self.rate.observe(resp.headers)
+                if self.options.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    return await _read_stream(resp)
+                return await _read_body(resp)
+        except httpx.ConnectError as e:  # never reached the server
+            raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=False) from None
+        except (httpx.TransportError, httpx.DecodingError) as e:
+            # OpenRouter streams answer with headers at once: none means nothing started. A non-streaming
+            # request may be generating (and billed) after its connection broke: unknown.
+            generated = None if headers_seen or not self.options.stream else False
+            raise _Retry(f"{type(e).__name__}: {e}", type(e).__name__, generated=generated) from None
 
     def _classify_error(self, req: CompletionRequest, resp: httpx.Response, state: RequestState) -> None:
         status = resp.status_code
@@ -350,7 +364,8 @@ class OpenRouterBackend:
     async def _complete(
         self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings, state: RequestState
     ) -> CompletionResult:
-        """One request: its first attempt was taken after `_pace` (`_PacedFeed`); each retry is paced before it is reserved."""
+        """One request: its first attempt was taken after `_pace` (`_PacedFeed`); each retry is paced before it is
+        reserved."""
         assert self.limiter is not None
         place = _Place(self, held=True)  # the first attempt's place in flight, taken by _PacedFeed.take
         attempt = state.attempt
@@ -387,7 +402,7 @@ class OpenRouterBackend:
                 except StreamError as e:
                     last_error, last_code = str(e), e.code
                     feed.unbilled(attempt, generated=None, why=last_error)
-                if state.attempts >= self.max_attempts:
+                if state.attempts >= self.options.max_attempts:
                     return state.result(
                         "deferred",
                         f"gave up after {state.attempts} attempts: {last_error}; sent again by "
@@ -395,7 +410,9 @@ class OpenRouterBackend:
                         last_code,
                     )
                 await asyncio.sleep(
-                    backoff_seconds(state.attempts, self.backoff_base_s, self.backoff_cap_s, retry_after)
+                    backoff_seconds(
+                        state.attempts, self.options.backoff_base_s, self.options.backoff_cap_s, retry_after
+                    )
                 )
                 nxt = await feed.retry(attempt, last_error, pace=place.take)
                 if isinstance(nxt, Refusal):
@@ -405,11 +422,11 @@ class OpenRouterBackend:
             await place.give_back()
 
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
-        if self.preflight:
+        if self.options.preflight:
             await self.check_key()
-        headers = {"Authorization": f"Bearer {self._api_key}", "X-Title": self.app_title}
+        headers = {"Authorization": f"Bearer {self._api_key}", "X-Title": self.options.app_title}
         self.limiter = AdaptiveLimiter(self.concurrency)
-        async with make_client(self.base_url, headers, self.concurrency, self.timeout_s) as client:
+        async with make_client(self.base_url, headers, self.concurrency, self.options.timeout_s) as client:
             await run_workers(
                 _PacedFeed(feed, self),
                 self.concurrency,
@@ -439,9 +456,9 @@ class _Place:
 
 
 class _PacedFeed:
-    """The feed as the workers see it: a request's first attempt is asked for (reserved) only once its pacing lets it go,
-    so no reservation waits for a place in flight or a requests-per-second turn; a kill then leaves reserved only what
-    was about to be sent."""
+    """The feed as the workers see it: a request's first attempt is asked for (reserved) only once its pacing lets it
+    go, so no reservation waits for a place in flight or a requests-per-second turn; a kill then leaves reserved only
+    what was about to be sent."""
 
     def __init__(self, feed: RequestFeed, backend: OpenRouterBackend):
         self._feed, self._backend = feed, backend

@@ -90,7 +90,8 @@ class OpenRouterAccount:
         )
 
     async def generation(self, generation_id: str) -> GenerationBill | None:
-        """The bill of a generation, or None while OpenRouter does not know it (404) or cannot say (429, 5xx, network)."""
+        """The bill of a generation, or None while OpenRouter does not know it (404) or cannot say (429, 5xx,
+        network)."""
         try:
             resp = await self._get("/generation", id=generation_id)
         except httpx.TransportError:
@@ -110,7 +111,8 @@ class OpenRouterAccount:
         )
 
     async def generation_content(self, generation_id: str) -> tuple[str, str] | None:
-        """(reasoning, content) of a finished generation, where OpenRouter stored them (the account's logging); else None."""
+        """(reasoning, content) of a finished generation, where OpenRouter stored them (the account's logging); else
+        None."""
         try:
             resp = await self._get("/generation/content", id=generation_id)
         except httpx.TransportError:

@@ -18,7 +18,7 @@ from eagle3_resources.tokenizer.kimi import KimiTokenizer
 OPENROUTER_DEFAULT_URL = "https://openrouter.ai/api/v1"
 
 
-class BackendKind(str, Enum):
+class BackendKind(str, Enum):  # noqa: UP042  (StrEnum would change str() and f-strings of its members)
     LOCAL = "local"  # the target in-process with transformers (CPU default, stand-in)
     OPENROUTER = "openrouter"  # OpenRouter or any OpenAI-compatible chat completions API
     SGLANG = "sglang"  # an SGLang server's native /generate (returns token ids)

@@ -31,9 +31,7 @@ class ProviderRouting(dg.Config):
         description="allow-list of endpoint quantizations; the default excludes the fp4 family",
     )
     allow_fallbacks: bool | None = Field(default=None, description="OpenRouter's default is true")
-    require_parameters: bool | None = Field(
-        default=True, description="only endpoints that honour every parameter sent"
-    )
+    require_parameters: bool | None = Field(default=True, description="only endpoints that honour every parameter sent")
     data_collection: str | None = Field(default=None, description='"allow" or "deny"')
     sort: str | None = Field(
         default=None, description='"price", "throughput" or "latency": the order endpoints are tried in'
@@ -118,7 +116,8 @@ RETRY_LATER_STATUSES = ("aborted", "deferred")
 
 @dataclass
 class Attempt:
-    """One admitted try at a request: reserved in the spend ledger just before it is sent, its send marked there first."""
+    """One admitted try at a request: reserved in the spend ledger just before it is sent, its send marked there
+    first."""
 
     request: CompletionRequest
     attempt_id: str
