@@ -633,23 +633,7 @@ class RankPool:
         self._free = ctx.Queue()  # slab indices rank 0 may fill
         for i in range(slabs):
             self._free.put(i)
-        self._processes = [
-            ctx.Process(
-                target=_rank_main,
-                name=f"sglang-rank-{rank}",
-                args=(
-                    rank,
-                    world_size,
-                    factory,
-                    self._requests[rank],
-                    self._replies,
-                    self.ring.paths,
-                    handoff,
-                    self._free,
-                ),
-            )
-            for rank in range(world_size)
-        ]
+        self._processes = [self._rank_process(ctx, rank, factory) for rank in range(world_size)]
         self._next_batch = 0
         self._next_result = 0
         self._gathers: dict[int, ReplyGather] = {}
@@ -662,6 +646,21 @@ class RankPool:
         self._finalizer = weakref.finalize(
             self, _stop, self._processes, self._requests, self._free, self.ring, stop_grace_s
         )
+
+    def _rank_process(self, ctx: Any, rank: int, factory: Callable[[int, int], RankEngine]) -> Any:
+        """Rank `rank`'s process (not started): its request queue, the shared reply queue and the ring."""
+        ring = self.ring
+        args = (
+            rank,
+            self.world_size,
+            factory,
+            self._requests[rank],
+            self._replies,
+            ring.paths,
+            ring.layout,
+            self._free,
+        )
+        return ctx.Process(target=_rank_main, name=f"sglang-rank-{rank}", args=args)
 
     def _get(self, deadline: float, what: str):
         while True:
