@@ -50,7 +50,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import torch
 from transformers import GenerationConfig
@@ -135,6 +135,11 @@ class Eagle3ChainDrafter:
     def _param(self) -> torch.Tensor:
         return self.drafter.fc.weight
 
+    def _current(self) -> _DraftState:
+        if self.state is None:
+            raise RuntimeError("begin() a sequence before extending or drafting it")
+        return self.state
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         cfg = self.drafter.cfg
         empty = torch.zeros(
@@ -145,7 +150,7 @@ class Eagle3ChainDrafter:
     @torch.inference_mode()
     def extend(self, aux: torch.Tensor, next_tokens: Sequence[int]) -> None:
         """Step 0 (TTT step 0) over newly verified positions; their keys join the cache."""
-        s, m = self.state, self.drafter
+        s, m = self._current(), self.drafter
         aux = aux.to(device=self._param.device, dtype=self._param.dtype)
         start = s.keys.shape[1]
         positions = torch.arange(start, start + aux.shape[0], device=aux.device)
@@ -160,7 +165,9 @@ class Eagle3ChainDrafter:
         `forced` feeds given tokens instead of the drafter's own picks (teacher forcing), which
         is how a test compares this with `unroll`.
         """
-        s, m = self.state, self.drafter
+        s, m = self._current(), self.drafter
+        if s.root is None:
+            raise RuntimeError("extend() the sequence with its prompt before drafting")
         logits = [m.lm_head(m.norm(s.root))]
         picks = [int(m.draft_ids[logits[0].argmax()])]
         hidden, root_pos = s.root, s.keys.shape[1] - 1
@@ -196,7 +203,13 @@ class _Target:
         layers = self.model.config.num_hidden_layers
         self.layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else eagle3_aux_layers(layers)
         self.device = self.model.get_input_embeddings().weight.device
-        self.cache = None
+        self.cache: Any = None  # transformers' cache object, after the first forward
+
+    @overload
+    def forward(self, ids: Sequence[int], aux: Literal[True], last_only: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward(self, ids: Sequence[int], aux: bool, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def forward(self, ids: Sequence[int], aux: bool, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [n or 1, V] float32, aux [n, 3H] or None) for ids appended to the cache."""
@@ -346,7 +359,7 @@ def position_acceptance(accepted: Iterable[int], draft_steps: int) -> list[float
         for j in range(min(n + 1, draft_steps)):
             reached[j] += 1
             hit[j] += int(j < n)
-    return [h / r if r else None for h, r in zip(hit, reached)]
+    return [h / r if r else None for h, r in zip(hit, reached, strict=True)]
 
 
 @dataclass
@@ -401,7 +414,8 @@ class SpecDecodeReport:
             lengths["accept_length_per_round"] = (tokens - len(self.prompts)) / len(accepted)
         spec_s = sum(p.spec.seconds for p in self.prompts)
         greedy = [p for p in self.prompts if p.greedy_ids is not None]
-        greedy_tokens, greedy_s = sum(len(p.greedy_ids) for p in greedy), sum(p.greedy_seconds for p in greedy)
+        greedy_tokens = sum(len(p.greedy_ids or ()) for p in greedy)  # all set: `greedy` holds the compared prompts
+        greedy_s = sum(p.greedy_seconds or 0.0 for p in greedy)
         spec_rate, greedy_rate = _rate(tokens, spec_s), _rate(greedy_tokens, greedy_s) if greedy else None
         return {
             "prompts": len(self.prompts),
@@ -455,8 +469,9 @@ def _rounded(x):
     return round(x, 4) if isinstance(x, float) else x
 
 
+# 9 parameters: the decode's knobs as keywords (SGLang's steps and tokens, EOS, layers), the form tests call
 def evaluate_speculative(
-    target,
+    target: Any,
     drafter: ChainDrafter | Eagle3Drafter,
     prompts: Sequence[Sequence[int]],
     *,
