@@ -292,10 +292,10 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class Every:
-    """A hook: `call(trainer)` after every `steps`-th optimizer step (counted from the run's first step, across a
-    resume), on every rank, before that step's metrics are read and its checkpoint written. What it does counts as
-    training time unless it runs inside `trainer.clock.paused()`, as an evaluation should (and then, under DDP,
-    every rank must enter it: it ends with a wait for the device, not for the others)."""
+    """A hook: `call(trainer)` after every `steps`-th optimizer step (the global step, so a resumed run keeps the
+    cadence), on every rank, before that step's metrics are read and its checkpoint written. Its time counts as
+    training time unless it runs inside `trainer.clock.paused()`, as an evaluation should; one on the main process
+    alone leaves the other ranks waiting in the next step's gradient all-reduce, as the epoch's evaluation does."""
 
     steps: int
     call: Callable[[Trainer], None]
