@@ -1,6 +1,5 @@
 """`completions`: the target's answer to every prompt, journaled as it arrives."""
 
-import asyncio
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,11 +16,19 @@ from eagle3_assets.common.registry import dataset_partitions, dataset_spec
 from eagle3_assets.money import SpendPolicy, cancelling, get_hold, open_ledger
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.admission import HALTED
-from eagle3_assets.money.caps import Caps, Limits, Pricing, run_caps
+from eagle3_assets.money.caps import Caps, Limits, run_caps
 from eagle3_assets.money.ledger import SpendLedger
-from eagle3_assets.money.prices import PriceSheet, configured, fetch_prices
+from eagle3_assets.money.prices import PriceSheet
 from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
-from eagle3_assets.stages.completions.pilot import Means, Partition, PartitionPilot, PilotRules, pilot_outcome
+from eagle3_assets.stages.completions.pilot import (
+    Means,
+    Partition,
+    PartitionPilot,
+    PilotRules,
+    pilot_outcome,
+    price_sheet,
+    worst_case_pricing,
+)
 from eagle3_assets.stages.completions.run import (
     RunOptions,
     RunReport,
@@ -112,30 +119,8 @@ class CompletionsConfig(SamplingSettings):
 
     def price_sheet(self, backend: BackendKind, make_account, settings: SamplingSettings) -> PriceSheet | None:
         """Where admission's prices come from: the run config, else the API; None for a backend that bills nothing."""
-        if self.usd_per_m_prompt_tokens is not None or self.usd_per_m_completion_tokens is not None:
-            return configured(
-                settings.model, self.usd_per_m_prompt_tokens or 0.0, self.usd_per_m_completion_tokens or 0.0
-            )
-        if backend is not BackendKind.OPENROUTER:
-            return None
-
-        async def fetch():
-            async with make_account() as account:
-                return await fetch_prices(account, settings.model, settings.provider.to_request())
-
-        sheet = asyncio.run(fetch())
-        if sheet is None:
-            raise dg.Failure(
-                description=f"no price list for {settings.model} at this API (/models and /models/{settings.model}"
-                "/endpoints): set usd_per_m_prompt_tokens and usd_per_m_completion_tokens in the run config"
-            )
-        if not sheet.endpoints:
-            raise dg.Failure(
-                description=f"the provider routing leaves no endpoint for {settings.model}: "
-                + "; ".join(sheet.excluded),
-                metadata={"prices": json_value(sheet.describe())},
-            )
-        return sheet
+        listed = (self.usd_per_m_prompt_tokens, self.usd_per_m_completion_tokens)
+        return price_sheet(listed, backend is BackendKind.OPENROUTER, make_account, settings)
 
 
 PILOT_CHECK = "pilot"
@@ -222,18 +207,6 @@ def refuse_while_on_hold(ledger: SpendLedger) -> None:
             "(or the lift_spend_hold job), or raise the threshold.",
             metadata={"hold": json_value(hold)},
         )
-
-
-def worst_case_pricing(sheet: PriceSheet | None, log) -> Pricing:
-    """What admission reserves per token: the highest price the routing allows (nothing for a free backend)."""
-    if not sheet:
-        return Pricing(source="free backend")
-    pricing = sheet.pricing()
-    log(
-        f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
-        f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)"
-    )
-    return pricing
 
 
 def read_prompts(layout: DataLayout, key: str, sample_cap: int | None, log) -> pl.DataFrame:

@@ -15,6 +15,7 @@ prices (every cap is priced with them). Malformed data or a wrong price list cos
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ import polars as pl
 from eagle3_assets.common.metadata import json_value
 from eagle3_assets.common.outcome import CheckOutcome, sample_ids
 from eagle3_assets.money import ledger as L
+from eagle3_assets.money.caps import Pricing
 from eagle3_assets.money.ledger import SpendLedger
-from eagle3_assets.money.prices import PriceCheck, PriceSheet, check_billed
+from eagle3_assets.money.prices import PriceCheck, PriceSheet, check_billed, configured, fetch_prices
 from eagle3_assets.money.projection import Projection, project
 from eagle3_assets.stages.completions.run import CompletionsRun, RunOptions, RunReport, completions_frame, final_results
 from eagle3_assets.stages.token_ids.checks import BILLED_DIFF_LIMIT
@@ -93,6 +95,46 @@ def pilot_outcome(completions: pl.DataFrame, token_ids: pl.DataFrame, prices: Pr
             "examples": sample_ids(off) if off.height else sample_ids(final.filter(pl.col("status") != "ok")),
         },
     )
+
+
+def price_sheet(
+    listed: tuple[float | None, float | None], from_api: bool, make_account: Callable | None, settings: SamplingSettings
+) -> PriceSheet | None:
+    """The prices the run is reserved at and its pilot's bills are checked against: the run config's (USD per million
+    prompt / completion tokens), else the API's; None for a backend that bills nothing."""
+    if listed[0] is not None or listed[1] is not None:
+        return configured(settings.model, listed[0] or 0.0, listed[1] or 0.0)
+    if not from_api or make_account is None:
+        return None
+
+    async def fetch():
+        async with make_account() as account:
+            return await fetch_prices(account, settings.model, settings.provider.to_request())
+
+    sheet = asyncio.run(fetch())
+    if sheet is None:
+        raise dg.Failure(
+            description=f"no price list for {settings.model} at this API (/models and /models/{settings.model}"
+            "/endpoints): set usd_per_m_prompt_tokens and usd_per_m_completion_tokens in the run config"
+        )
+    if not sheet.endpoints:
+        raise dg.Failure(
+            description=f"the provider routing leaves no endpoint for {settings.model}: " + "; ".join(sheet.excluded),
+            metadata={"prices": json_value(sheet.describe())},
+        )
+    return sheet
+
+
+def worst_case_pricing(sheet: PriceSheet | None, log: Callable[[str], None]) -> Pricing:
+    """What admission reserves per token: the highest price the routing allows (nothing for a free backend)."""
+    if not sheet:
+        return Pricing(source="free backend")
+    pricing = sheet.pricing()
+    log(
+        f"prices ({sheet.source}): worst case ${pricing.prompt * 1e6:.4f} / ${pricing.completion * 1e6:.4f} per "
+        f"million prompt / completion tokens over {len(sheet.endpoints)} endpoint(s)"
+    )
+    return pricing
 
 
 @dataclass(frozen=True)
