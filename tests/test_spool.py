@@ -205,9 +205,15 @@ def test_capture_and_training_as_processes_through_a_spool_of_a_tenth_of_the_dat
     assert c["bytes_read"] == data  # each shard read once, whatever the passes
 
 
-def wait_for_slot(root: Path, slot: int) -> None:
-    """Until the trainer's durable position reaches `slot` (its progress, not a time)."""
+def wait_for_slot(root: Path, slot: int, producer: subprocess.Popen, trainer: subprocess.Popen) -> None:
+    """Until the trainer's durable position reaches `slot` (its progress, not a time); fails if the trainer ends, or
+    the producer fails (it may finish: every shard committed)."""
     while Position.from_json(read_ledger(root)["position"]).slot < slot:
+        for p in (producer, trainer):
+            if p.poll() is not None and (p is trainer or p.returncode != 0):
+                out, _ = p.communicate()
+                role = "trainer" if p is trainer else "producer"
+                raise AssertionError(f"the {role} ended (exit {p.returncode}) before slot {slot}:\n{out}")
         time.sleep(0.01)
 
 
@@ -219,13 +225,13 @@ def test_kill_9_of_capture_then_of_training_resumes_without_losing_or_repeating_
     producer = procs.produce(root, "a", 0, 1, slow=0.01)
     trainer = procs.consume(root, slow=0.03)
     for lo in (10, 70):  # twice each side, capture first, at random moments of their work
-        wait_for_slot(root, rng.randint(lo, lo + 20))
+        wait_for_slot(root, rng.randint(lo, lo + 20), producer, trainer)
         time.sleep(rng.uniform(0.0, 0.5))
         assert producer.poll() is None, "capture had finished before its kill"
         os.killpg(producer.pid, signal.SIGKILL)
         producer.wait()
         producer = procs.produce(root, "a", 0, 1, slow=0.01)
-        wait_for_slot(root, rng.randint(lo + 30, lo + 50))
+        wait_for_slot(root, rng.randint(lo + 30, lo + 50), producer, trainer)
         time.sleep(rng.uniform(0.0, 0.5))
         assert trainer.poll() is None, "training had finished before its kill"
         os.killpg(trainer.pid, signal.SIGKILL)
@@ -253,11 +259,12 @@ def test_two_hosts_sharing_the_spool_directory(procs, tmp_path):
     second = procs.produce(root, lanes[1], 1, 2, slow=0.0, group=first.pid)
     trainer = procs.consume(root, slow=0.02)
     assert os.getpgid(second.pid) == first.pid != os.getpgid(trainer.pid) == trainer.pid
-    for p in (first, second, trainer):
+    procs.finish(trainer)
+    assert_trained_exactly(tmp_path, 2)
+    for p in (first, second):
         procs.finish(p)
     sampler.stop()
     assert sampler.peak <= settings.budget_bytes
-    assert_trained_exactly(tmp_path, 2)
     assert_spool_emptied(root, lanes)
     taken = [lane for lane, _, _ in read_order(root)]
     assert set(taken) == set(lanes)

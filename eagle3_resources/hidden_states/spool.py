@@ -220,13 +220,14 @@ class _ConsumerView:
 
     deleted: set[str] = field(default_factory=set)
     trained: dict[str, str] = field(default_factory=dict)  # name -> key
+    adopted: dict[str, str] = field(default_factory=dict)  # name -> key, every shard the trainer has taken
 
 
 def _consumer_view(root: Path, lane: str, passes: int) -> _ConsumerView:
     ledger = read_ledger(root)  # the ledger first: order.log only grows, so it holds what the ledger counts
     order = read_order(root)
     done = min(len(order), trained_out(Position.from_json(ledger["position"]), passes))
-    view = _ConsumerView()
+    view = _ConsumerView(adopted={name: key for ln, name, key in order if ln == lane})
     for i, (ln, name, key) in enumerate(order[: max(done, int(ledger["deleted"]))]):
         if ln == lane:
             view.trained[name] = key
@@ -279,9 +280,12 @@ class SpoolWriter:
             )
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_plan()
-        view = _consumer_view(self.root, lane, self.settings.passes)
         old = read_manifest(self.dir) if (self.dir / MANIFEST).exists() else {"shards": {}}
         intact = trusted_shards(self.dir, old, self.plans, verify_on_resume)
+        present = {p.name for p in self.plans if (self.dir / p.name).exists()}
+        # The trainer's records are read after the files are looked at: it records a shard as trained before it
+        # deletes the file, so a file found missing above is one these records already account for.
+        view = _consumer_view(self.root, lane, self.settings.passes)
         keys = {p.name: p.key for p in self.plans}
         # Kept listed: intact shards, and shards fully trained but not yet deleted (still on disk, still counted).
         kept = {
@@ -290,11 +294,19 @@ class SpoolWriter:
             if name not in view.deleted
             and (name in intact or (name in view.trained and view.trained[name] == keys.get(name)))
         }
+        # Never captured again: a shard trained on all its passes, or one the trainer took whose file is gone (only
+        # the trainer deletes a listed shard). A damaged file the trainer has not finished is captured again.
+        self.todo = [
+            p
+            for p in self.plans
+            if p.name not in kept
+            and view.trained.get(p.name) != p.key
+            and not (view.adopted.get(p.name) == p.key and p.name not in present)
+        ]
         manifest = {**manifest_settings, "hidden_size": hidden, "planned_shards": list(keys), "shards": kept}
         self.committer = ShardCommitter(self.dir, manifest)
         self.committer.save_manifest()
         self.removed = remove_untrusted(self.dir, manifest)  # .tmp of a write cut short, a shard never listed
-        self.todo = [p for p in self.plans if p.name not in kept and view.trained.get(p.name) != p.key]
         self._lock = threading.Lock()
         self._committed = {name: int(e["bytes"]) for name, e in kept.items()}
         self._reserved: dict[str, int] = {}
@@ -399,6 +411,8 @@ class _Loaded:
         size = int(entry["bytes"])
         buf = torch.empty(size, dtype=torch.uint8)
         view = buf.numpy().data  # a memoryview of the tensor's bytes
+        if not path.exists():
+            raise SpoolStateError(f"{path}: listed and taken by the trainer, but its file is gone (deleted too early?)")
         with open(path, "rb", buffering=0) as f:
             done = 0
             while done < size:
