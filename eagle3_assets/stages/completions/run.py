@@ -328,6 +328,9 @@ class CompletionsRun:
     (the bills this run left unsettled), finish (the figures, the journal's end record).
     """
 
+    signals: StopSignals  # while it executes
+    journal: Journal
+
     def __init__(  # the work (dataset, requests, journal), the means (backend, settings, ledger), log and options
         self,
         dataset: str,
@@ -350,8 +353,6 @@ class CompletionsRun:
         self.lookup: Lookup | None = None
         self.feed: Admission | None = None
         self.progress: Progress | None = None
-        self.signals = StopSignals()
-        self.journal = Journal(journal_path)
 
     def execute(self) -> RunReport:
         if self.report.torn_tail_recovered:
@@ -359,7 +360,7 @@ class CompletionsRun:
                 f"{self.dataset}: the journal's last record was torn (a crash mid-write); it was skipped and truncated"
             )
         started = time.monotonic()
-        with self.signals, self.journal, self.writer:
+        with StopSignals() as self.signals, Journal(self.journal_path) as self.journal, self.writer:
             self.journal.append(self._start_record())
             try:
                 asyncio.run(self._phases())
