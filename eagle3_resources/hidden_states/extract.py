@@ -14,6 +14,11 @@ check runs where the states are, one figure per sample copied with the states (`
 thread waits for the event, then writes, hashes, fsyncs and renames the shard (store.write_file), gives
 its buffer back, and lists it in the manifest with the shards other writers finished meanwhile
 (`ShardCommitter.record`, one manifest write for them all).
+
+The same phases fill a lane of the streaming spool (`capture_to_spool`, spool.py): there the lane's
+`SpoolWriter` plans what is left to capture, each shard's bytes are reserved in the lane's share of the
+budget before its image is started (capture pauses while the lane is full), and the writer threads write
+and list shards through it; the spool's budget, not the free space, bounds what is on disk.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3_resources.errors import DiskSpaceError, StaleShardsError
+from eagle3_resources.errors import DiskSpaceError, SpoolStateError, StaleShardsError
 from eagle3_resources.hidden_states.layers import FINAL_CONVENTION, LAYER_CONVENTION
+from eagle3_resources.hidden_states.spool import SpoolWriter, open_settings
 from eagle3_resources.hidden_states.store import (
     FORMAT,
     MANIFEST,
@@ -53,6 +59,14 @@ from eagle3_resources.hidden_states.store import (
 )
 
 GiB = 2**30
+
+
+class ShardSink(Protocol):
+    """Where the writer threads put finished shards: the store's `ShardCommitter`, or a spool lane's `SpoolWriter`."""
+
+    def write(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]: ...
+
+    def record(self, name: str, entry: dict[str, Any]) -> None: ...
 
 
 class HiddenStatesBackend(Protocol):
@@ -405,12 +419,15 @@ class Extraction:
 
     # ------------------------------------------------------------ before the first byte
 
+    def shard_plans(self) -> list[ShardPlan]:
+        """Every shard of the samples (deterministic: a resumed run, or the spool's capture, plans the same ones)."""
+        identity = {**self.options.identity, "aux_layer_ids": self.layer_ids}
+        return plan_shards(self.samples, self.hidden_size, self.settings.shard_bytes, identity)
+
     def plan(self) -> ResumePlan:
         """The shards, the committed ones this run keeps; StaleShardsError for committed ones it would replace."""
-        root, identity = self.root, self.options.identity
-        shards = plan_shards(
-            self.samples, self.hidden_size, self.settings.shard_bytes, {**identity, "aux_layer_ids": self.layer_ids}
-        )
+        root = self.root
+        shards = self.shard_plans()
         old = read_manifest(root) if (root / MANIFEST).exists() else {}
         manifest = self.new_manifest(shards)
         done = trusted_shards(root, old, shards, self.settings.verify_on_resume) if old else set()
@@ -449,7 +466,7 @@ class Extraction:
             hidden_size=self.hidden_size,
         )
 
-    def open_store(self) -> tuple[ShardCommitter, list[str]]:
+    def open_store(self) -> tuple[ShardSink, list[str]]:
         """The store's folder and manifest as this run keeps them; (the committer, the untrusted files removed)."""
         plan, log = self.resume, self.options.log
         self.root.mkdir(parents=True, exist_ok=True)
@@ -484,7 +501,13 @@ class Extraction:
                     if self.failures:  # a full disk or a failing volume: stop computing what cannot be kept
                         name, error = self.failures[0]
                         raise RuntimeError(f"writing {name} failed: {error}") from error
-                    shard = self.capture_shard(plan)
+                    if not self.admit(plan):
+                        break
+                    try:
+                        shard = self.capture_shard(plan)
+                    except BaseException:
+                        self.release(plan)
+                        raise
                     future = pool.submit(self.write, shard)
                     future.add_done_callback(functools.partial(self._written, plan.name))
                     futures.append(future)
@@ -492,6 +515,13 @@ class Extraction:
             finally:
                 for future in futures:  # the finished shards are committed whatever stopped the loop
                     future.exception()
+
+    def admit(self, plan: ShardPlan) -> bool:
+        """Whether to capture `plan` now (a store always does; a spool lane waits for room, or is stopped)."""
+        return True
+
+    def release(self, plan: ShardPlan) -> None:
+        """`plan` was admitted but its capture failed: nothing to give back for a store."""
 
     def capture_shard(self, plan: ShardPlan) -> PendingShard:
         """One shard's samples through the backend, batch by batch, into a host image (its copies may be in flight)."""
@@ -569,14 +599,20 @@ class Extraction:
             "shards": shards,
             "eta_s": round(left / rate, 1) if rate > 0 else None,
         }
+        extra, said = self.progress_extra()
+        figures.update(extra)
         eta = f"{figures['eta_s']:,.0f} s" if figures["eta_s"] is not None else "?"
         self.options.log(
             f"hidden states {'done: ' if final else ''}{report.tokens_written:,}/{pending:,} tokens, "
             f"{rate:,.0f} tok/s, {report.bytes_written / 1e9:.2f} GB written, "
-            f"shard {report.shards_written + report.shards_skipped}/{shards}, ETA {eta}"
+            f"shard {report.shards_written + report.shards_skipped}/{shards}, ETA {eta}{said}"
         )
         if self.options.on_progress is not None:
             self.options.on_progress(figures)
+
+    def progress_extra(self) -> tuple[dict[str, Any], str]:
+        """Figures beside the store's own for a progress report, and their words at the end of its line."""
+        return {}, ""
 
     def finish(self) -> ExtractionReport:
         """Raise if a shard could not be written; else the report, with a last progress line."""
@@ -617,3 +653,181 @@ def store_figures(root: Path) -> dict[str, Any]:
         "min_bytes_per_token": floor,
         "overhead_pct": round(100 * (per_token / floor - 1), 3) if tokens else 0.0,
     }
+
+
+# -- the streaming mode: the same capture into a lane of the spool (spool.py) -----------------------------------
+
+
+@dataclass
+class SpoolCaptureReport:
+    """What one `capture_to_spool` call did: the extraction's figures, and how long the lane waited for the trainer."""
+
+    lane: str
+    extraction: ExtractionReport
+    todo: list[str]  # the shards this call set out to capture (what its resume left to do), in plan order
+    pauses: int  # shards whose reservation had to wait for room in the lane's share
+    waited_s: float  # seconds the capture spent waiting for that room
+    stopped: bool  # a stop request ended the capture before every shard of `todo` was captured
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes written per second of the whole call, waits included."""
+        e = self.extraction
+        return e.bytes_written / e.seconds if e.seconds > 0 else 0.0
+
+    @property
+    def busy_bytes_per_s(self) -> float:
+        """Bytes written per second the capture was not waiting for the trainer: the lane's own rate."""
+        busy = self.extraction.seconds - self.waited_s
+        return self.extraction.bytes_written / busy if busy > 0 else 0.0
+
+
+class SpoolCapture(Extraction):
+    """An `Extraction` whose shards go to the spool lane `lane` under `root` instead of a store. Its phases:
+
+    plan        the lane's `SpoolWriter` (its plan.json, manifest and resume): `todo` is the pending list; the spool's
+                hidden size must be the backend's; a share that cannot hold the working set is `SpoolTooSmall`
+    check_disk  not applied: the lane's share of the spool's byte budget is the bound (`reserve` enforces it)
+    open_store  the writer has rewritten the lane's manifest and removed the files it does not list; said in the log
+    capture     as the store's, each shard's bytes reserved first (`admit`: waits while the lane is full; `stop()`
+                ends the wait and the capture)
+    write       as the store's, through the writer (`SpoolWriter.write`, then `record`: its reservation becomes
+                committed bytes)
+    finish      as the store's
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[StoredSample],
+        backend: HiddenStatesBackend,
+        root: Path,
+        lane: str,
+        settings: StoreSettings,
+        options: ExtractionOptions,
+        *,
+        stop: Callable[[], bool] | None = None,
+        poll_s: float = 0.2,
+    ):
+        if options.null_sink:
+            raise ValueError("null_sink is for benchmarks of the store's capture; a spool lane always writes")
+        super().__init__(samples, backend, root, settings, options)
+        self.lane, self.poll_s = lane, poll_s
+        self.stop: Callable[[], bool] = stop or (lambda: False)
+        self.pauses, self.waited_s, self.stopped = 0, 0.0, False
+        self._waiting_since: float | None = None
+
+    def plan(self) -> ResumePlan:
+        spool = open_settings(self.root)
+        if spool.hidden_size != self.hidden_size:
+            raise SpoolStateError(
+                f"the spool at {self.root} is for hidden size {spool.hidden_size}; "
+                f"{self.backend.name} captures {self.hidden_size}"
+            )
+        shards = self.shard_plans()
+        self.writer = SpoolWriter(
+            self.root,
+            self.lane,
+            self.samples,
+            shards,
+            self.new_manifest(shards),
+            verify_on_resume=self.settings.verify_on_resume,
+            poll_s=self.poll_s,
+        )
+        todo = {p.name for p in self.writer.todo}
+        done = {p.name for p in shards if p.name not in todo}
+        return ResumePlan(shards, self.writer.committer.manifest, done, list(self.writer.todo))
+
+    def check_disk(self) -> None:
+        """Not applied: the spool's budget bounds the lane's bytes on disk, whatever the data's size."""
+
+    def open_store(self) -> tuple[ShardSink, list[str]]:
+        plan, removed = self.resume, self.writer.removed
+        self.options.log(
+            f"hidden states -> spool lane {self.lane!r}: {len(plan.pending)} of {len(plan.shards)} shards to capture "
+            f"({plan.tokens_pending:,} tokens) within a share of {human_bytes(self.writer.share)}"
+        )
+        if removed:
+            self.options.log(
+                f"hidden states: removed {len(removed)} untrusted file(s) left by an interrupted run: "
+                f"{', '.join(removed[:5])}"
+            )
+        return self.writer, removed
+
+    def admit(self, plan: ShardPlan) -> bool:
+        """Reserve the shard's bytes in the lane's share, waiting while it is full; False on a stop request."""
+        if self.stop():
+            self.stopped = True
+            return False
+        ok = self.writer.reserve(plan, self._waiting)
+        if self._waiting_since is not None:
+            self.pauses += 1
+            self.waited_s += time.monotonic() - self._waiting_since
+            self._waiting_since = None
+        self.stopped = not ok
+        return ok
+
+    def _waiting(self) -> bool:
+        """`reserve`'s stop, called at each poll while the lane is full: progress goes on, a stop ends the wait."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - self._last_progress >= self.options.progress_every_s:
+            self._last_progress = now
+            self.progress()
+        return self.stop()
+
+    def release(self, plan: ShardPlan) -> None:
+        self.writer.release(plan)
+
+    def progress_extra(self) -> tuple[dict[str, Any], str]:
+        now = time.monotonic()
+        waiting = self._waiting_since is not None
+        waited = self.waited_s + (now - self._waiting_since if self._waiting_since is not None else 0.0)
+        elapsed = max(1e-9, now - self._started)
+        used = self.writer.used_bytes()
+        figures = {
+            "lane": self.lane,
+            "lane_bytes": used,
+            "lane_share_bytes": self.writer.share,
+            "waiting": waiting,  # for room in the lane's share, that is for the trainer
+            "pauses": self.pauses + int(waiting),
+            "waited_s": round(waited, 3),
+            "bytes_per_s": round(self.report.bytes_written / elapsed, 1),
+            "busy_bytes_per_s": round(self.report.bytes_written / max(1e-9, elapsed - waited), 1),
+        }
+        said = (
+            f"; lane {self.lane} {human_bytes(used)} of {human_bytes(self.writer.share)}, "
+            f"{'waiting for the trainer, ' if waiting else ''}{figures['pauses']} pause(s), {waited:,.1f} s waited"
+        )
+        return figures, said
+
+    def run_lane(self) -> SpoolCaptureReport:
+        report = self.run()
+        todo = [p.name for p in self.resume.pending]
+        return SpoolCaptureReport(self.lane, report, todo, self.pauses, self.waited_s, self.stopped)
+
+
+def capture_to_spool(
+    samples: Sequence[StoredSample],
+    backend: HiddenStatesBackend,
+    spool_root: Path,
+    lane: str,
+    settings: StoreSettings,
+    options: ExtractionOptions | None = None,
+    *,
+    stop: Callable[[], bool] | None = None,
+    poll_s: float = 0.2,
+    **fields: Any,
+) -> SpoolCaptureReport:
+    """Capture the lane's `samples` through `backend` into lane `lane` of the spool at `spool_root` (`create_spool`
+    first), resuming what an earlier call left; returns when every planned shard is committed (or trained and deleted
+    already), or when `stop()` says so (the shards captured by then are committed first).
+
+    `settings`: the store's (shard_bytes, batch_tokens, writers, direct_io, verify_on_resume; the free-space fields are
+    not used). `options`, or its fields by name, as `extract_to_store`'s; `on_progress` gets the lane's figures too
+    (lane_bytes, lane_share_bytes, waiting, pauses, waited_s, bytes_per_s, busy_bytes_per_s). `poll_s`: how often a
+    full lane looks for room.
+    """
+    options = ExtractionOptions(**fields) if options is None else replace(options, **fields)
+    capture = SpoolCapture(samples, backend, Path(spool_root), lane, settings, options, stop=stop, poll_s=poll_s)
+    return capture.run_lane()

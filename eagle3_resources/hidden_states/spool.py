@@ -244,8 +244,10 @@ class SpoolWriter:
 
     `todo` is what is left to capture after a resume: the planned shards neither committed intact nor already
     trained on (a shard the trainer has finished and deleted is never captured again). Call `reserve(plan)`
-    before capturing a shard (it waits while the lane is full) and `commit(image)` once its states are in.
-    Several writer threads may share one SpoolWriter.
+    before capturing a shard (it waits while the lane is full) and `commit(image)` once its states are in
+    (or `write` then `record`, as the store's writer threads do: the image's buffer is free after `write`);
+    `release(plan)` if a reserved shard will not be written. Several writer threads may share one SpoolWriter.
+    `extract.capture_to_spool` runs a hidden-states backend's capture into a lane this way.
     """
 
     def __init__(
@@ -361,20 +363,36 @@ class SpoolWriter:
         """Lay out a reserved shard in `image` (ids, masks, offsets written; the states are the caller's)."""
         image.start(plan, [samples[i] for i in plan.samples], self.settings.hidden_size, self.layouts[plan.name])
 
-    def commit(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
-        """Write and list the reserved shard (the store's atomic commit); its reservation becomes committed bytes."""
+    def release(self, plan: ShardPlan) -> None:
+        """Give back the reservation of a shard that will not be written (its capture failed or was stopped)."""
+        with self._lock:
+            self._reserved.pop(plan.name, None)
+
+    def write(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
+        """Write the reserved shard under its name, fsynced (`ShardCommitter.write`); not listed yet (`record`). The
+        image's buffer is free when this returns; the shard's bytes stay reserved until `record`."""
         plan = image.plan
-        assert plan is not None and plan.name in self._reserved, "reserve() the shard before committing it"
+        assert plan is not None and plan.name in self._reserved, "reserve() the shard before writing it"
         try:
-            entry = self.committer.commit(image, direct=direct)
+            return self.committer.write(image, direct=direct)
         except BaseException:
             (self.dir / (plan.name + ".tmp")).unlink(missing_ok=True)
-            with self._lock:
-                del self._reserved[plan.name]
+            self.release(plan)
             raise
+
+    def record(self, name: str, entry: dict[str, Any]) -> None:
+        """List the written shard in the lane's manifest (`ShardCommitter.record`); its reservation becomes committed
+        bytes. If the manifest write fails, the file stays on disk unlisted and its bytes stay reserved (counted)."""
+        self.committer.record(name, entry)
         with self._lock:
-            self._committed[plan.name] = int(entry["bytes"])
-            del self._reserved[plan.name]
+            self._committed[name] = int(entry["bytes"])
+            del self._reserved[name]
+
+    def commit(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
+        """Write and list the reserved shard (the store's atomic commit); its reservation becomes committed bytes."""
+        entry = self.write(image, direct=direct)
+        assert image.plan is not None  # write() has checked it
+        self.record(image.plan.name, entry)
         return entry
 
 
