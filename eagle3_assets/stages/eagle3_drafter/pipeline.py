@@ -12,6 +12,11 @@ from typing import Any
 import polars as pl
 import torch
 
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import (
+    BestCheckpointKeeper,
+    BestCheckpointPlan,
+    prompts_by_kind,
+)
 from eagle3_assets.stages.eagle3_drafter.data import (
     OnlineSource,
     SampleSource,
@@ -24,6 +29,7 @@ from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Draft
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
     Distributed,
+    Every,
     FixedWindows,
     RunOptions,
     Trainer,
@@ -57,6 +63,7 @@ class DrafterReport:
     train_tokens: int = 0
     split_samples: int = 0  # samples longer than max_len, trained as several windows
     windows: int = 0
+    best_checkpoint: dict[str, Any] | None = None  # the keeper's curve and best (None: the last step is exported)
 
 
 def drafter_config(
@@ -84,7 +91,10 @@ def drafter_config(
 class DrafterJob:
     """What one drafter training is given. Offline (`hidden_root`): samples stream from the hidden-state store.
     Online (`online_backend`, a transformers hidden-states backend of the target): the target computes them
-    inside the loop. `init_from`: warm start from an exported drafter. `stop_after_steps`: end early (tests)."""
+    inside the loop. `init_from`: warm start from an exported drafter. `stop_after_steps`: end early (tests).
+    `best`: every N steps, real speculative decoding on the held-out prompts per kind, and the best drafter by accept
+    length exported instead of the last (`best_checkpoint.py`; None: the last). `hooks`: more `Every` hooks, run
+    after the keeper's (tests and benchmarks)."""
 
     hidden_root: Path | None
     merged: pl.DataFrame
@@ -98,6 +108,8 @@ class DrafterJob:
     init_from: Path | None = None
     dist: Distributed = field(default_factory=Distributed)
     stop_after_steps: int | None = None
+    best: BestCheckpointPlan | None = None
+    hooks: tuple[Every, ...] = ()
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -167,8 +179,14 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
         log(f"untrained drafter on {splits.eval_split}: accept length {accept}, acc {acc}")
     data = FixedWindows(source, splits.train.windows, settings, dev, dist)
     options = RunOptions(dev, log, job.checkpoint_dir, dist, job.stop_after_steps)
-    history = Trainer(model, data, settings, options, teacher, held_out if splits.eval.windows else None).fit()
-    if not dist.main or len(history.epochs) < settings.epochs:  # another rank, or stopped early
+    keeper = best_checkpoint_keeper(job, manifest["aux_layer_ids"], data.fingerprint(model.draft_ids))
+    hooks = ([keeper.hook()] if keeper is not None else []) + list(job.hooks)
+    trainer = Trainer(model, data, settings, options, teacher, held_out if splits.eval.windows else None, hooks)
+    history = trainer.fit()
+    if len(history.epochs) < settings.epochs:  # stopped early
+        return None
+    best = keeper.finish(trainer) if keeper is not None else None  # the best drafter's weights now in `model`
+    if not dist.main:
         return None
     trained = evaluate(model, held_out(), settings.ttt_steps)
     log(f"trained drafter on {splits.eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
@@ -183,6 +201,11 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
                 "eval_accept_length": trained["accept_length"],
                 "target": Path(job.target_folder).name,
             }
+            | (
+                {"best_step": best["best"]["step"], "best_accept_length_real": best["best"]["accept_length"]}
+                if best is not None
+                else {}
+            )
         },  # a name, not this machine's path
     )
     return DrafterReport(
@@ -199,6 +222,22 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
         train_tokens=splits.train.tokens,
         split_samples=splits.train.split_samples,
         windows=len(splits.train.windows),
+        best_checkpoint=best,
+    )
+
+
+def best_checkpoint_keeper(job: DrafterJob, aux_layer_ids: list[int], fingerprint: str) -> BestCheckpointKeeper | None:
+    """The keeper of the job's `best` plan, its state in `<out_dir>.training/best/` (None: no plan)."""
+    if job.best is None:
+        return None
+    prompts = prompts_by_kind(job.merged, job.best.prompts_per_kind)
+    counts = ", ".join(f"{len(v)} {k}" for k, v in prompts.items())
+    job.log(
+        f"best checkpoint: real speculative decoding every {job.best.every} steps on {counts} held-out prompts, "
+        f"{job.best.max_new_tokens} tokens each; the drafter with the highest accept length is exported"
+    )
+    return BestCheckpointKeeper(
+        job.checkpoint_dir / "best", job.best, prompts, aux_layer_ids, fingerprint, job.log, job.dist.main
     )
 
 
