@@ -19,12 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import spool_capture_worker as worker
 import torch
 from test_spool import Sampler
 
+from eagle3_resources.hidden_states.extract import SpoolCaptureReport, capture_to_spool
 from eagle3_resources.hidden_states.spool import (
     LANES,
     PLAN,
@@ -36,6 +38,7 @@ from eagle3_resources.hidden_states.spool import (
     read_order,
 )
 from eagle3_resources.hidden_states.store import MANIFEST, HiddenStateStore, ShardPlan, plan_shards, shard_layout
+from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
@@ -294,3 +297,42 @@ def test_kill_9_of_the_capture_at_random_moments_then_restarts_lose_and_repeat_n
     assert [s["name"] for s in plan_file["shards"]] == [p.name for p in plans]
     left = ", ".join(f"run {run}: {len(todo)}" for run, todo in expected_todo.items())
     print(f"\nseed {seed}: {len(plans)} shards; left to capture after each kill: {left}; peak {sampler.peak:,} bytes")
+
+
+def test_a_stop_request_ends_the_wait_for_room_and_the_next_call_resumes(
+    target_model: Any, model_folder: Path, tmp_path: Path
+) -> None:
+    """No trainer: the lane fills, the capture waits, and a stop request ends the wait; what it committed stays, and
+    the next call sets out to capture exactly the rest."""
+    root = tmp_path / "spool"
+    vocab = target_model.config.vocab_size
+    settings, _, plans = make_spool(root, vocab)
+    backend = TransformersHiddenStates(target_model)
+
+    def run() -> tuple[SpoolCaptureReport, list[dict[str, Any]]]:
+        seen: list[dict[str, Any]] = []
+        report = capture_to_spool(
+            worker.samples(vocab),
+            backend,
+            root,
+            LANE,
+            worker.SETTINGS,
+            identity=worker.IDENTITY,
+            log=lambda line: None,
+            progress_every_s=0.0,
+            on_progress=seen.append,
+            poll_s=0.01,
+            stop=lambda: bool(seen) and seen[-1]["waiting"],  # stop once a report says the capture waits for room
+        )
+        return report, seen
+
+    first, seen = run()
+    assert first.stopped and first.pauses == 1 and first.waited_s > 0
+    assert 0 < first.extraction.shards_written < len(plans) and seen[-1]["pauses"] == 1
+    listed = json.loads((root / LANES / LANE / MANIFEST).read_text())["shards"]
+    assert len(listed) == first.extraction.shards_written
+    on_disk = sum(p.stat().st_size for p in (root / LANES / LANE).glob("*.safetensors*"))
+    assert on_disk == sum(e["bytes"] for e in listed.values()) <= settings.budget_bytes
+    again, _ = run()
+    assert again.stopped and again.extraction.shards_written == 0
+    assert again.todo == [p.name for p in plans if p.name not in listed]
