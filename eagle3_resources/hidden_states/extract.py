@@ -379,7 +379,8 @@ class Extraction:
     plan        the shards (a resumed run plans the same ones); which are committed and trusted; stale ones refused
     check_disk  the pending shards' bytes plus the margin against the free space, before the first byte
     open_store  the manifest rewritten with the shards kept, files no manifest lists removed
-    capture     each pending shard's batches through the backend (`capture_batch`), staged into its host image
+    capture     each pending shard, once admitted (`admit`: always for a store; a spool lane's reservation), its
+                batches through the backend (`capture_batch`), staged into its host image
     write       on a writer thread: wait for the copies, check, write, hash, fsync, rename, record (`ShardCommitter`)
     finish      every shard handed to a writer is committed whatever stopped the loop; then the report
     """
