@@ -12,6 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3_assets.stages.eagle3_drafter.asset import (
+    DrafterTrainConfig,
+    best_checkpoint_metadata,
+    refuse_best_checkpoint,
+)
 from eagle3_assets.stages.eagle3_drafter.best_checkpoint import (
     CURVE_FILE,
     BestCheckpointPlan,
@@ -23,6 +28,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, run_drafter
 from eagle3_assets.stages.eagle3_drafter.quality import drafter_from_checkpoint
 from eagle3_assets.stages.eagle3_drafter.speculative import greedy_generate
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, Every, Trainer, TrainSettings
+from eagle3_resources.errors import DrafterError
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
 from eagle3_resources.hidden_states.store import StoredSample
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
@@ -139,6 +145,24 @@ def test_the_exported_drafter_is_the_best_by_real_accept_length_not_the_last(dat
     on_disk = json.loads((out.parent / "drafter.training" / "best" / CURVE_FILE).read_text())
     assert on_disk["curve"] == curve and on_disk["best"] == best
     assert sorted(p.name for p in kept.parents[1].glob("step-*")) == [kept.parent.name]  # the others removed
+
+    # the asset's record: the step exported, its accept length per kind, the curve and its picture
+    meta = best_checkpoint_metadata(report)
+    assert (
+        meta["best_checkpoint_step"] == best["step"] and meta["best_checkpoint_accept_length"] == again["accept_length"]
+    )
+    assert meta["best_checkpoint_last_step_accept_length"] == lengths[total_steps]
+    assert meta["accept_length_curve"].value["curve"] == curve
+    assert meta["accept_length_curve_plot"].value.startswith("![plot](data:image/png;base64,")
+
+
+def test_the_asset_refuses_the_keeper_where_the_target_cannot_decode_beside_the_trainer(data):
+    refuse_best_checkpoint(DrafterTrainConfig(best_every=0, processes=2), data["target"])  # off: nothing to refuse
+    refuse_best_checkpoint(DrafterTrainConfig(best_every=5), data["target"])  # the stand-in decodes here
+    with pytest.raises(DrafterError, match="one training process"):
+        refuse_best_checkpoint(DrafterTrainConfig(best_every=5, processes=2), data["target"])
+    with pytest.raises(DrafterError, match="spec_eval_max_target_gb"):
+        refuse_best_checkpoint(DrafterTrainConfig(best_every=5, spec_eval_max_target_gb=1e-6), data["target"])
 
 
 class Killed(Exception):

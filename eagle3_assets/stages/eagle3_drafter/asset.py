@@ -10,6 +10,7 @@ from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import check_specs, to_results
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointPlan
 from eagle3_assets.stages.eagle3_drafter.checks import (
     DRAFTER_CHECKS,
     drafter_accept_length,
@@ -18,6 +19,7 @@ from eagle3_assets.stages.eagle3_drafter.checks import (
 )
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
 from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
+from eagle3_assets.stages.eagle3_drafter.figures import best_checkpoint_plot
 from eagle3_assets.stages.eagle3_drafter.launch import run_torchrun
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.quality import (
@@ -29,6 +31,7 @@ from eagle3_assets.stages.eagle3_drafter.quality import (
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
 from eagle3_assets.stages.hidden_states.asset import hidden_states
+from eagle3_resources.errors import DrafterError
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -103,6 +106,17 @@ class DrafterTrainConfig(dg.Config):
     )
     init_from: str | None = Field(
         default=None, description="warm start from this SGLang-format drafter folder (its weights and draft vocabulary)"
+    )
+    best_every: int = Field(
+        default=0,
+        description="every this many optimizer steps (and at the last), decode the held-out prompts speculatively "
+        "with the target (the lossless loop, `spec_eval_new_tokens` each, chains of `spec_draft_steps`), per prompt "
+        "kind, and export the drafter with the highest accept length instead of the last; its curve and picture go "
+        "in the metadata; 0 = off (the last step is exported). One process only, and a target within "
+        "`spec_eval_max_target_gb`",
+    )
+    best_prompts_per_kind: int = Field(
+        default=4, description="eval-split prompts of each kind (chat, code, reasoning, function-calling) decoded"
     )
 
     def settings(self) -> TrainSettings:
@@ -342,6 +356,7 @@ def eagle3_drafter(
 ) -> dg.MaterializeResult:
     merged = pl.read_parquet(store.layout.merged_dataset())
     folder = target.folder(tokenizer, context.log.info)
+    refuse_best_checkpoint(config, folder)
     if config.processes > 1:
         report = train_in_processes(context, config, store, folder)
     else:
@@ -375,6 +390,7 @@ def eagle3_drafter(
         | evaluation_metadata(report, history)
         | decoding_metadata(report, quality)
         | training_metadata(report)
+        | best_checkpoint_metadata(report)
         | {
             "sglang_key_check": "ok" if not problems else "; ".join(problems),
             "config": json_value(report.config),
@@ -400,6 +416,15 @@ def train_in_this_process(
         )
 
         backend = TransformersHiddenStates(target.load_model(tokenizer, context.log.info))
+    best = None
+    if config.best_every > 0:
+        best = BestCheckpointPlan(
+            every=config.best_every,
+            target=target.load_model(tokenizer, context.log.info),
+            prompts_per_kind=config.best_prompts_per_kind,
+            max_new_tokens=config.spec_eval_new_tokens,
+            draft_steps=config.spec_draft_steps,
+        )
     report = run_drafter_job(
         DrafterJob(
             None if config.online else store.layout.hidden_states(),
@@ -412,11 +437,47 @@ def train_in_this_process(
             device=config.device,
             online_backend=backend,
             init_from=Path(config.init_from) if config.init_from else None,
+            best=best,
         )
     )
     if report is None:  # only another rank, or a run stopped early, has none; this is the only rank, run whole
         raise RuntimeError("drafter training returned no report")
     return report
+
+
+def refuse_best_checkpoint(config: DrafterTrainConfig, folder: Path) -> None:
+    """`best_every` needs the target decoding beside the trainer: one process, a target within the size limit."""
+    if config.best_every <= 0:
+        return
+    if config.processes > 1:
+        raise DrafterError(
+            f"best_every={config.best_every} keeps the best checkpoint in one training process; this run asks for "
+            f"{config.processes} (set processes: 1, or best_every: 0 to export the last step)"
+        )
+    weights_gb = target_weight_bytes(folder) / 1e9
+    if weights_gb > config.spec_eval_max_target_gb:
+        raise DrafterError(
+            f"best_every={config.best_every} decodes with the target beside the trainer; its weights are "
+            f"{weights_gb:.1f} GB, over spec_eval_max_target_gb={config.spec_eval_max_target_gb} (set best_every: 0)"
+        )
+
+
+def best_checkpoint_metadata(report: DrafterReport) -> dict:
+    """The best-checkpoint keeper's curve (real accept length per kind at each evaluated step), its picture, and
+    which step was exported (nothing when the keeper was off)."""
+    summary = report.best_checkpoint
+    if summary is None or summary["best"] is None:
+        return {}
+    best = summary["best"]
+    return {
+        "best_checkpoint_step": best["step"],
+        "best_checkpoint_accept_length": best["accept_length"],
+        "best_checkpoint_by_kind": json_value(best["by_kind"]),
+        "best_checkpoint_last_step_accept_length": summary["curve"][-1]["accept_length"],
+        "best_checkpoint_source": FIGURE_SOURCES["best_checkpoint"],
+        "accept_length_curve": json_value(summary),
+        "accept_length_curve_plot": png_markdown(best_checkpoint_plot(summary)),
+    }
 
 
 def evaluation_metadata(report: DrafterReport, history: list[dict]) -> dict:

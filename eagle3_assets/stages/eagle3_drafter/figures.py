@@ -42,6 +42,10 @@ SOURCES = {
     "transformers": "measured: this project's lossless speculative decoding in transformers "
     "(eagle3_assets/stages/eagle3_drafter/speculative.py), greedy, checked token for token against greedy "
     "decoding; SGLang's definition (completion_tokens / verify passes), not SGLang's engine",
+    "best_checkpoint": "measured during training: every `best_every` steps the drafter as exported, decoded by this "
+    "project's lossless loop (speculative.py, greedy, top-1 chains of `spec_draft_steps`) on the eval split's first "
+    "`best_prompts_per_kind` prompts of each kind; SGLang's definition (generated tokens / verify passes); the step "
+    "with the highest is the one exported",
     "sglang_server": "measured: SGLang's HTTP server (benchmarks/serving_speculative.py, native /generate), greedy; "
     "accept length = sum(completion_tokens) / sum(spec_verify_ct) from SGLang's meta_info",
     "sglang_engine": "measured: SGLang's offline Engine (benchmarks/sglang_engine_speculative.py), greedy and sampled; "
@@ -159,3 +163,31 @@ def record_figures(report_path: Path, instance: dg.DagsterInstance) -> dg.AssetO
     )
     instance.report_runless_asset_event(observation)
     return observation
+
+
+def best_checkpoint_plot(summary: dict[str, Any]):
+    """The best-checkpoint keeper's curve: real accept length per prompt kind and over all, against the optimizer
+    step, the exported (best) step marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve, best = summary["curve"], summary["best"]
+    steps = [r["step"] for r in curve]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    kinds = sorted({k for r in curve for k in r["by_kind"]})
+    for kind in kinds:
+        values = [r["by_kind"].get(kind) for r in curve]
+        ax.plot(steps, [v if v is not None else float("nan") for v in values], marker=".", lw=1, label=kind)
+    overall = [r["accept_length"] if r["accept_length"] is not None else float("nan") for r in curve]
+    ax.plot(steps, overall, color="black", lw=2, marker="o", label="all prompts")
+    if best is not None:
+        ax.axvline(best["step"], color="grey", ls=":")
+        ax.plot([best["step"]], [best["accept_length"]], marker="*", ms=14, color="red", ls="none", label="exported")
+    ax.set_title("real accept length during training (lossless speculative decoding)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("accept length")
+    ax.legend(fontsize=7, ncol=3)
+    plt.close(fig)
+    return fig
