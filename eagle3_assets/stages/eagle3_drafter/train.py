@@ -23,8 +23,9 @@ The loop is `Trainer.fit`, read top to bottom: `set_up` (resume or start), then 
 then `after_step`: hooks, metrics read every `LOG_EVERY` steps, a checkpoint when due), then `end_epoch`
 (evaluation), and a last checkpoint. What it trains is `TrainSettings` (frozen; the checkpoint's fingerprint
 covers it), how it runs `RunOptions` (device, log, checkpoint folder, rank, early stop). Its windows come from
-a `TrainingData` (`FixedWindows` today: the store's or the online target's windows, shuffled per epoch); an
-`Every(n, call)` hook runs `call(trainer)` every n steps. `train()` is the one-call form.
+a `TrainingData` (`FixedWindows`: the store's or the online target's windows, shuffled per epoch; `SpoolWindows`
+in spool_data.py: a spool filled by capture as training runs, its position kept in the checkpoint's "data" entry);
+an `Every(n, call)` hook runs `call(trainer)` every n steps. `train()` is the one-call form.
 
 Metrics, on the eval split (simulated: teacher-forced, no target in the loop):
 - `acc_k`: share of completion positions where draft step k's argmax equals the target's argmax
@@ -231,6 +232,11 @@ def save_training_state(path: Path, state: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # the rename itself durable (a data source acts on it: `durable`)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def trainable_state(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
@@ -325,6 +331,19 @@ class TrainingData(Protocol):
         """The epoch's steps from step `start` on; closed when the loop leaves them."""
         ...
 
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """What the data source keeps in the trainer's checkpoint beside (epoch, step), as of the last step handed
+        out (the trainer asks only after training it); None: nothing (the checkpoint holds no "data" key)."""
+        ...
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Given the resumed checkpoint's `checkpoint_state`, before `steps` is asked for."""
+        ...
+
+    def durable(self) -> None:
+        """Called once a checkpoint is durable (written, fsynced, renamed, its folder fsynced)."""
+        ...
+
 
 class FixedWindows:
     """Windows known before training (the hidden-state store, or the target run online): shuffled by (seed,
@@ -361,6 +380,15 @@ class FixedWindows:
                 yield windows, next(batches)
         finally:
             batches.close()
+
+    def checkpoint_state(self) -> None:
+        return None  # the position is (epoch, step): the trainer's own
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        pass
+
+    def durable(self) -> None:
+        pass
 
     def pack(self, windows: list[Window]) -> PackedBatch:
         """This rank's windows of a step (the first window for a rank left without one: it joins with weight 0)."""
@@ -456,7 +484,8 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        # at most 1: a data source whose step count is an estimate (the spool's) may run past it; no effect otherwise
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
@@ -557,6 +586,7 @@ class Trainer:
         set_rng_state(state["rng"])
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.history = TrainHistory(**{**state["history"], "resumed_from_step": self.global_step})
+        self.data.restore(state.get("data"))
         self.log(
             f"drafter: resumed from the checkpoint at step {self.global_step}/{self.total_steps} "
             f"(epoch {self.epoch + 1})"
@@ -597,10 +627,14 @@ class Trainer:
         stop = self.options.stop_after_steps is not None and self.global_step >= self.options.stop_after_steps
         every = self.settings.checkpoint_every
         if (every and self.global_step % every == 0) or stop:
-            with self.clock.paused():
-                self.history.seconds = self.clock.elapsed()
-                self.save_checkpoint()
+            self.checkpoint()
         return stop
+
+    def checkpoint(self) -> None:
+        """A checkpoint now, its time left out of the training time (also what a data source calls while it waits)."""
+        with self.clock.paused():
+            self.history.seconds = self.clock.elapsed()
+            self.save_checkpoint()
 
     def flush(self) -> None:
         """One read of the device for the steps since the last one: losses and gradient norms into the record,
@@ -640,6 +674,7 @@ class Trainer:
         written atomically; every rank waits for it."""
         self.flush()
         if self.checkpoint_path is not None and self.dist.main:
+            data_state = self.data.checkpoint_state()
             save_training_state(
                 self.checkpoint_path,
                 {
@@ -652,8 +687,10 @@ class Trainer:
                     "step_in_epoch": self.step_in_epoch,
                     "global_step": self.global_step,
                     "history": self.history.to_dict() | {"resumed_from_step": None},
-                },
+                }
+                | ({"data": data_state} if data_state is not None else {}),
             )
+            self.data.durable()
         self.dist.barrier()
 
     def end_epoch(self) -> None:

@@ -1,0 +1,222 @@
+"""Training from the spool (issue 27, streaming mode): the trainer's windows come from capture as it runs.
+
+`SpoolWindows` is a `TrainingData` over a `SpoolReader` (eagle3_resources/hidden_states/spool.py). Its steps are
+the reader's (`next_step`): every row of every planned shard in `passes` passes, shuffled and packed by the spool's
+own settings (seed, window length, step tokens), so a step is a function of the adopted order, the same after any
+restart. The trainer sees them as ONE epoch; `passes` replaces epochs (the run's `TrainSettings.epochs` must be 1,
+and its `max_len`, `batch_tokens` and `seed` the spool's).
+
+Exactly once. The reader's `Position` after the last step trained goes into the trainer's atomic checkpoint (its
+"data" entry; an offline checkpoint has none), and `reader.commit(position)` is called only once that checkpoint is
+durable (`durable`), which deletes the shards whose passes are all done and lets capture go on. A resumed trainer
+opens the reader at its checkpoint's position (the reader catches the spool's ledger up if the kill fell between
+the checkpoint and the commit); a fresh start opens it at the beginning, and the reader refuses that if the spool
+has recorded progress (its shards may be gone: the weights that saw them are the only record of them).
+
+Waiting. While the spool has no committed shard for the next step, the reader waits; before it does, it calls
+`on_wait`, which must be the trainer's `checkpoint`: the checkpoint commits the position, the finished shards are
+deleted, and capture, which may be waiting for that room, goes on. Without it both sides would wait for each other
+(`train_from_spool` wires it).
+
+The step count for the learning-rate schedule is an estimate from the capture plan (the plan records each shard's
+tokens, not its samples' lengths, and the adoption order across lanes is the order of their commits):
+`estimate_steps`. The run may take a few steps more or fewer (packing); past the estimate the schedule holds its
+last factor (`warmup_cosine`). The mean window length (for the FLOPs per token) is likewise an estimate.
+
+One process only: the reader is one trainer's (its adoption log and ledger have one writer); several ranks reading
+one spool are not supported here (each rank would need its share of a step, and one rank the reader).
+Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
+trainer's state is a step's end), not ahead on a background thread as `FixedWindows` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Sample, Teacher, Window, pack_windows
+from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.train import Every, RunOptions, Trainer, TrainHistory, TrainSettings
+from eagle3_resources.hidden_states.spool import (
+    LANES,
+    PLAN,
+    SETTINGS,
+    Position,
+    SpoolReader,
+    Step,
+    open_settings,
+)
+
+
+def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | None:
+    """Every lane's capture plan (plan.json), or None while a lane has not written its plan yet."""
+    plans = {}
+    for lane in sorted(lanes):
+        try:
+            plans[lane] = json.loads((Path(root) / LANES / lane / PLAN).read_text())
+        except FileNotFoundError:
+            return None
+    return plans
+
+
+def estimate_steps(plans: dict[str, dict[str, Any]], passes: int, batch_tokens: int) -> int:
+    """The run's optimizer steps, estimated from the capture plans: the shards in the order the reader adopts them
+    when every lane keeps up (one from each lane in turn, each lane's in its plan's order), slot i holding pass p of
+    shard i - p, each slot `ceil(its tokens / batch_tokens)` steps (a slot's last step is a partial one)."""
+    queues = [[int(shard["tokens"]) for shard in plans[lane]["shards"]] for lane in sorted(plans)]
+    order: list[int] = []
+    for k in range(max((len(q) for q in queues), default=0)):
+        order.extend(q[k] for q in queues if k < len(q))
+    n = len(order)
+    slots = (sum(order[i - p] for p in range(passes) if 0 <= i - p < n) for i in range(n + passes - 1))
+    return sum(math.ceil(tokens / batch_tokens) for tokens in slots)
+
+
+class SpoolWindows:
+    """The trainer's steps from a spool, as one epoch (see the module's docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        settings: TrainSettings,
+        device: torch.device,
+        log: Callable[[str], None],
+        *,
+        poll_s: float = 0.2,
+    ):
+        self.root, self.device, self.poll_s = Path(root), device, poll_s
+        self.spool = open_settings(self.root)
+        s = self.spool
+        wrong = {
+            name: (ours, theirs)
+            for name, ours, theirs in (
+                ("epochs", settings.epochs, 1),
+                ("max_len", settings.max_len, s.max_len),
+                ("batch_tokens", settings.batch_tokens, s.batch_tokens),
+                ("seed", settings.seed, s.seed),
+            )
+            if ours != theirs
+        }
+        if wrong:
+            raise ValueError(
+                f"training from the spool {self.root}: these settings must be the spool's (passes replace epochs): "
+                + ", ".join(f"{k} {a} (the spool's: {b})" for k, (a, b) in wrong.items())
+            )
+        self.settings = settings
+        plans = read_plans(self.root, s.lanes)
+        if plans is None:
+            log(f"drafter: waiting for every capture lane's plan in {self.root / LANES}")
+            while (plans := read_plans(self.root, s.lanes)) is None:
+                time.sleep(poll_s)
+        self.plans = plans
+        shards = [shard for plan in plans.values() for shard in plan["shards"]]
+        self.planned_tokens = sum(int(shard["tokens"]) for shard in shards)
+        if not self.planned_tokens:
+            raise ValueError(f"the spool {self.root}: its capture plans hold no token")
+        self.estimated_steps = estimate_steps(plans, s.passes, s.batch_tokens)
+        # a shard's samples are at most max_len-token windows each; their lengths are not in the plan
+        self.mean_window = float(min(s.max_len, self.planned_tokens / len(shards)))
+        self.position = Position()  # after the last step handed out (= trained, when the trainer asks)
+        self.steps_done = 0  # steps handed out, with the position
+        self.reader: SpoolReader | None = None
+        self.current: Step | None = None  # the step handed out last
+        self.on_wait: Callable[[], None] | None = None  # the trainer's checkpoint (`train_from_spool` sets it)
+
+    # -- TrainingData
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self.estimated_steps if epoch == 0 else 0
+
+    def mean_window_tokens(self) -> float:
+        return self.mean_window
+
+    def fingerprint(self, draft_ids: torch.Tensor) -> str:
+        """The training settings, the spool's settings (spool.json), every lane's capture plan, the draft vocabulary."""
+        h = hashlib.sha256(
+            json.dumps(
+                {
+                    "train": {k: v for k, v in asdict(self.settings).items() if k != "checkpoint_every"},
+                    "spool": json.loads((self.root / SETTINGS).read_text()),
+                    "plans": self.plans,
+                },
+                sort_keys=True,
+            ).encode()
+        )
+        h.update(draft_ids.cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"spool_position": self.position.to_json(), "spool_steps": self.steps_done}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            raise ValueError("the resumed checkpoint holds no spool position: it is not of a run from this spool")
+        self.position = Position.from_json(state["spool_position"])
+        self.steps_done = int(state["spool_steps"])
+
+    def durable(self) -> None:
+        """The checkpoint at `position` is durable: record it in the spool, which deletes the shards it finished."""
+        if self.reader is not None:
+            self.reader.commit(self.position)
+
+    def steps(self, epoch: int, start: int) -> Generator[tuple[list[Window], PackedBatch], None, None]:
+        if epoch != 0 or start != self.steps_done:
+            raise ValueError(
+                f"the spool's steps are one epoch, resumed where the checkpoint's position is ({self.steps_done} "
+                f"steps); asked for epoch {epoch} from step {start}"
+            )
+        if self.reader is None:
+            # at the checkpoint's position, or at the start (refused if the spool has recorded progress)
+            self.reader = SpoolReader(self.root, position=self.position, poll_s=self.poll_s)
+        reader = self.reader
+        cuda = self.device.type == "cuda"
+        aux_dtype = torch.bfloat16 if cuda else torch.float32
+        while (step := reader.next_step(on_wait=self.on_wait)) is not None:
+            windows = [Window(w.sample_id, w.start, w.end) for w in step.windows]
+            batch = pack_windows(reader, windows, aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
+            # The trainer trains this step before it asks for the next one or checkpoints: the position is the
+            # step's end from here on.
+            self.current, self.position, self.steps_done = step, step.after, self.steps_done + 1
+            yield windows, batch
+
+    # -- figures
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the trainer waited for capture (an empty spool)."""
+        return self.reader.waited_s if self.reader is not None else 0.0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read if self.reader is not None else 0
+
+
+def train_from_spool(
+    model: Eagle3Drafter,
+    root: Path,
+    settings: TrainSettings,
+    options: RunOptions,
+    teacher: Teacher,
+    held_out: Callable[[], Iterable[Sample]] | None = None,
+    hooks: Sequence[Every] | Callable[[SpoolWindows], Sequence[Every]] = (),
+    poll_s: float = 0.2,
+) -> tuple[TrainHistory, SpoolWindows]:
+    """Train in place from the spool at `root`, resuming from `options.checkpoint_dir` when it holds a checkpoint
+    of this run; the trainer checkpoints whenever it has to wait for capture. `hooks` may be a function of the data
+    (to read `SpoolWindows.current`, the step just trained). Returns the record and the data (its figures)."""
+    if options.checkpoint_dir is None:
+        raise ValueError("training from a spool needs a checkpoint folder: a shard is deleted only once checkpointed")
+    if options.dist.world_size != 1:
+        raise ValueError("training from a spool runs in one process (several ranks on one spool: not supported)")
+    data = SpoolWindows(root, settings, options.device, options.log, poll_s=poll_s)
+    trainer = Trainer(model, data, settings, options, teacher, held_out, hooks(data) if callable(hooks) else hooks)
+    data.on_wait = trainer.checkpoint
+    return trainer.fit(), data
