@@ -152,9 +152,8 @@ class BestCheckpointKeeper:
         self.folder, self.plan, self.prompts = Path(folder), plan, prompts
         self.aux_layer_ids, self.fingerprint, self.log = aux_layer_ids, fingerprint, log
         empty: dict[str, Any] = {"fingerprint": fingerprint, "curve": [], "best": None}
-        self.state: dict[str, Any] = (
-            self.read_state() if main else empty
-        )  # the main process alone reads and writes the folder
+        # the main process alone reads and writes the folder
+        self.state: dict[str, Any] = self.read_state() if main else empty
         self.evaluated_here: set[int] = set()  # steps this process evaluated (a resume re-evaluates, overwriting)
 
     # -------------------------------------------------------- state
