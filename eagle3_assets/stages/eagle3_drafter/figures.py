@@ -188,6 +188,6 @@ def best_checkpoint_plot(summary: dict[str, Any]):
     ax.set_title("real accept length during training (lossless speculative decoding)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("accept length")
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the curves
     plt.close(fig)
     return fig
