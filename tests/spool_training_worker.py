@@ -4,15 +4,17 @@ tests/test_spool_training.py (the capture side is tests/spool_worker.py's produc
     python tests/spool_training_worker.py ROOT CHECKPOINT_DIR --record RECORD.jsonl --stats STATS.jsonl [--slow S]
 
 A tiny drafter (target width spool_worker.HIDDEN, its vocabulary covering the producer's ids) trained on the CPU in
-fp32, one thread. After each optimizer step a hook appends the step's windows, as the trainer was handed them, to
-RECORD (one JSON line per step: the global step and [sample id, start, end, pass, shard] per window): the trainer's
-own count of what it trained. The run's figures go to STATS (one JSON line) when it ends.
+fp32, one thread. After each optimizer step a hook appends the step's windows to RECORD (one JSON line per step: the
+global step and [sample id, start, end, pass, shard] per window), having checked that the trainer trained exactly
+their tokens in that step (its own token count): the trainer's record of what it trained.
+The run's figures go to STATS (one JSON line) when it ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -74,9 +76,14 @@ def main() -> None:
     record = open(args.record, "a")
 
     def hooks(data: SpoolWindows) -> list[Every]:
+        done = [0]  # the trainer's token count at the last step
+
         def write(trainer: Trainer) -> None:
             assert data.current is not None
             windows = [[w.sample_id, w.start, w.end, w.pass_index, w.shard] for w in data.current.windows]
+            trained, done[0] = trainer.tokens_done - done[0], trainer.tokens_done
+            if trained != (listed := sum(w.tokens for w in data.current.windows)):
+                sys.exit(f"step {trainer.global_step}: the trainer trained {trained} tokens of the step's {listed}")
             record.write(json.dumps({"step": trainer.global_step, "windows": windows}) + "\n")
             record.flush()
             time.sleep(args.slow)

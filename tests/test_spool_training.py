@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,7 @@ class Run:
 
 
 @pytest.fixture
-def runs(tmp_path):
+def runs(tmp_path: Path) -> Iterator[Callable[[str], Run]]:
     made: list[Run] = []
 
     def make(name: str) -> Run:
@@ -168,10 +169,18 @@ def runs(tmp_path):
         r.kill_all()
 
 
-def finish(p: subprocess.Popen) -> str:
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out
-    return out
+def finish(*procs: subprocess.Popen) -> list[str]:
+    """Each process's output once all have ended; fails as soon as one fails (the other, waiting on the spool for
+    it, is killed at the fixture's end)."""
+    while any(p.poll() is None for p in procs):
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"{p.args[1:3]} failed (exit {p.returncode}):\n{p.communicate()[0]}")
+        time.sleep(0.05)
+    outs = [p.communicate()[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out
+    return outs
 
 
 def stats(path: Path) -> list[dict]:
@@ -201,9 +210,7 @@ def test_the_trainer_trains_every_token_passes_times_through_a_spool_of_a_tenth_
     run = runs("one")
     settings, data = make_spool(run.root)
     sampler = Sampler(run.root / LANES / "a")
-    capture, trainer = run.produce(slow=0.0), run.train(slow=0.0)
-    finish(capture)
-    finish(trainer)
+    finish(run.produce(slow=0.0), run.train(slow=0.0))
     sampler.stop()
     assert settings.budget_bytes * 10 <= data
     assert 0 < sampler.peak <= settings.budget_bytes, (sampler.peak, settings.budget_bytes)
@@ -233,9 +240,7 @@ def wait_for_slot(root: Path, slot: int, capture: subprocess.Popen, trainer: sub
 def test_kill_9_of_the_trainer_resumes_without_losing_or_repeating_a_trained_window(runs):
     whole = runs("whole")
     make_spool(whole.root)
-    capture, trainer = whole.produce(slow=0.01), whole.train(slow=0.0)
-    finish(capture)
-    finish(trainer)
+    finish(whole.produce(slow=0.01), whole.train(slow=0.0))
 
     killed = runs("killed")
     settings, _ = make_spool(killed.root)
@@ -252,8 +257,7 @@ def test_kill_9_of_the_trainer_resumes_without_losing_or_repeating_a_trained_win
         trainer.wait()
         resumed_at.append(torch.load(killed.tmp / "ckpt" / CHECKPOINT_FILE, weights_only=False)["global_step"])
         trainer = killed.train(slow=0.01)
-    finish(capture)
-    out = finish(trainer)
+    _, out = finish(capture, trainer)
     sampler.stop()
     assert f"resumed from the checkpoint at step {resumed_at[-1]}/" in out
     assert sampler.peak <= settings.budget_bytes, (sampler.peak, settings.budget_bytes)
