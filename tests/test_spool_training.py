@@ -175,7 +175,8 @@ def finish(*procs: subprocess.Popen) -> list[str]:
     while any(p.poll() is None for p in procs):
         for p in procs:
             if p.poll() not in (None, 0):
-                raise AssertionError(f"{p.args[1:3]} failed (exit {p.returncode}):\n{p.communicate()[0]}")
+                role = "the trainer" if "spool_training_worker" in str(p.args) else "capture"
+                raise AssertionError(f"{role} failed (exit {p.returncode}):\n{p.communicate()[0]}")
         time.sleep(0.05)
     outs = [p.communicate()[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
