@@ -28,10 +28,13 @@ from eagle3_assets.stages.eagle3_drafter.quality import (
     measure_speculative,
     target_weight_bytes,
 )
+from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, StreamingRequest, stream_drafter
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
 from eagle3_assets.stages.hidden_states.asset import hidden_states
+from eagle3_assets.stages.hidden_states.selection import target_identity
 from eagle3_resources.errors import DrafterError
+from eagle3_resources.hidden_states.resource import HiddenStatesBackendKind, HiddenStatesResource
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -117,6 +120,34 @@ class DrafterTrainConfig(dg.Config):
     )
     best_prompts_per_kind: int = Field(
         default=4, description="eval-split prompts of each kind (chat, code, reasoning, function-calling) decoded"
+    )
+    streaming_spool_gb: float | None = Field(
+        default=None,
+        description="streaming mode (issue 27): unset = offline, training on the `hidden_states` store (the default). "
+        "Set, the drafter captures the merged set's states itself (the `hidden_states_backend` resource, in a "
+        "process of its own) into a spool of at most this many GB (1e9 bytes) and trains on them as they come: a "
+        "shard is deleted once trained `streaming_passes` times, capture pauses while the spool is full. The plan "
+        "(duration, peak disk, bottleneck) is logged and recorded first; a spool that cannot hold `streaming_passes` "
+        "+ 1 shards is refused before anything starts. One process; not with `online` or `best_every`",
+    )
+    streaming_passes: int = Field(
+        default=1, description="streaming mode: times each token is trained (they replace `epochs`)"
+    )
+    streaming_shard_gb: float = Field(default=1.0, description="streaming mode: the spool's shard size in GB")
+    streaming_capture_tok_s: float | None = Field(
+        default=None,
+        description="streaming plan: tokens/s of capture; unset = the last `hidden_states` materialization's "
+        "measured `tokens_per_s` (refused when there is none)",
+    )
+    streaming_train_tok_s: float | None = Field(
+        default=None,
+        description="streaming plan: token-passes/s of training; unset = the last drafter materialization's "
+        "measured `train_tokens_per_s` (refused when there is none)",
+    )
+    streaming_spool_gb_s: float = Field(
+        default=1.0,
+        description="streaming plan: GB/s the spool's file system sustains, writes and reads together (measure "
+        "yours: local NVMe several, NFS often under 1)",
     )
 
     def settings(self) -> TrainSettings:
@@ -353,11 +384,18 @@ def eagle3_drafter(
     store: DataStore,
     tokenizer: TokenizerResource,
     target: TargetModelResource,
+    hidden_states_backend: HiddenStatesResource,
 ) -> dg.MaterializeResult:
     merged = pl.read_parquet(store.layout.merged_dataset())
     folder = target.folder(tokenizer, context.log.info)
     refuse_best_checkpoint(config, folder)
-    if config.processes > 1:
+    streaming: dict = {}
+    if config.streaming_spool_gb is not None:
+        report, figures = stream_drafter(
+            streaming_job(context, config, store, folder, merged, (target, tokenizer, hidden_states_backend))
+        )
+        streaming = figures.metadata()
+    elif config.processes > 1:
         report = train_in_processes(context, config, store, folder)
     else:
         report = train_in_this_process(context, config, store, folder, target, tokenizer, merged)
@@ -391,6 +429,7 @@ def eagle3_drafter(
         | decoding_metadata(report, quality)
         | training_metadata(report)
         | best_checkpoint_metadata(report)
+        | streaming
         | {
             "sglang_key_check": "ok" if not problems else "; ".join(problems),
             "config": json_value(report.config),
@@ -443,6 +482,80 @@ def train_in_this_process(
     if report is None:  # only another rank, or a run stopped early, has none; this is the only rank, run whole
         raise RuntimeError("drafter training returned no report")
     return report
+
+
+def streaming_job(
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    store: DataStore,
+    folder: Path,
+    merged: pl.DataFrame,
+    resources: tuple[TargetModelResource, TokenizerResource, HiddenStatesResource],
+) -> StreamingJob:
+    """The streaming run the config asks for: its rates declared or measured (the last materializations'), the
+    capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
+    refused = [name for name, on in (("processes > 1", config.processes > 1), ("online", config.online)) if on]
+    refused += ["best_every"] if config.best_every > 0 else []
+    if refused:
+        raise DrafterError(
+            f"streaming mode (streaming_spool_gb) trains in one process from its spool: not with {refused}"
+        )
+    rates, source = {}, {}
+    for name, value, asset_key, key in (
+        ("capture_tok_s", config.streaming_capture_tok_s, "hidden_states", "tokens_per_s"),
+        ("train_tok_s", config.streaming_train_tok_s, "eagle3_drafter", "train_tokens_per_s"),
+    ):
+        if value is not None:
+            rates[name], source[name] = float(value), "declared in the config"
+            continue
+        event = context.instance.get_latest_materialization_event(dg.AssetKey(asset_key))
+        meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
+        if key not in meta:
+            raise DrafterError(
+                f"the streaming plan needs streaming_{name}: no {asset_key} materialization measured {key}; set it"
+            )
+        rates[name], source[name] = float(meta[key].value), f"measured: {asset_key}'s last {key}"
+    target, tokenizer, backend = resources
+    sglang = backend.backend is HiddenStatesBackendKind.SGLANG
+    request = StreamingRequest(
+        spool_bytes=int(config.streaming_spool_gb * 1e9) if config.streaming_spool_gb is not None else 0,
+        passes=config.streaming_passes,
+        shard_bytes=int(config.streaming_shard_gb * 1e9),
+        capture_tok_s=rates["capture_tok_s"],
+        train_tok_s=rates["train_tok_s"],
+        spool_bytes_per_s=config.streaming_spool_gb_s * 1e9,
+        rates_source=source,
+        capture_gpus=backend.sglang_tp_size if sglang else 1,
+    )
+
+    def observe(figures: dict) -> None:
+        context.log_event(
+            dg.AssetObservation(
+                asset_key=context.assets_def.key,
+                description=f"streaming progress of run {context.run_id[:8]}",
+                metadata=figures,
+            )
+        )
+
+    return StreamingJob(
+        merged=merged,
+        merged_path=store.layout.merged_dataset(),
+        target_folder=folder,
+        out_dir=store.layout.drafter(),
+        settings=config.settings(),
+        requested_draft_vocab=config.draft_vocab_size,
+        request=request,
+        identity=target_identity(folder),
+        resources={
+            "target": target.model_dump(mode="json"),
+            "tokenizer": tokenizer.model_dump(mode="json"),
+            "hidden_states_backend": backend.model_dump(mode="json"),
+        },
+        log=context.log.info,
+        observe=observe,
+        device=config.device,
+        init_from=Path(config.init_from) if config.init_from else None,
+    )
 
 
 def refuse_best_checkpoint(config: DrafterTrainConfig, folder: Path) -> None:

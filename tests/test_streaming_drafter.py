@@ -1,0 +1,123 @@
+"""The drafter's streaming mode as one Dagster materialization (issue 27), on the CPU stand-ins: the plan first, the
+capture in a process of its own (the stand-in target through the `hidden_states_backend` resource), the real
+trainer here from a spool whose budget is about a tenth of the data; and a spool too small refused before anything
+starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from test_drafter_training import corpus
+from test_spool import Sampler
+
+from eagle3_assets.stages.eagle3_drafter.asset import eagle3_drafter
+from eagle3_assets.stages.eagle3_drafter.streaming import split_samples
+from eagle3_resources.errors import SpoolTooSmall
+from eagle3_resources.hidden_states.resource import HiddenStatesResource
+from eagle3_resources.hidden_states.spool import min_lane_bytes
+from eagle3_resources.hidden_states.store import plan_shards, shard_layout
+from eagle3_resources.storage import DataLayout, DataStore
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+HIDDEN = 64  # the stand-in target's
+PASSES = 2
+SHARD_BYTES = 40_000  # about one sample a shard
+pytestmark = pytest.mark.timeout(1200)
+
+
+def write_merged(data_root: Path, tok) -> tuple[int, int]:
+    """The merged set (64 samples, a quarter of them eval) at its place; (the training split's shard bytes as the
+    capture cuts them, the largest shard's)."""
+    merged = corpus(tok, 64)
+    path = DataLayout(data_root).merged_dataset()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged.write_parquet(path)
+    train, _, _ = split_samples(merged)
+    plans = plan_shards(train, HIDDEN, SHARD_BYTES, {})  # the identity names the shards, their sizes are its own
+    sizes = [shard_layout(p, [train[i] for i in p.samples], HIDDEN).size for p in plans]
+    return sum(sizes), max(sizes)
+
+
+def materialize(data_root: Path, spool_bytes: int):
+    standin = str(data_root / "standin")
+    config = {
+        "ttt_steps": 3,
+        "batch_tokens": 200,
+        "max_len": 64,
+        "checkpoint_every": 3,
+        "draft_vocab_size": 512,
+        "spec_eval_prompts": 0,
+        "streaming_spool_gb": spool_bytes / 1e9,
+        "streaming_passes": PASSES,
+        "streaming_shard_gb": SHARD_BYTES / 1e9,
+        "streaming_capture_tok_s": 2000.0,
+        "streaming_train_tok_s": 500.0,
+        "streaming_spool_gb_s": 0.5,
+    }
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(
+            [eagle3_drafter],
+            instance=instance,
+            raise_on_error=False,
+            run_config={"ops": {"eagle3_drafter": {"config": config}}},
+            resources={
+                "store": DataStore(root=str(data_root)),
+                "tokenizer": TokenizerResource(standin_dir=standin),
+                "target": TargetModelResource(standin_dir=standin),
+                "hidden_states_backend": HiddenStatesResource(batch_tokens=512),
+            },
+        )
+        records = instance.fetch_observations(eagle3_drafter.key, limit=1000).records
+        observations = [r.asset_observation.metadata for r in reversed(records) if r.asset_observation is not None]
+    return result, observations
+
+
+def test_one_materialization_captures_and_trains_through_a_tenth_of_the_data(data_dir_with_standin, tok):
+    data_bytes, largest = write_merged(data_dir_with_standin, tok)
+    budget = data_bytes // 10
+    assert budget >= min_lane_bytes(PASSES, largest), (budget, largest)  # the tenth still holds the working set
+    spool = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming") / "spool"
+    sampler = Sampler(spool)
+    try:
+        result, observations = materialize(data_dir_with_standin, budget)
+    finally:
+        sampler.stop()
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    print({k: v for k, v in meta.items() if k.startswith("streaming_") and k != "streaming_plan"})
+
+    # the plan was made and recorded, for these figures
+    assert "bottleneck: " in meta["streaming_plan"] and meta["streaming_planned_bottleneck"] == "training"
+    # capture: every training token, once, into the spool
+    train_tokens = meta["train_tokens"]
+    assert meta["streaming_capture_tokens"] == train_tokens > 0
+    assert meta["streaming_capture_shards"] >= 10 and meta["streaming_capture_gb_per_s"] > 0
+    # training: every token trained PASSES times, its bytes read from the spool
+    assert meta["streaming_train_tokens"] == PASSES * train_tokens
+    assert meta["streaming_train_bytes_read"] >= data_bytes and meta["streaming_train_gb_per_s"] > 0
+    assert meta["streaming_train_steps"] == len(meta["loss_per_step"])
+    # the spool stayed within its budget, sampled by the asset and from here, and was pressed against it
+    assert meta["streaming_spool_budget_bytes"] <= budget
+    assert 0 < meta["streaming_spool_peak_bytes_sampled"] <= meta["streaming_spool_budget_bytes"]
+    assert sampler.samples > 100 and 0 < sampler.peak <= meta["streaming_spool_budget_bytes"]
+    assert meta["streaming_capture_pauses"] > 0 and "waited" in meta["streaming_who_waits"]
+    assert meta["sglang_key_check"] == "ok" and meta["accept_length_simulated"] > 0
+    # progress seen as observations of the drafter; the run's folder is gone once it is done
+    last = observations[-1]
+    assert last["train_steps"].value == meta["streaming_train_steps"] and "spool_fill_pct" in last
+    assert not spool.parent.exists()
+
+
+def test_a_spool_too_small_is_refused_before_capture_starts(data_dir_with_standin, tok):
+    _, largest = write_merged(data_dir_with_standin, tok)
+    result, observations = materialize(data_dir_with_standin, min_lane_bytes(PASSES, largest) - 4096)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert failure.step_failure_data.error.cause.cls_name == "SpoolTooSmall"
+    description = failure.step_failure_data.user_failure_data.description
+    assert description.endswith(f"What to do: {SpoolTooSmall.what_to_do}") and "least it can run with" in description
+    streaming = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming")
+    assert not streaming.exists() and not observations  # no spool, no capture process, no progress
