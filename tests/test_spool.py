@@ -76,8 +76,14 @@ def make_spool(root: Path, lanes: list[str]) -> tuple[SpoolSettings, int]:
 
 
 class Sampler:
-    """Sums the bytes of the shard files under the spool (`.tmp` of writes in flight included), over and over,
-    from its own thread: the largest sum seen is the spool's peak."""
+    """The bytes of the spool's shard files (`.tmp` of writes in flight included), sampled over and over from its own
+    thread; `peak` is the largest sum seen.
+
+    A directory scan is not a snapshot: under load it can count a file deleted early in the scan and one created late
+    in it, which never coexisted. So each sample is two scans back to back, and counts only the files seen in both
+    (same inode, same name but for a `.tmp` renamed in between), at the smaller of their two sizes: each existed
+    from its first sighting to its second, so all existed together at the end of the first scan, and the sum is
+    bytes that were on disk at one instant."""
 
     def __init__(self, root: Path):
         self.root, self.peak, self.samples = root, 0, 0
@@ -85,17 +91,23 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def bytes_now(self) -> int:
-        total = 0
+    def scan(self) -> dict[int, tuple[str, int]]:
+        out = {}
         lanes = self.root / LANES
         for lane in os.scandir(lanes) if lanes.exists() else []:
             for e in os.scandir(lane.path):
                 if e.name.endswith((".safetensors", ".safetensors.tmp")):
                     try:
-                        total += e.stat().st_size
+                        st = e.stat()
                     except FileNotFoundError:
-                        pass
-        return total
+                        continue
+                    out[st.st_ino] = (e.name.removesuffix(".tmp"), st.st_size)
+        return out
+
+    def bytes_now(self) -> int:
+        first, second = self.scan(), self.scan()
+        # the same file: same inode and name (a write in flight may have been renamed in between)
+        return sum(min(a[1], b[1]) for ino, a in first.items() if (b := second.get(ino)) and a[0] == b[0])
 
     def _run(self) -> None:
         while not self._stop.is_set():

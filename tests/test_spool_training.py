@@ -16,7 +16,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import spool_worker as producer
 import torch
+from test_spool import Sampler
 
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE
 from eagle3_resources.hidden_states.spool import (
@@ -54,47 +54,6 @@ def make_spool(root: Path) -> tuple[SpoolSettings, int]:
         {"a": budget}, passes=PASSES, max_len=64, batch_tokens=256, seed=5, hidden_size=producer.HIDDEN
     )
     return create_spool(root, settings), sum(sizes)
-
-
-class Sampler:
-    """The bytes of the spool's shard files (`.tmp` of writes in flight included), sampled over and over from its own
-    thread; `peak` is the largest sum seen.
-
-    A directory scan is not a snapshot: under load it can count a file deleted early in the scan and one created late
-    in it, which never coexisted. So each sample is two scans back to back, and counts only the files seen in both
-    (same inode, same name but for a `.tmp` renamed in between), at the smaller of their two sizes: each existed
-    from its first sighting to its second, so all existed together at the end of the first scan, and the sum is
-    bytes that were on disk at one instant."""
-
-    def __init__(self, lane_dir: Path):
-        self.dir, self.peak, self.samples = lane_dir, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def scan(self) -> dict[int, tuple[str, int]]:
-        out = {}
-        for e in os.scandir(self.dir) if self.dir.exists() else []:
-            if e.name.endswith((".safetensors", ".safetensors.tmp")):
-                try:
-                    st = e.stat()
-                except FileNotFoundError:
-                    continue
-                out[st.st_ino] = (e.name.removesuffix(".tmp"), st.st_size)
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            first, second = self.scan(), self.scan()
-            both = [(n, second[ino]) for ino, n in first.items() if ino in second]
-            # the same file: same inode and name (a write in flight may have been renamed in between)
-            self.peak = max(self.peak, sum(min(a[1], b[1]) for a, b in both if a[0] == b[0]))
-            self.samples += 1
-            time.sleep(0.002)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class Run:
@@ -210,7 +169,7 @@ def assert_spool_emptied(root: Path) -> None:
 def test_the_trainer_trains_every_token_passes_times_through_a_spool_of_a_tenth_of_the_data(runs):
     run = runs("one")
     settings, data = make_spool(run.root)
-    sampler = Sampler(run.root / LANES / "a")
+    sampler = Sampler(run.root)
     finish(run.produce(slow=0.0), run.train(slow=0.0))
     sampler.stop()
     assert settings.budget_bytes * 10 <= data
@@ -247,7 +206,7 @@ def test_kill_9_of_the_trainer_resumes_without_losing_or_repeating_a_trained_win
     settings, _ = make_spool(killed.root)
     slots = len(json.loads((whole.root / LANES / "a" / "plan.json").read_text())["shards"]) + PASSES - 1
     rng = random.Random(2027)
-    sampler = Sampler(killed.root / LANES / "a")
+    sampler = Sampler(killed.root)
     capture, trainer = killed.produce(slow=0.01), killed.train(slow=0.01)
     resumed_at = []
     for lo, hi in ((3, slots // 3), (slots // 2, 2 * slots // 3)):  # two kills at random moments of the run
