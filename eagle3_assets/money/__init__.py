@@ -2,7 +2,8 @@
 
 Everything that sums or limits dollars lives here; other modules call it.
 
-    caps.py       Caps and Pricing (the worst case of one request)
+    caps.py       Caps and Pricing (the worst case of one request); Limits and run_caps: the one place a
+                  run config's cap meets the environment's (the tighter holds)
     ledger.py     the SQLite ledger shared by every process on the data root
     writer.py     the ledger from an event loop (group commit)
     admission.py  the feed a completion backend pulls attempts from
@@ -23,7 +24,7 @@ import os
 import threading
 from pathlib import Path
 
-from eagle3_assets.money.caps import Caps, Pricing, tighter
+from eagle3_assets.money.caps import Caps, Limits, Pricing, run_caps
 from eagle3_assets.money.database import LEDGER_URL_ENV
 from eagle3_assets.money.hold import (
     ACTIVE_STATUSES,
@@ -64,6 +65,7 @@ def open_data_root_ledger() -> SpendLedger:
 __all__ = [
     "ACTIVE_STATUSES",
     "Caps",
+    "Limits",
     "DEFAULT_HORIZON_S",
     "Figures",
     "Pricing",
@@ -75,7 +77,7 @@ __all__ = [
     "lift_hold",
     "open_data_root_ledger",
     "open_ledger",
+    "run_caps",
     "set_hold",
     "spends",
-    "tighter",
 ]
