@@ -119,3 +119,17 @@ def build_source_tree(dest: Path) -> Path:
         else:
             shutil.copyfile(src, out)
     return dest
+
+
+def extract_merged(merged, target_model, root: Path) -> None:
+    """A merged set's hidden states in a store at `root`, extracted by the transformers backend (no disk check)."""
+    from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
+    from eagle3_resources.hidden_states.store import StoredSample
+    from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
+
+    columns = merged.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()
+    samples = [StoredSample(s, sp, ids, m, ds) for s, sp, ids, m, ds in columns]
+    settings = StoreSettings(free_bytes=10**12, reserve_bytes=0)
+    extract_to_store(
+        samples, TransformersHiddenStates(target_model), root, settings, identity={}, progress_every_s=3600
+    )

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 import torch
 from safetensors.torch import load_file
+from support import extract_merged
 
 from eagle3_assets.stages.eagle3_drafter.asset import (
     DrafterTrainConfig,
@@ -29,9 +30,6 @@ from eagle3_assets.stages.eagle3_drafter.quality import drafter_from_checkpoint
 from eagle3_assets.stages.eagle3_drafter.speculative import greedy_generate
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, Every, Trainer, TrainSettings
 from eagle3_resources.errors import DrafterError
-from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
-from eagle3_resources.hidden_states.store import StoredSample
-from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 REPO = Path(__file__).resolve().parents[1]
 # A1 chat, B1 function-calling, B2 code, B4 reasoning in data/datasets.yaml
@@ -69,18 +67,7 @@ def corpus(tok, target_model, n: int = 16) -> pl.DataFrame:
 def data(tmp_path_factory, tok, target_model, target_resource, tokenizer_resource):
     root = tmp_path_factory.mktemp("best-checkpoint")
     merged = corpus(tok, target_model)
-    samples = [
-        StoredSample(s, sp, ids, m, ds)
-        for s, sp, ids, m, ds in merged.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()
-    ]
-    extract_to_store(
-        samples,
-        TransformersHiddenStates(target_model),
-        root / "hidden_states",
-        StoreSettings(free_bytes=10**12, reserve_bytes=0),
-        identity={},
-        progress_every_s=3600,
-    )
+    extract_merged(merged, target_model, root / "hidden_states")
     return {"root": root, "merged": merged, "target": target_resource.folder(tokenizer_resource)}
 
 

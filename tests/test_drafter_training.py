@@ -15,14 +15,12 @@ import polars as pl
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import stop_group
+from support import extract_merged, stop_group
 
 from eagle3_assets.stages.eagle3_drafter.data import plan_steps, plan_windows
 from eagle3_assets.stages.eagle3_drafter.pipeline import train_drafter
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import write_spec
-from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
-from eagle3_resources.hidden_states.store import StoredSample
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,18 +57,7 @@ def training_data(tmp_path_factory, tok, target_model, target_resource, tokenize
     root = tmp_path_factory.mktemp("drafter-data")
     merged = corpus(tok)
     merged.write_parquet(root / "merged.parquet")
-    samples = [
-        StoredSample(s, sp, ids, m, ds)
-        for s, sp, ids, m, ds in merged.select("sample_id", "split", "input_ids", "loss_mask", "dataset").iter_rows()
-    ]
-    extract_to_store(
-        samples,
-        TransformersHiddenStates(target_model),
-        root / "hidden_states",
-        StoreSettings(free_bytes=10**12, reserve_bytes=0),
-        identity={},
-        progress_every_s=3600,
-    )
+    extract_merged(merged, target_model, root / "hidden_states")
     return {"root": root, "merged": merged, "target": target_resource.folder(tokenizer_resource)}
 
 

@@ -80,6 +80,7 @@ from eagle3_resources.hidden_states.store import (
     ShardLayout,
     ShardPlan,
     StoredSample,
+    fsync_dir,
     padded_size,
     read_manifest,
     recorded_checksum,
@@ -100,14 +101,6 @@ SPOOL_FORMAT = "eagle3-spool/1"
 def min_lane_bytes(passes: int, shard_file_bytes: int) -> int:
     """The least share a lane can run with: the `passes` shards the trainer may hold from it, plus one being written."""
     return (passes + 1) * padded_size(shard_file_bytes)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -515,7 +508,7 @@ class SpoolReader:
             f.flush()
             os.fsync(f.fileno())
         if new:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         self.order.append(ref)
 
     def _write_ledger(self) -> None:
@@ -546,7 +539,7 @@ class SpoolReader:
             (self.root / LANES / lane / name).unlink(missing_ok=True)
             lanes.add(lane)
         for lane in lanes:
-            _fsync_dir(self.root / LANES / lane)
+            fsync_dir(self.root / LANES / lane)
         self.deleted = done
         self._write_ledger()
 

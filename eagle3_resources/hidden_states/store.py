@@ -341,7 +341,7 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -361,7 +361,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
@@ -446,7 +446,7 @@ class ShardCommitter:
                 text = json.dumps(self.manifest, indent=2) + "\n"
                 self._cond.release()
                 try:
-                    _fsync_dir(self.root)  # the renames of every shard listed in `text` are durable first
+                    fsync_dir(self.root)  # the renames of every shard listed in `text` are durable first
                     write_text_atomic(self.root / MANIFEST, text)
                 finally:  # on an error the waiting writers try again themselves
                     self._cond.acquire()

@@ -67,6 +67,7 @@ from eagle3_assets.stages.eagle3_drafter.data import (
 )
 from eagle3_assets.stages.eagle3_drafter.loss import soft_cross_entropy
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter, default_learning_rate, train_flops_per_token
+from eagle3_resources.hidden_states.store import fsync_dir
 
 CHECKPOINT_FILE = "training_state.pt"
 LOG_EVERY = 32  # optimizer steps between reads of the device-side metrics (each read waits for the device)
@@ -232,11 +233,7 @@ def save_training_state(path: Path, state: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # the rename itself durable (a data source acts on it: `durable`)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)  # the rename itself durable (a data source acts on it: `durable`)
 
 
 def trainable_state(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
