@@ -53,7 +53,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import (
     draft_vocabulary,
     drafter_config,
 )
-from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows
+from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, read_plans
 from eagle3_assets.stages.eagle3_drafter.streaming_plan import Hosts, StreamingInputs, StreamingPlan, plan_streaming
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
@@ -464,6 +464,9 @@ def train_here(
     untrained = evaluate(model, held_out(), settings.ttt_steps)
     log(f"untrained drafter on {held_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
 
+    while read_plans(spool, [LANE]) is None:  # the capture's plan (SpoolWindows would wait for it unwatched)
+        capture.failed()
+        time.sleep(0.05)
     options = RunOptions(dev, log, checkpoints)
     data = _WatchedWindows(spool, settings, dev, log, poll_s=0.05)
     data.watch = capture.failed
