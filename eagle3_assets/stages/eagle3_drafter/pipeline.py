@@ -157,20 +157,10 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
     dev = training_device(job.device)
     if dev.type == "cpu":
         apply_torch_threads("drafter training", log)
-    target_config = json.loads((Path(job.target_folder) / "config.json").read_text())
-    target_config = target_config.get("text_config", target_config)
-    embed, head = load_embed_and_head(Path(job.target_folder))
     source, lengths, manifest = data_source(job.hidden_root, job.merged, job.online_backend)
     splits = split_windows(job, lengths)
-    vocab = draft_vocabulary(job, splits.train_ids, embed.shape[0])
-
-    cfg = drafter_config(target_config, manifest["hidden_size"], vocab.size, embed.shape[0])
-    torch.manual_seed(settings.seed)
-    model = Eagle3Drafter(cfg, embed, vocab.draft_ids)
-    if vocab.warm is not None:
-        vocab.warm.load_into(model)
-    model.to(dev)
-    teacher = Teacher(head, model.draft_ids, dev)  # shared by evaluation and training: each argmax computed once
+    built = build_drafter(job, manifest["hidden_size"], splits.train_ids, dev)
+    model, teacher = built.model, built.teacher
     held_out = partial(eval_samples, source, splits.eval.windows, teacher, dev)
 
     untrained = evaluate(model, held_out(), settings.ttt_steps) if dist.main else {}
@@ -190,39 +180,84 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
         return None
     trained = evaluate(model, held_out(), settings.ttt_steps)
     log(f"trained drafter on {splits.eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
+    best_keys = (
+        {"best_step": best["best"]["step"], "best_accept_length_real": best["best"]["accept_length"]}
+        if best is not None
+        else {}
+    )
+    return export_report(
+        job, built, manifest["aux_layer_ids"], splits, Outcome(untrained, trained, history, best, best_keys)
+    )
+
+
+@dataclass(frozen=True)
+class BuiltDrafter:
+    model: Eagle3Drafter
+    teacher: Teacher  # the target's LM head on the draft ids, shared by evaluation and training (each argmax once)
+    vocab: DraftVocabulary
+
+
+def build_drafter(job: DrafterJob, hidden_size: int, train_ids: list[str], dev: torch.device) -> BuiltDrafter:
+    """The model a job trains: the draft vocabulary of its training split, the shape of the target's config, the
+    target's frozen embedding, warm-started when asked; and its teacher."""
+    target_config = json.loads((Path(job.target_folder) / "config.json").read_text())
+    target_config = target_config.get("text_config", target_config)
+    embed, head = load_embed_and_head(Path(job.target_folder))
+    vocab = draft_vocabulary(job, train_ids, embed.shape[0])
+    cfg = drafter_config(target_config, hidden_size, vocab.size, embed.shape[0])
+    torch.manual_seed(job.settings.seed)
+    model = Eagle3Drafter(cfg, embed, vocab.draft_ids)
+    if vocab.warm is not None:
+        vocab.warm.load_into(model)
+    model.to(dev)
+    return BuiltDrafter(model, Teacher(head, model.draft_ids, dev), vocab)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a training ends with: the scores before and after, its history, the best checkpoint's curve (None:
+    the last step is exported) and more `eagle3_pipeline` keys for the exported config."""
+
+    untrained: dict[str, Any]
+    trained: dict[str, Any]
+    history: TrainHistory
+    best: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def export_report(
+    job: DrafterJob, built: BuiltDrafter, aux_layer_ids: list[int], splits: Splits, outcome: Outcome
+) -> DrafterReport:
+    """The trained drafter exported as SGLang and vLLM load it, and the report of its training."""
     checkpoint = export_checkpoint(
-        model.cpu(),
+        built.model.cpu(),
         job.out_dir,
-        manifest["aux_layer_ids"],
+        aux_layer_ids,
         extra={
             "eagle3_pipeline": {
-                "ttt_steps": settings.ttt_steps,
+                "ttt_steps": job.settings.ttt_steps,
                 "train_samples": splits.train.samples,
-                "eval_accept_length": trained["accept_length"],
-                "target": Path(job.target_folder).name,
+                "eval_accept_length": outcome.trained["accept_length"],
+                "target": Path(job.target_folder).name,  # a name, not this machine's path
             }
-            | (
-                {"best_step": best["best"]["step"], "best_accept_length_real": best["best"]["accept_length"]}
-                if best is not None
-                else {}
-            )
-        },  # a name, not this machine's path
+            | outcome.extra
+        },
     )
     return DrafterReport(
         checkpoint=checkpoint,
         config=json.loads((checkpoint / "config.json").read_text()),
-        draft_vocab_size=vocab.size,
-        distinct_loss_tokens=vocab.distinct_loss_tokens,
+        draft_vocab_size=built.vocab.size,
+        distinct_loss_tokens=built.vocab.distinct_loss_tokens,
         train_samples=splits.train.samples,
         eval_samples=splits.eval.samples,
         eval_split=splits.eval_split,
-        untrained=untrained,
-        trained=trained,
-        history=history,
+        untrained=outcome.untrained,
+        trained=outcome.trained,
+        history=outcome.history,
         train_tokens=splits.train.tokens,
         split_samples=splits.train.split_samples,
         windows=len(splits.train.windows),
-        best_checkpoint=best,
+        best_checkpoint=outcome.best,
     )
 
 

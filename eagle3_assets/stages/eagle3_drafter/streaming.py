@@ -42,20 +42,18 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-import torch
 
-from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Teacher, Window, plan_windows
-from eagle3_assets.stages.eagle3_drafter.export import export_checkpoint
-from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Window, plan_windows
 from eagle3_assets.stages.eagle3_drafter.pipeline import (
     DrafterJob,
     DrafterReport,
-    draft_vocabulary,
-    drafter_config,
+    Outcome,
+    Splits,
+    build_drafter,
+    export_report,
 )
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, read_plans
 from eagle3_assets.stages.eagle3_drafter.streaming_plan import Hosts, StreamingInputs, StreamingPlan, plan_streaming
-from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
     Every,
     RunOptions,
@@ -402,7 +400,8 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     capture = CaptureProcess(spec, folder)
     sampler = FillSampler(spool)
     try:
-        report = train_here(job, settings, capture, sampler, figures, eval_root, checkpoints, spool, held_split)
+        side = TrainerSide(capture, sampler, eval_root, held_split, checkpoints, spool)
+        report = train_here(job, settings, side, figures)
         figures.capture = capture.finish()
     finally:
         capture.kill()
@@ -414,29 +413,65 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     return report, figures
 
 
+@dataclass
+class StreamingProgress:
+    """The `Every(1)` hook of a streaming training: the figures after each step; a log line and an observation at
+    most every `job.progress_every_s`."""
+
+    job: StreamingJob
+    data: SpoolWindows
+    capture: CaptureProcess
+    sampler: FillSampler
+    figures: StreamingFigures
+    started: float = field(default_factory=time.monotonic)
+    last: float = 0.0
+
+    def __call__(self, trainer: Trainer) -> None:
+        self.record(trainer.global_step, trainer.tokens_done)
+        if time.monotonic() - self.last < self.job.progress_every_s:
+            return
+        self.last = time.monotonic()
+        self.figures.capture = self.capture.last_progress()
+        o = self.figures.observation(self.sampler.last)
+        self.job.log(
+            f"streaming: capture {o['capture_tokens']:,} tokens ({o['capture_gb_per_s']:.3f} GB/s), training step "
+            f"{o['train_steps']}/~{o['train_steps_estimated']} ({o['train_gb_per_s']:.3f} GB/s read), spool "
+            f"{o['spool_fill_pct']}% full (peak {o['spool_peak_bytes']:,} B); {o['who_waits']}"
+        )
+        self.job.observe(o)
+
+    def record(self, steps: int, tokens: int) -> None:
+        f = self.figures
+        f.train_steps, f.train_tokens = steps, tokens
+        f.train_bytes_read, f.train_waited_s = self.data.bytes_read, self.data.waited_s
+        f.seconds, f.peak_bytes = time.monotonic() - self.started, max(f.peak_bytes, self.sampler.peak)
+
+
+@dataclass(frozen=True)
+class TrainerSide:
+    """What the trainer's side works with: the capture process and the spool's sampler, the eval states' store
+    the capture writes first (of the `held_split`), where the checkpoints go, the spool."""
+
+    capture: CaptureProcess
+    sampler: FillSampler
+    eval_root: Path
+    held_split: str
+    checkpoints: Path
+    spool: Path
+
+
 def train_here(
-    job: StreamingJob,
-    settings: TrainSettings,
-    capture: CaptureProcess,
-    sampler: FillSampler,
-    figures: StreamingFigures,
-    eval_root: Path,
-    checkpoints: Path,
-    spool: Path,
-    held_split: str,
+    job: StreamingJob, settings: TrainSettings, side: TrainerSide, figures: StreamingFigures
 ) -> DrafterReport:
     """The trainer's side: vocabulary and model as `run_drafter_job` builds them, scores on the eval states the
     capture process stored first, training from the spool with the progress hook, then the export."""
     log, dev = job.log, training_device(job.device)
     if dev.type == "cpu":
         apply_torch_threads("drafter training (streaming)", log)
-    target_config = json.loads((job.target_folder / "config.json").read_text())
-    target_config = target_config.get("text_config", target_config)
-    embed, head = load_embed_and_head(job.target_folder)
     train_ids = job.merged.filter(pl.col("split") == "train")["sample_id"].to_list()
     lengths = dict(job.merged.select("sample_id", "n_tokens").iter_rows())
     train_plan = plan_windows([(s, int(lengths[s])) for s in train_ids], settings.max_len)
-    job_like = DrafterJob(
+    drafter_job = DrafterJob(
         None,
         job.merged,
         job.target_folder,
@@ -447,86 +482,38 @@ def train_here(
         device=job.device,
         init_from=job.init_from,
     )
-    vocab = draft_vocabulary(job_like, train_ids, embed.shape[0])
-    cfg = drafter_config(target_config, target_hidden_size(job.target_folder), vocab.size, embed.shape[0])
-    torch.manual_seed(settings.seed)
-    model = Eagle3Drafter(cfg, embed, vocab.draft_ids)
-    if vocab.warm is not None:
-        vocab.warm.load_into(model)
-    model.to(dev)
-    teacher = Teacher(head, model.draft_ids, dev)
+    built = build_drafter(drafter_job, target_hidden_size(job.target_folder), train_ids, dev)
+    model, teacher = built.model, built.teacher
 
-    capture.wait_for_eval()
-    store = HiddenStateStore(eval_root)
+    side.capture.wait_for_eval()
+    store = HiddenStateStore(side.eval_root)
     eval_lengths = {sid: end - start for sid, (_, start, end, _) in store.index.items()}
-    eval_plan = plan_windows(sorted(eval_lengths.items()), settings.max_len)
-    held_out = partial(eval_samples, store, eval_plan.windows, teacher, dev)
+    splits = Splits(
+        train_ids, train_plan, plan_windows(sorted(eval_lengths.items()), settings.max_len), side.held_split
+    )
+    held_out = partial(eval_samples, store, splits.eval.windows, teacher, dev)
     untrained = evaluate(model, held_out(), settings.ttt_steps)
-    log(f"untrained drafter on {held_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
+    log(f"untrained drafter on {splits.eval_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
 
-    while read_plans(spool, [LANE]) is None:  # the capture's plan (SpoolWindows would wait for it unwatched)
-        capture.failed()
+    while read_plans(side.spool, [LANE]) is None:  # the capture's plan (SpoolWindows would wait for it unwatched)
+        side.capture.failed()
         time.sleep(0.05)
-    options = RunOptions(dev, log, checkpoints)
-    data = _WatchedWindows(spool, settings, dev, log, poll_s=0.05)
-    data.watch = capture.failed
+    data = _WatchedWindows(side.spool, settings, dev, log, poll_s=0.05)
+    data.watch = side.capture.failed
     figures.estimated_steps = data.estimated_steps
-    started, last = time.monotonic(), [0.0]
-
-    def progress(trainer: Trainer) -> None:
-        figures.train_steps, figures.train_tokens = trainer.global_step, trainer.tokens_done
-        figures.train_bytes_read, figures.train_waited_s = data.bytes_read, data.waited_s
-        figures.seconds, figures.peak_bytes = time.monotonic() - started, sampler.peak
-        if time.monotonic() - last[0] >= job.progress_every_s:
-            last[0] = time.monotonic()
-            figures.capture = capture.last_progress()
-            o = figures.observation(sampler.last)
-            log(
-                f"streaming: capture {o['capture_tokens']:,} tokens ({o['capture_gb_per_s']:.3f} GB/s), training step "
-                f"{o['train_steps']}/~{o['train_steps_estimated']} ({o['train_gb_per_s']:.3f} GB/s read), spool "
-                f"{o['spool_fill_pct']}% full (peak {o['spool_peak_bytes']:,} B); {o['who_waits']}"
-            )
-            job.observe(o)
-
-    trainer = Trainer(model, data, settings, options, teacher, held_out, [Every(1, progress)])
+    progress = StreamingProgress(job, data, side.capture, side.sampler, figures)
+    trainer = Trainer(
+        model, data, settings, RunOptions(dev, log, side.checkpoints), teacher, held_out, [Every(1, progress)]
+    )
     data.on_wait = trainer.checkpoint
     history = trainer.fit()
-    figures.train_steps, figures.train_tokens = len(history.step_loss), history.tokens
-    figures.train_bytes_read, figures.train_waited_s = data.bytes_read, data.waited_s
-    figures.seconds = time.monotonic() - started
+    progress.record(len(history.step_loss), history.tokens)
     if data.reader is None or not data.reader.finished:
         raise CaptureFailed("the trainer ended before every pass over the spool's shards was trained")
     trained = evaluate(model, held_out(), settings.ttt_steps)
-    log(f"trained drafter on {held_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
-    checkpoint = export_checkpoint(
-        model.cpu(),
-        job.out_dir,
-        store.manifest["aux_layer_ids"],
-        extra={
-            "eagle3_pipeline": {
-                "ttt_steps": settings.ttt_steps,
-                "train_samples": train_plan.samples,
-                "eval_accept_length": trained["accept_length"],
-                "target": job.target_folder.name,
-                "streaming_passes": job.request.passes,
-            }
-        },
-    )
-    return DrafterReport(
-        checkpoint=checkpoint,
-        config=json.loads((checkpoint / "config.json").read_text()),
-        draft_vocab_size=vocab.size,
-        distinct_loss_tokens=vocab.distinct_loss_tokens,
-        train_samples=train_plan.samples,
-        eval_samples=eval_plan.samples,
-        eval_split=held_split,
-        untrained=untrained,
-        trained=trained,
-        history=history,
-        train_tokens=train_plan.tokens,
-        split_samples=train_plan.split_samples,
-        windows=len(train_plan.windows),
-    )
+    log(f"trained drafter on {splits.eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
+    outcome = Outcome(untrained, trained, history, extra={"streaming_passes": job.request.passes})
+    return export_report(drafter_job, built, store.manifest["aux_layer_ids"], splits, outcome)
 
 
 def capture_main(spec_path: Path) -> None:
