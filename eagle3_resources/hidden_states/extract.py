@@ -808,6 +808,7 @@ class SpoolCapture(Extraction):
         return SpoolCaptureReport(self.lane, report, todo, self.pauses, self.waited_s, self.stopped)
 
 
+# extract_to_store's parameters and the lane's (lane, stop, poll_s): the options stay one ExtractionOptions
 def capture_to_spool(
     samples: Sequence[StoredSample],
     backend: HiddenStatesBackend,
