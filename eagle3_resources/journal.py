@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,15 @@ class Journal:
             if now - self._last_sync >= self._sync_every:
                 os.fsync(self._fd)
                 self._last_sync, self._dirty = now, False
+
+    def stamped(self, run_id: str) -> Callable[[dict[str, Any]], None]:
+        """An appender of one run's records: each stamped with the run's id and the time it is written, ahead of its
+        own fields."""
+
+        def note(record: dict[str, Any]) -> None:
+            self.append({"run_id": run_id, "t": time.time(), **record})
+
+        return note
 
     def sync(self) -> None:
         with self._lock:

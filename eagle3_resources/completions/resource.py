@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
+from functools import partial
 
 import dagster as dg
 from pydantic import Field
 
 from eagle3_resources.completions.local import TransformersBackend
 from eagle3_resources.completions.openrouter import OpenRouterBackend
+from eagle3_resources.completions.openrouter_account import OpenRouterAccount
 from eagle3_resources.completions.sglang import SGLangBackend
 from eagle3_resources.completions.types import CompletionBackend
 from eagle3_resources.env import setting, source
@@ -71,11 +73,9 @@ class CompletionsResource(dg.ConfigurableResource):
         if kind is BackendKind.LOCAL:
             return TransformersBackend(load_model(), tokenizer, batch_size=self.local_batch_size, log=log)
         if kind is BackendKind.OPENROUTER:
-            key = setting(self.openrouter_api_key, "OPENROUTER_API_KEY")
-            if not key:
-                raise ValueError("the openrouter backend needs OPENROUTER_API_KEY to be set")
+            url, key = self._openrouter_endpoint()
             return OpenRouterBackend(
-                setting(self.openrouter_base_url, "OPENROUTER_BASE_URL", OPENROUTER_DEFAULT_URL),
+                url,
                 key,
                 concurrency=self.concurrency,
                 max_attempts=self.max_attempts,
@@ -88,3 +88,17 @@ class CompletionsResource(dg.ConfigurableResource):
             max_attempts=self.max_attempts,
             api_key=self.sglang_api_key,
         )
+
+    def make_account(self) -> Callable[[], OpenRouterAccount] | None:
+        """The OpenRouter account's unbilled endpoints (prices, key, bills) with the backend's URL and key, as
+        `OpenRouterBackend.account` makes them (`async with` each); None for a backend that bills nothing."""
+        if self.backend_kind() is not BackendKind.OPENROUTER:
+            return None
+        url, key = self._openrouter_endpoint()
+        return partial(OpenRouterAccount, url.rstrip("/"), key)
+
+    def _openrouter_endpoint(self) -> tuple[str, str]:
+        key = setting(self.openrouter_api_key, "OPENROUTER_API_KEY")
+        if not key:
+            raise ValueError("the openrouter backend needs OPENROUTER_API_KEY to be set")
+        return setting(self.openrouter_base_url, "OPENROUTER_BASE_URL", OPENROUTER_DEFAULT_URL), key

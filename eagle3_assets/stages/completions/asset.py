@@ -27,6 +27,7 @@ from eagle3_assets.stages.completions.pilot import (
     PilotRules,
     pilot_outcome,
     price_sheet,
+    recorded_prices,
     worst_case_pricing,
 )
 from eagle3_assets.stages.completions.run import (
@@ -159,10 +160,18 @@ def completions(
     backend = completions_backend.make_backend(
         tok, lambda: target.load_model(tokenizer, context.log.info), context.log.info
     )
-    sheet = config.price_sheet(kind, getattr(backend, "account", None), settings)
+    sheet = config.price_sheet(kind, completions_backend.make_account(), settings)
     pricing = worst_case_pricing(sheet, context.log.info)
     means = Means(
-        backend, settings, sheet, ledger, tok, completions_backend.concurrency, context.run_id, context.log.info
+        backend,
+        settings,
+        sheet,
+        recorded_prices(sheet),
+        ledger,
+        tok,
+        completions_backend.concurrency,
+        context.run_id,
+        context.log.info,
     )
     environment = spend_policy.limits()
     metadata, outcomes = {}, {}
@@ -236,9 +245,9 @@ def partition_results(
     outcome = {**per_dataset(COMPLETION_CHECKS, {key: df})[key], PILOT_CHECK: pilot.outcome()}
     metadata = {
         **completions_figures(df, summary, means.ledger.read(L.scope, f"dataset:{key}")),
-        "backend": json_value({**means.backend.describe(), "settings_from": resource.sources()}),
+        "backend": json_value({**pilot.backend_description(), "settings_from": resource.sources()}),
         "request_settings": json_value(recorded_settings(means.settings, kind)),
-        "prices": json_value(means.sheet.describe() if means.sheet else {"source": "free backend"}),
+        "prices": json_value(means.prices),
         **({"projection": json_value(pilot.projection.as_dict())} if pilot.projection is not None else {}),
         "run": json_value(summary),
         "path": path_value(path),

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -137,6 +138,11 @@ def worst_case_pricing(sheet: PriceSheet | None, log: Callable[[str], None]) -> 
     return pricing
 
 
+def recorded_prices(sheet: PriceSheet | None) -> dict[str, Any]:
+    """The price list as the materialization records it (read once: a sheet does not change during a run)."""
+    return sheet.describe() if sheet else {"source": "free backend"}
+
+
 @dataclass(frozen=True)
 class PilotRules:
     """The run config's pilot fields."""
@@ -153,6 +159,7 @@ class Means:
     backend: CompletionBackend
     settings: SamplingSettings
     sheet: PriceSheet | None  # None: a backend that bills nothing
+    prices: dict[str, Any]  # the sheet as recorded (`recorded_prices`)
     ledger: SpendLedger
     tokenizer: KimiTokenizer
     concurrency: int  # requests in flight (the projection's duration)
@@ -290,6 +297,11 @@ class PartitionPilot:
     def _record(self, record: dict) -> None:
         with Journal(self.partition.journal) as j:
             j.append({"type": record["type"], "run_id": self.means.run_id, "t": time.time(), **record})
+
+    def backend_description(self) -> dict[str, Any]:
+        """The backend as the partition's last run left it (what it learnt: throttling, the rate limit), read by that
+        run as it finished (`RunReport.backend`)."""
+        return self.batches[-1][1].backend
 
     def outcome(self) -> CheckOutcome:
         """The blocking `pilot` check of this partition."""

@@ -225,6 +225,7 @@ class RunReport:
     after_stop_usd: float = 0.0  # billed for requests in flight at the stop (drained: kept)
     settled_late_usd: float = 0.0  # bills of earlier attempts found by look-ups during this run
     recovered_answers: int = 0  # billed answers lost before the journal (a kill), fetched from the provider's store
+    backend: dict[str, Any] = field(default_factory=dict)  # the backend's description as the run finished
 
     def summary(self, dataset: str) -> dict[str, Any]:
         return {
@@ -387,7 +388,7 @@ class CompletionsRun:
             await self.settle_after()
 
     def note(self, record: dict[str, Any]) -> None:
-        self.journal.append({"run_id": self.run_id, "t": time.time(), **record})
+        self.journal.stamped(self.run_id)(record)
 
     def _start_record(self) -> dict[str, Any]:
         return {
@@ -509,7 +510,7 @@ class CompletionsRun:
             terms=self.options.terms(self.settings.max_tokens),
             run_id=self.run_id,
             dataset=self.dataset,
-            note=self.note,
+            note=self.journal.stamped(self.run_id),
             lookup=self.lookup,
         )
 
@@ -585,6 +586,7 @@ class CompletionsRun:
         if feed is not None and progress is not None:
             report.take_figures(feed, progress)
         report.duration_s = time.monotonic() - started
+        report.backend = self.backend.describe()
         finished = progress.finished if progress else 0
         if report.stopped_by:
             self.log(report.stop_line(self.dataset, finished))
