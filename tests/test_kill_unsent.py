@@ -23,7 +23,8 @@ from support import free_port, ledger_rows, port_open, stop_group, wait_for
 
 from eagle3_assets.money import Caps, SpendLedger, open_ledger
 from eagle3_assets.money import ledger as L
-from eagle3_assets.stages.completions.run import final_results, recover_idle_datasets
+from eagle3_assets.money.settle import recover_idle_datasets
+from eagle3_assets.stages.completions.run import final_results
 from eagle3_resources.storage import DataLayout
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,12 +26,13 @@ from support import Webhook, bills_not_in_ledger, free_port, stop_group, wait_fo
 from eagle3_assets.common.outcome import per_dataset
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.money import SpendPolicy, get_hold, open_ledger, set_hold
+from eagle3_assets.money.settle import partition_lock
 from eagle3_assets.operations.instance import dagster_home
 from eagle3_assets.operations.schedules import missing_partitions_nightly
 from eagle3_assets.operations.sensors import check_failure_alert, newly_resolved, run_failure_alert
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
-from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS, final_results, partition_lock
+from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS, final_results
 from eagle3_assets.stages.eagle3_drafter.checks import drafter_accept_length, drafter_keys
 from eagle3_assets.stages.hidden_states.checks import hidden_state_finite
 from eagle3_assets.stages.merged_dataset.checks import dataset_mix, token_totals

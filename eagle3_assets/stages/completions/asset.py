@@ -19,6 +19,7 @@ from eagle3_assets.money.admission import HALTED
 from eagle3_assets.money.caps import Caps, Limits, run_caps
 from eagle3_assets.money.ledger import SpendLedger
 from eagle3_assets.money.prices import PriceSheet
+from eagle3_assets.money.settle import partition_lock
 from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
 from eagle3_assets.stages.completions.pilot import (
     Means,
@@ -35,7 +36,6 @@ from eagle3_assets.stages.completions.run import (
     RunReport,
     build_requests,
     completions_frame,
-    partition_lock,
 )
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.completions.resource import BackendKind, CompletionsResource

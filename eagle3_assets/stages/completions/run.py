@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import time
 import uuid
@@ -38,9 +37,7 @@ from eagle3_resources.completions.types import (
     CompletionResult,
     SamplingSettings,
 )
-from eagle3_resources.errors import DatasetBusy
 from eagle3_resources.journal import Journal, JournalContents, read_journal
-from eagle3_resources.storage import DataLayout
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 
@@ -48,45 +45,6 @@ if TYPE_CHECKING:
     from polars._typing import PolarsDataType
 
 PROGRESS_EVERY_S = 10.0
-
-
-@contextlib.contextmanager
-def partition_lock(journal: Path, run_id: str, *, wait: bool = False):
-    """One spending run per dataset at a time: an exclusive lock next to the journal (fcntl, released by the OS on
-    death)."""
-    path = journal.with_name("lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            f.seek(0)
-            raise DatasetBusy(
-                f"{journal.parent.name} is being completed by run {f.read().strip() or '?'}: "
-                "one spending run per dataset at a time"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(run_id)
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def recover_idle_datasets(layout: DataLayout, ledger: SpendLedger, *, free: bool = False) -> dict[str, dict[str, int]]:
-    """Live attempts of datasets no process is completing (their lock is free): put right from their journals."""
-    out = {}
-    for dataset in ledger.read(L.datasets_with_live_attempts):
-        journal = layout.completions_journal(dataset)
-        try:
-            with partition_lock(journal, "credit_sensor: recovering"):
-                records = read_journal(journal).records
-                out[dataset] = ledger.write(recover_dataset, dataset, records, free=free, now=time.time())
-        except DatasetBusy:
-            continue
-    return out
 
 
 def build_requests(
