@@ -21,7 +21,8 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── DiskSpaceError             (RuntimeError) the volume cannot hold the extraction
     │   ├── StaleShardsError           (RuntimeError) committed shards would be discarded by a changed plan
     │   ├── SpoolTooSmall              (ValueError) the streaming spool's budget cannot hold its working set
-    │   └── SpoolStateError            (RuntimeError) the spool's files disagree with this run, or a shard is damaged
+    │   ├── SpoolStateError            (RuntimeError) the spool's files disagree with this run, or a shard is damaged
+    │   └── CaptureFailed              (RuntimeError) streaming: the capture process ended while the trainer waited
     ├── BackendError                   the SGLang hidden-state backend
     │   ├── SGLangUnavailable          (RuntimeError) this host cannot run it
     │   ├── RankError                  (RuntimeError) a rank process failed or died
@@ -217,6 +218,15 @@ class SpoolStateError(StoreError, RuntimeError):
         "use a new spool folder for new settings or a new plan; resume the trainer from its latest checkpoint; "
         "for a damaged shard, restart its capture lane with verify_on_resume (it captures the shard again), "
         "then the trainer"
+    )
+
+
+class CaptureFailed(StoreError, RuntimeError):
+    """Streaming mode: the capture process ended (or died) while the trainer was waiting for its shards."""
+
+    what_to_do: ClassVar[str] = (
+        "read the capture's log quoted in the message (also in <drafter>.streaming/), fix its cause and run the "
+        "drafter again: the spool and the trainer's checkpoint are kept, and both sides resume where they stopped"
     )
 
 

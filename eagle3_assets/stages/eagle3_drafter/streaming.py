@@ -64,6 +64,7 @@ from eagle3_assets.stages.eagle3_drafter.train import (
     training_device,
 )
 from eagle3_resources.cpu import apply_torch_threads
+from eagle3_resources.errors import CaptureFailed
 from eagle3_resources.hidden_states.spool import (
     Position,
     SpoolReader,
@@ -215,10 +216,6 @@ def plan_for(
         checkpoint_every_tokens=settings.checkpoint_every * settings.batch_tokens,
     )
     return inputs, plan_streaming(inputs)
-
-
-class CaptureFailed(RuntimeError):
-    """The capture process ended while the trainer was waiting for its shards."""
 
 
 class _WatchedReader(SpoolReader):
