@@ -17,18 +17,8 @@ others are still shown.
     status_render.py  a `Status` as text (colour where wanted) and as JSON
     status.py         the command (and the names `quality.py` and the tests read, from the three above)
 
-Check evaluations and partitions: an evaluation that names its partition is that dataset's. One
-that does not (older instances, runs over several datasets that judged each one and combined the
-verdicts) belongs to every dataset its run covers (`registry.run_datasets`); when such a combined
-verdict failed and lists `failed_datasets` in its metadata, only those datasets are shown failing.
-
-Figures of a run over several datasets: a stage's metadata may hold the run's totals rather than the
-partition's. Where the metadata has a per-dataset figure (`per_dataset`) it is used; otherwise a
-figure that is the same for every partition the run materialized is marked `shared` (printed with a
-`*`): it is the run's total over its datasets, not this dataset's.
-
-Dollars per dataset are the ledger's, never metadata's: its `dataset:<name>` scope (billed, every run,
-answers kept or not), so a run over several datasets shows each its own.
+How check evaluations, figures of runs over several datasets and dollars are attributed to a dataset:
+status_gather.py's docstring.
 """
 
 from __future__ import annotations
