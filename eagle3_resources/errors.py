@@ -22,7 +22,8 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── StaleShardsError           (RuntimeError) committed shards would be discarded by a changed plan
     │   ├── SpoolTooSmall              (ValueError) the streaming spool's budget cannot hold its working set
     │   ├── SpoolStateError            (RuntimeError) the spool's files disagree with this run, or a shard is damaged
-    │   └── CaptureFailed              (RuntimeError) streaming: the capture process ended while the trainer waited
+    │   ├── CaptureFailed              (RuntimeError) streaming: the capture process ended while the trainer waited
+    │   └── SpoolBusy                  (RuntimeError) streaming: a lane's writer lock or the trainer lock is held
     ├── BackendError                   the SGLang hidden-state backend
     │   ├── SGLangUnavailable          (RuntimeError) this host cannot run it
     │   ├── RankError                  (RuntimeError) a rank process failed or died
@@ -30,7 +31,8 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── HandoffMemoryError         (RuntimeError) /dev/shm cannot hold the hand-off slabs
     │   └── SlabsHeld                  (RuntimeError) the caller holds every slab rank 0 waits for
     └── DrafterError                   the trained drafter and its recorded figures
-        └── FiguresRefused             a benchmark's JSON cannot be recorded on the drafter
+        ├── FiguresRefused             a benchmark's JSON cannot be recorded on the drafter
+        └── StreamingTrainingFailed    (RuntimeError) streaming: the training side ended with an error
 
 The builtin in brackets is a second base kept for the callers that catch it (`except ValueError`). Private
 control-flow signals that never leave their module (`openrouter._Retry`, `_Final`, `sglang_backend._Stop`)
@@ -230,6 +232,17 @@ class CaptureFailed(StoreError, RuntimeError):
     )
 
 
+class SpoolBusy(StoreError, RuntimeError):
+    """Streaming mode: another process holds a spool lane's writer lock or the spool's trainer lock (one writer a
+    lane, one trainer a spool); this side waited for it and gave up."""
+
+    what_to_do: ClassVar[str] = (
+        "the message names the holder (host and pid): a side of an earlier run that has not ended yet exits by itself "
+        "once its orchestrator's heartbeat stops (orphan_after_s); if it is another live run, wait for it or stop it, "
+        "then materialize again"
+    )
+
+
 # -- the SGLang backend ----------------------------------------------------------------------------
 
 
@@ -293,4 +306,13 @@ class FiguresRefused(DrafterError):
     what_to_do: ClassVar[str] = (
         "run the benchmark again on this drafter (benchmarks/serving_speculative.py or "
         "sglang_engine_speculative.py) and record its JSON"
+    )
+
+
+class StreamingTrainingFailed(DrafterError, RuntimeError):
+    """Streaming mode: the training side ended with an error (or was stopped) before exporting the drafter."""
+
+    what_to_do: ClassVar[str] = (
+        "read the training side's log quoted in the message (also in <drafter>.streaming/training.log), fix its cause "
+        "and run the drafter again: the spool and the trainer's checkpoint are kept, and both sides resume"
     )

@@ -29,6 +29,7 @@ from eagle3_assets.stages.eagle3_drafter.quality import (
     target_weight_bytes,
 )
 from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, StreamingRequest, stream_drafter
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import LocalSides
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
 from eagle3_assets.stages.hidden_states.asset import hidden_states
@@ -128,7 +129,8 @@ class DrafterTrainConfig(dg.Config):
         "process of its own) into a spool of at most this many GB (1e9 bytes) and trains on them as they come: a "
         "shard is deleted once trained `streaming_passes` times, capture pauses while the spool is full. The plan "
         "(duration, peak disk, bottleneck) is logged and recorded first; a spool that cannot hold `streaming_passes` "
-        "+ 1 shards is refused before anything starts. One process; not with `online` or `best_every`",
+        "+ 1 shards is refused before anything starts. The step only orchestrates: the capture side and the "
+        "training side (`processes` ranks under torchrun) run where `streaming_sides` says. Not with `online`",
     )
     streaming_passes: int = Field(
         default=1, description="streaming mode: times each token is trained (they replace `epochs`)"
@@ -143,6 +145,24 @@ class DrafterTrainConfig(dg.Config):
         default=None,
         description="streaming plan: token-passes/s of training; unset = the last drafter materialization's "
         "measured `train_tokens_per_s` (refused when there is none)",
+    )
+    streaming_spool_dir: str | None = Field(
+        default=None,
+        description="streaming mode: the spool's folder, on a file system both sides reach (on Kubernetes the data "
+        "root is a ReadWriteMany volume every pod mounts); unset = `<drafter>.streaming/spool` beside the drafter "
+        "under the data root. Removed when the run finishes",
+    )
+    streaming_sides: str = Field(
+        default="local",
+        description="streaming mode: where the capture side and the training side run. `local`: each a process "
+        "group on the step's machine (training under torchrun with `processes` ranks). Nothing else is accepted "
+        "yet (`kubernetes`: Jobs built with dagster-k8s, to come)",
+    )
+    streaming_orphan_after_s: float = Field(
+        default=60.0,
+        description="streaming mode: a side whose orchestrating step has given no heartbeat (rewritten every 2 s) "
+        "for this many seconds, measured on the side's own clock, stops itself: a step killed with kill -9 leaves "
+        "no capture or trainer running",
     )
     streaming_spool_gb_s: float = Field(
         default=1.0,
@@ -494,11 +514,12 @@ def streaming_job(
 ) -> StreamingJob:
     """The streaming run the config asks for: its rates declared or measured (the last materializations'), the
     capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
-    refused = [name for name, on in (("processes > 1", config.processes > 1), ("online", config.online)) if on]
-    refused += ["best_every"] if config.best_every > 0 else []
-    if refused:
+    if config.online:
+        raise DrafterError("streaming mode (streaming_spool_gb) trains from its spool: not with online (set one)")
+    if config.streaming_sides != "local":
         raise DrafterError(
-            f"streaming mode (streaming_spool_gb) trains in one process from its spool: not with {refused}"
+            f"streaming_sides: {config.streaming_sides!r} is not a launcher this build has; `local` runs both sides "
+            "on the step's machine"
         )
     rates, source = {}, {}
     for name, value, asset_key, key in (
@@ -516,6 +537,16 @@ def streaming_job(
             )
         rates[name], source[name] = float(meta[key].value), f"measured: {asset_key}'s last {key}"
     target, tokenizer, backend = resources
+    best = None
+    if config.best_every > 0:
+        best = {
+            "every": config.best_every,
+            "prompts_per_kind": config.best_prompts_per_kind,
+            "max_new_tokens": config.spec_eval_new_tokens,
+            "draft_steps": config.spec_draft_steps,
+            "target": target.model_dump(mode="json"),
+            "tokenizer": tokenizer.model_dump(mode="json"),
+        }
     sglang = backend.backend is HiddenStatesBackendKind.SGLANG
     request = StreamingRequest(
         spool_bytes=int(config.streaming_spool_gb * 1e9) if config.streaming_spool_gb is not None else 0,
@@ -555,6 +586,11 @@ def streaming_job(
         observe=observe,
         device=config.device,
         init_from=Path(config.init_from) if config.init_from else None,
+        launcher=LocalSides(),
+        processes=config.processes,
+        best=best,
+        spool_dir=Path(config.streaming_spool_dir) if config.streaming_spool_dir else None,
+        orphan_after_s=config.streaming_orphan_after_s,
     )
 
 

@@ -1,85 +1,65 @@
-"""The drafter's streaming mode as one materialization (issue 27): plan, capture in a process of its own, train
-from the spool here, watch both, export.
+"""The drafter's streaming mode as one materialization (issue 27): the step plans, starts the capture side and the
+training side wherever its launcher runs them, watches both, and returns the exported drafter's report. It runs
+neither side itself.
 
 `stream_drafter` is what `eagle3_drafter` calls when `streaming_spool_gb` is set (offline stays the default):
 
 1. The plan (`streaming_plan.plan_streaming`) of the merged set's training split with the given or measured rates:
    its duration, peak disk and bottleneck are logged and returned for the metadata; a spool that cannot hold the
-   working set is refused here (`SpoolTooSmall`), before any folder is made or process started.
-2. A capture process (`python -m eagle3_assets.stages.eagle3_drafter.streaming SPEC`) builds the backend the
-   `hidden_states` asset builds (the `hidden_states_backend` resource: SGLang on a GPU host, transformers on the
-   CPU), extracts the eval split into a small offline store (the held-out scores need it after the spool's shards
-   are gone), then captures the training split into the spool's one lane (`capture_to_spool`), writing its progress
-   figures as JSON lines.
-3. This process trains from the spool (`SpoolWindows`: the real Trainer, `passes` passes as one epoch, its
-   position in the atomic checkpoint); a wait for shards ends with an error if the capture process has died.
-4. A sampler thread reads the spool's bytes on disk (`spool_status`) throughout; after each step, at most every
-   `progress_every_s`, and at the end, `observe` gets the figures: capture and training progress, the spool's fill
-   and its sampled peak, GB/s in (capture's writes) and out (the trainer's reads), and the seconds each side waited
-   for the other.
+   working set is refused here (`SpoolTooSmall`), before any folder is made or side started.
+2. The spool is created, the orchestrator's heartbeat (`streaming_sides.Heartbeat`) starts, each side's spec is
+   written into the run's shared folder, and the `SidesLauncher` starts them (`LocalSides`: two process groups on
+   this machine; `KubernetesSides`: Jobs): the capture side (`streaming_capture`: the eval split into a small
+   store, then the training split into the spool's lane) and the training side (`streaming_train`: the real Trainer
+   from the spool, under torchrun with `processes` ranks, then the export).
+3. The step follows them through the shared folder only: the sides' progress files and the spool's bytes on disk
+   (`FillSampler`, a thread); at most every `progress_every_s` the figures are logged and observed (capture and
+   training progress, the spool's fill and its sampled peak, GB/s in and out, who waits for whom).
+4. Both sides exit 0: the training side's report (JSON) is the run's. Either fails: the other is stopped and the
+   run fails (`CaptureFailed`, `StreamingTrainingFailed`) with the failed side's log. The step stopped (terminate,
+   Ctrl-C): both sides are stopped. The step killed (kill -9): its heartbeat stops, and each side leaves by itself
+   within `orphan_after_s` (the sides' `OrphanWatch`); a new run's heartbeat makes them leave at once. A capture side
+   holds its lane's writer lock and the training side the spool's trainer lock for their lives
+   (eagle3_resources/hidden_states/lane_lock.py), so a side of an earlier run still ending is waited for, never
+   worked beside.
 
-Where it lives: `<drafter>.streaming/` beside the exported drafter (spool/, eval_states/, training/ checkpoints,
-the capture's spec, log and figures). A run that fails or is stopped leaves it, and the next one resumes both sides
-exactly (the spool's own guarantees); a run that finishes removes it. The upstream is the merged set, as
-`hidden_states`' own: the asset keeps `hidden_states` as its dependency (the lineage is unchanged), and streaming
-mode does not read the offline store.
+Where it lives: `<drafter>.streaming/` beside the exported drafter (spool/ unless `spool_dir` puts it elsewhere,
+eval_states/, training/ checkpoints, the sides' specs, logs, progress, the trainer's record, the heartbeat). A run
+that fails or is stopped leaves it, and the next one resumes both sides exactly (the spool's and the trainer
+checkpoint's guarantees); a run that finishes removes it. The upstream is the merged set, as `hidden_states`' own:
+the asset keeps `hidden_states` as its dependency (the lineage is unchanged), and streaming mode does not read the
+offline store.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
-from functools import partial
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Window, plan_windows
-from eagle3_assets.stages.eagle3_drafter.pipeline import (
-    DrafterJob,
-    DrafterReport,
-    Outcome,
-    Splits,
-    build_drafter,
-    export_report,
-)
-from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, read_plans
+from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
+from eagle3_assets.stages.eagle3_drafter.streaming_capture import last_line
 from eagle3_assets.stages.eagle3_drafter.streaming_plan import Hosts, StreamingInputs, StreamingPlan, plan_streaming
-from eagle3_assets.stages.eagle3_drafter.train import (
-    Every,
-    RunOptions,
-    Trainer,
-    TrainSettings,
-    eval_samples,
-    evaluate,
-    training_device,
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import (
+    ORPHAN_AFTER_S,
+    Heartbeat,
+    LocalSides,
+    SideHandle,
+    SidesLauncher,
 )
-from eagle3_resources.cpu import apply_torch_threads
-from eagle3_resources.errors import CaptureFailed
-from eagle3_resources.hidden_states.spool import (
-    Position,
-    SpoolReader,
-    SpoolSettings,
-    Step,
-    create_spool,
-    spool_status,
-)
-from eagle3_resources.hidden_states.store import (
-    HiddenStateStore,
-    StoredSample,
-    plan_shards,
-    shard_layout,
-    token_bytes,
-)
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
+from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json
+from eagle3_resources.errors import CaptureFailed, StreamingTrainingFailed
+from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool, spool_status
+from eagle3_resources.hidden_states.store import StoredSample, plan_shards, shard_layout, token_bytes
 
 LANE = "capture"
 EVAL_FALLBACK = 8  # training samples held out for the scores when the eval split is empty
@@ -117,6 +97,7 @@ class StreamingFigures:
     train_bytes_read: int = 0
     train_waited_s: float = 0.0
     seconds: float = 0.0
+    train_coverage: dict[int, int] = field(default_factory=dict)  # times trained -> tokens (the trainer's record)
 
     def observation(self, fill: int) -> dict[str, Any]:
         c = self.capture
@@ -173,6 +154,8 @@ class StreamingFigures:
             "streaming_train_waited_s": round(self.train_waited_s, 3),
             "streaming_who_waits": self.who_waits(),
             "streaming_seconds": round(self.seconds, 1),
+            # times trained -> training tokens trained that many times, from the trainer's record (all {passes: n})
+            "streaming_trained_token_passes": {str(k): v for k, v in self.train_coverage.items()},
         }
 
 
@@ -218,96 +201,6 @@ def plan_for(
     return inputs, plan_streaming(inputs)
 
 
-class _WatchedReader(SpoolReader):
-    """The spool's reader whose waits also end (with the watch's `CaptureFailed`) once the capture process died."""
-
-    def __init__(self, root: Path, watch: Callable[[], bool], *, position: Position, poll_s: float):
-        super().__init__(root, position=position, poll_s=poll_s)
-        self.watch = watch
-
-    def next_step(
-        self, stop: Callable[[], bool] = lambda: False, on_wait: Callable[[], None] | None = None
-    ) -> Step | None:
-        return super().next_step(lambda: self.watch() or stop(), on_wait)
-
-
-class _WatchedWindows(SpoolWindows):
-    """`SpoolWindows` whose reader is a `_WatchedReader`, opened where and as `SpoolWindows` opens its own."""
-
-    watch: Callable[[], bool] = staticmethod(lambda: False)
-
-    def steps(self, epoch: int, start: int) -> Generator[tuple[list[Window], PackedBatch], None, None]:
-        if self.reader is None:
-            self.reader = _WatchedReader(self.root, self.watch, position=self.position, poll_s=self.poll_s)
-        yield from super().steps(epoch, start)
-
-
-class CaptureProcess:
-    """The capture side: `python -m eagle3_assets.stages.eagle3_drafter.streaming SPEC` in its own process group."""
-
-    def __init__(self, spec: dict[str, Any], folder: Path):
-        self.folder = folder
-        self.spec_path = folder / "capture.json"
-        self.spec_path.write_text(json.dumps(spec))
-        self.log_path = folder / "capture.log"
-        self.progress_path = Path(spec["progress"])
-        self.eval_done = Path(spec["eval_done"])
-        self.eval_done.unlink(missing_ok=True)
-        self.progress_path.unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "eagle3_assets.stages.eagle3_drafter.streaming", str(self.spec_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                process_group=0,
-            )
-        self.died_at: float | None = None
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
-
-    def failed(self) -> bool:
-        """Raises `CaptureFailed` if the process ended with an error, or ended cleanly over a minute ago while the
-        trainer still waits (its shards cannot come); False while it runs."""
-        rc = self.proc.poll()
-        if rc is None:
-            return False
-        if rc != 0:
-            raise CaptureFailed(f"the capture process exited with {rc}; its log ({self.log_path}):\n{self.tail()}")
-        self.died_at = self.died_at or time.monotonic()
-        if time.monotonic() - self.died_at > 60:
-            raise CaptureFailed(f"the capture process finished, yet the trainer still waits for shards: {self.tail()}")
-        return False
-
-    def wait_for_eval(self, poll_s: float = 0.2) -> None:
-        while not self.eval_done.exists():
-            rc = self.proc.poll()
-            if rc is not None and not self.eval_done.exists():
-                raise CaptureFailed(f"the capture process exited with {rc} before the eval split: {self.tail()}")
-            time.sleep(poll_s)
-
-    def last_progress(self) -> dict[str, Any]:
-        try:
-            lines = self.progress_path.read_text().splitlines()
-        except FileNotFoundError:
-            return {}
-        for line in reversed(lines):
-            if line.endswith("}"):
-                return json.loads(line)
-        return {}
-
-    def finish(self, timeout: float = 600) -> dict[str, Any]:
-        rc = self.proc.wait(timeout)
-        if rc != 0:
-            raise CaptureFailed(f"the capture process exited with {rc}; its log ({self.log_path}):\n{self.tail()}")
-        return self.last_progress()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 class FillSampler:
     """The spool's bytes on disk, sampled from a thread of its own; `peak` the largest seen."""
 
@@ -335,7 +228,10 @@ class FillSampler:
 
 @dataclass(frozen=True)
 class StreamingJob:
-    """A streaming drafter run: the merged set, the target, where it goes, how it trains."""
+    """A streaming drafter run: the merged set, the target, where it goes, how it trains, and where its sides run
+    (`launcher`: `LocalSides()` when None). `processes`/`nodes`: the training side's ranks per node and nodes.
+    `best`: the training side's best-checkpoint section of its spec (None: off). `spool_dir`: the spool's folder
+    (None: `<drafter>.streaming/spool`). `orphan_after_s`: a side leaves once the heartbeat has not changed so long."""
 
     merged: pl.DataFrame
     merged_path: Path
@@ -351,217 +247,224 @@ class StreamingJob:
     device: str = "auto"
     init_from: Path | None = None
     progress_every_s: float = 10.0
+    launcher: SidesLauncher | None = None
+    processes: int = 1
+    nodes: int = 1
+    best: dict[str, Any] | None = None
+    spool_dir: Path | None = None
+    orphan_after_s: float = ORPHAN_AFTER_S
 
     @property
     def folder(self) -> Path:
         return Path(str(self.out_dir) + ".streaming")
 
+    @property
+    def spool(self) -> Path:
+        return Path(self.spool_dir) if self.spool_dir is not None else self.folder / "spool"
 
-def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
-    """Plan (refusing a spool too small before anything starts), capture in a process of its own, train here from
-    the spool, export; the report as `run_drafter_job`'s, and the streaming figures."""
-    settings = replace(job.settings, epochs=1)  # the spool's passes are its one epoch
-    hidden = target_hidden_size(job.target_folder)
-    train, held, held_split = split_samples(job.merged)
-    inputs, plan = plan_for(train, hidden, job.identity, job.request, settings)  # SpoolTooSmall: nothing made yet
-    text = plan.describe(inputs)
-    job.log("streaming plan:\n" + text)
-    figures = StreamingFigures(plan, text, job.request.spool_bytes, plan.data_bytes)
 
-    folder = job.folder
-    spool, eval_root, checkpoints = folder / "spool", folder / "eval_states", folder / "training"
-    create_spool(
-        spool,
-        SpoolSettings(
-            {LANE: job.request.spool_bytes},
-            job.request.passes,
-            settings.max_len,
-            settings.batch_tokens,
-            settings.seed,
-            hidden,
-        ),
-    )
-    spec = {
+@dataclass(frozen=True)
+class RunFiles:
+    """The run's files in its shared folder (`<drafter>.streaming/`), as both sides and the orchestrator name them."""
+
+    folder: Path
+    spool: Path
+
+    def __getattr__(self, name: str) -> Path:
+        files = {
+            "eval_root": "eval_states",
+            "checkpoints": "training",
+            "capture_spec": "capture.json",
+            "capture_log": "capture.log",
+            "capture_progress": "capture-progress.jsonl",
+            "eval_done": "eval-done",
+            "training_spec": "training.json",
+            "training_log": "training.log",
+            "training_progress": "training-progress.jsonl",
+            "training_record": "training-record.jsonl",
+            "training_report": "training-report.json",
+        }
+        if name not in files:
+            raise AttributeError(name)
+        return self.folder / files[name]
+
+
+def side_specs(job: StreamingJob, files: RunFiles, run_id: str, held_split: str) -> tuple[dict, dict]:
+    """(the capture side's spec, the training side's), as they read them (JSON)."""
+    common = {"folder": str(files.folder), "run_id": run_id, "orphan_after_s": job.orphan_after_s}
+    every_s = min(job.progress_every_s, 1.0)
+    capture = common | {
         "merged": str(job.merged_path),
-        "spool": str(spool),
-        "eval_root": str(eval_root),
+        "spool": str(files.spool),
+        "eval_root": str(files.eval_root),
         "lane": LANE,
         "shard_bytes": job.request.shard_bytes,
         "writers": job.request.writers,
         "identity": job.identity,
         "resources": job.resources,
-        "progress": str(folder / "capture-progress.jsonl"),
-        "eval_done": str(folder / "eval-done"),
-        "progress_every_s": min(job.progress_every_s, 1.0),
+        "progress": str(files.capture_progress),
+        "eval_done": str(files.eval_done),
+        "progress_every_s": every_s,
     }
-    capture = CaptureProcess(spec, folder)
-    sampler = FillSampler(spool)
+    training = common | {
+        "merged": str(job.merged_path),
+        "target_folder": str(job.target_folder),
+        "out_dir": str(job.out_dir),
+        "settings": asdict(replace(job.settings, epochs=1)),  # the spool's passes are its one epoch
+        "draft_vocab": job.requested_draft_vocab,
+        "device": job.device,
+        "init_from": str(job.init_from) if job.init_from else None,
+        "spool": str(files.spool),
+        "eval_root": str(files.eval_root),
+        "eval_done": str(files.eval_done),
+        "held_split": held_split,
+        "checkpoints": str(files.checkpoints),
+        "progress": str(files.training_progress),
+        "record": str(files.training_record),
+        "report": str(files.training_report),
+        "progress_every_s": every_s,
+        "passes": job.request.passes,
+        "best": job.best,
+    }
+    return capture, training
+
+
+def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
+    """Plan (refusing a spool too small before anything starts), start the capture side and the training side
+    through the launcher, follow them until both are done, and return the training side's report (its drafter
+    exported) with the streaming figures. A failure or a stop of either side, or of this step, stops both."""
+    settings = replace(job.settings, epochs=1)
+    hidden = target_hidden_size(job.target_folder)
+    train, _, held_split = split_samples(job.merged)
+    inputs, plan = plan_for(train, hidden, job.identity, job.request, settings)  # SpoolTooSmall: nothing made yet
+    text = plan.describe(inputs)
+    job.log("streaming plan:\n" + text)
+    figures = StreamingFigures(plan, text, job.request.spool_bytes, plan.data_bytes)
+
+    files = RunFiles(job.folder, job.spool)
+    files.folder.mkdir(parents=True, exist_ok=True)
+    r = job.request
+    create_spool(
+        files.spool,
+        SpoolSettings({LANE: r.spool_bytes}, r.passes, settings.max_len, settings.batch_tokens, settings.seed, hidden),
+    )
+    run_id = uuid.uuid4().hex[:12]
+    heartbeat = Heartbeat(files.folder, run_id)  # first: a side of an earlier run sees another run's heartbeat, leaves
+    capture_spec, training_spec = side_specs(job, files, run_id, held_split)
+    files.capture_spec.write_text(json.dumps(capture_spec, indent=1))
+    files.training_spec.write_text(json.dumps(training_spec, indent=1))
+    for stale in (files.eval_done, files.capture_progress, files.training_progress, files.training_report):
+        stale.unlink(missing_ok=True)  # the sides write them afresh; the record is kept (a resume writes after it)
+    launcher: SidesLauncher = job.launcher if job.launcher is not None else LocalSides()
+    sampler = FillSampler(files.spool)
+    sides: list[SideHandle] = []
     try:
-        side = TrainerSide(capture, sampler, eval_root, held_split, checkpoints, spool)
-        report = train_here(job, settings, side, figures)
-        figures.capture = capture.finish()
+        sides.append(launcher.start_capture(files.capture_spec, files.capture_log))
+        sides.append(
+            launcher.start_training(
+                files.training_spec, files.training_log, nodes=job.nodes, processes_per_node=job.processes
+            )
+        )
+        for side in sides:
+            job.log(f"streaming run {run_id}: {side.describe()}")
+        follow(job, sides[0], sides[1], Watch(files, sampler, figures))
+    except BaseException:  # a side's failure, or this step stopped (terminate, Ctrl-C): both sides stop
+        job.log(f"streaming run {run_id}: stopping both sides; {files.folder} is kept, and the next run resumes")
+        for side in sides:
+            side.stop()
+        raise
     finally:
-        capture.kill()
+        heartbeat.close()
         sampler.close()
-    figures.peak_bytes, figures.fill_samples = max(figures.peak_bytes, sampler.peak), sampler.samples
-    job.observe(figures.observation(sampler.last))
-    job.log(f"streaming done: {figures.who_waits()}; spool peak {figures.peak_bytes:,} of {figures.budget_bytes:,} B")
-    shutil.rmtree(folder)  # finished: nothing of it is needed again (a failed run keeps it and resumes)
+    report = finish(job, files, figures, sampler)
+    shutil.rmtree(files.folder)  # finished: nothing of it is needed again (a failed run keeps it and resumes)
+    shutil.rmtree(files.spool, ignore_errors=True)  # when the spool is elsewhere (streaming_spool_dir)
     return report, figures
 
 
 @dataclass
-class StreamingProgress:
-    """The `Every(1)` hook of a streaming training: the figures after each step; a log line and an observation at
-    most every `job.progress_every_s`."""
+class Watch:
+    """What the orchestrator reads while the sides run: their progress files and the spool's fill."""
 
-    job: StreamingJob
-    data: SpoolWindows
-    capture: CaptureProcess
+    files: RunFiles
     sampler: FillSampler
     figures: StreamingFigures
     started: float = field(default_factory=time.monotonic)
-    last: float = 0.0
 
-    def __call__(self, trainer: Trainer) -> None:
-        self.record(trainer.global_step, trainer.tokens_done)
-        if time.monotonic() - self.last < self.job.progress_every_s:
-            return
-        self.last = time.monotonic()
-        self.figures.capture = self.capture.last_progress()
-        o = self.figures.observation(self.sampler.last)
-        self.job.log(
-            f"streaming: capture {o['capture_tokens']:,} tokens ({o['capture_gb_per_s']:.3f} GB/s), training step "
-            f"{o['train_steps']}/~{o['train_steps_estimated']} ({o['train_gb_per_s']:.3f} GB/s read), spool "
-            f"{o['spool_fill_pct']}% full (peak {o['spool_peak_bytes']:,} B); {o['who_waits']}"
-        )
-        self.job.observe(o)
-
-    def record(self, steps: int, tokens: int) -> None:
+    def update(self) -> dict[str, Any]:
+        """The figures as of now, from the sides' progress files and the sampler; the observation of them."""
         f = self.figures
-        f.train_steps, f.train_tokens = steps, tokens
-        f.train_bytes_read, f.train_waited_s = self.data.bytes_read, self.data.waited_s
-        f.seconds, f.peak_bytes = time.monotonic() - self.started, max(f.peak_bytes, self.sampler.peak)
-
-
-@dataclass(frozen=True)
-class TrainerSide:
-    """What the trainer's side works with: the capture process and the spool's sampler, the eval states' store
-    the capture writes first (of the `held_split`), where the checkpoints go, the spool."""
-
-    capture: CaptureProcess
-    sampler: FillSampler
-    eval_root: Path
-    held_split: str
-    checkpoints: Path
-    spool: Path
-
-
-def train_here(
-    job: StreamingJob, settings: TrainSettings, side: TrainerSide, figures: StreamingFigures
-) -> DrafterReport:
-    """The trainer's side: vocabulary and model as `run_drafter_job` builds them, scores on the eval states the
-    capture process stored first, training from the spool with the progress hook, then the export."""
-    log, dev = job.log, training_device(job.device)
-    if dev.type == "cpu":
-        apply_torch_threads("drafter training (streaming)", log)
-    train_ids = job.merged.filter(pl.col("split") == "train")["sample_id"].to_list()
-    lengths = dict(job.merged.select("sample_id", "n_tokens").iter_rows())
-    train_plan = plan_windows([(s, int(lengths[s])) for s in train_ids], settings.max_len)
-    drafter_job = DrafterJob(
-        None,
-        job.merged,
-        job.target_folder,
-        job.out_dir,
-        settings,
-        job.requested_draft_vocab,
-        log,
-        device=job.device,
-        init_from=job.init_from,
-    )
-    built = build_drafter(drafter_job, target_hidden_size(job.target_folder), train_ids, dev)
-    model, teacher = built.model, built.teacher
-
-    side.capture.wait_for_eval()
-    store = HiddenStateStore(side.eval_root)
-    eval_lengths = {sid: end - start for sid, (_, start, end, _) in store.index.items()}
-    splits = Splits(
-        train_ids, train_plan, plan_windows(sorted(eval_lengths.items()), settings.max_len), side.held_split
-    )
-    held_out = partial(eval_samples, store, splits.eval.windows, teacher, dev)
-    untrained = evaluate(model, held_out(), settings.ttt_steps)
-    log(f"untrained drafter on {splits.eval_split}: accept length {untrained['accept_length']}, acc {untrained['acc']}")
-
-    while read_plans(side.spool, [LANE]) is None:  # the capture's plan (SpoolWindows would wait for it unwatched)
-        side.capture.failed()
-        time.sleep(0.05)
-    data = _WatchedWindows(side.spool, settings, dev, log, poll_s=0.05)
-    data.watch = side.capture.failed
-    figures.estimated_steps = data.estimated_steps
-    progress = StreamingProgress(job, data, side.capture, side.sampler, figures)
-    trainer = Trainer(
-        model, data, settings, RunOptions(dev, log, side.checkpoints), teacher, held_out, [Every(1, progress)]
-    )
-    data.on_wait = trainer.checkpoint
-    history = trainer.fit()
-    progress.record(len(history.step_loss), history.tokens)
-    if data.reader is None or not data.reader.finished:
-        raise CaptureFailed("the trainer ended before every pass over the spool's shards was trained")
-    trained = evaluate(model, held_out(), settings.ttt_steps)
-    log(f"trained drafter on {splits.eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
-    outcome = Outcome(untrained, trained, history, extra={"streaming_passes": job.request.passes})
-    return export_report(drafter_job, built, store.manifest["aux_layer_ids"], splits, outcome)
-
-
-def capture_main(spec_path: Path) -> None:
-    """The capture process: the eval split into its store, then the training split into the spool's lane."""
-    from eagle3_resources.hidden_states.extract import StoreSettings, capture_to_spool, extract_to_store
-    from eagle3_resources.hidden_states.resource import HiddenStatesResource
-    from eagle3_resources.target.resource import TargetModelResource
-    from eagle3_resources.tokenizer.resource import TokenizerResource
-
-    spec = json.loads(spec_path.read_text())
-    log = partial(print, flush=True)
-    r = spec["resources"]
-    target, tokenizer = TargetModelResource(**r["target"]), TokenizerResource(**r["tokenizer"])
-    resource = HiddenStatesResource(**r["hidden_states_backend"])
-    train, held, _ = split_samples(pl.read_parquet(spec["merged"]))
-    settings = StoreSettings(
-        shard_bytes=int(spec["shard_bytes"]), batch_tokens=resource.batch_tokens, writers=int(spec["writers"])
-    )
-    apply_torch_threads("hidden-state capture (streaming)", log)
-    backend = resource.make_backend(target, tokenizer, log)
-    try:
-        extract_to_store(held, backend, Path(spec["eval_root"]), settings, identity=spec["identity"], log=log)
-        Path(spec["eval_done"]).touch()
-        with open(spec["progress"], "a") as progress:
-
-            def on_progress(figures: dict[str, Any]) -> None:
-                progress.write(json.dumps(figures) + "\n")
-                progress.flush()
-
-            report = capture_to_spool(
-                train,
-                backend,
-                Path(spec["spool"]),
-                spec["lane"],
-                settings,
-                identity=spec["identity"],
-                log=log,
-                progress_every_s=float(spec["progress_every_s"]),
-                on_progress=on_progress,
-                poll_s=0.05,
+        f.capture = last_line(self.files.capture_progress) or f.capture
+        t = last_line(self.files.training_progress)
+        if t:
+            f.train_steps, f.estimated_steps, f.train_tokens = (
+                int(t["steps"]),
+                int(t["estimated_steps"]),
+                int(t["tokens"]),
             )
-            final = {"bytes_per_s": report.bytes_per_s, "busy_bytes_per_s": report.busy_bytes_per_s}
-            on_progress({**final, **_last_line(Path(spec["progress"])), **final})
-    finally:
-        backend.close()
+            f.train_bytes_read, f.train_waited_s = int(t["bytes_read"]), float(t["waited_s"])
+            if "coverage" in t:
+                f.train_coverage = {int(k): int(v) for k, v in t["coverage"].items()}
+        f.seconds = time.monotonic() - self.started
+        f.peak_bytes, f.fill_samples = max(f.peak_bytes, self.sampler.peak), self.sampler.samples
+        return f.observation(self.sampler.last)
 
 
-def _last_line(path: Path) -> dict[str, Any]:
-    lines = [line for line in path.read_text().splitlines() if line.endswith("}")]
-    return json.loads(lines[-1]) if lines else {}
+def follow(job: StreamingJob, capture: SideHandle, training: SideHandle, watch: Watch, poll_s: float = 0.2) -> None:
+    """Until the training side has finished (and then the capture side): log and observe the figures at most every
+    `job.progress_every_s`; a side that fails stops the other and fails the run with its log's tail."""
+    last = time.monotonic()
+    while True:
+        done_capture, done_training = capture.poll(), training.poll()
+        if done_capture not in (None, 0):
+            training.stop()
+            raise CaptureFailed(
+                f"the capture side ({capture.describe()}) exited with {done_capture}; the training side was stopped. "
+                f"The end of its log:\n{capture.tail()}"
+            )
+        if done_training not in (None, 0):
+            capture.stop()
+            raise StreamingTrainingFailed(
+                f"the training side ({training.describe()}) exited with {done_training}; the capture side was stopped. "
+                f"The end of its log:\n{training.tail()}"
+            )
+        if done_training == 0:
+            break
+        if time.monotonic() - last >= job.progress_every_s:
+            last = time.monotonic()
+            o = watch.update()
+            job.log(
+                f"streaming: capture {o['capture_tokens']:,} tokens ({o['capture_gb_per_s']:.3f} GB/s), training step "
+                f"{o['train_steps']}/~{o['train_steps_estimated']} ({o['train_gb_per_s']:.3f} GB/s read), spool "
+                f"{o['spool_fill_pct']}% full (peak {o['spool_peak_bytes']:,} B); {o['who_waits']}"
+            )
+            job.observe(o)
+        time.sleep(poll_s)
+    # the trainer has read every planned shard, so the capture side has committed them all and is ending
+    deadline = time.monotonic() + 300
+    while (done_capture := capture.poll()) is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    if done_capture != 0:
+        capture.stop()
+        raise CaptureFailed(
+            f"the training side finished, yet the capture side ({capture.describe()}) "
+            + ("still runs 300 s later" if done_capture is None else f"exited with {done_capture}")
+            + f": the end of its log:\n{capture.tail()}"
+        )
 
 
-if __name__ == "__main__":
-    capture_main(Path(sys.argv[1]))
+def finish(job: StreamingJob, files: RunFiles, figures: StreamingFigures, sampler: FillSampler) -> DrafterReport:
+    """The training side's report, the final figures logged and observed."""
+    if not files.training_report.exists():
+        raise StreamingTrainingFailed(f"the training side exited 0 without its report ({files.training_report})")
+    d = json.loads(files.training_report.read_text())
+    report = replace(report_from_json(d), best_checkpoint=d.get("best_checkpoint"))
+    watch = Watch(files, sampler, figures)
+    watch.update()
+    s = d["streaming"]
+    figures.train_steps, figures.train_tokens = len(report.history.step_loss), report.history.tokens
+    figures.train_bytes_read, figures.train_waited_s = int(s["bytes_read"]), float(s["waited_s"])
+    figures.train_coverage = {int(k): int(v) for k, v in s["coverage"].items()}
+    job.observe(figures.observation(sampler.last))
+    job.log(f"streaming done: {figures.who_waits()}; spool peak {figures.peak_bytes:,} of {figures.budget_bytes:,} B")
+    return report

@@ -15,8 +15,21 @@ several ranks); their spec is a JSON file in the shared folder.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from eagle3_assets.stages.eagle3_drafter.launch import stop_group
 
 CAPTURE_MODULE = "eagle3_assets.stages.eagle3_drafter.streaming_capture"
 TRAINING_MODULE = "eagle3_assets.stages.eagle3_drafter.streaming_train"
@@ -50,3 +63,184 @@ class SidesLauncher(Protocol):
     def start_capture(self, spec_path: Path, log_path: Path) -> SideHandle: ...
 
     def start_training(self, spec_path: Path, log_path: Path, *, nodes: int, processes_per_node: int) -> SideHandle: ...
+
+
+# -- the orchestrator's heartbeat, and the sides' watch of it ---------------------------------------------------------
+
+HEARTBEAT_FILE = "orchestrator.json"  # in the run's shared folder
+HEARTBEAT_EVERY_S = 2.0
+ORPHAN_AFTER_S = 60.0  # a side's default `orphan_after_s`
+EXIT_ORPHANED = 75  # a side's exit code when its orchestrator is gone (or another took over)
+EXIT_STOPPED = 143  # a side's exit code when asked to stop (SIGTERM), as a shell reports a SIGTERM'd process
+
+
+class Heartbeat:
+    """The orchestrator's sign of life: `<folder>/orchestrator.json` = {"run_id", "beat"}, the beat a counter rewritten
+    (atomically) every `every_s` from a thread of its own. The sides compare the counter with itself over time on
+    their own clock, never a clock of this host with one of theirs."""
+
+    def __init__(self, folder: Path, run_id: str, every_s: float = HEARTBEAT_EVERY_S):
+        self.path, self.run_id, self.every_s = Path(folder) / HEARTBEAT_FILE, run_id, every_s
+        self.beat = 0
+        self._stop = threading.Event()
+        self.write()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def write(self) -> None:
+        self.beat += 1
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"run_id": self.run_id, "beat": self.beat, "host": socket.gethostname()}))
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.write()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def read_heartbeat(folder: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((Path(folder) / HEARTBEAT_FILE).read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or read mid-replace on a shared file system
+        return None
+
+
+class SideStopped(SystemExit):
+    """What a side's main thread raises when it is asked to stop (SIGTERM) or finds itself orphaned."""
+
+
+class OrphanWatch:
+    """A side's watch of its orchestrator (`Heartbeat`): it stops the side (the main thread gets SIGTERM, whose
+    handler raises `SideStopped(EXIT_ORPHANED)`; the process is ended for good `grace_s` later if it has not exited)
+    when the beat has not changed for `orphan_after_s` on this process's monotonic clock, or when the heartbeat is
+    another run's (a new orchestrator took over the folder). `install()` also turns a SIGTERM from outside (the
+    launcher's stop) into `SideStopped(EXIT_STOPPED)`, so the side's `finally` blocks run."""
+
+    def __init__(
+        self, folder: Path, run_id: str, orphan_after_s: float, log: Callable[[str], None], grace_s: float = 30.0
+    ):
+        self.folder, self.run_id, self.orphan_after_s, self.log = Path(folder), run_id, orphan_after_s, log
+        self.grace_s = grace_s
+        self.reason: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orphan-watch", daemon=True)
+
+    def install(self) -> OrphanWatch:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._thread.start()
+        return self
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.reason is None:
+            self.log("stopped (SIGTERM): leaving; what is committed stays, and a next run resumes from it")
+            raise SideStopped(EXIT_STOPPED)
+        self.log(f"orphaned: {self.reason}; leaving (exit {EXIT_ORPHANED})")
+        raise SideStopped(EXIT_ORPHANED)
+
+    def check(self, beat: dict[str, Any] | None, last: tuple[Any, float], now: float) -> tuple[tuple[Any, float], str]:
+        """(the last beat seen and when it changed, why this side is orphaned or "")."""
+        if beat is not None and beat.get("run_id") != self.run_id:
+            return (
+                last,
+                f"the folder's heartbeat is another orchestrator's (run {beat.get('run_id')}), not {self.run_id}",
+            )
+        value = beat.get("beat") if beat is not None else None
+        if value != last[0]:
+            return (value, now), ""
+        if now - last[1] > self.orphan_after_s:
+            return (
+                last,
+                f"the orchestrator's heartbeat ({self.folder / HEARTBEAT_FILE}) has not changed for "
+                f"{now - last[1]:.0f} s",
+            )
+        return last, ""
+
+    def _run(self) -> None:
+        last: tuple[Any, float] = (None, time.monotonic())
+        poll = min(1.0, self.orphan_after_s / 10)
+        while not self._stop.wait(poll):
+            last, why = self.check(read_heartbeat(self.folder), last, time.monotonic())
+            if why:
+                self.reason = why
+                os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SideStopped
+                if not self._stop.wait(self.grace_s):
+                    self.log(f"orphaned: {why}; the main thread did not leave within {self.grace_s:.0f} s: ending now")
+                    os._exit(EXIT_ORPHANED)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+# -- the sides on this machine ----------------------------------------------------------------------------------------
+
+
+class LocalSide:
+    """A side started as a process group of its own on this machine, its output in its log file."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name, self.cmd, self.log_path = name, cmd, Path(log_path)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env or dict(os.environ)
+            )
+        self.pgid = self.proc.pid  # a session of its own: its leader's pid is the group's id
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the whole group (torchrun and its ranks, or the capture and its rank processes), SIGKILL to
+        what remains after `grace_s`; idempotent."""
+        stop_group(self.proc, grace_s)
+        with contextlib.suppress(ProcessLookupError):  # the leader gone, its children may linger in the group
+            os.killpg(self.pgid, signal.SIGKILL)
+
+    def describe(self) -> str:
+        return f"{self.name}: process group {self.pgid} on {socket.gethostname()} ({' '.join(self.cmd[2:])})"
+
+    def tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass(frozen=True)
+class LocalSides:
+    """Both sides on this machine, each a process group of its own (`start_new_session`): the capture as
+    `python -m CAPTURE_MODULE SPEC`, the training as `python -m TRAINING_MODULE SPEC`, under
+    `python -m torch.distributed.run --standalone --nproc-per-node=P` when it has P > 1 ranks (OMP_NUM_THREADS=1
+    unless set, as `launch.run_torchrun` does). Several nodes need a cluster launcher (`KubernetesSides`)."""
+
+    python: str = sys.executable
+
+    def start_capture(self, spec_path: Path, log_path: Path) -> SideHandle:
+        return LocalSide("capture", [self.python, "-m", CAPTURE_MODULE, str(spec_path)], log_path)
+
+    def start_training(self, spec_path: Path, log_path: Path, *, nodes: int, processes_per_node: int) -> SideHandle:
+        if nodes != 1:
+            raise ValueError(
+                f"the local launcher runs the training side on this machine: {nodes} nodes need a cluster launcher "
+                "(streaming_sides: kubernetes)"
+            )
+        if processes_per_node < 1:
+            raise ValueError(f"the training side needs at least one process, not {processes_per_node}")
+        module = [self.python, "-m", TRAINING_MODULE, str(spec_path)]
+        if processes_per_node == 1:
+            return LocalSide("training", module, log_path)
+        torchrun = [
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={processes_per_node}",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        return LocalSide("training", torchrun + module[1:], log_path, env)

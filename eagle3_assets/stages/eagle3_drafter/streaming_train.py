@@ -1,0 +1,316 @@
+"""The training side of a streaming drafter run (issue 27):
+`python -m eagle3_assets.stages.eagle3_drafter.streaming_train SPEC`, under torchrun when it has
+several ranks (each rank joins the process group as `train_cli` does).
+
+It does what the offline trainer does, from the spool: the drafter built as `run_drafter_job` builds it (the
+vocabulary of the training split, the target's shape and frozen embedding), the untrained drafter scored on the
+eval states the capture side stores first (it waits for `eval_done`), training from the spool (`train_from_spool`:
+the real Trainer, `passes` passes as one epoch, its position in the atomic checkpoint), the trained drafter scored
+and exported (`export_report`), the report written as JSON (`train_cli.report_json`, plus `best_checkpoint` and the
+side's `streaming` figures) to `report`. With `best` in the spec, the best-checkpoint keeper runs as offline
+(`BestCheckpointKeeper`: the main rank decodes with the target loaded here) and the best drafter is exported.
+
+What it writes as it goes, in the run's shared folder (the main rank):
+- `progress`: JSON lines {steps, estimated_steps, tokens, bytes_read, waited_s, seconds}, at most every
+  `progress_every_s`, and a last one with "done";
+- `record`: one JSON line per optimizer step, {"step", "windows": [[sample_id, start, end], ...]}, flushed and
+  fsynced before the step's checkpoint can be written. A resumed run starts again after its checkpoint's step and
+  writes those step numbers again, so the record of what the exported weights were trained on is, for each step up
+  to the last, its LAST line (`trained_steps`); `coverage` counts from it how many times each training token was
+  trained.
+
+Only one trainer may read a spool: the main rank holds `<spool>/trainer.lock` for its life (`lane_lock`). Every rank
+watches the orchestrator's heartbeat (`OrphanWatch`) and leaves when it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
+
+import polars as pl
+import torch
+
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointKeeper, BestCheckpointPlan
+from eagle3_assets.stages.eagle3_drafter.data import plan_windows
+from eagle3_assets.stages.eagle3_drafter.pipeline import (
+    DrafterJob,
+    DrafterReport,
+    Outcome,
+    Splits,
+    best_checkpoint_keeper,
+    build_drafter,
+    export_report,
+)
+from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool
+from eagle3_assets.stages.eagle3_drafter.streaming import split_samples, target_hidden_size
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import ORPHAN_AFTER_S, OrphanWatch, SideStopped
+from eagle3_assets.stages.eagle3_drafter.train import (
+    Distributed,
+    Every,
+    RunOptions,
+    Trainer,
+    TrainSettings,
+    eval_samples,
+    evaluate,
+    training_device,
+)
+from eagle3_assets.stages.eagle3_drafter.train_cli import join_process_group, report_json
+from eagle3_resources.cpu import apply_torch_threads
+from eagle3_resources.errors import StreamingTrainingFailed
+from eagle3_resources.hidden_states.lane_lock import exclusive, trainer_lock_path
+from eagle3_resources.hidden_states.store import HiddenStateStore
+
+
+def trained_steps(record: Path, last_step: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Step number -> the windows trained in it, each step's LAST line (a resumed run wrote it again), steps after
+    `last_step` left out (a killed run's steps past the checkpoint it resumed from, not all written again yet)."""
+    steps: dict[int, list[tuple[str, int, int]]] = {}
+    try:
+        lines = Path(record).read_text().splitlines()
+    except FileNotFoundError:
+        return steps
+    for line in lines:
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if int(d["step"]) <= last_step:
+            steps[int(d["step"])] = [(str(s), int(a), int(b)) for s, a, b in d["windows"]]
+    return steps
+
+
+def coverage(steps: dict[int, list[tuple[str, int, int]]], lengths: dict[str, int]) -> dict[int, int]:
+    """Times trained -> tokens trained that many times, over every token of the samples in `lengths` (0: tokens never
+    trained); a window's token outside its sample counts under -1."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for windows in steps.values():
+        for sid, start, end in windows:
+            spans.setdefault(sid, []).append((start, end))
+    counts: dict[int, int] = {}
+    for sid, n in lengths.items():
+        edges: dict[int, int] = {0: 0, n: 0}
+        for start, end in spans.pop(sid, []):
+            edges[start] = edges.get(start, 0) + 1
+            edges[end] = edges.get(end, 0) - 1
+        depth, points = 0, sorted(edges)
+        for a, b in zip(points, points[1:], strict=False):
+            depth += edges[a]
+            key = depth if 0 <= a and b <= n else -1
+            counts[key] = counts.get(key, 0) + (b - a)
+    for rest in spans.values():  # windows of samples that are not training samples
+        counts[-1] = counts.get(-1, 0) + sum(b - a for a, b in rest)
+    return dict(sorted(counts.items()))
+
+
+@dataclass
+class SideProgress:
+    """The `Every(1)` hook of the training side (main rank): each step's windows into the record (fsynced), the
+    figures into the progress file at most every `every_s`. It also keeps the trainer it is called with."""
+
+    data: SpoolWindows
+    record: IO[str]
+    progress: IO[str]
+    every_s: float
+    started: float = field(default_factory=time.monotonic)
+    last: float = 0.0
+    trainer: Trainer | None = None
+
+    def __call__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        if not trainer.dist.main:
+            return
+        step = self.data.current
+        windows = [[w.sample_id, w.start, w.end] for w in step.windows] if step is not None else []
+        self.record.write(json.dumps({"step": trainer.global_step, "windows": windows}) + "\n")
+        self.record.flush()
+        os.fsync(self.record.fileno())
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            self.write(trainer)
+
+    def figures(self, trainer: Trainer) -> dict[str, Any]:
+        return {
+            "steps": trainer.global_step,
+            "estimated_steps": self.data.estimated_steps,
+            "tokens": trainer.history.tokens + trainer.tokens_done - trainer.tokens_counted,
+            "bytes_read": self.data.bytes_read,
+            "waited_s": round(self.data.waited_s, 3),
+            "seconds": round(time.monotonic() - self.started, 3),
+        }
+
+    def write(self, trainer: Trainer, **more: Any) -> None:
+        self.progress.write(json.dumps(self.figures(trainer) | more) + "\n")
+        self.progress.flush()
+
+
+def best_plan(spec: dict[str, Any], log: Callable[[str], None]) -> BestCheckpointPlan | None:
+    """The best-checkpoint plan of the spec's `best` (None: off), with the target loaded here."""
+    best = spec.get("best")
+    if not best:
+        return None
+    from eagle3_resources.target.resource import TargetModelResource
+    from eagle3_resources.tokenizer.resource import TokenizerResource
+
+    target = TargetModelResource(**best["target"]).load_model(TokenizerResource(**best["tokenizer"]), log)
+    return BestCheckpointPlan(
+        every=int(best["every"]),
+        target=target,
+        prompts_per_kind=int(best["prompts_per_kind"]),
+        max_new_tokens=int(best["max_new_tokens"]),
+        draft_steps=int(best["draft_steps"]),
+    )
+
+
+def wait_for(path: Path, log: Callable[[str], None], poll_s: float = 0.2) -> None:
+    if not path.exists():
+        log(f"training side: waiting for the eval split's states ({path})")
+    while not path.exists():
+        time.sleep(poll_s)
+
+
+def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[[str], None]) -> None:
+    """One rank's training from the spool; the main rank scores, exports and writes the report."""
+    settings = TrainSettings(**spec["settings"])
+    merged = pl.read_parquet(spec["merged"])
+    dev = training_device(device)
+    if dev.type == "cpu":
+        apply_torch_threads("drafter training (streaming)", log)
+    train_ids = merged.filter(pl.col("split") == "train")["sample_id"].to_list()
+    lengths = dict(merged.select("sample_id", "n_tokens").iter_rows())
+    train_plan = plan_windows([(s, int(lengths[s])) for s in train_ids], settings.max_len)
+    job = DrafterJob(
+        None,
+        merged,
+        Path(spec["target_folder"]),
+        Path(spec["out_dir"]),
+        settings,
+        int(spec["draft_vocab"]),
+        log,
+        device=device,
+        init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
+        dist=dist,
+        best=best_plan(spec, log) if dist.main else None,
+    )
+    built = build_drafter(job, target_hidden_size(job.target_folder), train_ids, dev)
+    model, teacher = built.model, built.teacher
+    wait_for(Path(spec["eval_done"]), log)
+    store = HiddenStateStore(Path(spec["eval_root"]))
+    eval_lengths = {sid: end - start for sid, (_, start, end, _) in store.index.items()}
+    splits = Splits(
+        train_ids, train_plan, plan_windows(sorted(eval_lengths.items()), settings.max_len), spec["held_split"]
+    )
+    held_out = partial(eval_samples, store, splits.eval.windows, teacher, dev)
+    untrained = evaluate(model, held_out(), settings.ttt_steps) if dist.main else {}
+    if dist.main:
+        log(
+            f"untrained drafter on {splits.eval_split}: accept length {untrained['accept_length']}, "
+            f"acc {untrained['acc']}"
+        )
+
+    with open(spec["record"], "a") as record, open(spec["progress"], "a") as progress_file:
+        kept: list[BestCheckpointKeeper] = []
+
+        def hooks(data: SpoolWindows) -> list[Every]:
+            keeper = best_checkpoint_keeper(job, store.manifest["aux_layer_ids"], data.fingerprint(model.draft_ids))
+            kept.extend([keeper] if keeper is not None else [])
+            return ([keeper.hook()] if keeper is not None else []) + [Every(1, progress)]
+
+        progress = SideProgress(None, record, progress_file, float(spec["progress_every_s"]))  # type: ignore[arg-type]  # its data is set below, before the first step
+        options = RunOptions(dev, log, Path(spec["checkpoints"]), dist)
+        history, data = train_from_spool(
+            model, Path(spec["spool"]), settings, options, teacher, held_out, lambda d: hooks(bind(progress, d)), 0.05
+        )
+        trainer = progress.trainer
+        if trainer is None:
+            raise StreamingTrainingFailed("the training side trained no step: the spool's capture plan holds none")
+        best = kept[0].finish(trainer) if kept else None  # every rank: the main one evaluates and loads the best
+        if not dist.main:
+            return
+        if data.reader is None or not data.reader.finished:
+            raise StreamingTrainingFailed("the trainer ended before every pass over the spool's shards was trained")
+        steps = trained_steps(Path(spec["record"]), trainer.global_step)
+        train, _, _ = split_samples(merged)
+        counted = coverage(steps, {s.sample_id: len(s.input_ids) for s in train})
+        progress.write(trainer, done=True, coverage={str(k): v for k, v in counted.items()})
+    trained = evaluate(model, held_out(), settings.ttt_steps)
+    log(f"trained drafter on {splits.eval_split}: accept length {trained['accept_length']}, acc {trained['acc']}")
+    best_keys = (
+        {"best_step": best["best"]["step"], "best_accept_length_real": best["best"]["accept_length"]} if best else {}
+    )
+    extra = {"streaming_passes": int(spec["passes"])} | best_keys
+    report = export_report(
+        job, built, store.manifest["aux_layer_ids"], splits, Outcome(untrained, trained, history, best, extra)
+    )
+    streaming = {
+        "steps": trainer.global_step,
+        "bytes_read": data.bytes_read,
+        "waited_s": round(data.waited_s, 3),
+        "coverage": {str(k): v for k, v in counted.items()},
+    }
+    write_report(Path(spec["report"]), report, streaming)
+
+
+def bind(progress: SideProgress, data: SpoolWindows) -> SpoolWindows:
+    progress.data = data
+    return data
+
+
+def write_report(path: Path, report: DrafterReport, streaming: dict[str, Any]) -> None:
+    """`train_cli`'s report JSON, with the best checkpoint's summary and the side's figures, written atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(
+        json.dumps(report_json(report) | {"best_checkpoint": report.best_checkpoint, "streaming": streaming}) + "\n"
+    )
+    os.replace(tmp, path)
+
+
+def training_main(spec_path: Path) -> None:
+    """One rank of the training side: join the process group, watch the orchestrator, take the spool's trainer lock
+    (main rank), train."""
+    spec = json.loads(Path(spec_path).read_text())
+    dist, device = join_process_group(spec.get("device", "auto"))
+    say = partial(print, flush=True)
+    log: Callable[[str], None] = say if dist.main else (lambda _m: None)
+    orphan_after_s = float(spec.get("orphan_after_s", ORPHAN_AFTER_S))
+    watch = OrphanWatch(Path(spec["folder"]), spec["run_id"], orphan_after_s, say).install()
+    try:
+        log(f"training side of run {spec['run_id']} on {socket.gethostname()}, {dist.world_size} rank(s)")
+        lock = (
+            exclusive(
+                trainer_lock_path(Path(spec["spool"])),
+                "the streaming trainer",
+                wait_s=float(spec.get("lock_wait_s", 3 * orphan_after_s + 60)),
+                log=log,
+            )
+            if dist.main
+            else nullcontext()
+        )
+        with lock:
+            train_side(spec, dist, device, log)
+    finally:
+        watch.close()
+        if dist.world_size > 1:
+            torch.distributed.destroy_process_group()
+    log("training side: done")
+
+
+def main(argv: Iterable[str]) -> int:
+    try:
+        training_main(Path(list(argv)[0]))
+    except SideStopped as stopped:
+        return int(stopped.code) if isinstance(stopped.code, int) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
