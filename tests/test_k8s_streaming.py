@@ -207,7 +207,8 @@ def test_the_service_selects_exactly_the_training_pods():
 
 def test_names_are_short_dns_labels_one_per_run_side_and_attempt():
     long_key = "Backfill_" + "x" * 200 + "-01234567-89ab-cdef-0123-456789abcdef-3"
-    names = {(key, side, attempt): side_job_name(key, side, attempt) for key in (RUN_KEY, long_key)
+    retried = RUN_KEY[:-1] + "1"  # the same run's step retried: the same first 8 characters
+    names = {(key, side, attempt): side_job_name(key, side, attempt) for key in (RUN_KEY, retried, long_key)
              for side in (CAPTURE, TRAINING) for attempt in (0, 1, 99)}  # fmt: skip
     assert len(set(names.values())) == len(names)
     for (key, side, attempt), name in names.items():
