@@ -4,7 +4,9 @@ Capture workers ("lanes", one per capture host) commit shards with the store's o
 (`ShardCommitter`: the file written, fsynced and renamed, then listed in the lane's manifest with
 its checksum); one trainer takes them in commit order, trains each row `passes` times, and deletes a
 shard once all its passes are durable in the trainer's position. Capture pauses while its lane's
-share of the byte budget is full, training waits while no shard is committed.
+share of the byte budget is full, training waits while no shard is committed. The trainer may be several
+processes (torchrun DDP): rank 0 alone is the spool's reader (`SpoolReader`: it adopts, commits and deletes);
+every other rank is a `SpoolFollower`, which only reads the shard files rank 0 names to it (see "Several ranks").
 
 Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMany volume):
 
@@ -16,7 +18,8 @@ Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMan
                                 fsynced before any of its rows is handed out
     consumer.json               the trainer's ledger: its durable position, shards deleted, passes done
 
-Every file has ONE writer: a lane's folder its capture worker, order.log and consumer.json the trainer.
+Every file has ONE writer: a lane's folder its capture worker, order.log and consumer.json the trainer (its rank
+0 when it is several processes; a follower rank writes nothing under `root`).
 Nothing relies on a lock across hosts. What is assumed of the file system: a rename over a file is atomic
 for readers (they see the old file or the new, as NFS's close-to-open consistency gives a reader that
 opens the file after the rename), fsync of a file and of a directory makes a write and a rename durable,
@@ -52,6 +55,19 @@ lane's share. So the bytes of shard files under `root` (including `.tmp` files o
 exceed the budget. A lane's share must hold `passes + 1` of its largest shards (`min_lane_bytes`): the
 `passes` shards the trainer may be holding from it and the one being written. Below that, capture and
 training could wait for each other forever; `SpoolTooSmall` refuses it before anything starts.
+
+Several ranks. Under torchrun the trainer's data parallel ranks share one schedule: rank 0's `SpoolReader` decides
+every step (`try_next_step`, which never waits) and hands it to the others with the references of its shards
+(`shard_ref`: lane, name, key and the manifest entry rank 0 verified); each follower (`SpoolFollower.take`) reads the
+shards its share of the step needs, whole, from the shared directory, and verifies their checksums itself (the
+checksum is of the whole file, so a part of a shard could not be verified; and over its `passes` slots a rank's
+shuffled share touches most of a shard's rows anyway). A follower keeps a shard until its passes are done, so it
+reads each shard at most once. Deletion stays safe: rank 0 deletes only shards whose passes are all before the
+committed position, and it commits a position only after the trainer's checkpoint at it, when every step before it
+has been trained by every rank (each step ends in the gradients' all-reduce, which no rank passes before every rank
+has read its share of that step's data, and the checkpoint's barrier follows). A shard a follower still needs is one
+of a step not yet trained, so it is not deleted. The wait for capture is decided by rank 0 and told to every rank,
+because the trainer's checkpoint on waiting (`on_wait`) is collective (spool_data.py).
 """
 
 from __future__ import annotations
@@ -414,10 +430,23 @@ class Step:
     windows: list[SpoolWindow]
 
 
+@dataclass(frozen=True)
+class ShardRef:
+    """An adopted shard as rank 0 hands it to the other ranks: where it is and the manifest entry (bytes, checksum)
+    rank 0 read it with, so every rank verifies the same bytes."""
+
+    index: int  # in the adoption order
+    lane: str
+    name: str
+    key: str
+    entry: dict[str, Any]
+
+
 class _Loaded:
     """One shard read whole into memory, its checksum verified on those bytes."""
 
     def __init__(self, path: Path, entry: dict[str, Any]):
+        self.entry = entry
         algorithm, digest = recorded_checksum(entry)
         size = int(entry["bytes"])
         buf = torch.empty(size, dtype=torch.uint8)
@@ -636,6 +665,18 @@ class SpoolReader:
                 self._by_sample.pop(sid, None)
         return steps
 
+    def shard_ref(self, k: int) -> ShardRef:
+        """The shard at adoption index `k`, loaded (by a step handed out), as the other ranks are to read it."""
+        lane, name, key = self.order[k]
+        return ShardRef(k, lane, name, key, self._load(k).entry)
+
+    def try_next_step(self) -> Step | None:
+        """The next step if the shards it needs are committed, else None at once (`finished` tells the end from a
+        step that must be waited for). `next_step` is the waiting form; several ranks use this one (spool_data.py)."""
+        if not self._read_plans():
+            return None
+        return self._try_step()
+
     @property
     def finished(self) -> bool:
         return self.total is not None and self.cursor.slot >= self.total + self.settings.passes - 1
@@ -686,6 +727,42 @@ class SpoolReader:
 
     def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
         """The sample's tensors (views of its shard in memory), as `HiddenStateStore[sample_id]` gives them."""
+        shard = self._loaded[self._by_sample[sample_id]]
+        a, b = shard.samples[sample_id]
+        keys = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
+        return {key: shard.tensors[key][a:b] for key in keys}
+
+
+class SpoolFollower:
+    """A training rank other than 0: it serves `follower[sample_id]` for its share of the steps rank 0 hands out, from
+    the shards rank 0 names (`take`), read whole and checksum-verified as rank 0 reads them. It never writes under
+    the spool's root and never adopts: the schedule is rank 0's alone (see the module's docstring, "Several ranks")."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.settings = open_settings(self.root)
+        self._loaded: dict[int, _Loaded] = {}
+        self._by_sample: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def take(self, slot: int, refs: Sequence[ShardRef]) -> None:
+        """Read the shards `refs` (those this rank's share of a step in `slot` needs) unless already in memory, and
+        drop those whose passes all ended before the previous slot (as `SpoolReader` keeps the last two slots')."""
+        for k in [k for k in self._loaded if k < slot - self.settings.passes]:
+            for sid in self._loaded.pop(k).samples:
+                self._by_sample.pop(sid, None)
+        for ref in refs:
+            if ref.index in self._loaded:
+                continue
+            shard = _Loaded(self.root / LANES / ref.lane / ref.name, ref.entry)
+            for sid in shard.samples:
+                if self._by_sample.get(sid, ref.index) != ref.index:
+                    raise SpoolStateError(f"sample {sid!r} is in two shards of the spool: {ref.name} and another")
+                self._by_sample[sid] = ref.index
+            self._loaded[ref.index] = shard
+            self.bytes_read += shard.size
+
+    def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
         shard = self._loaded[self._by_sample[sample_id]]
         a, b = shard.samples[sample_id]
         keys = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")

@@ -23,8 +23,23 @@ tokens, not its samples' lengths, and the adoption order across lanes is the ord
 `estimate_steps`. The run may take a few steps more or fewer (packing); past the estimate the schedule holds its
 last factor (`warmup_cosine`). The mean window length (for the FLOPs per token) is likewise an estimate.
 
-One process only: the reader is one trainer's (its adoption log and ledger have one writer); several ranks reading
-one spool are not supported here (each rank would need its share of a step, and one rank the reader).
+Several ranks (torchrun DDP: gloo on CPU, NCCL on GPUs; `dist` is the trainer's `Distributed`). The spool has one
+reader: rank 0's `SpoolReader` adopts, commits and deletes (one writer per file); the other ranks are
+`SpoolFollower`s, which write nothing under the spool. Each step, rank 0 tries the next step without waiting
+(`try_next_step`) and broadcasts the outcome to every rank (over a gloo group, whatever the training backend): the
+step (its windows, with their shards' references: lane, name, key, the manifest entry), "wait", or the end. A
+follower reads the shards its share of the step (`windows[rank::world_size]`, as `FixedWindows`) needs, whole and
+checksum-verified (see spool.py, "Several ranks"). On "wait" every rank calls `on_wait` (the trainer's checkpoint is
+collective: a barrier), then rank 0 waits for the step while the others wait in the next broadcast; a long wait is
+broken into "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one collective past the process
+group's timeout. The decision to wait is rank 0's alone: ranks deciding for themselves would reach the checkpoint's
+barrier on different steps. Deleting is safe with followers: rank 0 commits a position only from the trainer's
+checkpoint at it, and every rank has trained every step before it (each step's gradient all-reduce needs every
+rank's share, read from its shards), so the shards a commit deletes are needed by no rank again. An error of rank 0's
+reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s` (rank 0
+waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes this rank
+read). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises there instead).
+
 Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
 trainer's state is a step's end), not ahead on a background thread as `FixedWindows` does.
 """
@@ -38,22 +53,37 @@ import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Sample, Teacher, Window, pack_windows
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
-from eagle3_assets.stages.eagle3_drafter.train import Every, RunOptions, Trainer, TrainHistory, TrainSettings
+from eagle3_assets.stages.eagle3_drafter.train import (
+    Distributed,
+    Every,
+    RunOptions,
+    Trainer,
+    TrainHistory,
+    TrainSettings,
+)
+from eagle3_resources.errors import SpoolStateError
 from eagle3_resources.hidden_states.spool import (
     LANES,
     PLAN,
     SETTINGS,
     Position,
+    ShardRef,
+    SpoolFollower,
     SpoolReader,
+    SpoolWindow,
     Step,
     open_settings,
 )
+
+HEARTBEAT_S = 30.0  # while rank 0 waits for capture, it tells the other ranks it still waits this often
+T = TypeVar("T")
+Message = tuple[Any, ...]  # what rank 0 broadcasts: ("step", Step, {shard index: ShardRef}), ("wait",), ...
 
 
 def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | None:
@@ -91,8 +121,15 @@ class SpoolWindows:
         log: Callable[[str], None],
         *,
         poll_s: float = 0.2,
+        dist: Distributed | None = None,
+        stop: Callable[[], bool] | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ):
+        """`dist`: this rank under torchrun (None: one process); `stop()`: ends the steps while waiting for capture."""
         self.root, self.device, self.poll_s = Path(root), device, poll_s
+        self.dist = dist or Distributed()
+        self.stop = stop or (lambda: False)
+        self.heartbeat_s = heartbeat_s
         self.spool = open_settings(self.root)
         s = self.spool
         wrong = {
@@ -129,6 +166,9 @@ class SpoolWindows:
         self.reader: SpoolReader | None = None
         self.current: Step | None = None  # the step handed out last
         self.on_wait: Callable[[], None] | None = None  # the trainer's checkpoint (`train_from_spool` sets it)
+        self.follower: SpoolFollower | None = None  # a rank other than 0: its shards
+        self.group: Any = None  # the gloo group rank 0's word goes over (several ranks)
+        self.follower_waited_s = 0.0
 
     # -- TrainingData
 
@@ -173,32 +213,145 @@ class SpoolWindows:
                 f"the spool's steps are one epoch, resumed where the checkpoint's position is ({self.steps_done} "
                 f"steps); asked for epoch {epoch} from step {start}"
             )
+        if self.dist.world_size > 1:
+            yield from self._ranked_steps()
+            return
+        reader = self._open_reader()
+        while (step := reader.next_step(self.stop, on_wait=self.on_wait)) is not None:
+            yield self._handed_out(step, reader, step.windows)
+
+    def _open_reader(self) -> SpoolReader:
         if self.reader is None:
             # at the checkpoint's position, or at the start (refused if the spool has recorded progress)
             self.reader = SpoolReader(self.root, position=self.position, poll_s=self.poll_s)
-        reader = self.reader
+        return self.reader
+
+    def _handed_out(
+        self, step: Step, source: SpoolReader | SpoolFollower, mine: list[SpoolWindow]
+    ) -> tuple[list[Window], PackedBatch]:
+        """The step's windows (all ranks') and this rank's share packed; the step is the current one from here on."""
         cuda = self.device.type == "cuda"
         aux_dtype = torch.bfloat16 if cuda else torch.float32
-        while (step := reader.next_step(on_wait=self.on_wait)) is not None:
-            windows = [Window(w.sample_id, w.start, w.end) for w in step.windows]
-            batch = pack_windows(reader, windows, aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
-            # The trainer trains this step before it asks for the next one or checkpoints: the position is the
-            # step's end from here on.
-            self.current, self.position, self.steps_done = step, step.after, self.steps_done + 1
-            yield windows, batch
+        windows = [Window(w.sample_id, w.start, w.end) for w in step.windows]
+        share = [Window(w.sample_id, w.start, w.end) for w in mine]
+        batch = pack_windows(source, share, aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
+        # The trainer trains this step before it asks for the next one or checkpoints: the position is the step's end
+        # from here on.
+        self.current, self.position, self.steps_done = step, step.after, self.steps_done + 1
+        return windows, batch
+
+    @property
+    def mine(self) -> list[SpoolWindow]:
+        """This rank's windows of the current step (the ones it trains; none for a rank that joins it with weight 0)."""
+        if self.current is None:
+            return []
+        return self.current.windows[self.dist.rank :: self.dist.world_size]
+
+    # -- several ranks (see the module's docstring)
+
+    def _ranked_steps(self) -> Generator[tuple[list[Window], PackedBatch], None, None]:
+        if self.group is None:
+            gloo = torch.distributed.get_backend() == "gloo"
+            self.group = torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo")
+        rank, world = self.dist.rank, self.dist.world_size
+        while (got := self._lead() if self.dist.main else self._follow()) is not None:
+            step, refs = got
+            # a rank left without a window joins with the step's first at weight 0, as `FixedWindows.pack` does
+            share = step.windows[rank::world] or step.windows[:1]
+            if self.dist.main:
+                source: SpoolReader | SpoolFollower = self._open_reader()
+            else:
+                source = self.follower = self.follower or SpoolFollower(self.root)
+                source.take(step.position.slot, [refs[k] for k in sorted({w.shard for w in share})])
+            yield self._handed_out(step, source, share)
+
+    def _send(self, message: Message) -> None:
+        torch.distributed.broadcast_object_list([message], src=0, group=self.group)
+
+    def _receive(self) -> Message:
+        box: list[Any] = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _lead(self) -> tuple[Step, dict[int, ShardRef]] | None:
+        """Rank 0: the next step (None: the end), told to every rank; on "wait", the collective `on_wait` first."""
+        reader = self._told(self._open_reader)
+        step = self._told(reader.try_next_step)
+        if step is None and not reader.finished:
+            self._send(("wait",))
+            if self.on_wait is not None:
+                self.on_wait()
+            step = self._told(lambda: self._wait_for_capture(reader))
+        if step is None:
+            self._send(("end",))
+            return None
+        shards = sorted({w.shard for w in step.windows})
+        refs = self._told(lambda: {k: reader.shard_ref(k) for k in shards})
+        self._send(("step", step, refs))
+        return step, refs
+
+    def _told(self, call: Callable[[], T]) -> T:
+        """Rank 0: `call()`, made while the other ranks wait for its word; an error is told to them, then raised."""
+        try:
+            return call()
+        except Exception as e:
+            self._send(("error", f"{type(e).__name__}: {e}"))
+            raise
+
+    def _wait_for_capture(self, reader: SpoolReader) -> Step | None:
+        """Rank 0: the reader's wait for the next step (None: the end, or `stop()`), broken every `heartbeat_s`
+        by a "still waiting" to the other ranks."""
+        stopped = False
+
+        def halt() -> bool:
+            nonlocal stopped
+            stopped = self.stop()
+            return stopped or time.monotonic() >= beat
+
+        while True:
+            beat = time.monotonic() + self.heartbeat_s
+            step = reader.next_step(halt)
+            if step is not None or reader.finished or stopped:
+                return step
+            self._send(("still waiting",))
+
+    def _follow(self) -> tuple[Step, dict[int, ShardRef]] | None:
+        """A rank other than 0: rank 0's next step (None: the end), calling `on_wait` when rank 0 says "wait"."""
+        waiting_since: float | None = None
+        try:
+            while True:
+                kind, *rest = self._receive()
+                if kind == "step":
+                    return rest[0], rest[1]
+                if kind == "end":
+                    return None
+                if kind == "error":
+                    raise SpoolStateError(f"rank 0 of the trainer failed reading the spool {self.root}: {rest[0]}")
+                if kind == "wait":
+                    waiting_since = time.monotonic()
+                    if self.on_wait is not None:
+                        self.on_wait()
+                # "still waiting": rank 0 waits on; so does this rank
+        finally:
+            if waiting_since is not None:
+                self.follower_waited_s += time.monotonic() - waiting_since
 
     # -- figures
 
     @property
     def waited_s(self) -> float:
-        """Seconds the trainer waited for capture (an empty spool)."""
-        return self.reader.waited_s if self.reader is not None else 0.0
+        """Seconds this rank waited for capture: rank 0 in the reader, another rank for rank 0's word."""
+        return self.reader.waited_s if self.reader is not None else self.follower_waited_s
 
     @property
     def bytes_read(self) -> int:
-        return self.reader.bytes_read if self.reader is not None else 0
+        """Bytes of shard files this rank read."""
+        if self.reader is not None:
+            return self.reader.bytes_read
+        return self.follower.bytes_read if self.follower is not None else 0
 
 
+# 10 parameters: the one-call form; its last three only reach `SpoolWindows`
 def train_from_spool(
     model: Eagle3Drafter,
     root: Path,
@@ -208,15 +361,28 @@ def train_from_spool(
     held_out: Callable[[], Iterable[Sample]] | None = None,
     hooks: Sequence[Every] | Callable[[SpoolWindows], Sequence[Every]] = (),
     poll_s: float = 0.2,
+    *,
+    stop: Callable[[], bool] | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
 ) -> tuple[TrainHistory, SpoolWindows]:
     """Train in place from the spool at `root`, resuming from `options.checkpoint_dir` when it holds a checkpoint
     of this run; the trainer checkpoints whenever it has to wait for capture. `hooks` may be a function of the data
-    (to read `SpoolWindows.current`, the step just trained). Returns the record and the data (its figures)."""
+    (to read `SpoolWindows.current`, the step just trained). Under torchrun (`options.dist`, the process group
+    joined) every rank calls it alike; rank 0 reads the spool, the others follow (the module's docstring). `stop()`
+    ends the run while it waits for capture; `heartbeat_s`: see `SpoolWindows`. Returns the record and the data (its
+    figures, this rank's)."""
     if options.checkpoint_dir is None:
         raise ValueError("training from a spool needs a checkpoint folder: a shard is deleted only once checkpointed")
-    if options.dist.world_size != 1:
-        raise ValueError("training from a spool runs in one process (several ranks on one spool: not supported)")
-    data = SpoolWindows(root, settings, options.device, options.log, poll_s=poll_s)
+    data = SpoolWindows(
+        root,
+        settings,
+        options.device,
+        options.log,
+        poll_s=poll_s,
+        dist=options.dist,
+        stop=stop,
+        heartbeat_s=heartbeat_s,
+    )
     trainer = Trainer(model, data, settings, options, teacher, held_out, hooks(data) if callable(hooks) else hooks)
     data.on_wait = trainer.checkpoint
     return trainer.fit(), data
