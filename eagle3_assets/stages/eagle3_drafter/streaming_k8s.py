@@ -58,6 +58,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -227,13 +228,15 @@ class JobSide:
         return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
 
     def _exit_code(self) -> int:
-        """A failed Job's code: its first failed container's exit code, else 1 (a pod deleted or never started)."""
+        """A failed Job's code: the exit code of the container that failed first (the Job controller then ends the
+        other pods, whose codes say only that), else 1 (a pod deleted or never started)."""
+        failed = []
         for pod in self._pods():
             for status in (pod.status and pod.status.container_statuses) or []:
                 ended = status.state and status.state.terminated
                 if ended and ended.exit_code:
-                    return int(ended.exit_code)
-        return 1
+                    failed.append((ended.finished_at or datetime.max.replace(tzinfo=UTC), int(ended.exit_code)))
+        return min(failed)[1] if failed else 1
 
     def poll(self) -> int | None:
         try:
