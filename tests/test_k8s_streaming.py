@@ -107,6 +107,7 @@ def test_side_objects_survive_the_kubernetes_models_whole(nodes):
         assert job.spec.backoff_limit == 0  # the orchestrator decides about restarts
         spec = job.spec.template.spec
         assert spec.restart_policy == "Never"
+        assert spec.automount_service_account_token is False  # the sides never call the Kubernetes API
         [container] = spec.containers
         assert container.image == IMAGE
         pod_rules_hold(spec)

@@ -130,7 +130,12 @@ def _side_job(pods: SidePods, job_name: str, side: str, args: Sequence[str], con
     construct_dagster_k8s_job (labels on the Job and its pods; owned by the step pod when there is one)."""
     side_config = {
         **config,
-        "pod_spec_config": {**config.get("pod_spec_config", {}), "terminationGracePeriodSeconds": pods.grace_s},
+        # the sides never call the API: no token, although their service account is the step pods' (which may)
+        "pod_spec_config": {
+            **config.get("pod_spec_config", {}),
+            "terminationGracePeriodSeconds": pods.grace_s,
+            "automountServiceAccountToken": False,
+        },
         # backoffLimit 0: the orchestrator decides about restarts (a new Job resumes from the spool and checkpoint)
         "job_spec_config": {**config.get("job_spec_config", {}), "backoffLimit": 0},
     }
