@@ -309,3 +309,86 @@ def test_the_rbac_manifest_passes_yamllint():
         [yamllint, "--strict", "-f", "parsable", "-d", config, str(RBAC)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- in the running system: the context from the run, as the step handler gets it --------------------------------
+
+RELEASE_SA = "eagle3-dagster-user-deployments-user-deployments"
+
+
+def chart_container_context() -> dict:
+    """The code location's container context as the chart's `dagsterUserDeployments.k8sContainerContext` helper
+    renders it from the values (DAGSTER_CLI_API_GRPC_CONTAINER_CONTEXT; Dagster stores it in the run's origin)."""
+    return {
+        "k8s": {
+            "image_pull_policy": DEPLOYMENT["image"]["pullPolicy"],
+            "env_config_maps": ["eagle3-dagster-user-deployments-eagle3-user-env"],
+            "env_secrets": [secret["name"] for secret in DEPLOYMENT["envSecrets"]],
+            "volume_mounts": DEPLOYMENT["volumeMounts"],
+            "volumes": DEPLOYMENT["volumes"],
+            "resources": DEPLOYMENT["resources"],
+            "namespace": "eagle3",
+            "service_account_name": RELEASE_SA,
+            "env": DEPLOYMENT["env"],
+        }
+    }
+
+
+def test_in_a_run_the_sides_get_the_step_pods_context_from_the_run_and_its_launcher(tmp_path, monkeypatch):
+    from dagster._core.code_pointer import ModuleCodePointer
+    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+    from dagster._core.storage.dagster_run import DagsterRun
+    from dagster_k8s.launcher import K8sRunLauncher
+
+    monkeypatch.delenv("EAGLE3_K8S_GPU_IMAGE", raising=False)
+    code_image = "registry.example.com/eagle3-pipeline:cpu-0000000"
+    origin = RepositoryPythonOrigin(
+        executable_path=sys.executable,
+        code_pointer=ModuleCodePointer("eagle3_assets.definitions", "defs", working_directory=None),
+        container_image=code_image,
+        container_context=chart_container_context(),
+    )
+    run = DagsterRun(job_name="eagle3_pipeline", job_code_origin=JobPythonOrigin("eagle3_pipeline", origin))
+    # The chart's run launcher (the instance's config map), its credentials from a kubeconfig no call ever uses.
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    launcher = K8sRunLauncher(
+        service_account_name="eagle3-dagster",
+        instance_config_map="eagle3-dagster-instance",
+        postgres_password_secret="eagle3-postgresql",
+        dagster_home="/opt/dagster/dagster_home",
+        load_incluster_config=False,
+        kubeconfig_file=str(kubeconfig),
+        job_namespace="eagle3",
+        image_pull_policy="IfNotPresent",
+    )
+    pods = streaming_k8s.side_pods_for_run(run, launcher, f"{run.run_id}-0", OWNER)
+    name = side_job_name(pods.run_key, CAPTURE, 0)
+    data, job = round_trip(capture_job(pods, name, SPEC, gpus=8))
+    spec = job.spec.template.spec
+    [container] = spec.containers
+    assert container.image == code_image  # the code location's, as the step handler falls back to
+    assert container.image_pull_policy == "IfNotPresent"
+    # The service account the RBAC manifest binds (the sides' pods carry no token of it, though).
+    assert spec.service_account_name == RELEASE_SA
+    [_, binding] = yaml.safe_load_all(RBAC.read_text())
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": spec.service_account_name}]
+    data_root = {e["name"]: e["value"] for e in DEPLOYMENT["env"]}["EAGLE3_DATA_DIR"]
+    mounts = {m.mount_path: m.name for m in container.volume_mounts}
+    assert {v.name: v for v in spec.volumes}[mounts[data_root]].persistent_volume_claim.claim_name == "eagle3-data"
+    env = {e.name: e.value for e in container.env}
+    assert env["DAGSTER_HOME"] == "/opt/dagster/dagster_home" and env["EAGLE3_DATA_DIR"] == data_root
+    sources = {(s.secret_ref or s.config_map_ref).name for s in container.env_from}
+    assert {"eagle3-openrouter", "eagle3-ledger", "eagle3-dagster-user-deployments-eagle3-user-env"} <= sources
+    pod_rules_hold(spec)

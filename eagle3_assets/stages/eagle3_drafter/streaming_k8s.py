@@ -337,28 +337,32 @@ def step_pod_owner(core: k8s.CoreV1Api, namespace: str, environ: Mapping[str, st
     return OwnerReference(kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid)
 
 
+def side_pods_for_run(run: Any, launcher: Any, run_key: str, owner: OwnerReference | None) -> SidePods:
+    """What the sides of `run` (a DagsterRun) are built from, as dagster-k8s's step handler builds a step's Job: the
+    container context `create_for_run` gives (the run launcher's settings, then the code location's context from the
+    run's origin: env, secrets, volumes, service account), the image the step handler falls back to (the code
+    location's), the job config of `get_k8s_job_config` (DAGSTER_HOME, the instance's config map and secret)."""
+    from dagster_k8s.launcher import K8sRunLauncher
+
+    k8s_launcher = launcher if isinstance(launcher, K8sRunLauncher) else None
+    context = K8sContainerContext.create_for_run(run, k8s_launcher, include_run_tags=False)
+    image = (k8s_launcher.job_image if k8s_launcher else None) or run.job_code_origin.repository_origin.container_image
+    if k8s_launcher:
+        job_config = context.get_k8s_job_config(image, k8s_launcher)
+    else:
+        job_config = DagsterK8sJobConfig(job_image=image, dagster_home=os.environ.get("DAGSTER_HOME"))
+    return SidePods(run_key=run_key, context=context, job_config=job_config, owner=owner)
+
+
 def kubernetes_sides(context: Any, capture_gpus: int) -> SidesLauncher:
     """The launcher for the step `context` (a Dagster asset or op context) runs in, inside its step pod: in-cluster
     credentials, the pod's own namespace, the step pods' container context and image, the pod as owner."""
     import kubernetes.config
-    from dagster_k8s.launcher import K8sRunLauncher
 
     kubernetes.config.load_incluster_config()
     batch, core = k8s.BatchV1Api(), k8s.CoreV1Api()
     namespace = NAMESPACE_FILE.read_text().strip()
-    run = context.dagster_run
-    launcher = context.instance.run_launcher
-    launcher = launcher if isinstance(launcher, K8sRunLauncher) else None
-    container_context = K8sContainerContext.create_for_run(run, launcher, include_run_tags=False)
-    image = (launcher.job_image if launcher else None) or run.job_code_origin.repository_origin.container_image
-    if launcher:
-        job_config = container_context.get_k8s_job_config(image, launcher)
-    else:
-        job_config = DagsterK8sJobConfig(job_image=image, dagster_home=os.environ.get("DAGSTER_HOME"))
-    pods = SidePods(
-        run_key=f"{context.run_id}-{context.retry_number}",
-        context=container_context,
-        job_config=job_config,
-        owner=step_pod_owner(core, namespace, os.environ),
-    )
+    owner = step_pod_owner(core, namespace, os.environ)
+    run_key = f"{context.run_id}-{context.retry_number}"
+    pods = side_pods_for_run(context.dagster_run, context.instance.run_launcher, run_key, owner)
     return KubernetesSides(pods, namespace, batch, core, capture_gpus)
