@@ -1,10 +1,14 @@
 """The drafter's streaming mode as one Dagster materialization (issue 27), on the CPU stand-ins: the plan first, the
-capture in a process of its own (the stand-in target through the `hidden_states_backend` resource), the real
-trainer here from a spool whose budget is about a tenth of the data; and a spool too small refused before anything
-starts."""
+capture side and the training side each a process group of its own (two hosts simulated on one machine, sharing
+the run's folder; the capture with the stand-in target through the `hidden_states_backend` resource, the real
+trainer from a spool whose budget is about a tenth of the data), every token trained exactly `passes` times by the
+trainer's record; and a spool too small refused before anything starts."""
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from pathlib import Path
 
 import dagster as dg
@@ -13,8 +17,9 @@ from test_drafter_training import corpus
 from test_spool import Sampler
 
 from eagle3_assets.stages.eagle3_drafter.asset import eagle3_drafter
-from eagle3_assets.stages.eagle3_drafter.streaming import split_samples
+from eagle3_assets.stages.eagle3_drafter.streaming import LANE, split_samples
 from eagle3_resources.errors import SpoolTooSmall
+from eagle3_resources.hidden_states.lane_lock import lane_lock_path, trainer_lock_path
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
 from eagle3_resources.hidden_states.spool import min_lane_bytes
 from eagle3_resources.hidden_states.store import plan_shards, shard_layout
@@ -41,9 +46,9 @@ def write_merged(data_root: Path, tok) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-def materialize(data_root: Path, spool_bytes: int):
-    standin = str(data_root / "standin")
-    config = {
+def run_config(spool_bytes: int, **more: object) -> dict:
+    """The drafter's config of these tests: the tiny trainer, the spool, the declared plan rates; `more` on top."""
+    return {
         "ttt_steps": 3,
         "batch_tokens": 200,
         "max_len": 64,
@@ -56,23 +61,56 @@ def materialize(data_root: Path, spool_bytes: int):
         "streaming_capture_tok_s": 2000.0,
         "streaming_train_tok_s": 500.0,
         "streaming_spool_gb_s": 0.5,
+    } | more
+
+
+def resources_for(data_root: Path) -> dict:
+    standin = str(data_root / "standin")
+    return {
+        "store": DataStore(root=str(data_root)),
+        "tokenizer": TokenizerResource(standin_dir=standin),
+        "target": TargetModelResource(standin_dir=standin),
+        "hidden_states_backend": HiddenStatesResource(batch_tokens=512),
     }
+
+
+def materialize(data_root: Path, spool_bytes: int, **more: object):
     with dg.instance_for_test() as instance:
         result = dg.materialize(
             [eagle3_drafter],
             instance=instance,
             raise_on_error=False,
-            run_config={"ops": {"eagle3_drafter": {"config": config}}},
-            resources={
-                "store": DataStore(root=str(data_root)),
-                "tokenizer": TokenizerResource(standin_dir=standin),
-                "target": TargetModelResource(standin_dir=standin),
-                "hidden_states_backend": HiddenStatesResource(batch_tokens=512),
-            },
+            run_config={"ops": {"eagle3_drafter": {"config": run_config(spool_bytes, **more)}}},
+            resources=resources_for(data_root),
         )
         records = instance.fetch_observations(eagle3_drafter.key, limit=1000).records
         observations = [r.asset_observation.metadata for r in reversed(records) if r.asset_observation is not None]
     return result, observations
+
+
+class SidesSeen:
+    """The sides' processes as they run, seen from outside: each side's lock file (the capture's lane writer lock,
+    the training side's trainer lock) names its holder's pid; while that process lives, its process group is read."""
+
+    def __init__(self, spool: Path):
+        self.paths = {"capture": lane_lock_path(spool, LANE), "training": trainer_lock_path(spool)}
+        self.seen: dict[str, tuple[int, int]] = {}  # side -> (pid, process group)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for side, path in self.paths.items():
+                try:
+                    pid = int(json.loads(path.read_text())["pid"])
+                    self.seen[side] = (pid, os.getpgid(pid))
+                except (FileNotFoundError, json.JSONDecodeError, KeyError, ProcessLookupError):
+                    continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def test_one_materialization_captures_and_trains_through_a_tenth_of_the_data(data_dir_with_standin, tok):
@@ -80,11 +118,12 @@ def test_one_materialization_captures_and_trains_through_a_tenth_of_the_data(dat
     budget = data_bytes // 10
     assert budget >= min_lane_bytes(PASSES, largest), (budget, largest)  # the tenth still holds the working set
     spool = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming") / "spool"
-    sampler = Sampler(spool)
+    sampler, sides = Sampler(spool), SidesSeen(spool)
     try:
         result, observations = materialize(data_dir_with_standin, budget)
     finally:
         sampler.stop()
+        sides.stop()
     assert result.success, result.all_events[-5:]
     meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
     print({k: v for k, v in meta.items() if k.startswith("streaming_") and k != "streaming_plan"})
@@ -105,6 +144,13 @@ def test_one_materialization_captures_and_trains_through_a_tenth_of_the_data(dat
     assert sampler.samples > 100 and 0 < sampler.peak <= meta["streaming_spool_budget_bytes"]
     assert meta["streaming_capture_pauses"] > 0 and "waited" in meta["streaming_who_waits"]
     assert meta["sglang_key_check"] == "ok" and meta["accept_length_simulated"] > 0
+    # every training token trained exactly PASSES times, by the trainer's per-step record
+    assert meta["streaming_trained_token_passes"] == {str(PASSES): train_tokens}
+    # two hosts simulated on one machine: capture and training ran as two process groups of their own, sharing the
+    # run's folder (both locks are in its spool), neither the test's (where the materializing step ran)
+    (capture_pid, capture_group), (training_pid, training_group) = sides.seen["capture"], sides.seen["training"]
+    assert capture_group != training_group and os.getpgid(0) not in (capture_group, training_group)
+    assert (capture_group, training_group) == (capture_pid, training_pid)  # each its group's leader
     # progress seen as observations of the drafter; the run's folder is gone once it is done
     last = observations[-1]
     assert last["train_steps"].value == meta["streaming_train_steps"] and "spool_fill_pct" in last

@@ -1,0 +1,253 @@
+"""Streaming mode's sides when their orchestrator dies or a side fails (issue 27), on the CPU stand-ins with real
+processes: the step killed with kill -9 at a random moment of training leaves no side running (each leaves by
+itself once the heartbeat stops) and a re-run finishes, every token trained exactly `passes` times across both runs
+and the spool within its budget throughout; a capture side killed stops the training side and fails the step, and a
+re-run resumes; a second capture on a lane that another holds waits for it and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from test_spool import Sampler
+from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config, write_merged
+
+from eagle3_assets.stages.eagle3_drafter.streaming import LANE, RunFiles, StreamingJob, StreamingRequest, side_specs
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSides
+from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
+from eagle3_assets.stages.hidden_states.selection import target_identity
+from eagle3_resources.hidden_states.lane_lock import lane_lock_path, trainer_lock_path
+from eagle3_resources.hidden_states.resource import HiddenStatesResource
+from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool
+from eagle3_resources.storage import DataLayout
+from eagle3_resources.target.resource import TargetModelResource
+from eagle3_resources.tokenizer.resource import TokenizerResource
+
+REPO = Path(__file__).resolve().parents[1]
+ORPHAN_AFTER_S = 5.0
+# a generous bound on a test that would otherwise hang (the capture-failure mutation hangs the step)
+pytestmark = pytest.mark.timeout(int(os.environ.get("STREAMING_RESUME_TIMEOUT_S", "1800")))
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not reaped by a parent that is gone, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def holder_pid(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["pid"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
+def wait_until(what: str, ready: Callable[[], bool], limit_s: float = 600, poll_s: float = 0.05) -> None:
+    """Poll until `ready()`; a bound against a hang (a failure if reached), not a measured time."""
+    deadline = time.monotonic() + limit_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {limit_s} s for {what}")
+        time.sleep(poll_s)
+
+
+def lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture
+def groups() -> Iterator[list[int]]:
+    """Process groups the test started or saw started; each is killed at the end, whatever happened."""
+    started: list[int] = []
+    yield started
+    for group in started:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def trained_steps_planned(files: RunFiles) -> int:
+    """The training side's estimated step count, from its first progress line."""
+    wait_until("the training side's first progress line", lambda: bool(lines(files.training_progress)), 900)
+    return int(json.loads(lines(files.training_progress)[0])["estimated_steps"])
+
+
+def side_pids(files: RunFiles) -> tuple[int, int]:
+    capture, training = lane_lock_path(files.spool, LANE), trainer_lock_path(files.spool)
+    wait_until("both sides' locks", lambda: holder_pid(capture) is not None and holder_pid(training) is not None)
+    return holder_pid(capture) or 0, holder_pid(training) or 0
+
+
+def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_token_exactly_passes_times(
+    data_dir_with_standin, tok, tmp_path, groups
+):
+    root = data_dir_with_standin
+    data_bytes, _ = write_merged(root, tok)
+    budget = data_bytes // 10
+    files = RunFiles(
+        Path(str(DataLayout(root).drafter()) + ".streaming"),
+        Path(str(DataLayout(root).drafter()) + ".streaming") / "spool",
+    )
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(run_config(budget, streaming_orphan_after_s=ORPHAN_AFTER_S)))
+    sampler = Sampler(files.spool)
+    try:
+        with open(tmp_path / "step.log", "wb") as log:
+            step = subprocess.Popen(
+                [sys.executable, "tests/streaming_materialize.py", str(root), str(config), str(tmp_path / "out.json")],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        groups.append(step.pid)
+        capture_pid, training_pid = side_pids(files)
+        groups.extend([capture_pid, training_pid])
+        # kill -9 of the step at a random moment of training, past its first checkpoint (checkpoint_every: 3)
+        at = random.randint(4, max(4, trained_steps_planned(files) // 2))
+        wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
+        os.kill(step.pid, signal.SIGKILL)
+        step.wait()
+        print(f"killed the step after {len(lines(files.training_record))} recorded steps (aimed at {at})")
+
+        # each orphaned side leaves by itself, saying why, before it finished its work
+        wait_until("the orphaned sides to leave", lambda: not alive(capture_pid) and not alive(training_pid), 300)
+        for log_path in (files.capture_log, files.training_log):
+            assert "orphaned: the orchestrator's heartbeat" in log_path.read_text(), log_path.read_text()[-2000:]
+        assert not any('"done": true' in line for line in lines(files.training_progress))
+        assert (files.checkpoints / "checkpoint.pt").exists()
+
+        result, _ = materialize(root, budget, streaming_orphan_after_s=ORPHAN_AFTER_S)
+    finally:
+        sampler.stop()
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    train_tokens = meta["train_tokens"]
+    # the re-run resumed the trainer from its checkpoint, and every token was trained exactly PASSES times across
+    # the two runs (the trainer's record: what the exported weights were trained on)
+    assert meta["resumed_from_step"] >= 3
+    assert meta["streaming_trained_token_passes"] == {str(PASSES): train_tokens}
+    assert meta["streaming_train_tokens"] == PASSES * train_tokens
+    # the drafter exported; the spool within its budget through both runs (sampled from here)
+    assert meta["sglang_key_check"] == "ok" and (Path(meta["path"]) / "config.json").exists()
+    assert sampler.samples > 100 and 0 < sampler.peak <= budget
+    assert not files.folder.exists()
+
+
+def test_a_capture_side_killed_stops_the_training_side_and_a_rerun_resumes(data_dir_with_standin, tok, groups):
+    root = data_dir_with_standin
+    data_bytes, _ = write_merged(root, tok)
+    budget = data_bytes // 10
+    files = RunFiles(
+        Path(str(DataLayout(root).drafter()) + ".streaming"),
+        Path(str(DataLayout(root).drafter()) + ".streaming") / "spool",
+    )
+    seen: dict[str, int] = {}
+
+    def kill_capture() -> None:
+        capture_pid, training_pid = side_pids(files)
+        groups.extend([capture_pid, training_pid])
+        seen.update(capture=capture_pid, training=training_pid)
+        at = random.randint(2, max(2, trained_steps_planned(files) // 3))
+        wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
+        seen["capture_alive"] = alive(capture_pid)
+        os.killpg(capture_pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_capture, daemon=True)
+    killer.start()
+    result, _ = materialize(root, budget)
+    killer.join()
+    assert seen["capture_alive"]  # killed while it still had shards to capture
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert failure.step_failure_data.error.cause.cls_name == "CaptureFailed"
+    # the orchestrator stopped the training side (SIGTERM: it left through its handler) before failing the step
+    assert not alive(seen["training"])
+    assert "stopped (SIGTERM)" in files.training_log.read_text()
+
+    sampler = Sampler(files.spool)
+    try:
+        result, _ = materialize(root, budget)
+    finally:
+        sampler.stop()
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    assert meta["streaming_trained_token_passes"] == {str(PASSES): meta["train_tokens"]}
+    assert 0 < sampler.peak <= budget
+
+
+def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_standin, tok, groups):
+    root = data_dir_with_standin
+    write_merged(root, tok)
+    standin = str(root / "standin")
+    target, tokenizer = TargetModelResource(standin_dir=standin), TokenizerResource(standin_dir=standin)
+    folder = target.folder(tokenizer, print)
+    settings = TrainSettings(ttt_steps=3, batch_tokens=200, max_len=64, checkpoint_every=3, epochs=1)
+    job = StreamingJob(
+        merged=None,  # type: ignore[arg-type]  # the specs do not read it
+        merged_path=DataLayout(root).merged_dataset(),
+        target_folder=folder,
+        out_dir=DataLayout(root).drafter(),
+        settings=settings,
+        requested_draft_vocab=512,
+        request=StreamingRequest(3 * SHARD_BYTES * 4, PASSES, SHARD_BYTES, 2000.0, 500.0, 5e8, {}),
+        identity=target_identity(folder),
+        resources={
+            "target": target.model_dump(mode="json"),
+            "tokenizer": tokenizer.model_dump(mode="json"),
+            "hidden_states_backend": HiddenStatesResource(batch_tokens=512).model_dump(mode="json"),
+        },
+        log=print,
+    )
+    files = RunFiles(job.folder, job.spool)
+    files.folder.mkdir(parents=True)
+    create_spool(files.spool, SpoolSettings({LANE: job.request.spool_bytes}, PASSES, 64, 200, 0, 64))
+    heartbeat = Heartbeat(files.folder, "lock-test")
+    try:
+        spec, _ = side_specs(job, files, "lock-test", "eval")
+        first, second = files.folder / "first", files.folder / "second"
+        for path in (first, second):
+            path.mkdir()
+            mine = spec | {"progress": str(path / "progress.jsonl"), "eval_done": str(path / "eval-done")}
+            (path / "spec.json").write_text(json.dumps(mine | {"eval_root": str(path / "eval_states")}))
+        a = LocalSides().start_capture(first / "spec.json", first / "capture.log")
+        groups.append(a.pgid)  # type: ignore[attr-defined]  # LocalSide's
+        wait_until("the first capture's shards", lambda: bool(lines(first / "progress.jsonl")), 600)
+        assert holder_pid(lane_lock_path(files.spool, LANE)) == a.pgid  # type: ignore[attr-defined]
+
+        b = LocalSides().start_capture(second / "spec.json", second / "capture.log")
+        groups.append(b.pgid)  # type: ignore[attr-defined]
+        log = second / "capture.log"
+        wait_until(
+            "the second capture to wait, write or end",
+            lambda: "waiting for" in log.read_text() or (second / "progress.jsonl").exists() or b.poll() is not None,
+            600,
+        )
+        assert "waiting for" in log.read_text(), log.read_text()[-3000:]
+        # the first writes on (or waits for room); the second waits, naming the holder, and has written nothing
+        written = len(lines(first / "progress.jsonl"))
+        wait_until("the first capture's next figures", lambda: len(lines(first / "progress.jsonl")) > written, 600)
+        assert b.poll() is None and f'"pid": {a.pgid}' in (second / "capture.log").read_text()  # type: ignore[attr-defined]
+        assert not (second / "progress.jsonl").exists() and not (second / "eval_states").exists()
+
+        a.stop()  # the holder gone, the second takes the lane and captures
+        wait_until("the second capture's figures", lambda: bool(lines(second / "progress.jsonl")), 600)
+        b.stop()
+    finally:
+        heartbeat.close()
