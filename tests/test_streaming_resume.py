@@ -23,7 +23,7 @@ from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config,
 
 from eagle3_assets.stages.eagle3_drafter.streaming import LANE, RunFiles, StreamingJob, StreamingRequest, side_specs
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSides
-from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
+from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
 from eagle3_assets.stages.hidden_states.selection import target_identity
 from eagle3_resources.hidden_states.lane_lock import lane_lock_path, trainer_lock_path
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
@@ -33,7 +33,7 @@ from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 REPO = Path(__file__).resolve().parents[1]
-ORPHAN_AFTER_S = 5.0
+ORPHAN_AFTER_S = 3.0  # the heartbeat every 0.75 s
 # a generous bound on a test that would otherwise hang (the capture-failure mutation hangs the step)
 pytestmark = pytest.mark.timeout(int(os.environ.get("STREAMING_RESUME_TIMEOUT_S", "1800")))
 
@@ -120,18 +120,26 @@ def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_toke
         capture_pid, training_pid = side_pids(files)
         groups.extend([capture_pid, training_pid])
         # kill -9 of the step at a random moment of training, past its first checkpoint (checkpoint_every: 3)
-        at = random.randint(4, max(4, trained_steps_planned(files) // 2))
+        planned = trained_steps_planned(files)
+        at = random.randint(4, max(4, planned // 4))
         wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
         os.kill(step.pid, signal.SIGKILL)
+        running = {
+            log: alive(pid) for log, pid in ((files.capture_log, capture_pid), (files.training_log, training_pid))
+        }
         step.wait()
-        print(f"killed the step after {len(lines(files.training_record))} recorded steps (aimed at {at})")
+        print(f"killed the step at step {len(lines(files.training_record))} of ~{planned}; running then: {running}")
 
-        # each orphaned side leaves by itself, saying why, before it finished its work
+        # the orphaned training side leaves by itself, saying why, long before its work is done; the capture side
+        # (ahead of it by up to a spool's worth) leaves so too, or has finished its work in the meantime
         wait_until("the orphaned sides to leave", lambda: not alive(capture_pid) and not alive(training_pid), 300)
-        for log_path in (files.capture_log, files.training_log):
-            assert "orphaned: the orchestrator's heartbeat" in log_path.read_text(), log_path.read_text()[-2000:]
+        orphaned = "orphaned: the orchestrator's heartbeat"
+        assert running[files.training_log] and orphaned in files.training_log.read_text()
         assert not any('"done": true' in line for line in lines(files.training_progress))
-        assert (files.checkpoints / "checkpoint.pt").exists()
+        capture_log = files.capture_log.read_text()
+        print("the capture side " + ("was orphaned" if orphaned in capture_log else "had finished"))
+        assert orphaned in capture_log or (not running[files.capture_log] or "capture side: done" in capture_log)
+        assert (files.checkpoints / CHECKPOINT_FILE).exists()
 
         result, _ = materialize(root, budget, streaming_orphan_after_s=ORPHAN_AFTER_S)
     finally:

@@ -160,7 +160,8 @@ class DrafterTrainConfig(dg.Config):
     )
     streaming_orphan_after_s: float = Field(
         default=60.0,
-        description="streaming mode: a side whose orchestrating step has given no heartbeat (rewritten every 2 s) "
+        description="streaming mode: a side whose orchestrating step has given no heartbeat (rewritten every 2 s, or "
+        "a quarter of this when shorter) "
         "for this many seconds, measured on the side's own clock, stops itself: a step killed with kill -9 leaves "
         "no capture or trainer running",
     )

@@ -49,6 +49,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
 from eagle3_assets.stages.eagle3_drafter.streaming_capture import last_line
 from eagle3_assets.stages.eagle3_drafter.streaming_plan import Hosts, StreamingInputs, StreamingPlan, plan_streaming
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import (
+    HEARTBEAT_EVERY_S,
     ORPHAN_AFTER_S,
     Heartbeat,
     LocalSides,
@@ -349,7 +350,8 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
         SpoolSettings({LANE: r.spool_bytes}, r.passes, settings.max_len, settings.batch_tokens, settings.seed, hidden),
     )
     run_id = uuid.uuid4().hex[:12]
-    heartbeat = Heartbeat(files.folder, run_id)  # first: a side of an earlier run sees another run's heartbeat, leaves
+    # first (a side of an earlier run sees another run's heartbeat and leaves), beating several times per orphan_after_s
+    heartbeat = Heartbeat(files.folder, run_id, min(HEARTBEAT_EVERY_S, job.orphan_after_s / 4))
     capture_spec, training_spec = side_specs(job, files, run_id, held_split)
     files.capture_spec.write_text(json.dumps(capture_spec, indent=1))
     files.training_spec.write_text(json.dumps(training_spec, indent=1))
