@@ -154,11 +154,12 @@ def runs(tmp_path: Path) -> Iterator[Callable[[str], DdpRun]]:
         r.kill_all()
 
 
-def finish(*procs: subprocess.Popen) -> list[str]:
-    """Each process's output once all have ended; fails as soon as one fails, or when they have not all ended by the
-    deadline (a deadlock: the fixture then kills them)."""
+def finish(*procs: subprocess.Popen, watch: Callable[[], None] = lambda: None) -> list[str]:
+    """Each process's output once all have ended; fails as soon as one fails, `watch()` fails (checked throughout), or
+    when they have not all ended by the deadline (a deadlock: the fixture then kills them)."""
     deadline = time.monotonic() + DEADLINE_S
     while any(p.poll() is None for p in procs):
+        watch()
         for p in procs:
             if p.poll() not in (None, 0):
                 raise AssertionError(f"{p.args!r} failed (exit {p.returncode}):\n{p.communicate()[0]}")
@@ -174,6 +175,13 @@ def finish(*procs: subprocess.Popen) -> list[str]:
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
     return outs
+
+
+def assert_no_shard_adopted_twice(root: Path) -> None:
+    """order.log has one writer, rank 0: no shard appears in it twice (a follower adopting on its own would append
+    the shards rank 0 took already). Checked throughout a run, as it is read by capture during it."""
+    adopted = [(lane, name) for lane, name, _key in read_order(root)]
+    assert len(adopted) == len(set(adopted)), f"a shard adopted twice in {root / 'order.log'}: {adopted}"
 
 
 def assert_one_adoption_per_shard(root: Path) -> None:
@@ -193,7 +201,9 @@ def test_two_ranks_train_every_token_passes_times_as_one_process_does_through_a_
     two = runs("two")
     settings, data = make_spool(two.root)
     sampler = Sampler(two.root)
-    _, out = finish(two.produce(slow=0.01), two.train_ddp(slow=0.0))
+    _, out = finish(
+        two.produce(slow=0.01), two.train_ddp(slow=0.0), watch=lambda: assert_no_shard_adopted_twice(two.root)
+    )
     sampler.stop()
     assert "x 2 processes" in out
     assert settings.budget_bytes * 10 <= data
@@ -260,7 +270,7 @@ def test_kill_9_of_the_two_rank_trainer_resumes_without_losing_or_repeating_a_tr
         kill_9(trainer)
         resumed_at.append(torch.load(killed.tmp / "ckpt" / CHECKPOINT_FILE, weights_only=False)["global_step"])
         trainer = killed.train_ddp(slow=0.01)
-    _, out = finish(capture, trainer)
+    _, out = finish(capture, trainer, watch=lambda: assert_no_shard_adopted_twice(killed.root))
     sampler.stop()
     assert f"resumed from the checkpoint at step {resumed_at[-1]}/" in out
     assert sampler.peak <= settings.budget_bytes, (sampler.peak, settings.budget_bytes)

@@ -280,7 +280,9 @@ class SpoolWindows:
         if step is None and not reader.finished:
             self._send(("wait",))
             if self.on_wait is not None:
+                started = time.monotonic()
                 self.on_wait()
+                reader.waited_s += time.monotonic() - started  # as `next_step` counts it: the checkpoint included
             step = self._told(lambda: self._wait_for_capture(reader))
         if step is None:
             self._send(("end",))
