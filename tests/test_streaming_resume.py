@@ -208,7 +208,7 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
     folder = target.folder(tokenizer, print)
     settings = TrainSettings(ttt_steps=3, batch_tokens=200, max_len=64, checkpoint_every=3, epochs=1)
     job = StreamingJob(
-        merged=None,  # type: ignore[arg-type]  # the specs do not read it
+        merged=None,
         merged_path=DataLayout(root).merged_dataset(),
         target_folder=folder,
         out_dir=DataLayout(root).drafter(),
@@ -235,12 +235,12 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
             mine = spec | {"progress": str(path / "progress.jsonl"), "eval_done": str(path / "eval-done")}
             (path / "spec.json").write_text(json.dumps(mine | {"eval_root": str(path / "eval_states")}))
         a = LocalSides().start_capture(first / "spec.json", first / "capture.log")
-        groups.append(a.pgid)  # type: ignore[attr-defined]  # LocalSide's
+        groups.append(a.pgid)
         wait_until("the first capture's shards", lambda: bool(lines(first / "progress.jsonl")), 600)
-        assert holder_pid(lane_lock_path(files.spool, LANE)) == a.pgid  # type: ignore[attr-defined]
+        assert holder_pid(lane_lock_path(files.spool, LANE)) == a.pgid
 
         b = LocalSides().start_capture(second / "spec.json", second / "capture.log")
-        groups.append(b.pgid)  # type: ignore[attr-defined]
+        groups.append(b.pgid)
         log = second / "capture.log"
         wait_until(
             "the second capture to wait, write or end",
@@ -251,7 +251,7 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
         # the first writes on (or waits for room); the second waits, naming the holder, and has written nothing
         written = len(lines(first / "progress.jsonl"))
         wait_until("the first capture's next figures", lambda: len(lines(first / "progress.jsonl")) > written, 600)
-        assert b.poll() is None and f'"pid": {a.pgid}' in (second / "capture.log").read_text()  # type: ignore[attr-defined]
+        assert b.poll() is None and f'"pid": {a.pgid}' in (second / "capture.log").read_text()
         assert not (second / "progress.jsonl").exists() and not (second / "eval_states").exists()
 
         a.stop()  # the holder gone, the second takes the lane and captures

@@ -46,7 +46,6 @@ from typing import Any
 import polars as pl
 
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
-from eagle3_assets.stages.eagle3_drafter.streaming_capture import last_line
 from eagle3_assets.stages.eagle3_drafter.streaming_plan import Hosts, StreamingInputs, StreamingPlan, plan_streaming
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import (
     HEARTBEAT_EVERY_S,
@@ -55,6 +54,7 @@ from eagle3_assets.stages.eagle3_drafter.streaming_sides import (
     LocalSides,
     SideHandle,
     SidesLauncher,
+    last_line,
 )
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json

@@ -22,7 +22,7 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets.stages.eagle3_drafter.streaming_sides import ORPHAN_AFTER_S, OrphanWatch, SideStopped
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import ORPHAN_AFTER_S, OrphanWatch, last_line
 
 
 def capture_main(spec_path: Path) -> None:
@@ -81,26 +81,8 @@ def capture_main(spec_path: Path) -> None:
     log("capture side: done")
 
 
-def last_line(path: Path) -> dict[str, Any]:
-    """The last complete JSON line of a progress file ({} when it has none yet)."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return {}
-    for line in reversed(lines):
-        if line.endswith("}"):
-            try:
-                return dict(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a kill, or read while it was being written
-                continue
-    return {}
-
-
 def main(argv: list[str]) -> int:
-    try:
-        capture_main(Path(argv[0]))
-    except SideStopped as stopped:
-        return int(stopped.code) if isinstance(stopped.code, int) else 1
+    capture_main(Path(argv[0]))  # a stop or an orphan leaves by SystemExit with its code
     return 0
 
 

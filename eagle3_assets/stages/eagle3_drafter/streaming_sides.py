@@ -109,16 +109,27 @@ def read_heartbeat(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-class SideStopped(SystemExit):
-    """What a side's main thread raises when it is asked to stop (SIGTERM) or finds itself orphaned."""
+def last_line(path: Path) -> dict[str, Any]:
+    """The last complete JSON line of a progress file ({} when it has none yet)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(lines):
+        if line.endswith("}"):
+            try:
+                return dict(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill, or read while it was being written
+                continue
+    return {}
 
 
 class OrphanWatch:
     """A side's watch of its orchestrator (`Heartbeat`): it stops the side (the main thread gets SIGTERM, whose
-    handler raises `SideStopped(EXIT_ORPHANED)`; the process is ended for good `grace_s` later if it has not exited)
+    handler raises `SystemExit(EXIT_ORPHANED)`; the process is ended for good `grace_s` later if it has not exited)
     when the beat has not changed for `orphan_after_s` on this process's monotonic clock, or when the heartbeat is
     another run's (a new orchestrator took over the folder). `install()` also turns a SIGTERM from outside (the
-    launcher's stop) into `SideStopped(EXIT_STOPPED)`, so the side's `finally` blocks run."""
+    launcher's stop) into `SystemExit(EXIT_STOPPED)`, so the side's `finally` blocks run."""
 
     def __init__(
         self, folder: Path, run_id: str, orphan_after_s: float, log: Callable[[str], None], grace_s: float = 30.0
@@ -137,9 +148,9 @@ class OrphanWatch:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.reason is None:
             self.log("stopped (SIGTERM): leaving; what is committed stays, and a next run resumes from it")
-            raise SideStopped(EXIT_STOPPED)
+            raise SystemExit(EXIT_STOPPED)
         self.log(f"orphaned: {self.reason}; leaving (exit {EXIT_ORPHANED})")
-        raise SideStopped(EXIT_ORPHANED)
+        raise SystemExit(EXIT_ORPHANED)
 
     def check(self, beat: dict[str, Any] | None, last: tuple[Any, float], now: float) -> tuple[tuple[Any, float], str]:
         """(the last beat seen and when it changed, why this side is orphaned or "")."""
@@ -166,7 +177,7 @@ class OrphanWatch:
             last, why = self.check(read_heartbeat(self.folder), last, time.monotonic())
             if why:
                 self.reason = why
-                os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SideStopped
+                os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SystemExit
                 if not self._stop.wait(self.grace_s):
                     self.log(f"orphaned: {why}; the main thread did not leave within {self.grace_s:.0f} s: ending now")
                     os._exit(EXIT_ORPHANED)

@@ -53,7 +53,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import (
 )
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool
 from eagle3_assets.stages.eagle3_drafter.streaming import split_samples, target_hidden_size
-from eagle3_assets.stages.eagle3_drafter.streaming_sides import ORPHAN_AFTER_S, OrphanWatch, SideStopped
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import ORPHAN_AFTER_S, OrphanWatch
 from eagle3_assets.stages.eagle3_drafter.train import (
     Distributed,
     Every,
@@ -305,10 +305,7 @@ def training_main(spec_path: Path) -> None:
 
 
 def main(argv: Iterable[str]) -> int:
-    try:
-        training_main(Path(list(argv)[0]))
-    except SideStopped as stopped:
-        return int(stopped.code) if isinstance(stopped.code, int) else 1
+    training_main(Path(list(argv)[0]))  # a stop or an orphan leaves by SystemExit with its code
     return 0
 
 
