@@ -1,15 +1,17 @@
 """The REAL drafter trainer on a spool as several torchrun ranks (gloo, CPU), for tests/test_spool_ddp.py.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 tests/spool_ddp_worker.py \
-        ROOT CHECKPOINT_DIR --record PREFIX --stats STATS.jsonl [--slow S] [--checkpoint-every K] [--heartbeat S]
+        ROOT CHECKPOINT_DIR --record PREFIX --stats STATS.jsonl [--slow S] [--checkpoint-every K] [--heartbeat S] \
+        [--stop-file F]
 
 Every rank runs `train_from_spool` with the trainer's `Distributed` (rank 0 reads the spool, the others follow it).
 The drafter and settings are tests/spool_training_worker.py's (a tiny drafter, fp32, one thread). After each
 optimizer step a hook on every rank appends to PREFIX.rank<R>.jsonl the windows THIS rank trained in it (one JSON line
 per step: the global step and [sample id, start, end, pass, shard] per window; a rank left without a window records
 none), having checked that the trainer counted exactly the step's tokens. Each rank appends one JSON line of its
-figures to STATS when it ends. The gloo collectives time out after two minutes (a rank left waiting in a collective
-the others never join fails instead of hanging).
+figures to STATS when it ends. STOP_FILE is the run's `stop` (a watch of the capture side): "stop" in it stops the
+run while it waits, "fail" makes the watch raise there. The gloo collectives time out after two minutes (a rank left
+waiting in a collective the others never join fails instead of hanging).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--heartbeat", type=float, default=0.05)
+    parser.add_argument("--stop-file", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -75,11 +78,26 @@ def main() -> None:
 
         return [Every(1, write)]
 
+    def stop() -> bool:
+        """The run's watch while it waits for capture: STOP_FILE saying "stop" stops it, "fail" fails it."""
+        said = args.stop_file.read_text().strip() if args.stop_file is not None and args.stop_file.exists() else ""
+        if said == "fail":
+            raise RuntimeError("the capture side is gone (the test's watch)")
+        return said == "stop"
+
     log = (lambda m: print(m, flush=True)) if dist.main else (lambda _m: None)
     options = RunOptions(device, log, args.checkpoint_dir, dist)
     try:
         history, data = train_from_spool(
-            model, args.root, settings, options, teacher, hooks=hooks, poll_s=0.02, heartbeat_s=args.heartbeat
+            model,
+            args.root,
+            settings,
+            options,
+            teacher,
+            hooks=hooks,
+            poll_s=0.02,
+            stop=stop,
+            heartbeat_s=args.heartbeat,
         )
     finally:
         record.close()

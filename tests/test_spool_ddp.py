@@ -84,7 +84,7 @@ class DdpRun(Run):
         self.ddp_runs = 0
         self.ddp: list[subprocess.Popen] = []
 
-    def train_ddp(self, slow: float, checkpoint_every: int = 4) -> subprocess.Popen:
+    def train_ddp(self, slow: float, checkpoint_every: int = 4, stop_file: Path | None = None) -> subprocess.Popen:
         self.ddp_runs += 1
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
         args = [str(self.root), str(self.tmp / "ckpt"), "--record", str(self.tmp / f"ddp-{self.ddp_runs}")]
@@ -96,6 +96,7 @@ class DdpRun(Run):
             "--checkpoint-every",
             str(checkpoint_every),
         ]
+        args += ["--stop-file", str(stop_file)] if stop_file is not None else []
         p = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
             + [str(REPO / "tests" / "spool_ddp_worker.py"), *args],
@@ -154,10 +155,12 @@ def runs(tmp_path: Path) -> Iterator[Callable[[str], DdpRun]]:
         r.kill_all()
 
 
-def finish(*procs: subprocess.Popen, watch: Callable[[], None] = lambda: None) -> list[str]:
+def finish(
+    *procs: subprocess.Popen, watch: Callable[[], None] = lambda: None, deadline_s: float = DEADLINE_S
+) -> list[str]:
     """Each process's output once all have ended; fails as soon as one fails, `watch()` fails (checked throughout), or
     when they have not all ended by the deadline (a deadlock: the fixture then kills them)."""
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     while any(p.poll() is None for p in procs):
         watch()
         for p in procs:
@@ -168,7 +171,7 @@ def finish(*procs: subprocess.Popen, watch: Callable[[], None] = lambda: None) -
                 if p.poll() is None:
                     kill_9(p)
             raise AssertionError(
-                f"stuck: not ended after {DEADLINE_S} s:\n" + "\n".join(p.communicate()[0] for p in procs)
+                f"stuck: not ended after {deadline_s} s:\n" + "\n".join(p.communicate()[0] for p in procs)
             )
         time.sleep(0.05)
     outs = [p.communicate()[0] for p in procs]
@@ -285,3 +288,40 @@ def test_kill_9_of_the_two_rank_trainer_resumes_without_losing_or_repeating_a_tr
     for k in a["model"]:  # one thread per rank, fp32, a two-term all-reduce: bit-equal
         torch.testing.assert_close(b["model"][k], a["model"][k], rtol=0, atol=0, msg=k)
     assert b["history"]["step_loss"] == a["history"]["step_loss"]
+
+
+@pytest.mark.timeout(1200)
+def test_the_watch_stops_or_fails_every_rank_while_rank_0_waits_for_capture(runs):
+    """`stop()` is asked while rank 0 waits: "stop" ends the run on every rank (its steps so far checkpointed), an
+    error of the watch (capture gone) fails every rank with rank 0's reason, none left waiting in a collective."""
+    run = runs("stop")
+    make_spool(run.root)
+    flag = run.tmp / "watch"
+    capture, trainer = run.produce(slow=0.05), run.train_ddp(slow=0.0, stop_file=flag)
+    wait_for_slot(run.root, 3, capture, trainer)
+    os.killpg(capture.pid, signal.SIGKILL)  # capture dies: rank 0 soon waits for a shard that never comes
+    capture.wait()
+    flag.write_text("stop")
+    finish(trainer, deadline_s=300)
+    steps = run.ddp_steps()
+    ranks = {s["rank"]: s for s in stats(run.tmp / "ddp.jsonl")}
+    assert sorted(ranks) == [0, 1] and all(s["steps"] == len(steps) for s in ranks.values())
+    assert all(s["waited_s"] > 0 for s in ranks.values())  # rank 1 waited for rank 0's word, rank 0 for capture
+    planned = len(json.loads((run.root / LANES / "a" / "plan.json").read_text())["shards"])
+    assert 0 < len(steps) and Position.from_json(read_ledger(run.root)["position"]).slot < planned + PASSES - 1
+    assert run.final_state()["global_step"] == len(steps)
+
+    failing = runs("fail")
+    make_spool(failing.root)
+    flag = failing.tmp / "watch"
+    flag.write_text("fail")
+    capture, trainer = failing.produce(slow=0.05), failing.train_ddp(slow=0.0, stop_file=flag)
+    deadline = time.monotonic() + 300
+    while trainer.poll() is None:
+        assert time.monotonic() < deadline, "a rank still waits: the watch's error did not reach every rank"
+        time.sleep(0.05)
+    out = trainer.communicate()[0]
+    assert trainer.returncode != 0
+    assert "[rank0]: RuntimeError: the capture side is gone (the test's watch)" in out, out
+    follower = out.split("[rank1]: eagle3_resources.errors.SpoolStateError: rank 0 of the trainer failed reading")
+    assert len(follower) > 1 and "RuntimeError: the capture side is gone" in follower[1].split("\n")[0], out
