@@ -158,6 +158,47 @@ def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_toke
     assert not files.folder.exists()
 
 
+def test_a_stopped_step_stops_both_sides_keeps_the_folder_and_a_rerun_resumes(
+    data_dir_with_standin, tok, tmp_path, groups
+):
+    """A stop of the step (Ctrl-C: Dagster's interrupt in the step) stops both sides through the launcher, then the
+    step ends; the run's folder stays and the next materialization resumes and finishes it."""
+    root = data_dir_with_standin
+    data_bytes, _ = write_merged(root, tok)
+    budget = data_bytes // 10
+    folder = Path(str(DataLayout(root).drafter()) + ".streaming")
+    files = RunFiles(folder, folder / "spool")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(run_config(budget)))  # orphan_after_s: the default 60 s, far off
+    with open(tmp_path / "step.log", "wb") as log:
+        step = subprocess.Popen(
+            [sys.executable, "tests/streaming_materialize.py", str(root), str(config), str(tmp_path / "out.json")],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    groups.append(step.pid)
+    capture_pid, training_pid = side_pids(files)
+    groups.extend([capture_pid, training_pid])
+    at = random.randint(2, max(2, trained_steps_planned(files) // 4))
+    wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
+    os.kill(step.pid, signal.SIGINT)
+    assert step.wait(600) != 0
+    # the step stopped both sides before it ended: they left through their SIGTERM handler, not as orphans
+    assert not alive(capture_pid) and not alive(training_pid)
+    for log_path in (files.capture_log, files.training_log):
+        text = log_path.read_text()
+        assert "stopped (SIGTERM)" in text or "capture side: done" in text, text[-2000:]
+    assert "stopped (SIGTERM)" in files.training_log.read_text()
+    assert files.folder.exists() and not json.loads((tmp_path / "out.json").read_text())["success"]
+
+    result, _ = materialize(root, budget)
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    assert meta["streaming_trained_token_passes"] == {str(PASSES): meta["train_tokens"]}
+
+
 def test_a_capture_side_killed_stops_the_training_side_and_a_rerun_resumes(data_dir_with_standin, tok, groups):
     root = data_dir_with_standin
     data_bytes, _ = write_merged(root, tok)
