@@ -167,3 +167,21 @@ def test_a_spool_too_small_is_refused_before_capture_starts(data_dir_with_standi
     assert description.endswith(f"What to do: {SpoolTooSmall.what_to_do}") and "least it can run with" in description
     streaming = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming")
     assert not streaming.exists() and not observations  # no spool, no capture process, no progress
+
+
+def test_best_every_in_streaming_mode_keeps_and_exports_the_best_checkpoint(data_dir_with_standin, tok):
+    """`best_every` runs in the training side as offline: the main rank decodes the held-out prompts with the target
+    every N steps and at the last; the drafter exported is the step with the highest accept length."""
+    data_bytes, _ = write_merged(data_dir_with_standin, tok)
+    result, _ = materialize(
+        data_dir_with_standin, data_bytes // 10, best_every=25, best_prompts_per_kind=2, spec_eval_new_tokens=8
+    )
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    curve = meta["accept_length_curve"]["curve"]
+    steps = [r["step"] for r in curve]
+    assert steps[:-1] == list(range(25, steps[-1], 25)) and steps[-1] == meta["streaming_train_steps"]
+    best = max(curve, key=lambda r: (r["accept_length"], -r["step"]))  # the earlier step wins a tie
+    assert meta["best_checkpoint_step"] == best["step"]
+    exported = json.loads((Path(meta["path"]) / "config.json").read_text())["eagle3_pipeline"]
+    assert exported["best_step"] == best["step"] and exported["streaming_passes"] == PASSES
