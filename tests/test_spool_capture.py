@@ -149,9 +149,13 @@ def capture(model_folder: Path, tmp_path: Path) -> Iterator[Callable[..., Captur
         lane.kill_all()
 
 
-def drain(root: Path, offline: Path, capturing: Callable[[], bool]) -> dict[str, list[int]]:
+def drain(
+    root: Path, offline: Path, capturing: Callable[[], bool], entries: dict[str, Any] | None = None
+) -> dict[str, list[int]]:
     """The consumer: every step the spool hands out, each window's tensors compared with the offline store's and its
-    tokens counted; the position committed every 3 steps and whenever it waits (so finished shards are deleted)."""
+    tokens counted; the position committed every 3 steps and whenever it waits (so finished shards are deleted).
+    `entries` gets each shard's lane-manifest entry as the reader verified the shard's bytes against it (the lane's
+    manifest itself unlists shards once they are deleted)."""
     store = HiddenStateStore(offline)
     reader = SpoolReader(root, poll_s=0.02)
     counts: dict[str, list[int]] = {}
@@ -169,6 +173,9 @@ def drain(root: Path, offline: Path, capturing: Callable[[], bool]) -> dict[str,
         if step is None:
             break
         for w in step.windows:
+            if entries is not None:
+                ref = reader.shard_ref(w.shard)
+                entries[ref.name] = ref.entry
             got, want = reader[w.sample_id], store[w.sample_id]
             for key in KEYS:
                 if not torch.equal(got[key][w.start : w.end], want[key][w.start : w.end]):
@@ -213,17 +220,21 @@ def test_real_capture_streams_through_a_tenth_of_the_data_bit_identical_to_the_o
     # The consumer starts once the capture has filled the lane and waits for it: the capture pauses, whatever the
     # two sides' speeds.
     lane.wait_for(0, "the lane filled up", lambda reports: any(r["waiting"] for r in reports))
-    counts = drain(root, offline, lane.running)
+    entries: dict[str, Any] = {}
+    counts = drain(root, offline, lane.running, entries)
     lane.finish()
     sampler.stop()
 
     assert settings.budget_bytes * 10 <= data
     assert 0 < sampler.peak <= settings.budget_bytes, (sampler.peak, settings.budget_bytes)
     assert_each_token_consumed_exactly(counts, offline)
-    # The lane's shards are byte for byte the offline store's (their manifests' checksums), names and keys included.
-    lane_shards = json.loads((root / LANES / LANE / MANIFEST).read_text())["shards"]
+    # The lane's shards are byte for byte the offline store's (the entries the reader verified them against, and the
+    # store manifest's checksums), names and keys included; the lane's manifest lists only what is still on disk.
     store_shards = json.loads((offline / MANIFEST).read_text())["shards"]
-    assert lane_shards == store_shards
+    assert entries == store_shards
+    # Only shards on disk when the last one was listed stay listed: their bytes fit the budget (not the whole run's).
+    listed = json.loads((root / LANES / LANE / MANIFEST).read_text())["shards"]
+    assert sum(e["bytes"] for e in listed.values()) <= settings.budget_bytes < data
     assert_spool_emptied(root, plans)
     (stats,) = lane.stats()
     assert stats["pauses"] >= 1 and stats["waited_s"] > 0 and not stats["stopped"]

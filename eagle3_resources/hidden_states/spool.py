@@ -232,17 +232,51 @@ class _ConsumerView:
     adopted: dict[str, str] = field(default_factory=dict)  # name -> key, every shard the trainer has taken
 
 
-def _consumer_view(root: Path, lane: str, passes: int) -> _ConsumerView:
-    ledger = read_ledger(root)  # the ledger first: order.log only grows, so it holds what the ledger counts
-    order = read_order(root)
-    done = min(len(order), trained_out(Position.from_json(ledger["position"]), passes))
-    view = _ConsumerView(adopted={name: key for ln, name, key in order if ln == lane})
-    for i, (ln, name, key) in enumerate(order[: max(done, int(ledger["deleted"]))]):
-        if ln == lane:
-            view.trained[name] = key
-            if i < int(ledger["deleted"]):
-                view.deleted.add(name)
-    return view
+class _ConsumerWatch:
+    """A capture worker's view of the trainer, brought up to date on every call and kept between calls: the ledger
+    is re-read, order.log only from where the last call stopped (it only grows; a torn last line waits for the next
+    call), and the trained and deleted shards only grow. At Kimi-K2.5 scale order.log reaches ~86k lines (10 MB):
+    parsing it whole on every reservation poll would hold the GIL the capture's GPU thread needs. Several writer
+    threads share one watch (a lock); the returned view is the watch's own, for reading."""
+
+    def __init__(self, root: Path, lane: str, passes: int):
+        self.root, self.lane, self.passes = Path(root), lane, passes
+        self.offset = 0
+        self.order: list[tuple[str, str, str]] = []
+        self.current = _ConsumerView()
+        self.trained_upto = self.deleted_upto = 0  # prefixes of the order already in `current`
+        self.lock = threading.Lock()
+
+    def _read_new_lines(self) -> None:
+        try:
+            with open(self.root / ORDER, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        whole = data.rfind(b"\n") + 1  # the part after the last newline is torn or empty
+        for line in data[:whole].decode().split("\n")[:-1]:
+            lane, name, key = json.loads(line)
+            self.order.append((str(lane), str(name), str(key)))
+            if lane == self.lane:
+                self.current.adopted[str(name)] = str(key)
+        self.offset += whole
+
+    def view(self) -> _ConsumerView:
+        with self.lock:
+            ledger = read_ledger(self.root)  # the ledger first: order.log only grows, so it holds what it counts
+            self._read_new_lines()
+            deleted = min(len(self.order), int(ledger["deleted"]))
+            done = min(len(self.order), trained_out(Position.from_json(ledger["position"]), self.passes))
+            for ln, name, key in self.order[self.trained_upto : max(done, deleted)]:
+                if ln == self.lane:
+                    self.current.trained[name] = key
+            for ln, name, _ in self.order[self.deleted_upto : deleted]:
+                if ln == self.lane:
+                    self.current.deleted.add(name)
+            self.trained_upto = max(self.trained_upto, done, deleted)
+            self.deleted_upto = max(self.deleted_upto, deleted)
+            return self.current
 
 
 # -- the capture side ---------------------------------------------------------------------------------------
@@ -296,7 +330,8 @@ class SpoolWriter:
         present = {p.name for p in self.plans if (self.dir / p.name).exists()}
         # The trainer's records are read after the files are looked at: it records a shard as trained before it
         # deletes the file, so a file found missing above is one these records already account for.
-        view = _consumer_view(self.root, lane, self.settings.passes)
+        self.consumer = _ConsumerWatch(self.root, lane, self.settings.passes)
+        view = self.consumer.view()
         keys = {p.name: p.key for p in self.plans}
         # Kept listed: intact shards, and shards fully trained but not yet deleted (still on disk, still counted).
         kept = {
@@ -342,20 +377,21 @@ class SpoolWriter:
 
     def used_bytes(self) -> int:
         """Bytes of this lane's shards on disk, at most: committed and not yet deleted, plus reserved."""
-        deleted = _consumer_view(self.root, self.lane, self.settings.passes).deleted
+        deleted = self.consumer.view().deleted
         with self._lock:
             return self._used(deleted)
 
     def _used(self, deleted: set[str]) -> int:
-        committed = sum(n for name, n in self._committed.items() if name not in deleted)
-        return committed + sum(self._reserved.values())
+        # a deleted shard is off disk for good: dropped here, so this stays the few shards the trainer holds
+        self._committed = {name: n for name, n in self._committed.items() if name not in deleted}
+        return sum(self._committed.values()) + sum(self._reserved.values())
 
     def reserve(self, plan: ShardPlan, stop: Callable[[], bool] = lambda: False) -> bool:
         """Wait until the shard fits the lane's share, then reserve its bytes; False if `stop()` said so first."""
         need = padded_size(self.layouts[plan.name].size)
         started, waited = time.monotonic(), False
         while True:
-            deleted = _consumer_view(self.root, self.lane, self.settings.passes).deleted
+            deleted = self.consumer.view().deleted
             with self._lock:
                 if self._used(deleted) + need <= self.share:
                     self._reserved[plan.name] = need
@@ -392,7 +428,11 @@ class SpoolWriter:
     def record(self, name: str, entry: dict[str, Any]) -> None:
         """List the written shard in the lane's manifest (`ShardCommitter.record`); its reservation becomes committed
         bytes. If the manifest write fails, the file stays on disk unlisted and its bytes stay reserved (counted)."""
-        self.committer.record(name, entry)
+        # Deleted shards leave the lane's manifest as the next shard is listed: it stays the few shards on disk
+        # instead of growing to every shard of the run (at Kimi-K2.5 scale ~86k entries, 22 MB of JSON rewritten
+        # per commit and read twice per shard by the trainer). The trainer reads a shard's entry only before its
+        # last pass is committed, and the ledger records a deletion only after the unlink.
+        self.committer.record(name, entry, drop=self.consumer.view().deleted)
         with self._lock:
             self._committed[name] = int(entry["bytes"])
             del self._reserved[name]

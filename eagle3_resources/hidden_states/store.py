@@ -51,7 +51,7 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -432,10 +432,14 @@ class ShardCommitter:
             "tokens": plan.tokens,
         }
 
-    def record(self, name: str, entry: dict[str, Any]) -> None:
-        """List the written shard `name` in the manifest; return once that manifest is durable (see the class)."""
+    def record(self, name: str, entry: dict[str, Any], drop: Collection[str] = ()) -> None:
+        """List the written shard `name` in the manifest, unlisting the shards in `drop` (a spool's deleted ones);
+        return once that manifest is durable (see the class)."""
         with self._cond:
-            self.manifest["shards"][name] = entry
+            shards = self.manifest["shards"]
+            for gone in [n for n in shards if n in drop]:
+                del shards[gone]
+            shards[name] = entry
             self._changes += 1
             mine = self._changes
             while self._saved < mine:
