@@ -185,3 +185,23 @@ def test_best_every_in_streaming_mode_keeps_and_exports_the_best_checkpoint(data
     assert meta["best_checkpoint_step"] == best["step"]
     exported = json.loads((Path(meta["path"]) / "config.json").read_text())["eagle3_pipeline"]
     assert exported["best_step"] == best["step"] and exported["streaming_passes"] == PASSES
+
+
+def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
+    """`processes: 2`: the training side runs under torchrun (rank 0 reads the spool, rank 1 follows), the capture
+    side in a process group of its own; every token is trained exactly PASSES times, counted on rank 0's record of
+    whole steps."""
+    data_bytes, _ = write_merged(data_dir_with_standin, tok)
+    spool = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming") / "spool"
+    sides = SidesSeen(spool)
+    try:
+        result, _ = materialize(data_dir_with_standin, data_bytes // 10, processes=2)
+    finally:
+        sides.stop()
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    assert meta["train_processes"] == 2
+    assert meta["streaming_trained_token_passes"] == {str(PASSES): meta["train_tokens"]}
+    # rank 0 (torchrun starts each rank in a session of its own): neither the capture's group nor the test's
+    (capture_pid, capture_group), (_, training_group) = sides.seen["capture"], sides.seen["training"]
+    assert capture_group == capture_pid and training_group not in (capture_group, os.getpgid(0))

@@ -190,6 +190,24 @@ class OrphanWatch:
 # -- the sides on this machine ----------------------------------------------------------------------------------------
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc (empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
 class LocalSide:
     """A side started as a process group of its own on this machine, its output in its log file."""
 
@@ -207,11 +225,16 @@ class LocalSide:
         return self.proc.poll()
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM to the whole group (torchrun and its ranks, or the capture and its rank processes), SIGKILL to
-        what remains after `grace_s`; idempotent."""
+        """SIGTERM to the whole group (the capture and its rank processes; torchrun, which stops its ranks), SIGKILL
+        to what remains after `grace_s`, and to the side's descendants in sessions of their own (torchrun starts each
+        rank in a new session); idempotent."""
+        below = descendants(self.proc.pid)
         stop_group(self.proc, grace_s)
         with contextlib.suppress(ProcessLookupError):  # the leader gone, its children may linger in the group
             os.killpg(self.pgid, signal.SIGKILL)
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def describe(self) -> str:
         return f"{self.name}: process group {self.pgid} on {socket.gethostname()} ({' '.join(self.cmd[2:])})"
@@ -228,7 +251,8 @@ class LocalSides:
     """Both sides on this machine, each a process group of its own (`start_new_session`): the capture as
     `python -m CAPTURE_MODULE SPEC`, the training as `python -m TRAINING_MODULE SPEC`, under
     `python -m torch.distributed.run --standalone --nproc-per-node=P` when it has P > 1 ranks (OMP_NUM_THREADS=1
-    unless set, as `launch.run_torchrun` does). Several nodes need a cluster launcher (`KubernetesSides`)."""
+    unless set, as `launch.run_torchrun` does; torchrun starts each rank in a session of its own, which `stop` ends
+    too). Several nodes need a cluster launcher (`KubernetesSides`)."""
 
     python: str = sys.executable
 
