@@ -374,7 +374,9 @@ class PassCounter:
 
 def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Comparison, seed: int, work: Path) -> Run:
     """Capture into the spool (this thread) while the trainer trains from it (another thread); a failed trainer stops
-    the capture. The spool is fresh per run: its shards are deleted once trained."""
+    the capture and its error is raised here. A failed capture raises here at once; the trainer, waiting for shards
+    that will not come (`train_from_spool` takes no stop), is a daemon thread left polling until the process exits.
+    The spool and checkpoint are fresh per run (a finished spool's shards are deleted; a checkpoint would resume)."""
     built = build_drafter(standin, data, c, seed)
     hidden = int(store.manifest["hidden_size"])
     budget, total = spool_budget(data, hidden, c)

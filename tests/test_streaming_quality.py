@@ -39,7 +39,8 @@ def load_benchmark() -> ModuleType:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """torch on one thread, as the benchmark runs: the figures repeat bit for bit; set back afterwards."""
+    """torch on one thread, as the benchmark runs by default (its figures for seeds 1-3 are this test's); set back
+    afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
