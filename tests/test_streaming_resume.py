@@ -23,6 +23,7 @@ from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config,
 
 from eagle3_assets.stages.eagle3_drafter.streaming import LANE, RunFiles, StreamingJob, StreamingRequest, side_specs
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSides
+from eagle3_assets.stages.eagle3_drafter.streaming_train import coverage, end_line, trained_steps
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
 from eagle3_assets.stages.hidden_states.selection import target_identity
 from eagle3_resources.hidden_states.lane_lock import lane_lock_path, trainer_lock_path
@@ -300,3 +301,16 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
         b.stop()
     finally:
         heartbeat.close()
+
+
+def test_the_trainers_record_survives_a_line_cut_by_a_kill(tmp_path):
+    """A kill can cut the record's last line; the resumed run's lines start lines of their own, each step's last
+    line counts, and the steps past the last trained one are left out."""
+    record = tmp_path / "training-record.jsonl"
+    record.write_text('{"step": 1, "windows": [["a", 0, 5]]}\n{"step": 2, "windows": [["a", 5, 8]]}\n{"step": 3, "wi')
+    end_line(record)  # as the resumed training side does before it appends (its checkpoint was at step 1)
+    with open(record, "a") as f:
+        f.write('{"step": 2, "windows": [["a", 5, 8], ["b", 0, 2]]}\n{"step": 3, "windows": [["a", 0, 5]]}\n')
+    steps = trained_steps(record, last_step=2)
+    assert steps == {1: [("a", 0, 5)], 2: [("a", 5, 8), ("b", 0, 2)]}
+    assert coverage(steps, {"a": 8, "b": 3}) == {0: 1, 1: 10}

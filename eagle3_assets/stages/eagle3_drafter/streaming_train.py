@@ -217,6 +217,8 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
             f"acc {untrained['acc']}"
         )
 
+    if dist.main:
+        end_line(Path(spec["record"]))
     with open(spec["record"], "a") as record, open(spec["progress"], "a") as progress_file:
         kept: list[BestCheckpointKeeper] = []
 
@@ -258,6 +260,16 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
         "coverage": {str(k): v for k, v in counted.items()},
     }
     write_report(Path(spec["report"]), report, streaming)
+
+
+def end_line(path: Path) -> None:
+    """End the record's last line if a kill cut it, so the next line appended starts a line of its own."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
 
 
 def bind(progress: SideProgress, data: SpoolWindows) -> SpoolWindows:
