@@ -205,3 +205,24 @@ def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
     # rank 0 (torchrun starts each rank in a session of its own): neither the capture's group nor the test's
     (capture_pid, capture_group), (_, training_group) = sides.seen["capture"], sides.seen["training"]
     assert capture_group == capture_pid and training_group not in (capture_group, os.getpgid(0))
+
+
+@pytest.mark.parametrize(
+    ("more", "says"),
+    [
+        ({"streaming_nodes": 2}, "need `streaming_sides: kubernetes`"),
+        ({"streaming_sides": "slurm"}, "`kubernetes` each as a Job"),
+    ],
+)
+def test_a_launch_shape_this_machine_cannot_run_is_refused_before_anything_starts(
+    data_dir_with_standin, tok, more, says
+):
+    """Several training nodes need a cluster launcher; an unknown launcher is named. Both refused before a spool or a
+    process exists."""
+    data_bytes, _ = write_merged(data_dir_with_standin, tok)
+    result, observations = materialize(data_dir_with_standin, data_bytes // 10, **more)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert says in failure.step_failure_data.error.cause.message
+    streaming = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming")
+    assert not streaming.exists() and not observations

@@ -29,7 +29,7 @@ from eagle3_assets.stages.eagle3_drafter.quality import (
     target_weight_bytes,
 )
 from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, StreamingRequest, stream_drafter
-from eagle3_assets.stages.eagle3_drafter.streaming_sides import LocalSides
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import LocalSides, SidesLauncher
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
 from eagle3_assets.stages.hidden_states.asset import hidden_states
@@ -143,8 +143,8 @@ class DrafterTrainConfig(dg.Config):
     )
     streaming_train_tok_s: float | None = Field(
         default=None,
-        description="streaming plan: token-passes/s of training; unset = the last drafter materialization's "
-        "measured `train_tokens_per_s` (refused when there is none)",
+        description="streaming plan: token-passes/s of training on one node (all its `processes` ranks); unset = "
+        "the last drafter materialization's measured `train_tokens_per_s` (refused when there is none)",
     )
     streaming_spool_dir: str | None = Field(
         default=None,
@@ -155,8 +155,15 @@ class DrafterTrainConfig(dg.Config):
     streaming_sides: str = Field(
         default="local",
         description="streaming mode: where the capture side and the training side run. `local`: each a process "
-        "group on the step's machine (training under torchrun with `processes` ranks). Nothing else is accepted "
-        "yet (`kubernetes`: Jobs built with dagster-k8s, to come)",
+        "group on the step's machine (training under torchrun with `processes` ranks). `kubernetes`: each a Job "
+        "in the step pod's namespace (deploy/README.md), the capture on one whole GPU node (GPUs: the SGLang "
+        "tensor-parallel size), the training an Indexed Job of `streaming_nodes` GPU pods of `processes` ranks; "
+        "the spool on the data volume all pods mount (ReadWriteMany)",
+    )
+    streaming_nodes: int = Field(
+        default=1,
+        description="streaming mode: nodes of the training side, each running `processes` ranks (one a GPU); "
+        "more than 1 needs `streaming_sides: kubernetes`",
     )
     streaming_orphan_after_s: float = Field(
         default=60.0,
@@ -517,10 +524,15 @@ def streaming_job(
     capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
     if config.online:
         raise DrafterError("streaming mode (streaming_spool_gb) trains from its spool: not with online (set one)")
-    if config.streaming_sides != "local":
+    if config.streaming_sides not in ("local", "kubernetes"):
         raise DrafterError(
-            f"streaming_sides: {config.streaming_sides!r} is not a launcher this build has; `local` runs both sides "
-            "on the step's machine"
+            f"streaming_sides: {config.streaming_sides!r}: `local` runs both sides on the step's machine, "
+            "`kubernetes` each as a Job"
+        )
+    if config.streaming_nodes != 1 and config.streaming_sides != "kubernetes":
+        raise DrafterError(
+            f"streaming_nodes: {config.streaming_nodes} training nodes need `streaming_sides: kubernetes` (`local` "
+            "runs the training side on the step's machine: set streaming_nodes: 1)"
         )
     rates, source = {}, {}
     for name, value, asset_key, key in (
@@ -587,12 +599,23 @@ def streaming_job(
         observe=observe,
         device=config.device,
         init_from=Path(config.init_from) if config.init_from else None,
-        launcher=LocalSides(),
+        launcher=sides_launcher(context, config, request.capture_gpus),
         processes=config.processes,
+        nodes=config.streaming_nodes,
         best=best,
         spool_dir=Path(config.streaming_spool_dir) if config.streaming_spool_dir else None,
         orphan_after_s=config.streaming_orphan_after_s,
     )
+
+
+def sides_launcher(context: dg.AssetExecutionContext, config: DrafterTrainConfig, capture_gpus: int) -> SidesLauncher:
+    """Where the streaming sides run: this machine, or Kubernetes Jobs started from this step's pod."""
+    if config.streaming_sides == "kubernetes":
+        # dagster-k8s and the kubernetes client are the `k8s` extra (in the images): imported here, not at load
+        from eagle3_assets.stages.eagle3_drafter.streaming_k8s import kubernetes_sides
+
+        return kubernetes_sides(context, capture_gpus=capture_gpus)
+    return LocalSides()
 
 
 def refuse_best_checkpoint(config: DrafterTrainConfig, folder: Path) -> None:

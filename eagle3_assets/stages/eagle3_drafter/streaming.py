@@ -182,17 +182,23 @@ def target_hidden_size(folder: Path) -> int:
 
 
 def plan_for(
-    train: list[StoredSample], hidden: int, identity: dict[str, Any], request: StreamingRequest, settings: TrainSettings
+    train: list[StoredSample],
+    hidden: int,
+    identity: dict[str, Any],
+    request: StreamingRequest,
+    settings: TrainSettings,
+    training_nodes: tuple[int, int] = (1, 1),
 ) -> tuple[StreamingInputs, StreamingPlan]:
-    """The plan of streaming `train` (refused with `SpoolTooSmall` when the spool cannot hold its working set); the
-    largest shard is measured on the capture's own shard plan."""
+    """The plan of streaming `train` (refused with `SpoolTooSmall` when the spool cannot hold its working set) on
+    `training_nodes` = (nodes, ranks per node), each node training at `request.train_tok_s`; the largest shard is
+    measured on the capture's own shard plan."""
     plans = plan_shards(train, hidden, request.shard_bytes, identity)
     sizes = [shard_layout(p, [train[i] for i in p.samples], hidden).size for p in plans]
     inputs = StreamingInputs(
         tokens=sum(len(s.input_ids) for s in train),
         bytes_per_token=token_bytes(hidden),
         capture=Hosts(1, request.capture_tok_s, request.capture_gpus),
-        training=Hosts(1, request.train_tok_s, 1),
+        training=Hosts(training_nodes[0], request.train_tok_s, training_nodes[1]),
         spool_bytes_per_s=request.spool_bytes_per_s,
         spool_budget_bytes=request.spool_bytes,
         passes=request.passes,
@@ -337,7 +343,8 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     settings = replace(job.settings, epochs=1)
     hidden = target_hidden_size(job.target_folder)
     train, _, held_split = split_samples(job.merged)
-    inputs, plan = plan_for(train, hidden, job.identity, job.request, settings)  # SpoolTooSmall: nothing made yet
+    training_nodes = (job.nodes, job.processes)
+    inputs, plan = plan_for(train, hidden, job.identity, job.request, settings, training_nodes)  # SpoolTooSmall first
     text = plan.describe(inputs)
     job.log("streaming plan:\n" + text)
     figures = StreamingFigures(plan, text, job.request.spool_bytes, plan.data_bytes)
