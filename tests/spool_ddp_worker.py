@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-from spool_training_worker import tiny_drafter
+from spool_training_worker import spool_settings, tiny_drafter
 
 from eagle3_assets.stages.eagle3_drafter.data import Teacher
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool
-from eagle3_assets.stages.eagle3_drafter.train import Distributed, Every, RunOptions, Trainer, TrainSettings
-from eagle3_resources.hidden_states.spool import open_settings
+from eagle3_assets.stages.eagle3_drafter.train import Distributed, Every, RunOptions, Trainer
 
 
 def main() -> None:
@@ -48,16 +47,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     dist = Distributed(rank, world)
-    spool = open_settings(args.root)
-    settings = TrainSettings(
-        ttt_steps=3,
-        epochs=1,
-        batch_tokens=spool.batch_tokens,
-        max_len=spool.max_len,
-        seed=spool.seed,
-        checkpoint_every=args.checkpoint_every,
-        warmup_steps=5,
-    )
+    settings = spool_settings(args.root, args.checkpoint_every)
     model, head = tiny_drafter()
     device = torch.device("cpu")
     teacher = Teacher(head, model.draft_ids, device)

@@ -50,6 +50,20 @@ def tiny_drafter() -> tuple[Eagle3Drafter, torch.Tensor]:
     return Eagle3Drafter(cfg, embed, torch.arange(0, 2 * DRAFT_VOCAB, 2)), head
 
 
+def spool_settings(root: Path, checkpoint_every: int) -> TrainSettings:
+    """The tiny trainer's settings on the spool at `root` (its window length, step tokens and seed)."""
+    spool = open_settings(root)
+    return TrainSettings(
+        ttt_steps=3,
+        epochs=1,
+        batch_tokens=spool.batch_tokens,
+        max_len=spool.max_len,
+        seed=spool.seed,
+        checkpoint_every=checkpoint_every,
+        warmup_steps=5,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root", type=Path)
@@ -60,16 +74,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    spool = open_settings(args.root)
-    settings = TrainSettings(
-        ttt_steps=3,
-        epochs=1,
-        batch_tokens=spool.batch_tokens,
-        max_len=spool.max_len,
-        seed=spool.seed,
-        checkpoint_every=args.checkpoint_every,
-        warmup_steps=5,
-    )
+    settings = spool_settings(args.root, args.checkpoint_every)
     model, head = tiny_drafter()
     device = torch.device("cpu")
     teacher = Teacher(head, model.draft_ids, device)

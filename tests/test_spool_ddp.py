@@ -34,6 +34,7 @@ from test_spool_training import (
     assert_spool_emptied,
     make_spool,
     stats,
+    wait_for_slot,
 )
 
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE
@@ -238,19 +239,6 @@ def test_two_ranks_train_every_token_passes_times_as_one_process_does_through_a_
     torch.testing.assert_close(torch.tensor(hb["grad_norm"]), torch.tensor(ha["grad_norm"]), rtol=1e-4, atol=0)
     for k in a["model"]:
         torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-4, atol=1e-6, msg=k)
-
-
-def wait_for_slot(root: Path, slot: int, capture: subprocess.Popen, trainer: subprocess.Popen) -> None:
-    """Until the spool's durable position (rank 0's committed checkpoints) reaches `slot`; fails if the trainer ends
-    or capture fails."""
-    deadline = time.monotonic() + DEADLINE_S
-    while Position.from_json(read_ledger(root)["position"]).slot < slot:
-        for p, role in ((capture, "capture"), (trainer, "trainer")):
-            if p.poll() is not None and (p is trainer or p.returncode != 0):
-                out, _ = p.communicate()
-                raise AssertionError(f"the {role} ended (exit {p.returncode}) before slot {slot}:\n{out}")
-        assert time.monotonic() < deadline, f"stuck before slot {slot}"
-        time.sleep(0.01)
 
 
 @pytest.mark.timeout(2400)

@@ -186,14 +186,19 @@ def test_the_trainer_trains_every_token_passes_times_through_a_spool_of_a_tenth_
     assert Position.from_json(state["data"]["spool_position"]) == Position.from_json(read_ledger(run.root)["position"])
 
 
-def wait_for_slot(root: Path, slot: int, capture: subprocess.Popen, trainer: subprocess.Popen) -> None:
-    """Until the spool's durable position (the trainer's committed checkpoints) reaches `slot`; fails if the trainer
-    ends or capture fails."""
+def wait_for_slot(
+    root: Path, slot: int, capture: subprocess.Popen, trainer: subprocess.Popen, deadline_s: float = 900
+) -> None:
+    """Until the spool's durable position (the trainer's committed checkpoints; rank 0's with several ranks) reaches
+    `slot`; fails if the trainer ends, capture fails, or `deadline_s` passes (a trainer stuck, e.g. a rank waiting in
+    a collective the others never join)."""
+    deadline = time.monotonic() + deadline_s
     while Position.from_json(read_ledger(root)["position"]).slot < slot:
         for p, role in ((capture, "capture"), (trainer, "trainer")):
             if p.poll() is not None and (p is trainer or p.returncode != 0):
                 out, _ = p.communicate()
                 raise AssertionError(f"the {role} ended (exit {p.returncode}) before slot {slot}:\n{out}")
+        assert time.monotonic() < deadline, f"stuck before slot {slot}"
         time.sleep(0.01)
 
 

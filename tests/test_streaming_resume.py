@@ -95,6 +95,25 @@ def side_pids(files: RunFiles) -> tuple[int, int]:
     return holder_pid(capture) or 0, holder_pid(training) or 0
 
 
+def start_step(
+    root: Path, config: Path, files: RunFiles, tmp_path: Path, groups: list[int]
+) -> tuple[subprocess.Popen, int, int]:
+    """The materializing step as a process of its own (tests/streaming_materialize.py), and its two sides' pids once
+    they hold their locks; all three process groups noted for the fixture's cleanup."""
+    with open(tmp_path / "step.log", "wb") as log:
+        step = subprocess.Popen(
+            [sys.executable, "tests/streaming_materialize.py", str(root), str(config), str(tmp_path / "out.json")],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    groups.append(step.pid)
+    capture_pid, training_pid = side_pids(files)
+    groups.extend([capture_pid, training_pid])
+    return step, capture_pid, training_pid
+
+
 def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_token_exactly_passes_times(
     data_dir_with_standin, tok, tmp_path, groups
 ):
@@ -109,17 +128,7 @@ def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_toke
     config.write_text(json.dumps(run_config(budget, streaming_orphan_after_s=ORPHAN_AFTER_S)))
     sampler = Sampler(files.spool)
     try:
-        with open(tmp_path / "step.log", "wb") as log:
-            step = subprocess.Popen(
-                [sys.executable, "tests/streaming_materialize.py", str(root), str(config), str(tmp_path / "out.json")],
-                cwd=REPO,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        groups.append(step.pid)
-        capture_pid, training_pid = side_pids(files)
-        groups.extend([capture_pid, training_pid])
+        step, capture_pid, training_pid = start_step(root, config, files, tmp_path, groups)
         # kill -9 of the step at a random moment of training, past its first checkpoint (checkpoint_every: 3)
         planned = trained_steps_planned(files)
         at = random.randint(4, max(4, planned // 4))
@@ -171,17 +180,7 @@ def test_a_stopped_step_stops_both_sides_keeps_the_folder_and_a_rerun_resumes(
     files = RunFiles(folder, folder / "spool")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(run_config(budget)))  # orphan_after_s: the default 60 s, far off
-    with open(tmp_path / "step.log", "wb") as log:
-        step = subprocess.Popen(
-            [sys.executable, "tests/streaming_materialize.py", str(root), str(config), str(tmp_path / "out.json")],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    groups.append(step.pid)
-    capture_pid, training_pid = side_pids(files)
-    groups.extend([capture_pid, training_pid])
+    step, capture_pid, training_pid = start_step(root, config, files, tmp_path, groups)
     at = random.randint(2, max(2, trained_steps_planned(files) // 4))
     wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
     os.kill(step.pid, signal.SIGINT)
