@@ -512,16 +512,8 @@ def train_in_this_process(
     return report
 
 
-def streaming_job(
-    context: dg.AssetExecutionContext,
-    config: DrafterTrainConfig,
-    store: DataStore,
-    folder: Path,
-    merged: pl.DataFrame,
-    resources: tuple[TargetModelResource, TokenizerResource, HiddenStatesResource],
-) -> StreamingJob:
-    """The streaming run the config asks for: its rates declared or measured (the last materializations'), the
-    capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
+def refuse_streaming_shape(config: DrafterTrainConfig) -> None:
+    """What streaming mode cannot do, refused before a spool or a process exists."""
     if config.online:
         raise DrafterError("streaming mode (streaming_spool_gb) trains from its spool: not with online (set one)")
     if config.streaming_sides not in ("local", "kubernetes"):
@@ -534,6 +526,13 @@ def streaming_job(
             f"streaming_nodes: {config.streaming_nodes} training nodes need `streaming_sides: kubernetes` (`local` "
             "runs the training side on the step's machine: set streaming_nodes: 1)"
         )
+
+
+def streaming_request(
+    context: dg.AssetExecutionContext, config: DrafterTrainConfig, backend: HiddenStatesResource
+) -> StreamingRequest:
+    """The spool and the plan's rates: each rate declared in the config, else the last materialization's measured
+    figure (refused when there is none)."""
     rates, source = {}, {}
     for name, value, asset_key, key in (
         ("capture_tok_s", config.streaming_capture_tok_s, "hidden_states", "tokens_per_s"),
@@ -549,7 +548,32 @@ def streaming_job(
                 f"the streaming plan needs streaming_{name}: no {asset_key} materialization measured {key}; set it"
             )
         rates[name], source[name] = float(meta[key].value), f"measured: {asset_key}'s last {key}"
+    sglang = backend.backend is HiddenStatesBackendKind.SGLANG
+    return StreamingRequest(
+        spool_bytes=int(config.streaming_spool_gb * 1e9) if config.streaming_spool_gb is not None else 0,
+        passes=config.streaming_passes,
+        shard_bytes=int(config.streaming_shard_gb * 1e9),
+        capture_tok_s=rates["capture_tok_s"],
+        train_tok_s=rates["train_tok_s"],
+        spool_bytes_per_s=config.streaming_spool_gb_s * 1e9,
+        rates_source=source,
+        capture_gpus=backend.sglang_tp_size if sglang else 1,
+    )
+
+
+def streaming_job(
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    store: DataStore,
+    folder: Path,
+    merged: pl.DataFrame,
+    resources: tuple[TargetModelResource, TokenizerResource, HiddenStatesResource],
+) -> StreamingJob:
+    """The streaming run the config asks for: its rates declared or measured (the last materializations'), the
+    capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
+    refuse_streaming_shape(config)
     target, tokenizer, backend = resources
+    request = streaming_request(context, config, backend)
     best = None
     if config.best_every > 0:
         best = {
@@ -560,17 +584,6 @@ def streaming_job(
             "target": target.model_dump(mode="json"),
             "tokenizer": tokenizer.model_dump(mode="json"),
         }
-    sglang = backend.backend is HiddenStatesBackendKind.SGLANG
-    request = StreamingRequest(
-        spool_bytes=int(config.streaming_spool_gb * 1e9) if config.streaming_spool_gb is not None else 0,
-        passes=config.streaming_passes,
-        shard_bytes=int(config.streaming_shard_gb * 1e9),
-        capture_tok_s=rates["capture_tok_s"],
-        train_tok_s=rates["train_tok_s"],
-        spool_bytes_per_s=config.streaming_spool_gb_s * 1e9,
-        rates_source=source,
-        capture_gpus=backend.sglang_tp_size if sglang else 1,
-    )
 
     def observe(figures: dict) -> None:
         context.log_event(

@@ -43,6 +43,7 @@ import torch
 from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointKeeper, BestCheckpointPlan
 from eagle3_assets.stages.eagle3_drafter.data import plan_windows
 from eagle3_assets.stages.eagle3_drafter.pipeline import (
+    BuiltDrafter,
     DrafterJob,
     DrafterReport,
     Outcome,
@@ -178,8 +179,21 @@ def wait_for(path: Path, log: Callable[[str], None], poll_s: float = 0.2) -> Non
         time.sleep(poll_s)
 
 
-def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[[str], None]) -> None:
-    """One rank's training from the spool; the main rank scores, exports and writes the report."""
+@dataclass(frozen=True)
+class Prepared:
+    """A rank's drafter built, the eval states the capture stored first, and the untrained scores (main rank)."""
+
+    job: DrafterJob
+    built: BuiltDrafter
+    store: HiddenStateStore
+    splits: Splits
+    held_out: Callable[[], Any]
+    untrained: dict[str, Any]
+
+
+def prepare(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[[str], None]) -> Prepared:
+    """The drafter as `run_drafter_job` builds it, then (once the capture side has stored them) the eval states and
+    the untrained drafter's scores."""
     settings = TrainSettings(**spec["settings"])
     merged = pl.read_parquet(spec["merged"])
     dev = training_device(device)
@@ -216,7 +230,15 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
             f"untrained drafter on {splits.eval_split}: accept length {untrained['accept_length']}, "
             f"acc {untrained['acc']}"
         )
+    return Prepared(job, built, store, splits, held_out, untrained)
 
+
+def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[[str], None]) -> None:
+    """One rank's training from the spool; the main rank scores, exports and writes the report."""
+    ready = prepare(spec, dist, device, log)
+    job, built, store, splits, held_out = ready.job, ready.built, ready.store, ready.splits, ready.held_out
+    model, teacher, settings, merged = built.model, built.teacher, job.settings, job.merged
+    dev = training_device(device)
     if dist.main:
         end_line(Path(spec["record"]))
     with open(spec["record"], "a") as record, open(spec["progress"], "a") as progress_file:
@@ -251,7 +273,7 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
     )
     extra = {"streaming_passes": int(spec["passes"])} | best_keys
     report = export_report(
-        job, built, store.manifest["aux_layer_ids"], splits, Outcome(untrained, trained, history, best, extra)
+        job, built, store.manifest["aux_layer_ids"], splits, Outcome(ready.untrained, trained, history, best, extra)
     )
     streaming = {
         "steps": trainer.global_step,
