@@ -16,7 +16,6 @@ waiting in a collective the others never join fails instead of hanging).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from spool_training_worker import spool_settings, tiny_drafter
+from spool_training_worker import spool_settings, tiny_drafter, worker_arguments
 
 from eagle3_assets.stages.eagle3_drafter.data import Teacher
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool
@@ -33,13 +32,7 @@ from eagle3_assets.stages.eagle3_drafter.train import Distributed, Every, RunOpt
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("root", type=Path)
-    parser.add_argument("checkpoint_dir", type=Path)
-    parser.add_argument("--record", type=Path, required=True)
-    parser.add_argument("--stats", type=Path, required=True)
-    parser.add_argument("--slow", type=float, default=0.0)
-    parser.add_argument("--checkpoint-every", type=int, default=4)
+    parser = worker_arguments()
     parser.add_argument("--heartbeat", type=float, default=0.05)
     parser.add_argument("--stop-file", type=Path, default=None)
     args = parser.parse_args()

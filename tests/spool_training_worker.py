@@ -64,7 +64,8 @@ def spool_settings(root: Path, checkpoint_every: int) -> TrainSettings:
     )
 
 
-def main() -> None:
+def worker_arguments() -> argparse.ArgumentParser:
+    """The arguments of a spool trainer worker (this one and tests/spool_ddp_worker.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("root", type=Path)
     parser.add_argument("checkpoint_dir", type=Path)
@@ -72,7 +73,11 @@ def main() -> None:
     parser.add_argument("--stats", type=Path, required=True)
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--checkpoint-every", type=int, default=4)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = worker_arguments().parse_args()
     torch.set_num_threads(1)
     settings = spool_settings(args.root, args.checkpoint_every)
     model, head = tiny_drafter()

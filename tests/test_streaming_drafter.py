@@ -46,6 +46,11 @@ def write_merged(data_root: Path, tok) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
+def streaming_folder(data_root: Path) -> Path:
+    """Where a streaming run keeps its files: beside the exported drafter, under the data root."""
+    return Path(str(DataLayout(data_root).drafter()) + ".streaming")
+
+
 def run_config(spool_bytes: int, **more: object) -> dict:
     """The drafter's config of these tests: the tiny trainer, the spool, the declared plan rates; `more` on top."""
     return {
@@ -117,7 +122,7 @@ def test_one_materialization_captures_and_trains_through_a_tenth_of_the_data(dat
     data_bytes, largest = write_merged(data_dir_with_standin, tok)
     budget = data_bytes // 10
     assert budget >= min_lane_bytes(PASSES, largest), (budget, largest)  # the tenth still holds the working set
-    spool = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming") / "spool"
+    spool = streaming_folder(data_dir_with_standin) / "spool"
     sampler, sides = Sampler(spool), SidesSeen(spool)
     try:
         result, observations = materialize(data_dir_with_standin, budget)
@@ -165,7 +170,7 @@ def test_a_spool_too_small_is_refused_before_capture_starts(data_dir_with_standi
     assert failure.step_failure_data.error.cause.cls_name == "SpoolTooSmall"
     description = failure.step_failure_data.user_failure_data.description
     assert description.endswith(f"What to do: {SpoolTooSmall.what_to_do}") and "least it can run with" in description
-    streaming = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming")
+    streaming = streaming_folder(data_dir_with_standin)
     assert not streaming.exists() and not observations  # no spool, no capture process, no progress
 
 
@@ -192,7 +197,7 @@ def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
     side in a process group of its own; every token is trained exactly PASSES times, counted on rank 0's record of
     whole steps."""
     data_bytes, _ = write_merged(data_dir_with_standin, tok)
-    spool = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming") / "spool"
+    spool = streaming_folder(data_dir_with_standin) / "spool"
     sides = SidesSeen(spool)
     try:
         result, _ = materialize(data_dir_with_standin, data_bytes // 10, processes=2)
@@ -224,5 +229,5 @@ def test_a_launch_shape_this_machine_cannot_run_is_refused_before_anything_start
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert says in failure.step_failure_data.error.cause.message
-    streaming = Path(str(DataLayout(data_dir_with_standin).drafter()) + ".streaming")
+    streaming = streaming_folder(data_dir_with_standin)
     assert not streaming.exists() and not observations

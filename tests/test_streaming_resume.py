@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from test_spool import Sampler
-from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config, write_merged
+from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config, streaming_folder, write_merged
 
 from eagle3_assets.stages.eagle3_drafter.streaming import LANE, RunFiles, StreamingJob, StreamingRequest, side_specs
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSides
@@ -120,10 +120,7 @@ def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_toke
     root = data_dir_with_standin
     data_bytes, _ = write_merged(root, tok)
     budget = data_bytes // 10
-    files = RunFiles(
-        Path(str(DataLayout(root).drafter()) + ".streaming"),
-        Path(str(DataLayout(root).drafter()) + ".streaming") / "spool",
-    )
+    files = RunFiles(streaming_folder(root), streaming_folder(root) / "spool")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(run_config(budget, streaming_orphan_after_s=ORPHAN_AFTER_S)))
     sampler = Sampler(files.spool)
@@ -176,7 +173,7 @@ def test_a_stopped_step_stops_both_sides_keeps_the_folder_and_a_rerun_resumes(
     root = data_dir_with_standin
     data_bytes, _ = write_merged(root, tok)
     budget = data_bytes // 10
-    folder = Path(str(DataLayout(root).drafter()) + ".streaming")
+    folder = streaming_folder(root)
     files = RunFiles(folder, folder / "spool")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(run_config(budget)))  # orphan_after_s: the default 60 s, far off
@@ -203,10 +200,7 @@ def test_a_capture_side_killed_stops_the_training_side_and_a_rerun_resumes(data_
     root = data_dir_with_standin
     data_bytes, _ = write_merged(root, tok)
     budget = data_bytes // 10
-    files = RunFiles(
-        Path(str(DataLayout(root).drafter()) + ".streaming"),
-        Path(str(DataLayout(root).drafter()) + ".streaming") / "spool",
-    )
+    files = RunFiles(streaming_folder(root), streaming_folder(root) / "spool")
     seen: dict[str, int] = {}
 
     def kill_capture() -> None:
