@@ -4,20 +4,23 @@
     .venv/bin/python benchmarks/device_check.py --device cpu --out /tmp/dc   # the same code paths, tiny, on a laptop
 
 Sections, each a subprocess of its own with a time cap (a section that fails or runs out of time is
-recorded with its error and output tail; the others still run, and the JSON is rewritten after each):
+recorded with its error and output tail; the others still run, and the JSON is rewritten after each). In
+this order: the issue's acceptance figures first, so a run short of time skips the others:
 - `train_2048`: drafter training tokens/s and MFU at width 2048 (16 heads, intermediate 4096, draft
   vocabulary 8192), on steps of 16,384 tokens (`drafter_training_speed.py`);
-- `train_2048_today`: the same width on the step the issue measured (2,048 tokens of 256-token windows),
-  without torch.compile (beside `train_2048`, which has it: what compiling pays);
 - `train_kimi`: at Kimi-K2.5 width (hidden 7168, 56 / 8 heads, intermediate 18432, draft vocabulary 32000,
   the 163,840-row embedding frozen), one 4,096-token step, with the peak GPU memory;
-- `ttt_attention`: the fused TTT attention against the written-out one at Kimi's head shape;
 - `extraction`: `hidden_states_throughput.py` (hidden-state capture against a bare forward and the disk);
+- `train_2048_today`: the same width on the step the issue measured (2,048 tokens of 256-token windows),
+  without torch.compile (beside `train_2048`, which has it: what compiling pays);
+- `ttt_attention`: the fused TTT attention against the written-out one at Kimi's head shape;
 - `speculative`: `drafter_device_check.py`, a drafter trained on a fitted target's text, then real
   speculative decoding (bf16, after a warm-up): accept length, and an `eager_proxy` speed that is NOT a
   deployment figure;
 - `handoff`: `sglang_handoff.py`, the SGLang backend's rank-0 hand-off at Kimi size (the slab ring against
   the queue paths it replaced) and rank 0's device-to-host copy, pinned slab against pageable (no sglang).
+Each training section also reports `phases`: where its wall time went before the clock started (data,
+model, teacher, and the set-up with torch.compile and the warm-up steps).
 Needs torch, transformers and safetensors only (plus this project's modules that need neither Dagster nor
 polars). MFU is against the H200's dense bf16 peak (989 TFLOP/s); `mfu_at_790` against the issue's 790.
 """
@@ -80,7 +83,38 @@ SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
             "--max-len",
             "256",
         ],
-        50,
+        75,
+    ),
+    "train_kimi": (
+        "drafter_training_speed.py",
+        [*KIMI, "--batch-tokens", "4096", "--steps", "5", "--warmup", "2", "--min-len", "512", "--max-len", "2048"],
+        [
+            "--hidden",
+            "512",
+            "--intermediate",
+            "1024",
+            "--draft-vocab",
+            "2048",
+            "--target-vocab",
+            "8192",
+            "--batch-tokens",
+            "1024",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--min-len",
+            "128",
+            "--max-len",
+            "512",
+        ],
+        90,
+    ),
+    "extraction": (
+        "hidden_states_throughput.py",
+        ["--hidden", "2048", "--layers", "8"],
+        ["--hidden", "64", "--layers", "8", "--samples", "8", "--rounds", "1"],
+        75,
     ),
     "train_2048_today": (
         "drafter_training_speed.py",
@@ -124,44 +158,13 @@ SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
             "--max-len",
             "128",
         ],
-        35,
-    ),
-    "train_kimi": (
-        "drafter_training_speed.py",
-        [*KIMI, "--batch-tokens", "4096", "--steps", "5", "--warmup", "2", "--min-len", "512", "--max-len", "2048"],
-        [
-            "--hidden",
-            "512",
-            "--intermediate",
-            "1024",
-            "--draft-vocab",
-            "2048",
-            "--target-vocab",
-            "8192",
-            "--batch-tokens",
-            "1024",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--min-len",
-            "128",
-            "--max-len",
-            "512",
-        ],
-        100,
+        30,
     ),
     "ttt_attention": (
         "ttt_attention.py",
         ["--shape", "kimi", "--lengths", "1024,4096", "--repeats", "2"],
         ["--shape", "standin", "--lengths", "128", "--repeats", "1"],
-        30,
-    ),
-    "extraction": (
-        "hidden_states_throughput.py",
-        ["--hidden", "2048", "--layers", "8"],
-        ["--hidden", "64", "--layers", "8", "--samples", "8", "--rounds", "1"],
-        75,
+        25,
     ),
     "speculative": (
         "drafter_device_check.py",

@@ -84,14 +84,21 @@ def measure(
     # Enough samples for warm-up + timed steps (one epoch).
     avg = (min_len + max_len) / 2
     n = int((steps + warmup + 1) * batch_tokens / avg) + 2
+    phases: dict[str, float] = {}  # where the section's wall time goes before the clock starts
+    started = time.perf_counter()
     source = synthetic_source(n, min_len, max_len, hidden, target_vocab, seed=0, device=dev)
+    phases["data_s"] = time.perf_counter() - started
     # the target's embedding and head (163,840 x 7168 for Kimi) drawn where they will live
     embed = torch.randn(target_vocab, hidden, generator=torch.Generator(device=dev).manual_seed(1), device=dev) * 0.02
     head = torch.randn(target_vocab, hidden, generator=torch.Generator(device=dev).manual_seed(2), device=dev) * 0.02
     draft_ids = torch.randperm(target_vocab, generator=torch.Generator().manual_seed(3))[:draft_vocab].sort().values
     torch.manual_seed(0)
-    model = Eagle3Drafter(cfg, embed, draft_ids)
+    started = time.perf_counter()
+    with dev:  # initialised where it trains: on the host, Kimi width's ~1B parameters take 10-30 s of the cap
+        model = Eagle3Drafter(cfg, embed, draft_ids.to(dev))
     del embed
+    phases["model_s"] = time.perf_counter() - started
+    started = time.perf_counter()
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], window)
     teacher = Teacher(head, draft_ids, dev)
     for w in plan.windows:  # the argmax cache a real run has from its second epoch on
@@ -99,6 +106,7 @@ def measure(
             (w.sample_id, w.start, w.end),
             source[w.sample_id]["final_hidden_state"][w.start : w.end].to(dev, teacher.dtype),
         )
+    phases["teacher_s"] = time.perf_counter() - started
     extra = {} if compile is None else {"compile": compile}
     settings = TrainSettings(
         ttt_steps=7, epochs=1, batch_tokens=batch_tokens, max_len=window, checkpoint_every=0, warmup_steps=2, **extra
@@ -113,6 +121,7 @@ def measure(
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    train_started = time.perf_counter()
     history = train(
         model,
         source,
@@ -128,6 +137,8 @@ def measure(
     )
     if len(marks) < 2:
         raise RuntimeError(f"too few samples for {steps} + {warmup} steps")
+    # set-up (torch.compile of the MLP included) and the untimed warm-up steps
+    phases["to_first_timed_step_s"] = marks[0][0] - train_started
     seconds = marks[1][0] - marks[0][0]
     tokens = marks[1][1] - marks[0][1]
     from eagle3_assets.stages.eagle3_drafter.model import train_flops_per_token
@@ -155,6 +166,7 @@ def measure(
         "peak_tflops": peak_tflops if dev.type == "cuda" else None,
         "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None,
         "seconds": round(seconds, 2),
+        "phases": {k: round(v, 2) for k, v in phases.items()},
         "compile": history.compiled,
         "final_loss": history.step_loss[-1] if history.step_loss else None,
         "peak_gpu_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20) if dev.type == "cuda" else None,
