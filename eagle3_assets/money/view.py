@@ -118,7 +118,9 @@ def spend_plot(series: list[tuple[str, float, float]], thresholds: Mapping[str, 
     def draw(points, **kw):
         step = max(1, len(points) // SERIES_POINTS)
         kept = points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
-        ax.step([datetime.fromtimestamp(t, UTC) for t, _ in kept], [v for _, v in kept], where="post", **kw)
+        times = [datetime.fromtimestamp(t, UTC) for t, _ in kept]
+        # matplotlib converts datetimes through its units registry; its stubs list only array-likes of numbers
+        ax.step(times, [v for _, v in kept], where="post", **kw)  # type: ignore[arg-type]
 
     for name, points in sorted(by_dataset.items()):
         draw(points, label=name, lw=1.2)
