@@ -210,20 +210,19 @@ def measure(client: str, url: str, concurrency: int, n: int, stream: bool, timeo
     if stream:
         cmd.append("--stream")
     env = dict(os.environ, PYTHONPATH=str(tree))  # ahead of the editable install: the tree's own modules
+    failed = {"ok": 0, "peak_rss_mib": float("nan"), "baseline_rss_mib": float("nan"), "cpu_s": float("nan")}
     try:
         proc = subprocess.run(
             cmd, cwd=tree, capture_output=True, text=True, timeout=timeout + 120, start_new_session=True, env=env
         )
+    except subprocess.TimeoutExpired:
+        return failed | {"elapsed": timeout, "timed_out": True}
+    try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
-        return {
-            "ok": 0,
-            "elapsed": timeout,
-            "peak_rss_mib": float("nan"),
-            "baseline_rss_mib": float("nan"),
-            "cpu_s": float("nan"),
-            "timed_out": True,
-        }
+    except (json.JSONDecodeError, IndexError):
+        # the client never ran (a missing `openai`, a crash): say so, not "stopped at the deadline"
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no output"])[-1]
+        return failed | {"elapsed": float("nan"), "timed_out": False, "error": last[:160]}
 
 
 def main() -> None:
@@ -260,8 +259,11 @@ def main() -> None:
             server, url = start_server(latency)  # a fresh server each: the fake keeps every bill it wrote
             try:
                 r = measure(client, url, concurrency, n, stream, timeout=args.deadline, tree=tree)
-                rate = r["ok"] / r["elapsed"] if r["elapsed"] else 0.0
                 name = f"{label} {'sse' if stream else 'json'}"
+                if r.get("error"):
+                    print(f"{name:<29} {concurrency:>5} {latency:>4.1f} did not run: {r['error']}", flush=True)
+                    continue
+                rate = r["ok"] / r["elapsed"] if r["elapsed"] else 0.0
                 flag = f" (stopped at the {args.deadline:.0f}s deadline)" if r.get("timed_out") else ""
                 print(
                     f"{name:<29} {concurrency:>5} {latency:>4.1f} {r['ok']:>6} {rate:>8.1f} {rate / limit:>7.2f} "
