@@ -225,3 +225,29 @@ def test_the_first_steps_gradient_is_the_documented_loss_gradient():
     want = float(torch.sqrt(sum(g.double().square().sum() for g in grads)))
     assert history.step_loss[0] == pytest.approx(float(total.detach()), rel=1e-5)
     assert history.grad_norm[0] == pytest.approx(want, rel=1e-4)
+
+
+def test_the_compiled_mlp_trains_as_the_eager_one() -> None:
+    """`compile` (on CUDA by default) really compiles the MLP, and the compiled run takes the eager run's steps: a
+    compiler failure falls back to eager by design, so only `history.compiled` shows that the path ran."""
+    import dataclasses
+
+    histories = []
+    for compile_ in (False, True):
+        model, source, windows, head, settings = synthetic_run(seed=5)
+        histories.append(
+            train(
+                model,
+                source,
+                windows,
+                [],
+                dataclasses.replace(settings, compile=compile_),
+                head=head,
+                device=torch.device("cpu"),
+                log=print,
+            )
+        )
+    eager, compiled = histories
+    assert (eager.compiled, compiled.compiled) == (False, True)
+    assert len(compiled.step_loss) == len(eager.step_loss) >= 5
+    assert compiled.step_loss == pytest.approx(eager.step_loss, rel=1e-4)
