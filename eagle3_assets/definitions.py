@@ -41,7 +41,7 @@ import dagster as dg
 from eagle3_assets.common.k8s import step_executor
 from eagle3_assets.money import SpendPolicy
 from eagle3_assets.money.asset import spend
-from eagle3_assets.operations.jobs import eagle3_pipeline, import_prompts, lift_spend_hold
+from eagle3_assets.operations.jobs import drafter_streaming_job, eagle3_pipeline, import_prompts, lift_spend_hold
 from eagle3_assets.operations.quality import pipeline_status, status_board
 from eagle3_assets.operations.schedules import missing_partitions_nightly
 from eagle3_assets.operations.sensors import (
@@ -103,11 +103,12 @@ def resources() -> dict[str, Any]:
     }
 
 
+executor = step_executor()
 defs = dg.Definitions(
     assets=[*PIPELINE_ASSETS, spend, pipeline_status],
-    jobs=[eagle3_pipeline, import_prompts, lift_spend_hold],
+    jobs=[eagle3_pipeline, import_prompts, lift_spend_hold, drafter_streaming_job(on_kubernetes=executor is not None)],
     sensors=[credit_sensor, run_failure_alert, check_failure_alert, status_board],
     schedules=[missing_partitions_nightly],
     resources=resources(),
-    executor=step_executor(),
+    executor=executor,
 )

@@ -4,7 +4,7 @@ context, read back by the Kubernetes client's models; each training pod's torchr
 launcher after Kubernetes' `$(VAR)` expansion for that pod; the RBAC manifest against the launcher's API calls.
 
 Not here, for want of a cluster: `KubernetesSides`' and `JobSide`'s API calls themselves (create, status, delete,
-logs), the owner lookup (`step_pod_owner`), and DNS and NCCL between real pods."""
+logs), the pod lookup (`step_pod`), and DNS and NCCL between real pods."""
 
 from __future__ import annotations
 

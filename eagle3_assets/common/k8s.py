@@ -27,6 +27,16 @@ code server and every run and step pod get that environment, so they all build t
                                   at /models in GPU and API steps (default `eagle3-models`; empty: none)
     EAGLE3_K8S_CPU                CPU request of an API/CPU step (default 2; no limit)
     EAGLE3_K8S_MEMORY             memory of an API/CPU step, request = limit (default 8Gi)
+    EAGLE3_K8S_ORCHESTRATOR_CPU   CPU request of a streaming drafter step that only orchestrates (default 4; no limit)
+    EAGLE3_K8S_ORCHESTRATOR_MEMORY  its memory, request = limit (default 64Gi): it holds the merged set, 5.2 bytes
+                                  a token in memory (31 GB at 6B tokens)
+
+A streaming drafter run whose sides are Kubernetes Jobs (`streaming_sides: kubernetes`) only orchestrates in its
+step, yet the drafter's tag asks for a GPU node. The job `eagle3_drafter_streaming` (operations/jobs.py) gives that
+step `orchestrator_pod_config()` through the k8s executor's `per_step_k8s_config`, which dagster-k8s merges last,
+over the tag. It is a SHALLOW merge (dagster-k8s's `merge_behavior`): the keys it names replace the merged ones
+(resources, node selector, tolerations); a DEEP merge, the default, can add to a node selector or a toleration list
+but never empty it. What it does not name stays: the code location's env and data volume, the tag's model volume.
 """
 
 from __future__ import annotations
@@ -136,6 +146,25 @@ def api_pod_config(cpu: str | None = None, memory: str | None = None, model_clai
         container["volumeMounts"] = mounts
         config["pod_spec_config"] = {"volumes": volumes}
     return config
+
+
+def orchestrator_pod_config(cpu: str | None = None, memory: str | None = None) -> K8sConfig:
+    """The pod of a drafter step that only orchestrates a streaming run on Kubernetes (its sides are Jobs of their
+    own): a CPU pod, as a per-step override (`per_step_k8s_config`) merged over the drafter's GPU-node tag.
+
+    SHALLOW: `resources`, `nodeSelector` and `tolerations` replace the tag's (no GPU requested, no GPU node selected,
+    no GPU taint tolerated); the volumes and mounts are not named, so the data volume (the code location's: the
+    spool, the specs, the merged set) and the model volume (the step reads the target's config.json and its weight
+    files' names and sizes) stay, with the tag's `/dev/shm` (memory-backed: it costs what is written there, nothing).
+    """
+    cpu = cpu or _amount("EAGLE3_K8S_ORCHESTRATOR_CPU", "4")
+    memory = memory or _amount("EAGLE3_K8S_ORCHESTRATOR_MEMORY", "64Gi")
+    resources = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    return {
+        "merge_behavior": "SHALLOW",
+        "container_config": {"resources": resources},
+        "pod_spec_config": {"nodeSelector": {}, "tolerations": []},
+    }
 
 
 def step_executor() -> dg.ExecutorDefinition | None:

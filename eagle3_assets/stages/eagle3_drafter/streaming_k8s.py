@@ -27,7 +27,10 @@ chart's `includeConfigInLaunchedRuns` carries: env, secrets, the data volume, th
 and then the side's own config over it, as a stage tag is merged. So the side pods mount the data volume, where the
 spec files and the spool are, exactly as the step pods do, and run under the same service account. The k8s
 executor's own run config (`per_step_k8s_config`, the executor's container context) is not visible from inside a
-step; this project configures neither.
+step, and the sides need none of it: the one thing this project sets there is the orchestrating step's own CPU pod
+(`orchestrator_pod_config` in common/k8s.py, by the job `eagle3_drafter_streaming`), which no side should inherit.
+A step that holds GPUs anyway (the drafter streaming from `eagle3_pipeline`, on its stage's GPU node) says so in its
+log (`requested_gpus` of its pod).
 
 Both Jobs and the Service are owned (`ownerReferences`) by the orchestrating step's pod, found as dagster-k8s finds
 its run pod: the pod named by `HOSTNAME`, read through the API for its uid. Deleting the step pod (the step Job's
@@ -73,7 +76,7 @@ from dagster_k8s.job import (
 )
 from kubernetes.client.exceptions import ApiException
 
-from eagle3_assets.common.k8s import K8sConfig, gpu_node_config
+from eagle3_assets.common.k8s import GPU_RESOURCE, K8sConfig, gpu_node_config
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import CAPTURE_MODULE, TRAINING_MODULE, SidesLauncher
 
 CAPTURE, TRAINING = "capture", "training"
@@ -328,13 +331,22 @@ class KubernetesSides:
         return side
 
 
-def step_pod_owner(core: k8s.CoreV1Api, namespace: str, environ: Mapping[str, str]) -> OwnerReference | None:
-    """The pod this process runs in (`HOSTNAME` is its name in Kubernetes), read for its uid; None outside a pod."""
+def step_pod(core: k8s.CoreV1Api, namespace: str, environ: Mapping[str, str]) -> k8s.V1Pod | None:
+    """The pod this process runs in (`HOSTNAME` is its name in Kubernetes), read through the API; None outside a pod."""
     hostname = environ.get("HOSTNAME")
     if not hostname:
         return None
-    pod = core.read_namespaced_pod(hostname, namespace)
-    return OwnerReference(kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid)
+    return core.read_namespaced_pod(hostname, namespace)
+
+
+def pod_owner(pod: k8s.V1Pod | None) -> OwnerReference | None:
+    """The sides' owner: the step's pod, by name and uid."""
+    return OwnerReference(kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid) if pod is not None else None
+
+
+def requested_gpus(pod: k8s.V1Pod) -> int:
+    """GPUs the pod's containers request: none for a step that only orchestrates (job `eagle3_drafter_streaming`)."""
+    return sum(int(((c.resources and c.resources.requests) or {}).get(GPU_RESOURCE, 0)) for c in pod.spec.containers)
 
 
 def side_pods_for_run(run: Any, launcher: Any, run_key: str, owner: OwnerReference | None) -> SidePods:
@@ -362,7 +374,13 @@ def kubernetes_sides(context: Any, capture_gpus: int) -> SidesLauncher:
     kubernetes.config.load_incluster_config()
     batch, core = k8s.BatchV1Api(), k8s.CoreV1Api()
     namespace = NAMESPACE_FILE.read_text().strip()
-    owner = step_pod_owner(core, namespace, os.environ)
+    pod = step_pod(core, namespace, os.environ)
+    if pod is not None and (gpus := requested_gpus(pod)):
+        context.log.warning(
+            f"this step's pod {pod.metadata.name} holds {gpus} GPU(s) that it does not use: the sides run in Jobs "
+            "of their own. Launch the job eagle3_drafter_streaming with the drafter's config: its step orchestrates "
+            'in a CPU pod (deploy/README.md, "Streaming drafter")'
+        )
     run_key = f"{context.run_id}-{context.retry_number}"
-    pods = side_pods_for_run(context.dagster_run, context.instance.run_launcher, run_key, owner)
+    pods = side_pods_for_run(context.dagster_run, context.instance.run_launcher, run_key, pod_owner(pod))
     return KubernetesSides(pods, namespace, batch, core, capture_gpus)
