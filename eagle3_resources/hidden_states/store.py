@@ -27,10 +27,11 @@ only cache.
 Writing: the file's layout (`ShardLayout`) is known when the shard is planned, since its token count
 is, so a shard is built in place as its own safetensors image in one host buffer (`ShardImage`): the
 header first, then the states copied straight to their rows' offsets as batches finish. A writer
-thread then writes that buffer in large sequential chunks (O_DIRECT where the file system takes it),
-hashing each chunk right after its write, fsyncs and renames it, and gives the buffer back; the
-shards finished meanwhile are then listed by one manifest write (`ShardCommitter.record`). No
-serialized copy and no concatenation: the bytes on disk are the bytes the copies put in the buffer.
+thread then writes that buffer in large sequential chunks (O_DIRECT where the file system takes it)
+while a thread of its own hashes the same bytes (so the disk never waits for the hash), fsyncs and
+renames it, and gives the buffer back; the shards finished meanwhile are then listed by one manifest
+write (`ShardCommitter.record`). No serialized copy and no concatenation: the bytes on disk are the
+bytes the copies put in the buffer.
 
 Checksums: a manifest entry names its algorithm by its key. New shards get `xxh3_128` (xxHash's
 XXH3, 128 bits: 30 GB/s on one core where sha256 runs at 2, so the hash costs a writer ~3% of a
@@ -52,6 +53,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -263,6 +265,12 @@ def padded_size(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
+# Errors that mean "not O_DIRECT from this memory to this file", after which the same bytes go buffered: EINVAL (the
+# file system or the alignment refuses it) and EFAULT (the kernel cannot pin the buffer's pages for the DMA, as for a
+# mapping of driver memory; a buffered write copies from it). A buffered write that fails the same way still raises.
+DIRECT_REFUSED = (errno.EINVAL, errno.EFAULT)
+
+
 def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     if direct and hasattr(os, "O_DIRECT"):
@@ -274,6 +282,39 @@ def _open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
+class _Hashing(threading.Thread):
+    """Hashes data[:n] in `chunk` pieces on a thread of its own, while the caller writes the same bytes (both release
+    the GIL: hashlib and xxhash on large buffers, os.pwrite always). `digest()` waits for it; `stop()` ends it early."""
+
+    def __init__(self, data: memoryview, n: int, chunk: int, checksum: str):
+        super().__init__(name="shard-hash", daemon=True)
+        self.data, self.n, self.chunk = data, n, chunk
+        self.hasher = _hasher(checksum)
+        self.error: BaseException | None = None
+        self._stop_asked = False
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for at in range(0, self.n, self.chunk):
+                if self._stop_asked:
+                    return
+                self.hasher.update(self.data[at : min(self.n, at + self.chunk)])
+        except BaseException as e:  # noqa: BLE001 - raised again by digest(), in the writer's thread
+            self.error = e
+
+    def stop(self) -> None:
+        """End early (the write failed) and wait: the buffer is not read once this returns."""
+        self._stop_asked = True
+        self.join()
+
+    def digest(self) -> str:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.hasher.hexdigest()
+
+
 def write_file(
     path: Path,
     data: memoryview,
@@ -283,18 +324,29 @@ def write_file(
     chunk: int | None = None,
     checksum: str | None = CHECKSUM,
 ) -> tuple[str, bool]:
-    """Write data[:size] to `path` in `chunk`-sized sequential writes, hash each chunk right after its write
-    with `checksum` (one of CHECKSUMS; both release the GIL, so several writers hash in parallel), fsync;
-    return (the hex digest, whether O_DIRECT was used).
+    """Write data[:size] to `path` in `chunk`-sized sequential writes, hashing the same bytes meanwhile with
+    `checksum` (one of CHECKSUMS) on a thread of its own, fsync; return (the hex digest, whether O_DIRECT was used).
 
     With `direct`, the file is opened O_DIRECT when the file system allows it and `data` starts at an ALIGN
     boundary and extends to `padded_size(size)` (a ShardImage's buffer does): the tail is written padded,
-    then the file truncated to `size`. A refused O_DIRECT write goes on with buffered writes.
-    `checksum=None` (the benchmark's raw disk figure) skips the hash and returns "" for it.
+    then the file truncated to `size`. A refused O_DIRECT write (DIRECT_REFUSED) goes on with buffered writes.
+    `checksum=None` (the benchmark's raw disk figure) skips the hash and returns "" for it. Nothing reads `data`
+    once this returns or raises.
     """
     n = len(data) if size is None else size
     chunk = chunk or WRITE_CHUNK
-    h = _hasher(checksum) if checksum is not None else None
+    hashing = _Hashing(data, n, chunk, checksum) if checksum is not None else None
+    try:
+        direct = _write_chunks(path, data, n, chunk, direct)
+    except BaseException:
+        if hashing is not None:
+            hashing.stop()
+        raise
+    return (hashing.digest() if hashing is not None else ""), direct
+
+
+def _write_chunks(path: Path, data: memoryview, n: int, chunk: int, direct: bool) -> bool:
+    """write_file's writes and fsync; whether they went O_DIRECT to the end."""
     aligned = direct and chunk % ALIGN == 0 and len(data) >= padded_size(n) and _address(data) % ALIGN == 0
     fd, direct = _open_for_write(path, aligned)
     try:
@@ -305,7 +357,7 @@ def write_file(
                 try:
                     wrote = os.pwrite(fd, data[done : padded_size(end)], done)
                 except OSError as e:
-                    if e.errno != errno.EINVAL:
+                    if e.errno not in DIRECT_REFUSED:
                         raise
                     wrote = 0
                 if wrote == 0 or (wrote % ALIGN and done + wrote < n):  # refused or short: buffered from here on
@@ -313,16 +365,28 @@ def write_file(
                     fd, direct = os.open(path, os.O_WRONLY), False
             else:
                 wrote = os.pwrite(fd, data[done:end], done)
-            good = min(wrote, n - done)
-            if h is not None:
-                h.update(data[done : done + good])
-            done += good
+            done += min(wrote, n - done)
         if os.fstat(fd).st_size != n:  # O_DIRECT wrote the tail padded
             os.ftruncate(fd, n)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return (h.hexdigest() if h is not None else ""), direct
+    return direct
+
+
+def write_files(
+    items: Sequence[tuple[Path, int]],
+    data: memoryview,
+    *,
+    writers: int,
+    direct: bool = True,
+    checksum: str | None = CHECKSUM,
+) -> list[tuple[str, bool]]:
+    """Each (path, size) of `items` written from data[:size] by `write_file`, `writers` files at once: the way the
+    store's writer threads write shards (StoreSettings.writers of them, WRITE_CHUNK writes each). The disk
+    measurements (the extraction benchmark's, `eagle3 gpu-check`'s) write so. Returns write_file's results in order."""
+    with ThreadPoolExecutor(max_workers=max(1, writers), thread_name_prefix="disk-writer") as pool:
+        return list(pool.map(lambda item: write_file(item[0], data, item[1], direct=direct, checksum=checksum), items))
 
 
 def _hasher(checksum: str) -> Any:

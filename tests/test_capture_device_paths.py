@@ -1,0 +1,83 @@
+"""The capture's paths that a GPU host takes, driven here through faithful CPU stand-ins where the kernel offers one.
+
+- A shard image in page-locked memory written O_DIRECT: a driver's page-locked mapping may be memory the kernel
+  cannot pin again for a direct write (EFAULT), while a buffered write copies from it. memfd_secret(2) memory is
+  such memory on any Linux that has it: the store must write it, buffered, with the right checksum, not fail.
+- The writes of the disk measurements go the store's way: `write_files` with the store's writer count, every file
+  whole, hashed or not as asked.
+
+Not driven here (no CPU stand-in has their semantics): the side stream, its events and the `non_blocking` copies
+into pinned buffers (extract.Stager, RankZeroHandoff), cudaHostRegister. benchmarks/device_check.py runs those on a
+GPU host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import mmap
+import os
+
+import pytest
+import torch
+
+from eagle3_resources.hidden_states.store import ALIGN, WRITE_CHUNK, host_buffer, padded_size, write_file, write_files
+
+MEMFD_SECRET = 447  # the syscall's number on x86_64 and arm64
+
+
+def secret_memory(nbytes: int) -> memoryview:
+    """`nbytes` of memfd_secret memory, mapped here (page-aligned, writable); skips where the kernel lacks it."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("memfd_secret's syscall number is known here for x86_64 and arm64 only")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(MEMFD_SECRET, 0)
+    if fd < 0:
+        pytest.skip(f"memfd_secret: {os.strerror(ctypes.get_errno())} (a kernel without secretmem)")
+    try:
+        os.ftruncate(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return memoryview(mapped)
+
+
+def test_an_image_in_memory_the_kernel_cannot_pin_is_written_buffered_with_its_checksum(tmp_path):
+    size = 3 * WRITE_CHUNK // 2 + 123  # a whole chunk, a part, an unaligned tail
+    memory = secret_memory(padded_size(size))
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    memory[:size] = payload.numpy().tobytes()
+    # The precondition, so that the test proves what it says: O_DIRECT from this memory fails with EFAULT here.
+    probe = tmp_path / "probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError as e:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT ({e.strerror})")
+    try:
+        with pytest.raises(OSError) as refused:
+            os.pwrite(fd, memory[:ALIGN], 0)
+        assert refused.value.errno == errno.EFAULT
+    finally:
+        os.close(fd)
+
+    digest, used_direct = write_file(tmp_path / "shard", memory, size, direct=True, checksum="sha256")
+    on_disk = (tmp_path / "shard").read_bytes()
+    assert on_disk == bytes(memory[:size])
+    assert digest == hashlib.sha256(on_disk).hexdigest()
+    assert not used_direct  # said so: the benchmark reports whether the store's writes went O_DIRECT
+
+
+def test_the_disk_measurements_write_as_the_store_does(tmp_path):
+    """`write_files`: each file whole from the same buffer, several at once, hashed when asked, O_DIRECT where taken."""
+    buffer = host_buffer(padded_size(WRITE_CHUNK + 5 * ALIGN), pin=False)
+    buffer.random_(0, 256, generator=torch.Generator().manual_seed(4))
+    memory = buffer.numpy().data
+    sizes = [WRITE_CHUNK + 5 * ALIGN, 7 * ALIGN + 1, WRITE_CHUNK, 3]
+    items = [(tmp_path / f"f{i}", n) for i, n in enumerate(sizes)]
+    results = write_files(items, memory, writers=3, direct=True, checksum="sha256")
+    for (path, n), (digest, _) in zip(items, results, strict=True):  # one result per item, in order
+        assert path.read_bytes() == bytes(memory[:n])
+        assert digest == hashlib.sha256(bytes(memory[:n])).hexdigest()
+    assert all(d == "" for d, _ in write_files(items, memory, writers=2, direct=False, checksum=None))
+    assert [p.stat().st_size for p, _ in items] == sizes
