@@ -116,8 +116,8 @@ class DrafterTrainConfig(dg.Config):
         description="every this many optimizer steps (and at the last), decode the held-out prompts speculatively "
         "with the target (the lossless loop, `spec_eval_new_tokens` each, chains of `spec_draft_steps`), per prompt "
         "kind, and export the drafter with the highest accept length instead of the last; its curve and picture go "
-        "in the metadata; 0 = off (the last step is exported). One process only, and a target within "
-        "`spec_eval_max_target_gb`",
+        "in the metadata; 0 = off (the last step is exported). With several `processes` rank 0 decodes while the "
+        "others wait for its word (offline and streaming); a target within `spec_eval_max_target_gb` only",
     )
     best_prompts_per_kind: int = Field(
         default=4, description="eval-split prompts of each kind (chat, code, reasoning, function-calling) decoded"
@@ -192,9 +192,14 @@ class DrafterTrainConfig(dg.Config):
 
 
 def train_in_processes(
-    context: dg.AssetExecutionContext, config: DrafterTrainConfig, store: DataStore, folder: Path
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    store: DataStore,
+    folder: Path,
+    best: dict | None = None,
 ) -> DrafterReport:
-    """torchrun with `config.processes` ranks; the step's stop stops them all."""
+    """torchrun with `config.processes` ranks; the step's stop stops them all. `best`: the keeper's section of the
+    spec (`best_section`; rank 0 loads the target and decodes)."""
     out = store.layout.drafter()
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = TrainSpec(
@@ -208,6 +213,7 @@ def train_in_processes(
         device=config.device,
         online=config.online,
         init_from=Path(config.init_from) if config.init_from else None,
+        best=best,
     ).write(Path(str(out) + ".spec.json"))
     return report_from_json(run_torchrun(spec, config.processes, context.log.info))
 
@@ -424,7 +430,7 @@ def eagle3_drafter(
         )
         streaming = figures.metadata()
     elif config.processes > 1:
-        report = train_in_processes(context, config, store, folder)
+        report = train_in_processes(context, config, store, folder, best_section(config, target, tokenizer))
     else:
         report = train_in_this_process(context, config, store, folder, target, tokenizer, merged)
     problems = check_checkpoint(report.checkpoint)
@@ -574,16 +580,7 @@ def streaming_job(
     refuse_streaming_shape(config)
     target, tokenizer, backend = resources
     request = streaming_request(context, config, backend)
-    best = None
-    if config.best_every > 0:
-        best = {
-            "every": config.best_every,
-            "prompts_per_kind": config.best_prompts_per_kind,
-            "max_new_tokens": config.spec_eval_new_tokens,
-            "draft_steps": config.spec_draft_steps,
-            "target": target.model_dump(mode="json"),
-            "tokenizer": tokenizer.model_dump(mode="json"),
-        }
+    best = best_section(config, target, tokenizer)
 
     def observe(figures: dict) -> None:
         context.log_event(
@@ -631,15 +628,26 @@ def sides_launcher(context: dg.AssetExecutionContext, config: DrafterTrainConfig
     return LocalSides()
 
 
+def best_section(config: DrafterTrainConfig, target: TargetModelResource, tokenizer: TokenizerResource) -> dict | None:
+    """The best-checkpoint keeper's section of a training process's spec (`best_checkpoint.plan_from_spec`; None:
+    off): offline under torchrun and the streaming training side."""
+    if config.best_every <= 0:
+        return None
+    return {
+        "every": config.best_every,
+        "prompts_per_kind": config.best_prompts_per_kind,
+        "max_new_tokens": config.spec_eval_new_tokens,
+        "draft_steps": config.spec_draft_steps,
+        "target": target.model_dump(mode="json"),
+        "tokenizer": tokenizer.model_dump(mode="json"),
+    }
+
+
 def refuse_best_checkpoint(config: DrafterTrainConfig, folder: Path) -> None:
-    """`best_every` needs the target decoding beside the trainer: one process, a target within the size limit."""
+    """`best_every` needs the target decoding beside the trainer (rank 0's, with several processes): a target within
+    the size limit."""
     if config.best_every <= 0:
         return
-    if config.processes > 1:
-        raise DrafterError(
-            f"best_every={config.best_every} keeps the best checkpoint in one training process; this run asks for "
-            f"{config.processes} (set processes: 1, or best_every: 0 to export the last step)"
-        )
     weights_gb = target_weight_bytes(folder) / 1e9
     if weights_gb > config.spec_eval_max_target_gb:
         raise DrafterError(

@@ -2,7 +2,7 @@
 per prompt kind, and the drafter with the highest accept length kept (not the one with the lowest loss, not the
 last).
 
-What one evaluation at global step s does (main process only, outside the training clock):
+What one evaluation at global step s does (main process only, outside the training clock, on every rank):
 1. exports the drafter as SGLang/vLLM load it (`export.export_checkpoint`: bf16 safetensors) to `step-<s>/` beside
    the training checkpoint, then reads that folder back (`quality.drafter_from_checkpoint`, the target's own
    embedding) -- so what is measured is what would be shipped, bit for bit;
@@ -23,6 +23,18 @@ trainer's guarantee), so a step it evaluates again scores what it scored before 
 At the end (`finish`): the last step is evaluated if its multiple of N did not fall on it, and the best drafter's
 weights are loaded into the trained model, which the pipeline then scores and exports as before: the exported
 checkpoint is the best one.
+
+Several ranks (torchrun, `processes` > 1; offline and in streaming mode). Every rank runs the hook and `finish`;
+rank 0 evaluates (the target is loaded there alone) while the others wait for its word (`rank_zero.RankZeroWord`,
+as the spool's followers wait for rank 0's next step): over a gloo group, in rounds of a heartbeat that rank 0 sends
+from a thread while it exports and decodes, so no rank waits in one collective past the process group's timeout
+(NCCL's 10 minutes by default) however long the decode takes, and none waits in the next step's gradient all-reduce.
+The training clock is paused on every rank. An error of rank 0's evaluation is told to every rank, which raises it
+(`DrafterError`, with rank 0's reason). The keeper's state is rank 0's files, as with one process, so a resumed run
+(kill -9 included) picks its curve up the same; the weights loaded at the end are rank 0's model's, the one it exports.
+
+`EAGLE3_TEST_BEST_EVAL_DELAY_S` (tests only): each evaluation sleeps this many seconds first, as a decode at real size
+takes minutes (tests/test_best_checkpoint_ddp.py makes it outlast a short collective timeout).
 """
 
 from __future__ import annotations
@@ -42,18 +54,21 @@ from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.eagle3_drafter.export import export_checkpoint, read_checkpoint
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.quality import drafter_from_checkpoint
+from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative
 from eagle3_assets.stages.eagle3_drafter.train import Every, Trainer
+from eagle3_resources.errors import DrafterError
 
 CURVE_FILE = "curve.json"
 UNREGISTERED = "unregistered"  # the kind of a dataset the registry does not name
+TEST_DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"  # tests only: seconds each evaluation sleeps first (a slow decode)
 
 
 @dataclass(frozen=True)
 class BestCheckpointPlan:
     """What the keeper is given: evaluate every `every` optimizer steps, with `target` (a transformers causal LM,
-    the stand-in or the real target) decoding up to `prompts_per_kind` eval-split prompts of each kind,
-    `max_new_tokens` each, in chains of `draft_steps` (top-1)."""
+    the stand-in or the real target; None on a rank other than 0, which never decodes) decoding up to
+    `prompts_per_kind` eval-split prompts of each kind, `max_new_tokens` each, in chains of `draft_steps` (top-1)."""
 
     every: int
     target: Any
@@ -64,6 +79,28 @@ class BestCheckpointPlan:
     def __post_init__(self) -> None:
         if self.every < 1 or self.prompts_per_kind < 1:
             raise ValueError(f"the best-checkpoint keeper needs every >= 1 and prompts_per_kind >= 1, got {self}")
+
+
+def plan_from_spec(
+    best: Mapping[str, Any] | None, log: Callable[[str], None], load_target: bool = True
+) -> BestCheckpointPlan | None:
+    """The plan of a training process's spec (`best`: every, prompts_per_kind, max_new_tokens, draft_steps, and the
+    target and tokenizer resources as their config; None: off), the target loaded here when `load_target` (rank 0)."""
+    if not best:
+        return None
+    target = None
+    if load_target:
+        from eagle3_resources.target.resource import TargetModelResource
+        from eagle3_resources.tokenizer.resource import TokenizerResource
+
+        target = TargetModelResource(**best["target"]).load_model(TokenizerResource(**best["tokenizer"]), log)
+    return BestCheckpointPlan(
+        every=int(best["every"]),
+        target=target,
+        prompts_per_kind=int(best["prompts_per_kind"]),
+        max_new_tokens=int(best["max_new_tokens"]),
+        draft_steps=int(best["draft_steps"]),
+    )
 
 
 def dataset_kind(dataset: str, registry: Mapping[str, Any] = DATASETS) -> str:
@@ -135,7 +172,8 @@ def step_folder(step: int) -> str:
 
 class BestCheckpointKeeper:
     """The hook (`hook()`), its durable state (`folder`/curve.json and the best drafter's folder beside it), and the
-    end of the run (`finish`). Every rank runs the hook; only the main process evaluates."""
+    end of the run (`finish`). Every rank runs the hook and `finish`; only the main process evaluates, the others wait
+    for its word (the module's docstring)."""
 
     def __init__(
         self,
@@ -155,6 +193,7 @@ class BestCheckpointKeeper:
         # the main process alone reads and writes the folder
         self.state: dict[str, Any] = self.read_state() if main else empty
         self.evaluated_here: set[int] = set()  # steps this process evaluated (a resume re-evaluates, overwriting)
+        self.word: RankZeroWord | None = None  # rank 0's word to the other ranks, made at the first evaluation
 
     # -------------------------------------------------------- state
 
@@ -188,15 +227,26 @@ class BestCheckpointKeeper:
     def hook(self) -> Every:
         return Every(self.plan.every, self.evaluate)
 
+    def alone(self, trainer: Trainer, call: Callable[[], Any]) -> None:
+        """`call()` on the main process, outside the training clock (on every rank), while the other ranks wait for
+        its word; its error raised on every rank."""
+        if self.word is None:
+            self.word = RankZeroWord(trainer.dist)
+        step = trainer.global_step
+
+        def failed(reason: str) -> Exception:
+            return DrafterError(f"rank 0 of the trainer failed keeping the best checkpoint at step {step}: {reason}")
+
+        with trainer.clock.paused():
+            self.word.alone(call, failed)
+
     def evaluate(self, trainer: Trainer) -> None:
         """Main process only, outside the training clock: export, read back, decode, record; keep when best."""
-        if not trainer.dist.main:
-            return
-        with trainer.clock.paused():
-            self.evaluate_step(trainer.model, trainer.global_step, last_loss(trainer))
+        self.alone(trainer, lambda: self.evaluate_step(trainer.model, trainer.global_step, last_loss(trainer)))
 
     def evaluate_step(self, model: Eagle3Drafter, step: int, loss: float | None) -> dict[str, Any]:
         started = time.perf_counter()
+        time.sleep(float(os.environ.get(TEST_DELAY_ENV) or 0))  # tests only (TEST_DELAY_ENV); 0 otherwise
         self.folder.mkdir(parents=True, exist_ok=True)
         exported = export_checkpoint(model, self.folder / step_folder(step), self.aux_layer_ids)
         embed = self.plan.target.get_input_embeddings().weight.detach().float().cpu()
@@ -235,19 +285,21 @@ class BestCheckpointKeeper:
     # -------------------------------------------------------- the end of the run
 
     def finish(self, trainer: Trainer) -> dict[str, Any]:
-        """The last step evaluated unless this process just did; the best drafter's weights loaded into the
-        trained model (main process). Returns what the asset records: the curve and the best."""
-        if trainer.dist.main:
-            if trainer.global_step not in self.evaluated_here:
-                with trainer.clock.paused():
-                    self.evaluate_step(trainer.model, trainer.global_step, last_loss(trainer))
-            read_checkpoint(self.best_folder()).load_into(trainer.model)
-            best = self.best or {}
-            self.log(
-                f"best checkpoint: step {best.get('step')} of {trainer.global_step}, accept length "
-                f"{best.get('accept_length')}; its weights are the ones exported"
-            )
+        """Every rank: the last step evaluated unless this process just did, and the best drafter's weights loaded
+        into the trained model (main process, the one that exports it). Returns what the asset records: the curve and
+        the best (the main process's)."""
+        self.alone(trainer, lambda: self.load_best(trainer))
         return self.summary()
+
+    def load_best(self, trainer: Trainer) -> None:
+        if trainer.global_step not in self.evaluated_here:
+            self.evaluate_step(trainer.model, trainer.global_step, last_loss(trainer))
+        read_checkpoint(self.best_folder()).load_into(trainer.model)
+        best = self.best or {}
+        self.log(
+            f"best checkpoint: step {best.get('step')} of {trainer.global_step}, accept length "
+            f"{best.get('accept_length')}; its weights are the ones exported"
+        )
 
     def summary(self) -> dict[str, Any]:
         p = self.plan

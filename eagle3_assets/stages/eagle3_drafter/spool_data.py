@@ -31,14 +31,15 @@ step (its windows, with their shards' references: lane, name, key, the manifest 
 follower reads the shards its share of the step (`windows[rank::world_size]`, as `FixedWindows`) needs, whole and
 checksum-verified (see spool.py, "Several ranks"). On "wait" every rank calls `on_wait` (the trainer's checkpoint is
 collective: a barrier), then rank 0 waits for the step while the others wait in the next broadcast; a long wait is
-broken into "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one collective past the process
-group's timeout. The decision to wait is rank 0's alone: ranks deciding for themselves would reach the checkpoint's
-barrier on different steps. Deleting is safe with followers: rank 0 commits a position only from the trainer's
-checkpoint at it, and every rank has trained every step before it (each step's gradient all-reduce needs every
-rank's share, read from its shards), so the shards a commit deletes are needed by no rank again. An error of rank 0's
-reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s` (rank 0
-waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes this rank
-read). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises there instead).
+broken by "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one collective past the process group's
+timeout (rank 0's word, its heartbeat and its errors: `rank_zero.RankZeroWord`, which the best-checkpoint keeper's
+evaluation uses too). The decision to wait is rank 0's alone: ranks deciding for themselves would reach the
+checkpoint's barrier on different steps. Deleting is safe with followers: rank 0 commits a position only from the
+trainer's checkpoint at it, and every rank has trained every step before it (each step's gradient all-reduce needs
+every rank's share, read from its shards), so the shards a commit deletes are needed by no rank again. An error of
+rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s`
+(rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes
+this rank read). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises there instead).
 
 Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
 trainer's state is a step's end), not ahead on a background thread as `FixedWindows` does.
@@ -53,12 +54,13 @@ import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Sample, Teacher, Window, pack_windows
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.rank_zero import Message, RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.train import (
     Distributed,
     Every,
@@ -81,9 +83,8 @@ from eagle3_resources.hidden_states.spool import (
     open_settings,
 )
 
-HEARTBEAT_S = 30.0  # while rank 0 waits for capture, it tells the other ranks it still waits this often
-T = TypeVar("T")
-Message = tuple[Any, ...]  # what rank 0 broadcasts: ("step", Step, {shard index: ShardRef}), ("wait",), ...
+# What rank 0 broadcasts (a `Message`): ("step", Step, {shard index: ShardRef}), ("wait",), ("end",), and the
+# word's own "still waiting" and "error".
 
 
 def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | None:
@@ -123,13 +124,13 @@ class SpoolWindows:
         poll_s: float = 0.2,
         dist: Distributed | None = None,
         stop: Callable[[], bool] | None = None,
-        heartbeat_s: float = HEARTBEAT_S,
+        heartbeat_s: float | None = None,
     ):
-        """`dist`: this rank under torchrun (None: one process); `stop()`: ends the steps while waiting for capture."""
+        """`dist`: this rank under torchrun (None: one process); `stop()`: ends the steps while waiting for capture;
+        `heartbeat_s`: rank 0's "still waiting" while it waits (None: `rank_zero.heartbeat_interval()`)."""
         self.root, self.device, self.poll_s = Path(root), device, poll_s
         self.dist = dist or Distributed()
         self.stop = stop or (lambda: False)
-        self.heartbeat_s = heartbeat_s
         self.spool = open_settings(self.root)
         s = self.spool
         wrong = {
@@ -167,7 +168,7 @@ class SpoolWindows:
         self.current: Step | None = None  # the step handed out last
         self.on_wait: Callable[[], None] | None = None  # the trainer's checkpoint (`train_from_spool` sets it)
         self.follower: SpoolFollower | None = None  # a rank other than 0: its shards
-        self.group: Any = None  # the gloo group rank 0's word goes over (several ranks)
+        self.word = RankZeroWord(self.dist, heartbeat_s)  # rank 0's word to the others (several ranks)
         self.follower_waited_s = 0.0
 
     # -- TrainingData
@@ -250,9 +251,6 @@ class SpoolWindows:
     # -- several ranks (see the module's docstring)
 
     def _ranked_steps(self) -> Generator[tuple[list[Window], PackedBatch], None, None]:
-        if self.group is None:
-            gloo = torch.distributed.get_backend() == "gloo"
-            self.group = torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo")
         rank, world = self.dist.rank, self.dist.world_size
         while (got := self._lead() if self.dist.main else self._follow()) is not None:
             step, refs = got
@@ -265,75 +263,50 @@ class SpoolWindows:
                 source.take(step.position.slot, [refs[k] for k in sorted({w.shard for w in share})])
             yield self._handed_out(step, source, share)
 
-    def _send(self, message: Message) -> None:
-        torch.distributed.broadcast_object_list([message], src=0, group=self.group)
-
-    def _receive(self) -> Message:
-        box: list[Any] = [None]
-        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
     def _lead(self) -> tuple[Step, dict[int, ShardRef]] | None:
         """Rank 0: the next step (None: the end), told to every rank; on "wait", the collective `on_wait` first."""
-        reader = self._told(self._open_reader)
-        step = self._told(reader.try_next_step)
+        reader = self.word.told(self._open_reader)
+        step = self.word.told(reader.try_next_step)
         if step is None and not reader.finished:
-            self._send(("wait",))
+            self.word.send(("wait",))
             if self.on_wait is not None:
                 started = time.monotonic()
                 self.on_wait()
                 reader.waited_s += time.monotonic() - started  # as `next_step` counts it: the checkpoint included
-            step = self._told(lambda: self._wait_for_capture(reader))
+            step = self.word.told(lambda: self._wait_for_capture(reader))
         if step is None:
-            self._send(("end",))
+            self.word.send(("end",))
             return None
         shards = sorted({w.shard for w in step.windows})
-        refs = self._told(lambda: {k: reader.shard_ref(k) for k in shards})
-        self._send(("step", step, refs))
+        refs = self.word.told(lambda: {k: reader.shard_ref(k) for k in shards})
+        self.word.send(("step", step, refs))
         return step, refs
 
-    def _told(self, call: Callable[[], T]) -> T:
-        """Rank 0: `call()`, made while the other ranks wait for its word; an error is told to them, then raised."""
-        try:
-            return call()
-        except Exception as e:
-            self._send(("error", f"{type(e).__name__}: {e}"))
-            raise
-
     def _wait_for_capture(self, reader: SpoolReader) -> Step | None:
-        """Rank 0: the reader's wait for the next step (None: the end, or `stop()`), broken every `heartbeat_s`
-        by a "still waiting" to the other ranks."""
-        stopped = False
-
-        def halt() -> bool:
-            nonlocal stopped
-            stopped = self.stop()
-            return stopped or time.monotonic() >= beat
-
-        while True:
-            beat = time.monotonic() + self.heartbeat_s
-            step = reader.next_step(halt)
-            if step is not None or reader.finished or stopped:
-                return step
-            self._send(("still waiting",))
+        """Rank 0: the reader's wait for the next step (None: the end, or `stop()`), with a "still waiting" to the
+        other ranks every `heartbeat_s` (`RankZeroWord.beating`)."""
+        with self.word.beating():
+            return reader.next_step(self.stop)
 
     def _follow(self) -> tuple[Step, dict[int, ShardRef]] | None:
         """A rank other than 0: rank 0's next step (None: the end), calling `on_wait` when rank 0 says "wait"."""
         waiting_since: float | None = None
+
+        def failed(reason: str) -> Exception:
+            return SpoolStateError(f"rank 0 of the trainer failed reading the spool {self.root}: {reason}")
+
         try:
             while True:
-                kind, *rest = self._receive()
+                message: Message = self.word.next_word(failed)  # "still waiting" skipped: this rank waits on
+                kind, *rest = message
                 if kind == "step":
                     return rest[0], rest[1]
                 if kind == "end":
                     return None
-                if kind == "error":
-                    raise SpoolStateError(f"rank 0 of the trainer failed reading the spool {self.root}: {rest[0]}")
                 if kind == "wait":
                     waiting_since = time.monotonic()
                     if self.on_wait is not None:
                         self.on_wait()
-                # "still waiting": rank 0 waits on; so does this rank
         finally:
             if waiting_since is not None:
                 self.follower_waited_s += time.monotonic() - waiting_since
@@ -365,7 +338,7 @@ def train_from_spool(
     poll_s: float = 0.2,
     *,
     stop: Callable[[], bool] | None = None,
-    heartbeat_s: float = HEARTBEAT_S,
+    heartbeat_s: float | None = None,
 ) -> tuple[TrainHistory, SpoolWindows]:
     """Train in place from the spool at `root`, resuming from `options.checkpoint_dir` when it holds a checkpoint
     of this run; the trainer checkpoints whenever it has to wait for capture. `hooks` may be a function of the data

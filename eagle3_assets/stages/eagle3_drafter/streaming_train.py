@@ -8,7 +8,8 @@ eval states the capture side stores first (it waits for `eval_done`), training f
 the real Trainer, `passes` passes as one epoch, its position in the atomic checkpoint), the trained drafter scored
 and exported (`export_report`), the report written as JSON (`train_cli.report_json`, plus `best_checkpoint` and the
 side's `streaming` figures) to `report`. With `best` in the spec, the best-checkpoint keeper runs as offline
-(`BestCheckpointKeeper`: the main rank decodes with the target loaded here) and the best drafter is exported.
+(`BestCheckpointKeeper`: the main rank decodes with the target loaded here, the other ranks wait for its word) and the
+best drafter is exported.
 
 What it writes as it goes, in the run's shared folder (the main rank):
 - `progress`: JSON lines {steps, estimated_steps, tokens, bytes_read, waited_s, seconds}, at most every
@@ -40,7 +41,7 @@ from typing import IO, Any
 import polars as pl
 import torch
 
-from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointKeeper, BestCheckpointPlan
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointKeeper, plan_from_spec
 from eagle3_assets.stages.eagle3_drafter.data import plan_windows
 from eagle3_assets.stages.eagle3_drafter.pipeline import (
     BuiltDrafter,
@@ -154,24 +155,6 @@ class SideProgress:
         self.progress.flush()
 
 
-def best_plan(spec: dict[str, Any], log: Callable[[str], None]) -> BestCheckpointPlan | None:
-    """The best-checkpoint plan of the spec's `best` (None: off), with the target loaded here."""
-    best = spec.get("best")
-    if not best:
-        return None
-    from eagle3_resources.target.resource import TargetModelResource
-    from eagle3_resources.tokenizer.resource import TokenizerResource
-
-    target = TargetModelResource(**best["target"]).load_model(TokenizerResource(**best["tokenizer"]), log)
-    return BestCheckpointPlan(
-        every=int(best["every"]),
-        target=target,
-        prompts_per_kind=int(best["prompts_per_kind"]),
-        max_new_tokens=int(best["max_new_tokens"]),
-        draft_steps=int(best["draft_steps"]),
-    )
-
-
 def wait_for(path: Path, log: Callable[[str], None], poll_s: float = 0.2) -> None:
     if not path.exists():
         log(f"training side: waiting for the eval split's states ({path})")
@@ -213,7 +196,7 @@ def prepare(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[
         device=device,
         init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
         dist=dist,
-        best=best_plan(spec, log) if dist.main else None,
+        best=plan_from_spec(spec.get("best"), log, load_target=dist.main),  # every rank keeps; rank 0 decodes
     )
     built = build_drafter(job, target_hidden_size(job.target_folder), train_ids, dev)
     model, teacher = built.model, built.teacher

@@ -6,8 +6,10 @@ when it asks for several processes.
 `spec.json` (written by `write_spec`) names the hidden-state store (or `online: true`), the merged set,
 the target folder, the output folder and the settings. Under torchrun each rank joins the process
 group (NCCL on GPUs, one GPU per local rank; gloo on the CPU); rank 0 evaluates, exports the
-checkpoint and writes the report (`report_path`), JSON. A killed run started again with the same
-spec resumes from its last training checkpoint.
+checkpoint and writes the report (`report_path`), JSON. With `best` (the asset's `best_every`), rank 0 loads the
+target and keeps the best checkpoint while the other ranks wait for its word (`best_checkpoint.py`). A killed run
+started again with the same spec resumes from its last training checkpoint. The process group's collective timeout is
+torch's default unless `EAGLE3_COLLECTIVE_TIMEOUT_S` sets it (`rank_zero.collective_timeout`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 import polars as pl
 import torch
 
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import plan_from_spec
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
+from eagle3_assets.stages.eagle3_drafter.rank_zero import collective_timeout
 from eagle3_assets.stages.eagle3_drafter.train import Distributed, TrainHistory, TrainSettings
 
 
@@ -41,6 +45,7 @@ class TrainSpec:
     device: str = "auto"
     online: bool = False
     init_from: Path | None = None
+    best: dict[str, Any] | None = None  # the best-checkpoint keeper's plan (`best_checkpoint.plan_from_spec`)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +59,7 @@ class TrainSpec:
             "device": self.device,
             "online": self.online,
             "init_from": str(self.init_from) if self.init_from else None,
+            "best": self.best,
         }
 
     @classmethod
@@ -69,6 +75,7 @@ class TrainSpec:
             device=spec.get("device", "auto"),
             online=bool(spec.get("online")),
             init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
+            best=spec.get("best"),
         )
 
     def write(self, path: Path) -> Path:
@@ -152,7 +159,7 @@ def join_process_group(device: str) -> tuple[Distributed, str]:
     if cuda:
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
     return Distributed(rank, world), device if cuda else "cpu"
 
 
@@ -165,6 +172,7 @@ def run(
     dist, device = join_process_group(train_spec.device)
     try:
         merged = pl.read_parquet(train_spec.merged_path)
+        log = log if dist.main else (lambda _m: None)
         job = DrafterJob(
             train_spec.hidden_root,
             merged,
@@ -172,12 +180,13 @@ def run(
             train_spec.out_dir,
             train_spec.settings,
             train_spec.draft_vocab_size,
-            log if dist.main else (lambda _m: None),
+            log,
             device=device,
             online_backend=online_target(train_spec.target_folder, device) if train_spec.online else None,
             init_from=train_spec.init_from,
             dist=dist,
             stop_after_steps=stop_after_steps,
+            best=plan_from_spec(train_spec.best, log, load_target=dist.main),  # every rank keeps; rank 0 decodes
         )
         report = run_drafter_job(job)
         if report is not None and dist.main and train_spec.report_path is not None:

@@ -1,0 +1,144 @@
+"""The best checkpoint with several training processes: two gloo ranks under torchrun (the asset's own command,
+`launch.torchrun_command`, running `train_cli` on the spec the asset writes), the stand-in target decoding on rank 0.
+
+Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test:
+`EAGLE3_TEST_BEST_EVAL_DELAY_S`, test-only, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
+waited for rank 0's word in heartbeat rounds, and keep what one process keeps on the same data: the same curve, the
+same best step, its weights exported. An error of rank 0's evaluation ends both ranks with rank 0's reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import extract_merged
+from test_best_checkpoint import corpus
+from test_spool_ddp import kill_9
+
+from eagle3_assets.stages.eagle3_drafter.asset import DrafterTrainConfig, best_section
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import CURVE_FILE, TEST_DELAY_ENV, BestCheckpointPlan
+from eagle3_assets.stages.eagle3_drafter.launch import torchrun_command
+from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, run_drafter_job
+from eagle3_assets.stages.eagle3_drafter.rank_zero import TIMEOUT_ENV
+from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
+from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec
+
+REPO = Path(__file__).resolve().parents[1]
+# 12 optimizer steps over 3 epochs; evaluated at 4, 8 and 12, where step 8 decodes best (the curve is checked)
+SETTINGS = TrainSettings(
+    ttt_steps=3, epochs=3, batch_tokens=256, max_len=64, seed=1, checkpoint_every=4, warmup_steps=2
+)
+CONFIG = DrafterTrainConfig(best_every=4, best_prompts_per_kind=1, spec_eval_new_tokens=16, spec_draft_steps=3)
+TIMEOUT_S = 6.0  # the collective timeout of the test's process group: well above the waits a step has on its own
+DELAY_S = 9.0  # each evaluation of rank 0's takes longer than that
+DEADLINE_S = 600  # a run not ended by then is stuck
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tok, target_model, target_resource, tokenizer_resource):
+    root = tmp_path_factory.mktemp("best-checkpoint-ddp")
+    merged = corpus(tok, target_model)
+    merged.write_parquet(root / "merged.parquet")
+    extract_merged(merged, target_model, root / "hidden_states")
+    return {
+        "root": root,
+        "merged": merged,
+        "target": target_resource.folder(tokenizer_resource),
+        "best": best_section(CONFIG, target_resource, tokenizer_resource),  # as the asset writes it in the spec
+    }
+
+
+def two_ranks(data, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`train_cli` as two gloo ranks under torchrun on the spec the asset writes (`best` in it), to its end."""
+    spec = TrainSpec(
+        hidden_root=data["root"] / "hidden_states",
+        merged_path=data["root"] / "merged.parquet",
+        target_folder=data["target"],
+        out_dir=out,
+        settings=SETTINGS,
+        draft_vocab_size=512,
+        report_path=Path(str(out) + ".report.json"),
+        device="cpu",
+        best=data["best"],
+    ).write(Path(str(out) + ".spec.json"))
+    p = subprocess.Popen(
+        torchrun_command(spec, 2),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TIMEOUT_ENV: str(TIMEOUT_S)} | env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+    try:
+        output, _ = p.communicate(timeout=DEADLINE_S)
+    finally:
+        if p.poll() is None:
+            kill_9(p)
+    return subprocess.CompletedProcess(p.args, p.returncode, output)
+
+
+def one_process(data, target_model, out: Path):
+    plan = BestCheckpointPlan(CONFIG.best_every, target_model, prompts_per_kind=1, max_new_tokens=16, draft_steps=3)
+    job = DrafterJob(
+        data["root"] / "hidden_states", data["merged"], data["target"], out, SETTINGS, 512, print, "cpu", best=plan
+    )
+    report = run_drafter_job(job)
+    assert report is not None and report.best_checkpoint is not None
+    return report.best_checkpoint
+
+
+def decoded(curve: list[dict]) -> list[tuple]:
+    """What decoding measured at each step (the seconds and the loss's last float digits left out)."""
+    return [(r["step"], r["accept_length"], r["by_kind"]) for r in curve]
+
+
+@pytest.mark.timeout(900)
+def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collective_timeout(
+    data, target_model, tmp_path
+):
+    out = tmp_path / "drafter"
+    run = two_ranks(data, out, {TEST_DELAY_ENV: str(DELAY_S)})
+    assert run.returncode == 0, run.stdout
+    assert "x 2 processes" in run.stdout
+    state = json.loads((tmp_path / "drafter.training" / "best" / CURVE_FILE).read_text())
+    curve, best = state["curve"], state["best"]
+    # what makes this test mean something: each evaluation outlasted the collective timeout rank 1 waited under
+    assert [r["step"] for r in curve] == [4, 8, 12] and all(r["seconds"] > TIMEOUT_S for r in curve)
+
+    # the same choice as one process on the same data
+    alone = one_process(data, target_model, tmp_path / "alone")
+    assert decoded(curve) == decoded(alone["curve"]) and best["step"] == alone["best"]["step"]
+    assert best["step"] == 8 and best["accept_length"] > curve[-1]["accept_length"]  # the best is not the last
+
+    # rank 0 exported the best step's weights, bit for bit, not the last step's
+    kept = tmp_path / "drafter.training" / "best" / f"step-{best['step']:08d}" / "model.safetensors"
+    shipped = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(t, shipped[k]) for k, t in load_file(str(kept)).items())
+    last = torch.load(tmp_path / "drafter.training" / CHECKPOINT_FILE, weights_only=False)["model"]
+    assert not torch.equal(last["fc.weight"].to(torch.bfloat16), shipped["fc.weight"])
+    report = json.loads(Path(str(out) + ".report.json").read_text())
+    assert report["config"]["eagle3_pipeline"]["best_step"] == best["step"]
+    # the training clock stood still while rank 0 evaluated: three evaluations of DELAY_S each are not in it
+    history = report["history"]
+    assert history["world_size"] == 2 and history["tokens"] / history["tokens_per_s"] < DELAY_S
+
+
+@pytest.mark.timeout(600)
+def test_an_error_of_rank_0s_evaluation_ends_every_rank_with_its_reason(data, tmp_path):
+    out = tmp_path / "drafter"
+    blocker = tmp_path / "drafter.training" / "best"  # a file where the keeper makes its folder: rank 0's export fails
+    blocker.parent.mkdir()
+    blocker.write_text("not a folder")
+    run = two_ranks(data, out, {})
+    assert run.returncode != 0
+    reason = f"FileExistsError: [Errno 17] File exists: '{blocker}'"
+    assert f"[rank0]: {reason}" in run.stdout, run.stdout
+    said = "[rank1]: eagle3_resources.errors.DrafterError: rank 0 of the trainer failed keeping the best checkpoint "
+    assert f"{said}at step 4: {reason}" in run.stdout, run.stdout
+    assert not Path(str(out) + ".report.json").exists()
