@@ -112,7 +112,7 @@ SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
     ),
     "extraction": (
         "hidden_states_throughput.py",
-        ["--hidden", "2048", "--layers", "8"],
+        ["--hidden", "2048", "--layers", "8", "--budget-s", "60"],  # rounds that fit in the cap
         ["--hidden", "64", "--layers", "8", "--samples", "8", "--rounds", "1"],
         75,
     ),

@@ -40,7 +40,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -58,20 +57,30 @@ from eagle3_resources.hidden_states.extract import (  # noqa: E402
     store_figures,
 )
 from eagle3_resources.hidden_states.store import (  # noqa: E402
+    ALIGN,
     CHECKSUM,
+    WRITE_CHUNK,
     StoredSample,
     host_buffer,
     plan_shards,
     shard_layout,
     token_bytes,
     write_file,
+    write_files,
 )
 from eagle3_resources.hidden_states.transformers_backend import (  # noqa: E402
     TransformersHiddenStates,
 )
 
+STARTED = time.monotonic()  # `--budget-s` counts from here (the imports above are a few seconds)
 
-def random_deepseek_v3(hidden: int, layers: int, vocab: int):
+
+def random_deepseek_v3(
+    hidden: int, layers: int, vocab: int, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+):
+    """The random DeepseekV3. With `device` (and `dtype`) its weights are made there, in that dtype: on a GPU the random
+    initialisation of ~1B parameters takes a second instead of the CPU's 10-40 s, which a device check's time cap
+    cannot spare. Without, on the CPU in fp32 (`.to()` it)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     heads = max(4, hidden // 128)
@@ -98,7 +107,10 @@ def random_deepseek_v3(hidden: int, layers: int, vocab: int):
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(cfg)
+    if device is None:
+        return DeepseekV3ForCausalLM(cfg)
+    with torch.device(device):  # every parameter and buffer made on `device`, its initialisation run there
+        return DeepseekV3ForCausalLM._from_config(cfg, dtype=dtype or torch.float32)
 
 
 def sequences(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[StoredSample]:
@@ -198,31 +210,35 @@ class InterleavedBare:
 def disk_write_s(
     root: Path, sizes: list[int], *, direct: bool, threads: int, buffer: torch.Tensor
 ) -> tuple[float, bool]:
-    """Seconds to write files of `sizes` bytes (16 MiB sequential writes, fsync each) with `threads` writers at once."""
-    todo = list(enumerate(sizes))
-    used_direct = []
-    lock = threading.Lock()
+    """Seconds to write files of `sizes` bytes (16 MiB sequential writes, fsync each) with `threads` writers at once
+    (store.write_files, as the store's writers write), and whether every write went O_DIRECT."""
     memory = buffer.numpy().data  # the memoryview of the array (numpy types its buffer protocol from Python 3.12)
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i, size = todo.pop(0)
-            _, d = write_file(root / f"disk-{i}.bin", memory, size, direct=direct, checksum=None)
-            used_direct.append(d)
-
+    items = [(root / f"disk-{i}.bin", size) for i, size in enumerate(sizes)]
     start = time.perf_counter()
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    results = write_files(items, memory, writers=threads, direct=direct, checksum=None)
     seconds = time.perf_counter() - start
-    for i in range(len(sizes)):
-        (root / f"disk-{i}.bin").unlink()
-    return seconds, all(used_direct)
+    for path, _ in items:
+        path.unlink()
+    return seconds, all(d for _, d in results)
+
+
+def store_writes_direct(buffers: HostBuffers, directory: str | None, direct: bool) -> bool:
+    """Whether the store's writes from these (on a GPU page-locked) host buffers go O_DIRECT: one 2-chunk write from
+    one of them, as a writer writes a shard. A kernel that cannot pin the driver's pages for the DMA, or a file system
+    without O_DIRECT, makes the store write buffered (store.DIRECT_REFUSED): said in the output, not silently."""
+    image = buffers.take(2 * WRITE_CHUNK)
+    try:
+        size = min(2 * WRITE_CHUNK, image.capacity // ALIGN * ALIGN)
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            _, used = write_file(Path(tmp) / "probe.bin", image.memory(), size, direct=direct, checksum=None)
+        return used
+    finally:
+        buffers.give(image)
+
+
+def next_round_s(kinds: list[str], took: dict[str, list[float]]) -> float:
+    """A round of `kinds`, guessed from the longest run of each kind so far (every kind ran in the first round)."""
+    return sum(max(took[k]) for k in kinds)
 
 
 def spread(values: list[float]) -> dict:
@@ -286,6 +302,14 @@ def main() -> None:
     )
     p.add_argument("--dir", default=None, help="where the temporary stores are written (default: the system temp dir)")
     p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="no round starts that would end past this many seconds from the script's start, by the "
+        "longest round of each kind so far (the first round always runs); the rounds done are in the figures. "
+        "benchmarks/device_check.py gives one below its time cap",
+    )
+    p.add_argument(
         "--json", default=None, help="write the figures here (default: $OUT/extraction.json when $OUT is set)"
     )
     a = p.parse_args()
@@ -299,7 +323,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
         name = Path(a.model).name
     else:
-        model = random_deepseek_v3(a.hidden, a.layers, a.vocab).to(dtype)
+        model = random_deepseek_v3(a.hidden, a.layers, a.vocab, device=device, dtype=dtype)
         name = f"random DeepseekV3 hidden {a.hidden}, {a.layers} layers"
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
     model = model.to(device).eval()  # type: ignore[arg-type]
@@ -332,11 +356,14 @@ def main() -> None:
     scratch = host_buffer(max(write_bytes) + 2**25, pin=False)  # the disk test's source: any bytes
     scratch.random_(0, 256)
     ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
+    store_direct = store_writes_direct(buffers, a.dir, not a.buffered)
     print(
         f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
         f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards "
         f"of ~{shard_bytes / 1e6:,.0f} MB, "
-        f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; checksum {CHECKSUM}",
+        f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; "
+        f"checksum {CHECKSUM}; the store writes its {'page-locked ' if buffers.pin else ''}buffers "
+        f"{'O_DIRECT' if store_direct else 'buffered'}",
         flush=True,
     )
     print(
@@ -442,12 +469,26 @@ def main() -> None:
         "each round in a rotated order",
         flush=True,
     )
+    took: dict[str, list[float]] = {k: [] for k in forward_kinds + write_kinds}  # wall seconds of each run, by kind
+    done_rounds = {"forward": 0, "write": 0}
     for r in range(max(a.rounds, a.write_rounds)):
         order = (rotated(forward_kinds, r) if r < a.rounds else []) + (
             rotated(write_kinds, r) if r < a.write_rounds else []
         )
+        left = None if a.budget_s is None else a.budget_s - (time.monotonic() - STARTED)
+        if r and left is not None and next_round_s(order, took) > left:
+            print(
+                f"budget: round {r + 1} would take ~{next_round_s(order, took):.0f} s, {left:.0f} s of "
+                f"--budget-s {a.budget_s:g} are left: the figures are from {r} round(s)",
+                flush=True,
+            )
+            break
         for kind in order:
+            begin = time.monotonic()
             measure(kind)
+            took[kind].append(time.monotonic() - begin)
+        done_rounds["forward"] += r < a.rounds
+        done_rounds["write"] += r < a.write_rounds
         print(
             f"round {r + 1}: "
             + ", ".join(
@@ -499,9 +540,15 @@ def main() -> None:
         "shard_bytes": shard_bytes,
         "writers": a.writers,
         "o_direct": direct_ok and not a.buffered,
+        "store_o_direct": store_direct,
+        "pinned_buffers": buffers.pin,
         "checksum": CHECKSUM,
-        "rounds": a.rounds,
-        "write_rounds": a.write_rounds,
+        "rounds": done_rounds["forward"],
+        "write_rounds": done_rounds["write"],
+        "rounds_asked": a.rounds,
+        "write_rounds_asked": a.write_rounds,
+        "budget_s": a.budget_s,
+        "seconds_total": round(time.monotonic() - STARTED, 1),
         "write_repeat": repeat,
         "write_test_bytes": write_total,
         "write_test_shards": len(write_bytes),

@@ -16,14 +16,19 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import json
 import mmap
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from eagle3_resources.hidden_states.store import ALIGN, WRITE_CHUNK, host_buffer, padded_size, write_file, write_files
 
+REPO = Path(__file__).resolve().parents[1]
 MEMFD_SECRET = 447  # the syscall's number on x86_64 and arm64
 
 
@@ -81,3 +86,27 @@ def test_the_disk_measurements_write_as_the_store_does(tmp_path):
         assert digest == hashlib.sha256(bytes(memory[:n])).hexdigest()
     assert all(d == "" for d, _ in write_files(items, memory, writers=2, direct=False, checksum=None))
     assert [p.stat().st_size for p, _ in items] == sizes
+
+
+def test_the_extraction_benchmark_keeps_to_its_budget_and_says_how_it_wrote(tmp_path):
+    """A device check's cap kills a section that runs past it, and a killed section gives no figures: with
+    `--budget-s` the benchmark starts no round that would end past it (the first always runs) and says how many it
+    ran. Its figures also say whether the store's writes from its host buffers went O_DIRECT. The model is made where
+    it runs (`random_deepseek_v3(device=...)`, the GPU path's construction, here on the CPU)."""
+    out = tmp_path / "extraction.json"
+    args = ["--device", "cpu", "--hidden", "64", "--layers", "8", "--vocab", "512", "--samples", "4"]
+    args += ["--min-len", "16", "--max-len", "48", "--write-gb", "0.005", "--rounds", "2", "--budget-s", "0"]
+    p = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "hidden_states_throughput.py"), *args, "--dir", str(tmp_path)]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert (figures["rounds"], figures["write_rounds"], figures["rounds_asked"]) == (1, 1, 2), figures
+    assert "budget: round 2 would take" in p.stdout
+    assert len(figures["seconds"]["extract"]) == len(figures["seconds"]["disk_buffered"]) == 1
+    assert figures["store_o_direct"] in (True, False) and figures["pinned_buffers"] is False
+    assert figures["ratio_extraction_to_limit"] > 0
