@@ -226,3 +226,17 @@ def test_the_job_passes_the_drafter_config_through_and_is_in_the_code_location()
     assert definitions.defs.resolve_job_def("eagle3_drafter_streaming").asset_layer.executable_asset_keys == {
         dg.AssetKey(DRAFTER)
     }
+
+
+def test_both_drafter_step_jobs_pass_the_official_kubernetes_schemas(instance):
+    """An empty `nodeSelector` and `tolerations` list included: strict (no unknown field), oldest and newest version."""
+    validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (the Kubernetes API's JSON schemas, offline)"
+    )
+    for job_name, config in (("eagle3_drafter_streaming", STREAMING), ("eagle3_pipeline", {})):
+        data, _ = drafter_step_job(instance, job_name, config)
+        for version in ("1.25.0", "1.37.0"):
+            try:
+                validate.validate(data, version, strict=True)
+            except validate.ValidationError as error:
+                raise AssertionError(f"{job_name} at Kubernetes {version}: {error}") from error
