@@ -178,6 +178,7 @@ def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
             subprocess.Popen(busy, process_group=first.pid, stdout=subprocess.PIPE) for _ in range(2 * len(cpus) - 1)
         ]
         for loop in loops:
+            assert loop.stdout is not None
             assert loop.stdout.read(1) == b"x"
         time.sleep(0.2)
         got = probe()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -165,7 +166,7 @@ def test_tool_declarations_as_moonshot_renders_them():
 
 
 def test_history_reasoning_tool_calls_and_results():
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "u1"},
         {"role": "assistant", "content": "a1", "reasoning_content": "dropped"},

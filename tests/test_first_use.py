@@ -166,4 +166,6 @@ def test_two_materializations_started_together_on_a_fresh_home(tmp_path, data_di
             ).records
             assert len(records) == 1, ds
             rows = pl.read_parquet(data_dir_with_tokenizer / "raw_prompts" / f"{ds}.parquet").height
-            assert rows > 0 and records[0].asset_materialization.metadata["rows"].value == rows
+            materialization = records[0].asset_materialization
+            assert materialization is not None
+            assert rows > 0 and materialization.metadata["rows"].value == rows

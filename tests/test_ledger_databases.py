@@ -14,6 +14,7 @@ from support import ledger_rows
 
 from eagle3_assets.money import Caps, SpendLedger, open_ledger
 from eagle3_assets.money import ledger as L
+from eagle3_assets.money.database import PostgresDatabase
 from eagle3_assets.money.writer import LedgerWriter
 from eagle3_resources.storage import DataLayout
 
@@ -220,6 +221,7 @@ def test_a_connection_the_server_dropped_is_made_again(postgres_url):
             assert cur.fetchall() == [(True,)]
 
     try:
+        assert isinstance(ledger._db, PostgresDatabase)
         first = ledger._db.conn.get_backend_pid()
         drop()
         assert ledger.figures().total.attempts == 0  # a read, on a new connection

@@ -1,8 +1,9 @@
 import polars as pl
+from polars._typing import PolarsDataType
 
 from eagle3_assets.stages.merged_dataset.merge import eval_bucket, merge_token_ids
 
-SCHEMA = {
+SCHEMA: dict[str, PolarsDataType] = {
     "prompt_id": pl.String,
     "dataset": pl.String,
     "status": pl.String,

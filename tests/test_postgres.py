@@ -70,6 +70,7 @@ def test_the_team_instance_keeps_runs_events_schedules_and_slots_in_postgres(pos
         assert isinstance(instance.schedule_storage, PostgresScheduleStorage)
         assert isinstance(instance.run_coordinator, QueuedRunCoordinator)
         queue = instance.get_concurrency_config().run_queue_config
+        assert queue is not None
         assert queue.max_concurrent_runs == 4
         assert {limit["key"] for limit in queue.tag_concurrency_limits} == {
             "dagster/partition",

@@ -208,6 +208,7 @@ def test_glaive_converts_to_messages_and_tools(tmp_path):
     )
     call = p.messages[2]["tool_calls"][0]
     assert call["id"] == "functions.get_news:0" and json.loads(call["function"]["arguments"]) == {"category": "sports"}
+    assert p.tools is not None
     assert p.messages[3]["tool_call_id"] == "functions.get_news:0" and p.tools[0]["function"]["name"] == "get_news"
     assert p.dropped_turns == 1
 

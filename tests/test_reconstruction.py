@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -32,7 +33,7 @@ SECTION = (
 
 @pytest.mark.parametrize("version", ["k2.5", "k2"])
 def test_tool_conversation_renders_to_the_hand_checked_ids(tok, version):
-    expected = []
+    expected: list[int] = []
     for seg in DATA["expected"][version]:
         expected += tok.encode(seg["text"]) if isinstance(seg, dict) else [tok.token_id(seg)]
     text = render_messages(DATA["messages"], DATA["tools"], version=TemplateVersion(version))
@@ -40,7 +41,7 @@ def test_tool_conversation_renders_to_the_hand_checked_ids(tok, version):
 
 
 def completion_row(reasoning, content, finish="stop", billed=None, backend_ids=None):
-    row = {c: None for c in COMPLETION_COLUMNS}
+    row: dict[str, Any] = {c: None for c in COMPLETION_COLUMNS}
     row.update(
         prompt_id="s",
         dataset="T",

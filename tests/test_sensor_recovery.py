@@ -47,6 +47,7 @@ def test_the_sensor_puts_right_a_dead_process_attempts_and_leaves_a_locked_datas
 
     states = ledger.read(lambda conn: dict(conn.execute("select attempt_id, state from attempts").fetchall()))
     assert states == {never_sent: "released", sent: "unidentified", busy: "reserved"}
+    assert isinstance(result, dg.SensorResult)
     (observation,) = result.asset_events
     assert observation.metadata["settled_this_tick"].value == {
         "recovered": {"A1": {"settled_from_journal": 0, "unsettled": 0, "unidentified": 1, "released": 1}}

@@ -26,6 +26,7 @@ SCRIPT = REPO / "benchmarks" / "serving_speculative.py"
 
 def load_bench():
     spec = importlib.util.spec_from_file_location("serving_speculative", SCRIPT)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

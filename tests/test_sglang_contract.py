@@ -372,7 +372,7 @@ def test_reply_gather_needs_every_rank_and_rank_zero_tensors():
     g = ReplyGather(world_size=3, batch_id=7)
     assert not g.add(Done(2, 7))
     assert not g.add(Done(0, 7, Handoff(slab=0, tokens=1)))
-    assert g.add(Done(1, 7)) and g.result.rank == 0
+    assert g.add(Done(1, 7)) and g.result is not None and g.result.rank == 0
     with pytest.raises(RankError, match="rank 1 failed on batch 7"):
         ReplyGather(2, 7).add(Failed(1, 7, "Traceback: boom"))
     with pytest.raises(RankError, match="without hidden states"):

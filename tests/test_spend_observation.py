@@ -81,6 +81,7 @@ def test_a_running_run_that_has_spent_is_observed_with_its_spend(tmp_path, monke
 
         result = tick(instance, tmp_path, None)  # the run has started; nothing of it is in the ledger yet
         first, cursor = observed(result), result.cursor
+        assert first is not None
         assert first["spent_by_run_usd"] == {run.run_id: 0} and first["spent_total_usd"] == 0.0079
 
         # The run's pilot: three requests, $0.0018 billed in all; the totals move by less than a cent.

@@ -1,3 +1,5 @@
+from typing import Any
+
 import polars as pl
 
 from eagle3_assets.stages.token_ids.checks import TOKEN_CHECKS
@@ -36,7 +38,7 @@ def test_every_check_passes_on_good_data():
 
 
 def test_each_check_fails_on_crafted_bad_data():
-    good = [{}] * 200
+    good: list[dict[str, Any]] = [{}] * 200
     assert not outcome("billed_completion_tokens_match", frame(good + [{"completion_len_diff": 100}])).passed
     assert outcome(
         "billed_completion_tokens_match", frame(good + [{"completion_len_diff": 1}])

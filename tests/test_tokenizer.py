@@ -1,5 +1,6 @@
 import json
 import shutil
+from typing import Any
 
 import pytest
 
@@ -142,7 +143,7 @@ TOOLS = [
 
 
 def test_tools_declared_first_then_system_and_results_rendered():
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {
