@@ -579,6 +579,10 @@ def test_disk_write_measured_on_the_data_root(tmp_path):
     code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000")
     row = rows["disk write"]
     assert row["status"] == "ok" and row["data"]["bytes"] == 16 * 2**20 and row["data"]["gb_per_s"] > 0, row
+    from eagle3_resources.hidden_states.extract import StoreSettings
+    from eagle3_resources.hidden_states.store import CHECKSUM
+
+    assert (row["data"]["writers"], row["data"]["checksum"]) == (StoreSettings.writers, CHECKSUM), row  # as the store
     assert list(tmp_path.iterdir()) == []  # the measurement's files are gone
     code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000", "--min-disk-gbps", "1e9")
     assert code == 1 and rows["disk write"]["status"] == "fail" and "EAGLE3_DATA_DIR=" in rows["disk write"]["fix"]

@@ -12,8 +12,9 @@ command that fixes it. Rows, in order:
 - `/dev/shm`: its size against the rank hand-off: rank 0 returns each forward's states through a ring of
   `--handoff-slabs` shared slabs the backend reserves in /dev/shm at start, each `--max-forward-tokens` x
   (3 + 1) x hidden x 2 bytes plus the token ids (the backend's own `SlabLayout`).
-- `disk write`: an fsync'd sequential write (O_DIRECT where the file system takes it, the store's own
-  `write_file`) of `--disk-mib` MiB into the data root, removed afterwards: GB/s and the capture rate it bounds.
+- `disk write`: `--disk-mib` MiB written into the data root the way the store writes shards (its writer count,
+  `StoreSettings.writers` files at once, each in 16 MiB sequential writes, O_DIRECT where the file system takes it,
+  hashed meanwhile, fsync'd: `store.write_files`), removed afterwards: GB/s and the capture rate it bounds.
 - `disk space`: the data root's free space against the planned capture (`--tokens`, else the merged
   dataset's tokens) x the store's bytes per token, with the hidden_states asset's margin (extract.check_disk).
 - `sglang contract`: every SGLang name the backend uses (eagle3_resources/hidden_states/sglang_api.py)
@@ -275,11 +276,13 @@ def shm_row(shm_dir: Path, forward_tokens: int, slabs: int, hidden: int, hidden_
 
 
 def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, required: bool) -> Check:
-    """`mib` MiB written into `root` in 64 MiB files (the store's write_file: 16 MiB sequential writes, O_DIRECT where
-    the file system takes it, fsync per file), timed, then removed."""
+    """`mib` MiB written into `root` in 64 MiB files as the store writes shards (`store.write_files`: the store's
+    default writer count at once, 16 MiB sequential writes, O_DIRECT where the file system takes it, the store's
+    checksum taken meanwhile, fsync per file), timed, then removed."""
     import torch
 
-    from eagle3_resources.hidden_states.store import host_buffer, token_bytes, write_file
+    from eagle3_resources.hidden_states.extract import StoreSettings
+    from eagle3_resources.hidden_states.store import CHECKSUM, host_buffer, token_bytes, write_files
 
     name = "disk write"
     if not root.is_dir():
@@ -298,7 +301,9 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
     work = Path(tempfile.mkdtemp(prefix=".eagle3-gpu-check-", dir=root))
     try:
         start = time.perf_counter()
-        direct = [write_file(work / f"w{i}.bin", memory, direct=True, checksum=None)[1] for i in range(files)]
+        items = [(work / f"w{i}.bin", file_bytes) for i in range(files)]
+        written = write_files(items, memory, writers=StoreSettings.writers, direct=True, checksum=CHECKSUM)
+        direct = [used for _, used in written]
         seconds = time.perf_counter() - start
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -310,11 +315,14 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
         "seconds": round(seconds, 3),
         "gb_per_s": round(gbps, 3),
         "o_direct": all(direct),
+        "writers": StoreSettings.writers,
+        "checksum": CHECKSUM,
         "tokens_per_s_bound": round(rate),
     }
     detail = (
         f"{root}: {files * file_bytes / 2**20:,.0f} MiB fsync'd {'O_DIRECT' if all(direct) else 'buffered'} "
-        f"in {seconds:.2f} s = {gbps:.2f} GB/s: capture at most {rate:,.0f} tokens/s at hidden {hidden}"
+        f"by {StoreSettings.writers} writers as the store writes ({CHECKSUM} taken meanwhile) in {seconds:.2f} s = "
+        f"{gbps:.2f} GB/s: capture at most {rate:,.0f} tokens/s at hidden {hidden}"
     )
     if min_gbps is None or gbps >= min_gbps:
         return Check(name, OK, detail, required, data)
