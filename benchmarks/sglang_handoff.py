@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -37,10 +38,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_resources.hidden_states.sglang_backend import (  # noqa: E402
+    SHM_DIR,
     RankPool,
     SlabLayout,
     SlabRing,
 )
+
+SHM_MARGIN = 0.9  # of /dev/shm's free bytes, the most the run plans to use
 
 
 class FixedRows:
@@ -140,6 +144,26 @@ def time_slab_path(tokens: int, hidden: int, batches: int, image: tuple[torch.Te
     return seconds[warm:], stats
 
 
+def shm_batches(slabs: int) -> int:
+    """Batches of rows in /dev/shm at once, at most: the slab ring (`slabs`), or the queue paths' shared copies (the
+    one in the queue and the one the parent still reads), plus one for what a path leaves until its memory goes."""
+    return max(slabs, 2) + 1
+
+
+def tokens_that_fit(tokens: int, hidden: int, slabs: int, free_bytes: int) -> int:
+    """`tokens`, or fewer: the most whose batches (`shm_batches`) fit SHM_MARGIN of /dev/shm's free bytes (a host with
+    a small /dev/shm, as a container's 64 MB default, would otherwise fail the run: SlabRing refuses what does not fit
+    and torch's queue would die of SIGBUS). 0 when not even one token's rows fit."""
+    room = int(free_bytes * SHM_MARGIN) // shm_batches(slabs)
+    if SlabLayout(tokens, 3 * hidden, hidden).nbytes <= room:
+        return tokens
+    per_token = 8 + 4 * hidden * 2  # the id and the (3 + 1) x H bf16 rows
+    fit = max(0, (room - 3 * 4096) // per_token)  # each region of a slab rounds up to a page
+    while fit and SlabLayout(fit, 3 * hidden, hidden).nbytes > room:
+        fit -= 1
+    return fit
+
+
 def time_device_to_host(tokens: int, hidden: int, repeats: int) -> dict:
     """On CUDA: rank 0's copy alone, into a registered (page-locked) slab vs `.to("cpu")` into pageable memory."""
     aux = torch.randn(tokens, 3 * hidden, device="cuda").to(torch.bfloat16)
@@ -151,26 +175,29 @@ def time_device_to_host(tokens: int, hidden: int, repeats: int) -> dict:
         base = slab_aux.untyped_storage()
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(base.data_ptr(), base.nbytes(), 0)
-        assert int(getattr(err, "value", err)) == 0, err
-        stream = torch.cuda.Stream()
-        pinned, pageable = [], []
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                slab_aux.copy_(aux, non_blocking=True)
-                slab_final.copy_(final, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            event.synchronize()
-            pinned.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            a, f = aux.to("cpu"), final.to("cpu")
-            pageable.append(time.perf_counter() - t0)
-            del a, f
-        cudart.cudaHostUnregister(base.data_ptr())
+        if int(getattr(err, "value", err)) != 0:
+            raise RuntimeError(f"cudaHostRegister of the slab failed: {cudart.cudaGetErrorString(err)}")
+        try:
+            stream = torch.cuda.Stream()
+            pinned, pageable = [], []
+            for _ in range(repeats + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    slab_aux.copy_(aux, non_blocking=True)
+                    slab_final.copy_(final, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                event.synchronize()
+                pinned.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                a, f = aux.to("cpu"), final.to("cpu")
+                pageable.append(time.perf_counter() - t0)
+                del a, f
+        finally:  # before the mapping can go: unmapping registered memory is undefined
+            cudart.cudaHostUnregister(base.data_ptr())
     finally:
         ring.close()
     p, q = statistics.median(pinned[1:]), statistics.median(pageable[1:])
@@ -201,11 +228,23 @@ def main() -> None:
     elif args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device")
     torch.set_num_threads(1)
-    T, H = args.tokens, args.hidden
+    free = shutil.disk_usage(SHM_DIR).free
+    T, H = tokens_that_fit(args.tokens, args.hidden, args.slabs, free), args.hidden
+    if T < 1:
+        sys.exit(f"{SHM_DIR} has {free / 1e6:,.0f} MB free: not one token's rows of hidden {H} fit its hand-off slabs")
+    if T < args.tokens:
+        print(
+            f"{SHM_DIR} has {free / 1e9:.2f} GB free, too little for {shm_batches(args.slabs)} batches of "
+            f"{args.tokens} tokens: {T} tokens per batch (the figures are per byte; a smaller batch pays its fixed "
+            "costs over fewer bytes)",
+            flush=True,
+        )
     nbytes = T * 4 * H * 2
     image = (torch.zeros(T, 3 * H, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.bfloat16))
     out: dict = {
         "tokens": T,
+        "tokens_asked": args.tokens,
+        "shm_free_bytes": free,
         "hidden": H,
         "bytes_per_batch": nbytes,
         "batches": args.batches,

@@ -110,3 +110,19 @@ def test_the_extraction_benchmark_keeps_to_its_budget_and_says_how_it_wrote(tmp_
     assert len(figures["seconds"]["extract"]) == len(figures["seconds"]["disk_buffered"]) == 1
     assert figures["store_o_direct"] in (True, False) and figures["pinned_buffers"] is False
     assert figures["ratio_extraction_to_limit"] > 0
+
+
+def test_the_hand_off_benchmark_fits_its_batches_in_dev_shm():
+    """A GPU host's /dev/shm may be a container's 64 MB: the hand-off benchmark then runs smaller batches (said in its
+    figures) instead of failing on the first slab. The batches it plans fit; one token more would not."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from sglang_handoff import SHM_MARGIN, SlabLayout, shm_batches, tokens_that_fit
+
+    kimi = 7168
+    assert tokens_that_fit(8192, kimi, 2, 24 * 2**30) == 8192  # room for all: as asked
+    for free in (64 * 2**20, 300 * 2**20):
+        fit = tokens_that_fit(8192, kimi, 2, free)
+        assert 0 < fit < 8192
+        used = [shm_batches(2) * SlabLayout(n, 3 * kimi, kimi).nbytes for n in (fit, fit + 1)]
+        assert used[0] <= free * SHM_MARGIN < used[1], (fit, used, free)
+    assert tokens_that_fit(8192, kimi, 2, 10_000) == 0
