@@ -30,7 +30,7 @@ from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.completions.run import final_results, run_completions
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.completions.openrouter import OpenRouterBackend
-from eagle3_resources.completions.resource import CompletionsResource
+from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.completions.types import SamplingSettings
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataLayout, DataStore
@@ -59,6 +59,12 @@ def serve(tok):
     yield make
     for thread in started:
         thread.__exit__(None, None, None)
+
+
+def step_failure_message(event: dg.DagsterEvent) -> str:
+    error = event.step_failure_data.error
+    assert error is not None, event
+    return error.message
 
 
 def backend(fake, **kw):
@@ -99,7 +105,7 @@ def test_a_two_dataset_run_with_a_run_cap_stays_within_it_pilots_included(tmp_pa
         "tokenizer": TokenizerResource(standin_dir=str(data_dir_with_standin / "standin")),
         "target": TargetModelResource(standin_dir=str(data_dir_with_standin / "standin")),
         "completions_backend": CompletionsResource(
-            backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=KEY
+            backend=BackendKind.OPENROUTER, openrouter_base_url=fake.url, openrouter_api_key=KEY
         ),
         "spend_policy": SpendPolicy(),
     }
@@ -419,7 +425,7 @@ def materialize_b6(data_dir, fake, config, **resource):
         "tokenizer": TokenizerResource(standin_dir=str(data_dir / "standin")),
         "target": TargetModelResource(standin_dir=str(data_dir / "standin")),
         "completions_backend": CompletionsResource(
-            backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=KEY, **resource
+            backend=BackendKind.OPENROUTER, openrouter_base_url=fake.url, openrouter_api_key=KEY, **resource
         ),
         "spend_policy": SpendPolicy(),
     }
@@ -433,7 +439,7 @@ def materialize_b6(data_dir, fake, config, **resource):
             run_config={"ops": {"completions": {"config": config}}},
         )
         failure = next(
-            (e.event_specific_data.error.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"),
+            (step_failure_message(e) for e in result.all_events if e.event_type_value == "STEP_FAILURE"),
             None,
         )
         materialization = result.asset_materializations_for_node("completions")
@@ -483,7 +489,7 @@ def test_a_partial_launchpad_config_keeps_the_backend_the_environment_chose(monk
     monkeypatch.setenv("EAGLE3_COMPLETIONS_BACKEND", "openrouter")
     monkeypatch.setenv("OPENROUTER_BASE_URL", fake.url)
     monkeypatch.setenv("OPENROUTER_API_KEY", KEY)
-    seen = {}
+    seen: dict[str, object] = {}
 
     @dg.asset
     def probe(completions_backend: CompletionsResource) -> None:
@@ -495,7 +501,9 @@ def test_a_partial_launchpad_config_keeps_the_backend_the_environment_chose(monk
             sources=completions_backend.sources(),
         )
 
-    defs = dg.Definitions(assets=[probe], resources={"completions_backend": CompletionsResource(backend="openrouter")})
+    defs = dg.Definitions(
+        assets=[probe], resources={"completions_backend": CompletionsResource(backend=BackendKind.OPENROUTER)}
+    )
     job = defs.get_implicit_global_asset_job_def()
     assert job.execute_in_process(
         run_config={"resources": {"completions_backend": {"config": {"concurrency": 2000}}}}

@@ -78,7 +78,7 @@ def fake(tok):
         server.url = thread.base_url
         return server, thread
 
-    made = []
+    made: list[ServerThread] = []
     yield make
     for t in made:
         t.__exit__(None, None, None)
@@ -362,7 +362,7 @@ def test_total_cap_counts_the_whole_ledger(tok, fake, tmp_path):
         pricing=pricing,
         log=print,
     )
-    assert result.sent == 0 and "total dollar cap" in result.stopped_by
+    assert result.sent == 0 and result.stopped_by is not None and "total dollar cap" in result.stopped_by
 
 
 # -- stop ----------------------------------------------------------------------------------

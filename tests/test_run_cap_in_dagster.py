@@ -16,7 +16,7 @@ from eagle3_assets.money import SpendPolicy, open_ledger
 from eagle3_assets.money import ledger as L
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_resources.completions.resource import CompletionsResource
+from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -41,7 +41,7 @@ def test_a_run_capped_in_dagster_never_bills_beyond_its_cap_when_every_answer_co
             "tokenizer": TokenizerResource(standin_dir=str(data_dir_with_standin / "standin")),
             "target": TargetModelResource(standin_dir=str(data_dir_with_standin / "standin")),
             "completions_backend": CompletionsResource(
-                backend="openrouter", openrouter_base_url=f"{server.base_url}/api/v1", openrouter_api_key=KEY
+                backend=BackendKind.OPENROUTER, openrouter_base_url=f"{server.base_url}/api/v1", openrouter_api_key=KEY
             ),
             "spend_policy": SpendPolicy(),
         }

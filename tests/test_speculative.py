@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import pytest
 import torch
@@ -218,6 +219,7 @@ class SpyChain(Eagle3ChainDrafter):
         self.aux.append(aux)
 
     def propose(self, k):
+        assert self.state is not None
         self.cached.append(self.state.keys.shape[1])
         return super().propose(k)
 
@@ -351,12 +353,13 @@ def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
     the margin at -inf so that losslessness alone decides. An honest decode passes; a corrupted target, or a loop
     that keeps rejected drafts or accepts drafts unverified, fails it, for the trained (oracle) and untrained
     (random) drafter alike."""
-    corrupt = {
+    corruptions: dict[str, Callable[[], AbstractContextManager[object]]] = {
         "none": nullcontext,
         "target_verify": lambda: verify_forwards_corrupted(target_model),
         "cache_rollback": rejected_drafts_kept_in_the_cache,
         "unverified_drafts": drafts_accepted_unverified,
-    }[corruption]
+    }
+    corrupt = corruptions[corruption]
     chosen = prompts[:3]
     with corrupt():
         reports = [

@@ -22,7 +22,7 @@ from eagle3_assets.money import SpendPolicy, open_ledger
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.completions.run import final_results
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
-from eagle3_resources.completions.resource import CompletionsResource
+from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -63,7 +63,9 @@ def resources_for(data_dir, fake):
         "tokenizer": TokenizerResource(standin_dir=standin),
         "target": TargetModelResource(standin_dir=standin),
         "completions_backend": CompletionsResource(
-            backend="openrouter", openrouter_base_url=fake.url, openrouter_api_key=dg.EnvVar("OPENROUTER_API_KEY")
+            backend=BackendKind.OPENROUTER,
+            openrouter_base_url=fake.url,
+            openrouter_api_key=dg.EnvVar("OPENROUTER_API_KEY"),
         ),
         "spend_policy": SpendPolicy(),
     }
@@ -131,8 +133,14 @@ def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(
         stopped_in = time.monotonic() - asked
         monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
         with dg.DagsterInstance.get() as instance:
-            wait_for(lambda: instance.get_run_by_id(run_id).is_finished, 60, "the run to end")
-            assert instance.get_run_by_id(run_id).status == dg.DagsterRunStatus.CANCELED
+
+            def the_run() -> dg.DagsterRun:
+                run = instance.get_run_by_id(run_id)
+                assert run is not None, run_id
+                return run
+
+            wait_for(lambda: the_run().is_finished, 60, "the run to end")
+            assert the_run().status == dg.DagsterRunStatus.CANCELED
     finally:
         stop_group(dev)
 
@@ -225,6 +233,7 @@ def test_api_key_never_reaches_storage_logs_or_run_config(tmp_path, data_dir_wit
             result = materialize_b6(data_dir_with_standin, fake, instance)
             assert result.success and fake.billing.bills
             run = instance.get_run_by_id(result.run_id)
+            assert run is not None
             assert SECRET not in json.dumps(run.run_config, default=str)
             for record in instance.get_event_records(
                 dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_MATERIALIZATION)

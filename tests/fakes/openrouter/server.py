@@ -201,6 +201,8 @@ class _Answer:
 
 
 class FakeOpenRouter:
+    url: str  # where it is served: set by the test that starts its server (ServerThread)
+
     def __init__(self, tokenizer: Any, settings: FakeSettings | None = None, log_billing=None):
         """`tokenizer`: a Kimi tokenizer folder, or any object with a `.folder` (attribute or method)."""
         self.encoding = load_encoding(tokenizer)
