@@ -4,7 +4,9 @@
 Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test:
 `EAGLE3_TEST_BEST_EVAL_DELAY_S`, test-only, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
 waited for rank 0's word in heartbeat rounds, and keep what one process keeps on the same data: the same curve, the
-same best step, its weights exported. An error of rank 0's evaluation ends both ranks with rank 0's reason."""
+same best step, its weights exported. An error of rank 0's evaluation ends both ranks with rank 0's reason. In
+streaming mode (the asset materialized, tests/test_streaming_drafter.py's way: capture and two training ranks on the
+spool), the same slow evaluation on rank 0, and the best step's weights exported."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from safetensors.torch import load_file
 from support import extract_merged
 from test_best_checkpoint import corpus
 from test_spool_ddp import kill_9
+from test_streaming_drafter import materialize, write_merged
 
 from eagle3_assets.stages.eagle3_drafter.asset import DrafterTrainConfig, best_section
 from eagle3_assets.stages.eagle3_drafter.best_checkpoint import CURVE_FILE, TEST_DELAY_ENV, BestCheckpointPlan
@@ -27,6 +30,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, run_drafter
 from eagle3_assets.stages.eagle3_drafter.rank_zero import TIMEOUT_ENV
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec
+from eagle3_resources.storage import DataLayout
 
 REPO = Path(__file__).resolve().parents[1]
 # 12 optimizer steps over 3 epochs; evaluated at 4, 8 and 12, where step 8 decodes best (the curve is checked)
@@ -37,6 +41,7 @@ CONFIG = DrafterTrainConfig(best_every=4, best_prompts_per_kind=1, spec_eval_new
 TIMEOUT_S = 6.0  # the collective timeout of the test's process group: well above the waits a step has on its own
 DELAY_S = 9.0  # each evaluation of rank 0's takes longer than that
 DEADLINE_S = 600  # a run not ended by then is stuck
+STREAMING_EVERY = 40  # streaming: evaluated at 40 and at the last step (78), which decodes no better: 40 is kept
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +147,28 @@ def test_an_error_of_rank_0s_evaluation_ends_every_rank_with_its_reason(data, tm
     said = "[rank1]: eagle3_resources.errors.DrafterError: rank 0 of the trainer failed keeping the best checkpoint "
     assert f"{said}at step 4: {reason}" in run.stdout, run.stdout
     assert not Path(str(out) + ".report.json").exists()
+
+
+@pytest.mark.timeout(1200)
+def test_streaming_with_two_training_ranks_exports_the_best_step_though_rank_0_decodes_past_the_timeout(
+    data_dir_with_standin, tok, monkeypatch
+):
+    monkeypatch.setenv(TIMEOUT_ENV, str(TIMEOUT_S))  # the training side's ranks inherit the step's environment
+    monkeypatch.setenv(TEST_DELAY_ENV, str(DELAY_S))
+    data_bytes, _ = write_merged(data_dir_with_standin, tok)
+    result, _ = materialize(
+        data_dir_with_standin, data_bytes // 10, processes=2, best_every=STREAMING_EVERY, spec_eval_new_tokens=8
+    )
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    assert meta["train_processes"] == 2
+    curve = meta["accept_length_curve"]["curve"]
+    last = meta["streaming_train_steps"]
+    assert [r["step"] for r in curve] == [*range(STREAMING_EVERY, last, STREAMING_EVERY), last]
+    assert all(r["seconds"] > TIMEOUT_S for r in curve)  # each evaluation outlasted the collective timeout
+    best = max(curve, key=lambda r: (r["accept_length"], -r["step"]))  # the earlier step wins a tie
+    assert meta["best_checkpoint_step"] == best["step"] and best["step"] < last  # the best is not the last
+    out = DataLayout(data_dir_with_standin).drafter()
+    kept = Path(str(out) + ".training") / "best" / f"step-{best['step']:08d}" / "model.safetensors"
+    shipped = load_file(str(Path(meta["path"]) / "model.safetensors"))
+    assert all(torch.equal(t, shipped[k]) for k, t in load_file(str(kept)).items())
