@@ -129,6 +129,9 @@ def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collec
     assert not torch.equal(last["fc.weight"].to(torch.bfloat16), shipped["fc.weight"])
     report = json.loads(Path(str(out) + ".report.json").read_text())
     assert report["config"]["eagle3_pipeline"]["best_step"] == best["step"]
+    assert (
+        report["best_checkpoint"]["best"] == best and report["best_checkpoint"]["curve"] == curve
+    )  # the asset's record
     # the training clock stood still while rank 0 evaluated: three evaluations of DELAY_S each are not in it
     history = report["history"]
     assert history["world_size"] == 2 and history["tokens"] / history["tokens_per_s"] < DELAY_S

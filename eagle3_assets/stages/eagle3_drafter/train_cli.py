@@ -128,6 +128,7 @@ def report_json(report: DrafterReport) -> dict[str, Any]:
         "train_tokens": report.train_tokens,
         "split_samples": report.split_samples,
         "windows": report.windows,
+        "best_checkpoint": report.best_checkpoint,
     }
 
 
@@ -146,6 +147,7 @@ def report_from_json(d: dict[str, Any]) -> DrafterReport:
         train_tokens=d["train_tokens"],
         split_samples=d["split_samples"],
         windows=d["windows"],
+        best_checkpoint=d.get("best_checkpoint"),
     )
 
 
