@@ -8,6 +8,7 @@ import typing
 import dagster as dg
 import pydantic
 import pytest
+from dagster._core.definitions.decorators.op_decorator import DecoratedOpFunction
 
 from eagle3_assets.definitions import defs
 
@@ -39,6 +40,7 @@ def described():
     for check_key in graph.asset_check_keys:
         spec = graph.get_check_spec(check_key) if hasattr(graph, "get_check_spec") else graph.get(check_key)
         yield f"check {check_key.to_user_string()}", spec.description
+    assert defs.sensors is not None and defs.schedules is not None and defs.resources is not None
     for sensor in defs.sensors:
         yield f"sensor {sensor.name}", sensor.description
     for schedule in defs.schedules:
@@ -49,7 +51,9 @@ def described():
     for node in graph.get_all_asset_keys():
         if not graph.get(node).is_executable:
             continue
-        model = typing.get_type_hints(graph.get(node).assets_def.op.compute_fn.decorated_fn).get("config")
+        compute_fn = graph.get(node).assets_def.op.compute_fn
+        assert isinstance(compute_fn, DecoratedOpFunction), node  # every asset here is a decorated function
+        model = typing.get_type_hints(compute_fn.decorated_fn).get("config")
         if isinstance(model, type) and issubclass(model, dg.Config):
             for name, field in config_fields(model):
                 yield f"config {node.to_user_string()}.{name}", field.description

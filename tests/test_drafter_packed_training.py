@@ -124,7 +124,9 @@ def test_flops_formula_equals_the_counted_matmuls_of_a_forward_and_backward():
     counter = FlopCounterMode(display=False)
     with counter:
         logits = model.unroll(aux, tokens, torch.arange(L), steps)
-        sum(lg.sum() for lg in logits).backward()
+        loss = sum(lg.sum() for lg in logits)
+        assert isinstance(loss, torch.Tensor)  # not sum()'s start, 0: there are `steps` logits
+        loss.backward()
     counts = counter.get_flop_counts()["Global"]
     matmuls = sum(v for op, v in counts.items() if "mm" in str(op))
     formula = train_flops_per_token(cfg, steps, L)
@@ -222,7 +224,9 @@ def test_the_first_steps_gradient_is_the_documented_loss_gradient():
                     ce = -(teacher_p[t + 1 + k] * torch.log_softmax(lg[t], -1)).sum()
                     total = total + settings.step_decay**k * ce.double() / completion / len(step)
     grads = torch.autograd.grad(total, [p for p in reference.parameters() if p.requires_grad])
-    want = float(torch.sqrt(sum(g.double().square().sum() for g in grads)))
+    squares = sum(g.double().square().sum() for g in grads)
+    assert isinstance(squares, torch.Tensor)
+    want = float(torch.sqrt(squares))
     assert history.step_loss[0] == pytest.approx(float(total.detach()), rel=1e-5)
     assert history.grad_norm[0] == pytest.approx(want, rel=1e-4)
 

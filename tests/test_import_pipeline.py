@@ -51,7 +51,9 @@ def test_eagle3_prompts_real_builds_every_dataset_and_reports_rejects(tmp_path, 
     raw = data_dir_with_standin / "raw_prompts"
     for name in ("A1", "A2", "B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8"):
         df = pl.read_parquet(raw / f"{name}.parquet")
-        assert df.height >= 1 and df["prompt_tokens"].min() > 0 and df["source_row"].str.len_chars().min() > 0
+        fewest_tokens, shortest_row = df["prompt_tokens"].min(), df["source_row"].str.len_chars().min()
+        assert isinstance(fewest_tokens, int) and isinstance(shortest_row, int), name  # None: no rows
+        assert df.height >= 1 and fewest_tokens > 0 and shortest_row > 0
     assert (raw / "B5.rejects.jsonl").read_text().count("\n") == 2
     b3 = pl.read_parquet(raw / "B3.parquet")["prompt_id"].to_list()
 
@@ -75,12 +77,14 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
         )
         checks = result.get_asset_check_evaluations()
     assert [(c.check_name, c.passed) for c in checks] == [("reject_rate", False)]
+    assert checks[0].description is not None
     assert "1 of 5 rows rejected (20.00%, limit 5.0%)" in checks[0].description
     assert "completions" not in [e.step_key for e in result.get_step_success_events()]
     assert not (data_dir_with_standin / "completions" / "B2").exists()
     meta = result.asset_materializations_for_node("raw_prompts")[0].metadata
     assert meta["prompts_source"].value == "real" and meta["rejected"].value == 1
-    assert meta["settings"].value["repo"] == "nvidia/OpenCodeInstruct"
+    settings = meta["settings"].value
+    assert isinstance(settings, dict) and settings["repo"] == "nvidia/OpenCodeInstruct"
 
 
 @pytest.mark.parametrize(

@@ -332,9 +332,12 @@ def test_sglang_resolution_asks_torch_about_the_current_device(sglang_release_so
     """Why the order matters: `ServerArgs.resolve_once` runs the resolution pipeline, whose handlers call
     `torch.cuda.get_device_capability()` with no device, i.e. on the current one (GPU 0 until set)."""
     pkg = sglang_api.package_dir(sglang_release_source)
+    assert pkg is not None
     tree = SourceTree(pkg)
     resolve = tree.resolve("sglang.srt.server_args", "ServerArgs")
+    assert resolve is not None
     resolve_once = tree.class_member(resolve, "resolve_once")
+    assert resolve_once is not None
     assert "run_resolution_pipeline(self)" in tree.source_of(resolve_once)
     sites = []
     for path in sorted((pkg / "srt" / "arg_groups").rglob("*.py")):
@@ -372,8 +375,11 @@ def test_sglang_kv_pool_is_sized_to_one_forward(sglang_release_source):
     assert {"max_total_tokens", "max_running_requests"} <= set(server_args.kwargs)
     assert sglang_api.check_contract(sglang_release_source, contract=[server_args]) == []
     # ... and the release caps the profiled KV pool at max_total_tokens.
-    tree = SourceTree(sglang_api.package_dir(sglang_release_source))
+    pkg = sglang_api.package_dir(sglang_release_source)
+    assert pkg is not None
+    tree = SourceTree(pkg)
     cfg = tree.resolve("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._apply_token_constraints")
+    assert cfg is not None
     source = tree.source_of(cfg)
     assert "get_schedule().max_total_tokens" in source and "min(token_capacity, user_limit)" in source
 
@@ -553,7 +559,9 @@ def tree_cache_members_reached(tree: SourceTree, cache) -> dict[str, list[str]]:
 
 
 def test_the_no_sharing_cache_has_every_member_sglang_reaches(sglang_release_source):
-    tree = SourceTree(sglang_api.package_dir(sglang_release_source))
+    pkg = sglang_api.package_dir(sglang_release_source)
+    assert pkg is not None
+    tree = SourceTree(pkg)
     runner = SimpleNamespace(page_size=64, device="cpu", token_to_kv_pool_allocator=object())
     cache = _NoSharingCache(runner)
     reached = tree_cache_members_reached(tree, cache)
@@ -583,6 +591,7 @@ def test_sglang_reports_out_of_memory_on_the_no_sharing_cache(sglang_alloc, page
 def test_a_full_pool_names_the_batch_the_pool_and_the_knob(fake_sglang):
     engine = rank_engine(fake_sglang, pool_tokens=64, page_size=1, max_requests=8)
     aux, final = engine.capture([[1, 2, 3], [4]])
+    assert aux is not None and final is not None  # rank 0 gets both
     assert aux.shape == (4, 3 * HIDDEN) and torch.equal(final[:, 0].float(), -torch.tensor([1.0, 2, 3, 4]))
     with pytest.raises(KVPoolExhausted) as err:
         engine.capture([[7] * 30, [8] * 30, [9] * 5])
@@ -591,7 +600,8 @@ def test_a_full_pool_names_the_batch_the_pool_and_the_knob(fake_sglang):
     assert "EAGLE3_SGLANG_MAX_FORWARD_TOKENS" in message and "sglang_mem_fraction" in message
     assert "Prefill out of memory" in str(err.value.__cause__) or "Out of memory" in str(err.value.__cause__)
     assert fake_sglang.CALLS[-1] == ("req_to_token_pool.clear",)  # the pools are cleared for the next batch
-    assert engine.capture([[5] * 64])[0].shape == (64, 3 * HIDDEN)
+    aux, _ = engine.capture([[5] * 64])
+    assert aux is not None and aux.shape == (64, 3 * HIDDEN)
 
 
 def test_forwards_planned_in_whole_pages_fit_a_paged_pool(fake_sglang):

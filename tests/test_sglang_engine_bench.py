@@ -19,12 +19,15 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.sglang_api import Name
+
+if TYPE_CHECKING:
+    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "sglang_engine_speculative.py"
@@ -455,6 +458,7 @@ CONTRACT_FILES = (
 )
 def test_the_check_catches_a_rename_in_a_copy_of_the_release(sglang_release_source, tmp_path, path, old, new, problem):
     src = sglang_api.package_dir(sglang_release_source)
+    assert src is not None
     dst = tmp_path / "sglang"
     for rel in CONTRACT_FILES:
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -541,7 +545,9 @@ def test_the_engine_figures_are_recorded_on_the_drafter_asset_and_refused_for_ot
     with dg.DagsterInstance.from_config(str(home)) as instance:
         records = instance.fetch_observations(DRAFTER_ASSET, limit=10).records
     assert len(records) == 1  # the refused one recorded nothing
-    meta = {k: getattr(v, "value", v) for k, v in records[0].asset_observation.metadata.items()}
+    observation = records[0].asset_observation
+    assert observation is not None
+    meta: dict[str, Any] = {k: getattr(v, "value", v) for k, v in observation.metadata.items()}
     assert meta["sglang_engine_source"].startswith(SOURCES["sglang_engine"])
     assert (
         "Target /models/Kimi-K2.5, EAGLE-3 steps/topk/draft tokens 3/1/4, 8 eval prompts"
@@ -607,7 +613,8 @@ def test_the_server_benchmark_figures_are_recorded_with_their_own_source(tmp_pat
     with dg.instance_for_test() as instance:
         record_figures(out, instance)
         (record,) = instance.fetch_observations(DRAFTER_ASSET, limit=10).records
-    meta = {k: getattr(v, "value", v) for k, v in record.asset_observation.metadata.items()}
+    assert record.asset_observation is not None
+    meta: dict[str, Any] = {k: getattr(v, "value", v) for k, v in record.asset_observation.metadata.items()}
     assert meta["sglang_server_source"].startswith(SOURCES["sglang_server"])
     assert meta["sglang_server_accept_length_t0"] == pytest.approx(report["summary"]["0"]["accept_length"])
     assert meta["sglang_server_speedup_t0_c4"] == pytest.approx(report["results"]["eagle3"]["4"]["speedup"])
@@ -615,12 +622,31 @@ def test_the_server_benchmark_figures_are_recorded_with_their_own_source(tmp_pat
     assert not any(k.startswith("sglang_engine") for k in meta)
 
 
+def report_of(trained: dict[str, Any], untrained: dict[str, Any]) -> DrafterReport:
+    """A drafter report with these evaluations; accept_length_metadata reads nothing else of it."""
+    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
+    from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
+
+    return DrafterReport(
+        checkpoint=Path("drafter"),
+        config={},
+        draft_vocab_size=0,
+        distinct_loss_tokens=0,
+        train_samples=0,
+        eval_samples=0,
+        eval_split="eval",
+        untrained=untrained,
+        trained=trained,
+        history=TrainHistory(),
+    )
+
+
 def test_the_materialization_names_the_source_of_each_accept_length():
     """The drafter's own figures: the decoded one from the transformers loop, the simulated one teacher-forced."""
     from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
     from eagle3_assets.stages.eagle3_drafter.figures import SOURCES
 
-    report = SimpleNamespace(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
+    report = report_of(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
     meta = accept_length_metadata(
         report,
         {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "proxy (stand-in target)"},

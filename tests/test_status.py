@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -40,6 +40,8 @@ from eagle3_assets.operations.quality import board_markdown, board_metadata
 from eagle3_assets.operations.status import as_json, gather_status, render_text
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
+from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
+from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.stages.token_ids.asset import token_ids
 from eagle3_resources.completions.resource import CompletionsResource
@@ -252,6 +254,7 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
         (started.run_id, "STARTED", ["B6"]),
     ]
     m = status.money
+    assert m is not None
     assert (m.billed_usd, m.today_usd, m.in_flight, m.in_flight_worst_usd, m.unsettled, m.unsettled_worst_usd) == (
         0.25,
         0.25,
@@ -261,7 +264,7 @@ def test_status_shows_runs_money_hold_and_attributes_checks_without_a_partition(
         0.125,
     )
     assert m.per_dataset["B1"]["billed_usd"] == 0.25 and m.per_dataset["B2"]["unsettled_worst_usd"] == 0.125
-    assert m.hold["reasons"] == ["daily spend $0.25 above max_day_usd $0.20"]
+    assert m.hold is not None and m.hold["reasons"] == ["daily spend $0.25 above max_day_usd $0.20"]
 
     checks = {d.dataset: {c.name: c.passed for c in d.stages["completions"].checks} for d in status.datasets}
     assert checks["B1"] == {"complete": False, "error_rate": True}  # partitioned evaluation is newer than the run's
@@ -360,6 +363,7 @@ def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(
         assert sorted(c.label for c in shown.failing) == failing[stage], stage
         assert {c.name for c in shown.checks} == names[stage], stage
     assert math.isclose(row.stages["completions"].figures["usd"], billed, abs_tol=1e-6)  # every bill of the dataset
+    assert status.money is not None
     assert math.isclose(status.money.billed_usd, billed, abs_tol=1e-6) and billed > 0
     assert status.money.per_dataset[ds]["billed_usd"] == status.money.billed_usd
     for other in DATASETS:
@@ -429,9 +433,25 @@ def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, 
         assert dataset_line(text, ds).split()[2] == f"{frame.height:,}"
 
 
+def report_of(trained: dict[str, Any], untrained: dict[str, Any]) -> DrafterReport:
+    """A drafter report with these evaluations; accept_length_metadata reads nothing else of it."""
+    return DrafterReport(
+        checkpoint=Path("drafter"),
+        config={},
+        draft_vocab_size=0,
+        distinct_loss_tokens=0,
+        train_samples=0,
+        eval_samples=0,
+        eval_split="eval",
+        untrained=untrained,
+        trained=trained,
+        history=TrainHistory(),
+    )
+
+
 def test_the_drafter_metadata_leads_with_the_real_accept_length():
     """The drafter's materialization: lossless decoding's figure first, the simulated one beside it, named."""
-    report = SimpleNamespace(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
+    report = report_of(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
     real = {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "greedy, 4 draft steps"}
     meta = accept_length_metadata(report, real, {"accept_length": 4.9, "accept_length_real": 3.0})
     assert list(meta)[:2] == ["accept_length_real", "accept_length_real_untrained"]
