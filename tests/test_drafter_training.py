@@ -85,7 +85,7 @@ def test_windows_cover_every_token_and_steps_are_reproducible():
 
 
 def test_training_streams_from_the_store_and_reports_the_windows(training_data, tmp_path):
-    logs = []
+    logs: list[str] = []
     report = train_drafter(
         training_data["root"] / "hidden_states",
         training_data["merged"],
@@ -96,6 +96,7 @@ def test_training_streams_from_the_store_and_reports_the_windows(training_data, 
         logs.append,
         device="cpu",
     )
+    assert report is not None  # None: stopped before its last epoch, or not rank 0
     merged = training_data["merged"]
     assert report.train_samples == merged.filter(pl.col("split") == "train").height
     assert report.train_tokens == int(merged.filter(pl.col("split") == "train")["n_tokens"].sum())
@@ -162,6 +163,7 @@ def test_kill_9_during_training_then_resume_reaches_the_uninterrupted_weights(tr
 
     proc = cli(spec_for(training_data, killed, settings))
     state = Path(str(killed) + ".training") / CHECKPOINT_FILE
+    assert proc.stdout is not None
     try:
         deadline = time.monotonic() + 600
         while not state.exists():
@@ -222,6 +224,7 @@ def test_warm_start_continues_from_an_exported_drafter(training_data, tmp_path):
         print,
         device="cpu",
     )
+    assert first is not None  # None: stopped before its last epoch, or not rank 0
     warm = train_drafter(
         training_data["root"] / "hidden_states",
         training_data["merged"],
@@ -233,6 +236,7 @@ def test_warm_start_continues_from_an_exported_drafter(training_data, tmp_path):
         device="cpu",
         init_from=first.checkpoint,
     )
+    assert warm is not None  # None: stopped before its last epoch, or not rank 0
     assert warm.untrained["accept_length"] == pytest.approx(first.trained["accept_length"], abs=0.02)  # bf16 round trip
     assert warm.draft_vocab_size == first.draft_vocab_size
 
@@ -248,6 +252,7 @@ def test_online_mode_trains_on_what_the_store_would_hold(training_data, target_m
         print,
         device="cpu",
     )
+    assert offline is not None  # None: stopped before its last epoch, or not rank 0
     online = train_drafter(
         None,
         training_data["merged"],
@@ -259,6 +264,7 @@ def test_online_mode_trains_on_what_the_store_would_hold(training_data, target_m
         device="cpu",
         online_backend=TransformersHiddenStates(target_model),
     )
+    assert online is not None  # None: stopped before its last epoch, or not rank 0
     assert online.train_tokens == offline.train_tokens and online.windows == offline.windows
     # The store was filled in padded batches, online runs one sample at a time: bf16 roundings may differ slightly.
     torch.testing.assert_close(
