@@ -4,15 +4,17 @@
 Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test:
 `EAGLE3_TEST_BEST_EVAL_DELAY_S`, test-only, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
 waited for rank 0's word in heartbeat rounds, and keep what one process keeps on the same data: the same curve, the
-same best step, its weights exported. An error of rank 0's evaluation ends both ranks with rank 0's reason. In
-streaming mode (the asset materialized, tests/test_streaming_drafter.py's way: capture and two training ranks on the
-spool), the same slow evaluation on rank 0, and the best step's weights exported."""
+same best step, its weights exported, though the job was killed (kill -9) after an evaluation and resumed. An error
+of rank 0's evaluation ends both ranks with rank 0's reason. In streaming mode (the asset materialized,
+tests/test_streaming_drafter.py's way: capture and two training ranks on the spool), the same slow evaluation on rank
+0, and the best step's weights exported."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -58,8 +60,9 @@ def data(tmp_path_factory, tok, target_model, target_resource, tokenizer_resourc
     }
 
 
-def two_ranks(data, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`train_cli` as two gloo ranks under torchrun on the spec the asset writes (`best` in it), to its end."""
+def start(data, out: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    """`train_cli` as two gloo ranks under torchrun on the spec the asset writes (`best` in it); (the launcher, the
+    file its output goes to)."""
     spec = TrainSpec(
         hidden_root=data["root"] / "hidden_states",
         merged_path=data["root"] / "merged.parquet",
@@ -71,21 +74,35 @@ def two_ranks(data, out: Path, env: dict[str, str]) -> subprocess.CompletedProce
         device="cpu",
         best=data["best"],
     ).write(Path(str(out) + ".spec.json"))
-    p = subprocess.Popen(
-        torchrun_command(spec, 2),
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TIMEOUT_ENV: str(TIMEOUT_S)} | env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        process_group=0,
-    )
+    log = Path(f"{out}.{time.monotonic_ns()}.log")
+    with open(log, "w") as f:
+        p = subprocess.Popen(
+            torchrun_command(spec, 2),
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TIMEOUT_ENV: str(TIMEOUT_S)} | env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    return p, log
+
+
+def two_ranks(data, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`start`, to the end of the run (killed, with every process below it, if it has not ended by the deadline)."""
+    p, log = start(data, out, env)
     try:
-        output, _ = p.communicate(timeout=DEADLINE_S)
+        p.wait(timeout=DEADLINE_S)
     finally:
         if p.poll() is None:
             kill_9(p)
-    return subprocess.CompletedProcess(p.args, p.returncode, output)
+    return subprocess.CompletedProcess(p.args, p.returncode, log.read_text())
+
+
+def curve_steps(path: Path) -> list[int]:
+    try:
+        return [r["step"] for r in json.loads(path.read_text())["curve"]]
+    except FileNotFoundError:
+        return []
 
 
 def one_process(data, target_model, out: Path):
@@ -107,11 +124,20 @@ def decoded(curve: list[dict]) -> list[tuple]:
 def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collective_timeout(
     data, target_model, tmp_path
 ):
-    out = tmp_path / "drafter"
-    run = two_ranks(data, out, {TEST_DELAY_ENV: str(DELAY_S)})
+    out, slow = tmp_path / "drafter", {TEST_DELAY_ENV: str(DELAY_S)}
+    keeper = tmp_path / "drafter.training" / "best" / CURVE_FILE
+    # kill -9 of the whole job once step 8 is evaluated (its training checkpoint written or not yet), then resume
+    killed, _ = start(data, out, slow)
+    deadline = time.monotonic() + DEADLINE_S
+    while 8 not in curve_steps(keeper):
+        assert killed.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 8"
+        time.sleep(0.05)
+    kill_9(killed)
+    resumed_at = torch.load(tmp_path / "drafter.training" / CHECKPOINT_FILE, weights_only=False)["global_step"]
+    run = two_ranks(data, out, slow)
     assert run.returncode == 0, run.stdout
-    assert "x 2 processes" in run.stdout
-    state = json.loads((tmp_path / "drafter.training" / "best" / CURVE_FILE).read_text())
+    assert "x 2 processes" in run.stdout and f"resumed from the checkpoint at step {resumed_at}/" in run.stdout
+    state = json.loads(keeper.read_text())
     curve, best = state["curve"], state["best"]
     # what makes this test mean something: each evaluation outlasted the collective timeout rank 1 waited under
     assert [r["step"] for r in curve] == [4, 8, 12] and all(r["seconds"] > TIMEOUT_S for r in curve)
@@ -132,7 +158,8 @@ def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collec
     assert (
         report["best_checkpoint"]["best"] == best and report["best_checkpoint"]["curve"] == curve
     )  # the asset's record
-    # the training clock stood still while rank 0 evaluated: three evaluations of DELAY_S each are not in it
+    # the training clock stood still while rank 0 evaluated: the resumed run's rate (its tokens over its training
+    # time) puts all 12 steps' tokens at under one evaluation's DELAY_S; counted, its evaluations alone exceed it
     history = report["history"]
     assert history["world_size"] == 2 and history["tokens"] / history["tokens_per_s"] < DELAY_S
 
