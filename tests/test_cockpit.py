@@ -3,6 +3,7 @@ the datasets in the schedule's preview, the spend caps in the launchpad."""
 
 import asyncio
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -41,6 +42,7 @@ def test_progress_is_observed_on_the_partition_while_it_runs(data_dir_with_stand
         board = status_board(
             dg.build_sensor_context(instance=instance, resources={"store": DataStore(root=str(data_dir_with_standin))})
         )
+        assert isinstance(board, dg.SensorResult)  # the first tick observes the board
         again = status_board(
             dg.build_sensor_context(
                 instance=instance, cursor=board.cursor, resources={"store": DataStore(root=str(data_dir_with_standin))}
@@ -48,13 +50,14 @@ def test_progress_is_observed_on_the_partition_while_it_runs(data_dir_with_stand
         )
     rows = pl.read_parquet(data_dir_with_standin / "completions" / "B6.parquet").height
     table = board.asset_events[0].metadata["board"].value
+    assert isinstance(table, str)
     b6 = next(line for line in table.splitlines() if line.startswith("| B6 |"))
     assert f"{rows} rows" in b6 and b6.endswith("| no |")  # token_ids not built: not complete
     assert next(line for line in table.splitlines() if line.startswith("| A1 |")).count("—") == 3
     assert board.asset_events[0].metadata["datasets_complete"].value == 0
     assert isinstance(again, dg.SkipReason)  # nothing changed: no second observation
     total = len(fake.billing.requests)
-    figures = [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in reversed(observations)]
+    figures = [observed_figures(r) for r in reversed(observations)]
     assert all(r.partition_key == "B6" for r in observations)
     assert figures[0]["done"] == 0 and figures[-1]["done"] == figures[-1]["total"] == total
     partway = [f for f in figures if 0 < f["done"] < f["total"]]
@@ -63,6 +66,12 @@ def test_progress_is_observed_on_the_partition_while_it_runs(data_dir_with_stand
     assert {"requests_per_s", "completion_tokens", "billed_usd", "eta_s"} <= set(partway[0])
     assert f"{partway[0]['done']}/{total} done" in partway[0]["progress"]
     assert progress_lines["B6"].startswith(f"{total}/{total} done")  # what `eagle3 status` shows under a running run
+
+
+def observed_figures(record: dg.EventLogRecord) -> dict[str, Any]:
+    observation = record.asset_observation
+    assert observation is not None, record
+    return {k: v.value for k, v in observation.metadata.items()}
 
 
 def test_the_gpu_pool_has_a_stored_limit_so_the_ui_lists_it(tmp_path, monkeypatch):
@@ -83,12 +92,14 @@ def test_the_schedule_names_each_dataset_it_requests():
         ) as context,
     ):
         requests = missing_partitions_nightly(context)  # a context left open keeps the instance current for later tests
+    assert isinstance(requests, list)
     assert [r.tags["eagle3/dataset"] for r in requests] == [r.partition_key for r in requests] and len(requests) == 10
 
 
 def test_the_launchpad_offers_the_spend_caps():
     with dg.instance_for_test() as instance, partition_loading_context(dynamic_partitions_store=instance):
         job = defs.resolve_job_def("eagle3_pipeline")
+        assert job.partitioned_config is not None
         config = job.partitioned_config.get_run_config_for_partition_key("B6")
     offered = config["ops"]["completions"]["config"]
     assert {"max_run_usd", "max_total_usd", "max_projected_usd"} <= set(offered)
@@ -121,7 +132,7 @@ def test_a_pilot_then_the_rest_against_a_provider_that_caps_requests_per_second(
 def test_progress_is_reported_while_no_answer_arrives(monkeypatch):
     # A slow provider or a rate cap: no result for a while, yet the page must not freeze at the last arrival.
     monkeypatch.setattr(completions_logic, "PROGRESS_EVERY_S", 0.3)
-    seen = []
+    seen: list[dict[str, Any]] = []
     progress = completions_logic.Progress("B6", 28, 8, log=lambda line: None, on_report=seen.append)
 
     async def wait_a_while():

@@ -147,6 +147,7 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
             nonlocal cursor
             context = dg.build_sensor_context(instance=instance, cursor=cursor, resources=resources)
             result = credit_sensor(context)
+            assert isinstance(result, dg.SensorResult)
             cursor = result.cursor
             titles = [a["title"] for a in hook.alerts]
             hook.alerts.clear()
@@ -173,6 +174,12 @@ def test_credit_sensor_alerts_each_anomaly_once_when_it_opens_and_once_when_it_c
         account.down = False
         assert tick()[0] == ["The account can be read again"]
         assert get_hold(ledger) is None
+
+
+def run_status(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRunStatus:
+    run = instance.get_run_by_id(run_id)
+    assert run is not None, run_id
+    return run.status
 
 
 def _run(instance, job_name, asset_selection=None, status=dg.DagsterRunStatus.QUEUED, tags=None):
@@ -254,7 +261,7 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled(hol
         assert sorted(cancelled) == sorted(expected)
         assert stopped == ["bf-spend"]
         status = {
-            r.run_id: instance.get_run_by_id(r.run_id).status
+            r.run_id: run_status(instance, r.run_id)
             for r in (materialize, pipeline, downstream, other, marked, finished, created, started)
         }
         assert (
@@ -270,8 +277,9 @@ def test_spending_runs_are_matched_by_job_and_asset_selection_then_cancelled(hol
         assert status[started.run_id] == (
             dg.DagsterRunStatus.CANCELED if hold_mode == "cancel" else dg.DagsterRunStatus.STARTED
         )
-        assert instance.get_backfill("bf-spend").status == BulkActionStatus.CANCELING
-        assert instance.get_backfill("bf-ids").status == BulkActionStatus.REQUESTED
+        spend_backfill, ids_backfill = instance.get_backfill("bf-spend"), instance.get_backfill("bf-ids")
+        assert spend_backfill is not None and spend_backfill.status == BulkActionStatus.CANCELING
+        assert ids_backfill is not None and ids_backfill.status == BulkActionStatus.REQUESTED
 
 
 def sensor_tick(instance, ledger_root, policy, hook_url, cursor=None):
@@ -313,8 +321,8 @@ def test_a_run_over_its_own_threshold_is_stopped_and_old_figures_hold_nothing(tm
 
         result = sensor_tick(instance, tmp_path, policy, url)
         assert get_hold(ledger) is None  # nothing global is crossed: today's $15 < $20, the finished run is history
-        assert instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED
-        assert instance.get_run_by_id(finished.run_id).status == dg.DagsterRunStatus.SUCCESS
+        assert run_status(instance, running.run_id) == dg.DagsterRunStatus.CANCELED
+        assert run_status(instance, finished.run_id) == dg.DagsterRunStatus.SUCCESS
         assert [a["title"] for a in hook.alerts] == [
             f"Run over its spend threshold, cancelled: run {running.run_id[:8]} spent $6.00 > $5.00 per run"
         ]
@@ -326,7 +334,8 @@ def test_a_run_over_its_own_threshold_is_stopped_and_old_figures_hold_nothing(tm
         # threshold lifts it by itself.
         tight = SpendPolicy(max_day_usd=10.0)
         sensor_tick(instance, tmp_path, tight, url)
-        assert get_hold(ledger)["reasons"] == ["spent today $15.00 > $10.00 per day"]
+        hold = get_hold(ledger)
+        assert hold is not None and hold["reasons"] == ["spent today $15.00 > $10.00 per day"]
         lift_hold(ledger)
         sensor_tick(instance, tmp_path, tight, url)
         assert get_hold(ledger) is not None
@@ -393,6 +402,9 @@ def test_the_spend_asset_is_observed_when_a_figure_changes_not_on_every_tick(tmp
             instance=instance,
             resources={"store": DataStore(root=str(tmp_path)), "spend_policy": SpendPolicy()},
         ).success
-        observed = instance.fetch_observations(dg.AssetKey("spend"), limit=1).records[0].asset_observation.metadata
+        observation = instance.fetch_observations(dg.AssetKey("spend"), limit=1).records[0].asset_observation
+        assert observation is not None
+        observed = observation.metadata
         assert observed["spent_total_usd"].value == 5.25 and observed["spent_B7_usd"].value == 4.0
-        assert observed["summary"].value.startswith("ON HOLD since")
+        summary = observed["summary"].value
+        assert isinstance(summary, str) and summary.startswith("ON HOLD since")
