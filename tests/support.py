@@ -53,6 +53,8 @@ def stop_group(proc: subprocess.Popen) -> None:
 class Webhook:
     """A loopback webhook receiver that keeps every alert it is sent."""
 
+    url: str  # where it is served: set by the test that starts its server (ServerThread)
+
     def __init__(self):
         self.alerts = []
         self.app = web.Application()

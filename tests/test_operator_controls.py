@@ -38,7 +38,7 @@ from eagle3_assets.stages.hidden_states.checks import hidden_state_finite
 from eagle3_assets.stages.merged_dataset.checks import dataset_mix, token_totals
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.alerts import AlertSink
-from eagle3_resources.completions.resource import CompletionsResource
+from eagle3_resources.completions.resource import BackendKind, CompletionsResource
 from eagle3_resources.journal import read_journal
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
@@ -56,6 +56,18 @@ def webhook():
         yield hook
 
 
+def step_failure_message(event: dg.DagsterEvent) -> str:
+    error = event.step_failure_data.error
+    assert error is not None, event
+    return error.message
+
+
+def stored_run(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRun:
+    run = instance.get_run_by_id(run_id)
+    assert run is not None, run_id
+    return run
+
+
 def resources_for(data_dir, fake_url, **backend):
     standin = str(data_dir / "standin")
     return {
@@ -63,7 +75,7 @@ def resources_for(data_dir, fake_url, **backend):
         "tokenizer": TokenizerResource(standin_dir=standin),
         "target": TargetModelResource(standin_dir=standin),
         "completions_backend": CompletionsResource(
-            backend="openrouter", openrouter_base_url=fake_url, openrouter_api_key=KEY, **backend
+            backend=BackendKind.OPENROUTER, openrouter_base_url=fake_url, openrouter_api_key=KEY, **backend
         ),
         "spend_policy": SpendPolicy(),
     }
@@ -169,7 +181,7 @@ def test_a_pilot_of_malformed_data_stops_the_partition(tmp_path, data_dir_with_s
         ]
     assert len(fake.billing.requests) <= pilot + concurrency
     pilot_check = next(e for e in evaluations if e.check_name == "pilot")
-    assert not pilot_check.passed and "with tools" in pilot_check.description
+    assert not pilot_check.passed and pilot_check.description is not None and "with tools" in pilot_check.description
     journal = data_dir_with_standin / "completions" / "A2" / "journal.jsonl"
     assert [r for r in read_journal(journal).records if r.get("type") == "pilot"][0]["passed"] is False
 
@@ -180,7 +192,9 @@ def test_the_run_queue_holds_a_second_run_of_a_dataset_however_it_was_launched(t
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
     dagster_home()
     with dg.DagsterInstance.get() as instance:
-        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+        queue = instance.get_concurrency_config().run_queue_config
+        assert queue is not None
+        limits = queue.tag_concurrency_limits
 
     def run(**tags):
         return dg.DagsterRun(job_name="eagle3_pipeline", run_id=str(uuid.uuid4()), tags=tags)
@@ -213,7 +227,7 @@ def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp
         )
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-        assert "B7 is being completed by run run-holding-b7" in failure.event_specific_data.error.message
+        assert "B7 is being completed by run run-holding-b7" in step_failure_message(failure)
     assert fake.billing.requests == []
 
 
@@ -230,7 +244,7 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(
         "terminate": "the run is being cancelled",
     }[how]
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, latency_s=0.3, chunk_latency_s=0.1))
-    held = {}
+    held: dict[str, float] = {}
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
 
         def hold_after_a_few():
@@ -261,7 +275,7 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(
         holder.join()
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert not result.success
-    assert f"halted: {reason}" in failure.event_specific_data.error.message
+    assert f"halted: {reason}" in step_failure_message(failure)
     records = read_journal(data_dir_with_standin / "completions" / "B6" / "journal.jsonl").records
     assert records[-1]["type"] == "end" and records[-1]["stopped_by"] == f"halted: {reason}"
     assert [r["type"] for r in records if r.get("type") in ("start", "pilot")] == [
@@ -299,6 +313,7 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
         repo = defs.get_repository_def()
         context = dg.build_sensor_context(instance=instance, resources={"alerts": sink}, repository_def=repo)
         first = check_failure_alert(context)
+        assert isinstance(first, dg.SensorResult)
         assert len(webhook.alerts) == len(failed)
         titles = sorted(a["title"] for a in webhook.alerts)
         assert titles == ["Check failed: completions.error_rate [B6]", "Check failed: completions.truncated_share [B6]"]
@@ -315,6 +330,7 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
                 instance=instance, cursor=first.cursor, resources={"alerts": sink}, repository_def=repo
             )
         )
+        assert isinstance(again, dg.SensorResult)
         assert (
             len(webhook.alerts) == len(failed) and again.cursor == first.cursor
         )  # one alert per failure, not per tick
@@ -356,6 +372,7 @@ def test_failed_run_alert(tmp_path, data_dir_with_standin, tok, webhook):
             if any(e.event_type == dg.DagsterEventType.RUN_FAILURE for e in result.all_events)
             else instance.all_logs(result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
         )
+        assert failure is not None and run is not None
         context = dg.build_run_status_sensor_context(
             sensor_name="run_failure_alert",
             dagster_event=failure,
@@ -392,6 +409,7 @@ def test_schedule_requests_exactly_the_missing_partitions():
             instance=instance, scheduled_execution_time=datetime(2026, 12, 2, 3, tzinfo=UTC)
         )
         requests = missing_partitions_nightly(context)
+    assert isinstance(requests, list)
     assert sorted(r.partition_key for r in requests) == sorted(set(DATASETS) - {"A1", "B2", "B7", "B3", "B4", "B5"})
     assert len({r.run_key for r in requests}) == len(requests)
 
@@ -464,18 +482,16 @@ def test_credit_sensor_halts_spending_and_holds_it(
                 wait_for(lambda: get_hold(ledger) is not None, 300, "the credit sensor's hold")
                 held_at = time.monotonic()
                 received_at_hold = len(fake.billing.requests)
-                wait_for(lambda: instance.get_run_by_id(run_id).is_finished, 60, "the run to stop")
+                wait_for(lambda: stored_run(instance, run_id).is_finished, 60, "the run to stop")
                 stopped_in = time.monotonic() - held_at
-                run = instance.get_run_by_id(run_id)
+                run = stored_run(instance, run_id)
                 if hold_mode == "cancel":  # terminated: in-flight streams cancelled
                     assert run.status == dg.DagsterRunStatus.CANCELED
                 else:  # drained: admission stopped at the hold, in-flight requests finished and were kept
                     assert run.status == dg.DagsterRunStatus.FAILURE
                     failure = instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE)[0]
-                    assert (
-                        "halted: spending hold: account balance"
-                        in failure.dagster_event.event_specific_data.error.message
-                    )
+                    assert failure.dagster_event is not None
+                    assert "halted: spending hold: account balance" in step_failure_message(failure.dagster_event)
                     records = read_journal(
                         journal
                     ).records  # nothing in flight was cancelled (retries were refused, unpaid)
@@ -483,6 +499,7 @@ def test_credit_sensor_halts_spending_and_holds_it(
                         r for r in records if r.get("status") == "aborted" and r.get("error_code") == "cancelled"
                     ]
                 hold = get_hold(ledger)
+                assert hold is not None
                 assert (
                     "account balance" in hold["reasons"][0]
                     and hold["figures"]["account"]["limit_remaining_usd"] < 0.004
@@ -504,8 +521,8 @@ def test_credit_sensor_halts_spending_and_holds_it(
                     tags={"dagster/partition": "B6"},
                     run_config={"ops": {"completions": {"config": {"max_tokens": 48}}}},
                 )
-                wait_for(lambda: instance.get_run_by_id(second).is_finished, 120, "the second run to be stopped")
-                assert instance.get_run_by_id(second).status in (
+                wait_for(lambda: stored_run(instance, second).is_finished, 120, "the second run to be stopped")
+                assert stored_run(instance, second).status in (
                     dg.DagsterRunStatus.CANCELED,
                     dg.DagsterRunStatus.FAILURE,
                 )
