@@ -127,10 +127,12 @@ def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collec
     out, slow = tmp_path / "drafter", {TEST_DELAY_ENV: str(DELAY_S)}
     keeper = tmp_path / "drafter.training" / "best" / CURVE_FILE
     # kill -9 of the whole job once step 8 is evaluated (its training checkpoint written or not yet), then resume
-    killed, _ = start(data, out, slow)
+    killed, log = start(data, out, slow)
     deadline = time.monotonic() + DEADLINE_S
     while 8 not in curve_steps(keeper):
-        assert killed.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 8"
+        assert killed.poll() is None and time.monotonic() < deadline, (
+            f"ended or stalled before step 8:\n{log.read_text()}"
+        )
         time.sleep(0.05)
     kill_9(killed)
     resumed_at = torch.load(tmp_path / "drafter.training" / CHECKPOINT_FILE, weights_only=False)["global_step"]
