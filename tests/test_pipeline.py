@@ -54,20 +54,23 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
                 assert instance.get_latest_materialization_event(dg.AssetKey(key)) is not None, key
             for ds in ("B6", "B7"):
                 assert ds in instance.get_materialized_partitions(dg.AssetKey("token_ids"))
-            meta = instance.get_latest_materialization_event(
-                dg.AssetKey("eagle3_drafter")
-            ).asset_materialization.metadata
+            drafter_event = instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter"))
+            assert drafter_event is not None and drafter_event.asset_materialization is not None
+            meta = drafter_event.asset_materialization.metadata
             assert_each_dataset_has_its_own_figures_and_checks(instance, data_dir_with_standin, ("B6", "B7"))
     finally:
         os.environ.pop("DAGSTER_HOME", None)
 
     trained, untrained = meta["accept_length_simulated"].value, meta["accept_length_simulated_untrained"].value
     print(f"accept length on the eval split: trained {trained}, untrained {untrained}")
+    assert isinstance(trained, int | float) and isinstance(untrained, int | float)
     assert trained > untrained
     assert meta["sglang_key_check"].value == "ok"
     steps = [k for k in meta if k.startswith("acceptance_step_")]  # numbers, plotted by Dagster across materializations
-    assert len(steps) == 7 and all(0.0 <= meta[k].value <= 1.0 for k in steps)
-    assert meta["quality_over_materializations"].value.startswith("![plot](data:image/png;base64,")
+    fractions = [meta[k].value for k in steps]
+    assert len(steps) == 7 and all(isinstance(a, int | float) and 0.0 <= a <= 1.0 for a in fractions)
+    plot = meta["quality_over_materializations"].value
+    assert isinstance(plot, str) and plot.startswith("![plot](data:image/png;base64,")
     ckpt = data_dir_with_standin / "eagle3_drafter"
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
         assert len(set(f.keys())) == 15
@@ -157,6 +160,8 @@ def test_bad_prompt_file_fails_raw_prompts_before_anything_downstream(tmp_path, 
         )
     assert not result.success
     failure = result.failure_data_for_node("raw_prompts")
-    assert f"{bad}:2: b: message 1: unknown role 'robot'" in failure.user_failure_data.description
+    assert failure is not None and failure.user_failure_data is not None
+    description = failure.user_failure_data.description
+    assert description is not None and f"{bad}:2: b: message 1: unknown role 'robot'" in description
     assert "completions" not in [e.step_key for e in result.get_step_success_events()]
     assert not (tmp_path / "data" / "raw_prompts" / "A1.parquet").exists()
