@@ -26,6 +26,7 @@ from eagle3_assets.stages.eagle3_drafter.data import (
 )
 from eagle3_assets.stages.eagle3_drafter.export import DrafterCheckpoint, export_checkpoint, read_checkpoint
 from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape
+from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
     Distributed,
@@ -45,6 +46,7 @@ from eagle3_assets.stages.eagle3_drafter.vocab import (
     effective_draft_vocab_size,
 )
 from eagle3_resources.cpu import apply_torch_threads
+from eagle3_resources.errors import DrafterError
 from eagle3_resources.hidden_states.store import HiddenStateStore
 
 
@@ -163,10 +165,7 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
     model, teacher = built.model, built.teacher
     held_out = partial(eval_samples, source, splits.eval.windows, teacher, dev)
 
-    untrained = evaluate(model, held_out(), settings.ttt_steps) if dist.main else {}
-    if dist.main:
-        accept, acc = untrained["accept_length"], untrained["acc"]
-        log(f"untrained drafter on {splits.eval_split}: accept length {accept}, acc {acc}")
+    untrained = score_untrained(model, held_out, settings.ttt_steps, dist, log, splits.eval_split)
     data = FixedWindows(source, splits.train.windows, settings, dev, dist)
     options = RunOptions(dev, log, job.checkpoint_dir, dist, job.stop_after_steps)
     keeper = best_checkpoint_keeper(job, manifest["aux_layer_ids"], data.fingerprint(model.draft_ids))
@@ -188,6 +187,29 @@ def run_drafter_job(job: DrafterJob) -> DrafterReport | None:
     return export_report(
         job, built, manifest["aux_layer_ids"], splits, Outcome(untrained, trained, history, best, best_keys)
     )
+
+
+def score_untrained(
+    model: Eagle3Drafter,
+    held_out: Callable[[], Any],
+    steps: int,
+    dist: Distributed,
+    log: Callable[[str], None],
+    split: str,
+) -> dict[str, Any]:
+    """The untrained drafter's scores on the held-out split, logged, from the main process; {} on the others, which
+    wait for its word (`RankZeroWord`), not in the trainer's first collective, whose timeout a long evaluation
+    could pass."""
+
+    def score() -> dict[str, Any]:
+        scores = evaluate(model, held_out(), steps)
+        log(f"untrained drafter on {split}: accept length {scores['accept_length']}, acc {scores['acc']}")
+        return scores
+
+    def failed(reason: str) -> Exception:
+        return DrafterError(f"rank 0 of the trainer failed scoring the untrained drafter: {reason}")
+
+    return RankZeroWord(dist).alone(score, failed) or {}
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from eagle3_assets.stages.eagle3_drafter.train import Distributed
+if TYPE_CHECKING:  # the trainer makes one of these: imported for the annotation alone, not at run time
+    from eagle3_assets.stages.eagle3_drafter.train import Distributed
 
 HEARTBEAT_S = 30.0  # at most this long between two words of rank 0's to the ranks that wait for it
 TIMEOUT_ENV = "EAGLE3_COLLECTIVE_TIMEOUT_S"  # the process group's collective timeout, in seconds (unset: torch's)

@@ -52,6 +52,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import (
     best_checkpoint_keeper,
     build_drafter,
     export_report,
+    score_untrained,
 )
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool
 from eagle3_assets.stages.eagle3_drafter.streaming import split_samples, target_hidden_size
@@ -207,12 +208,7 @@ def prepare(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[
         train_ids, train_plan, plan_windows(sorted(eval_lengths.items()), settings.max_len), spec["held_split"]
     )
     held_out = partial(eval_samples, store, splits.eval.windows, teacher, dev)
-    untrained = evaluate(model, held_out(), settings.ttt_steps) if dist.main else {}
-    if dist.main:
-        log(
-            f"untrained drafter on {splits.eval_split}: accept length {untrained['accept_length']}, "
-            f"acc {untrained['acc']}"
-        )
+    untrained = score_untrained(model, held_out, settings.ttt_steps, dist, log, splits.eval_split)
     return Prepared(job, built, store, splits, held_out, untrained)
 
 

@@ -67,6 +67,8 @@ from eagle3_assets.stages.eagle3_drafter.data import (
 )
 from eagle3_assets.stages.eagle3_drafter.loss import soft_cross_entropy
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter, default_learning_rate, train_flops_per_token
+from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
+from eagle3_resources.errors import DrafterError
 from eagle3_resources.hidden_states.store import fsync_dir
 
 CHECKPOINT_FILE = "training_state.pt"
@@ -297,8 +299,10 @@ class RunOptions:
 class Every:
     """A hook: `call(trainer)` after every `steps`-th optimizer step (the global step, so a resumed run keeps the
     cadence), on every rank, before that step's metrics are read and its checkpoint written. Its time counts as
-    training time unless it runs inside `trainer.clock.paused()`, as an evaluation should; one on the main process
-    alone leaves the other ranks waiting in the next step's gradient all-reduce, as the epoch's evaluation does."""
+    training time unless it runs inside `trainer.clock.paused()`, as an evaluation should. Work of the main process
+    alone goes through `RankZeroWord.alone` (as the best-checkpoint keeper's and the epoch's evaluations do), so
+    the other ranks wait for its word in heartbeat rounds, not in the next step's gradient all-reduce, which waits
+    at most the collective timeout."""
 
     steps: int
     call: Callable[[Trainer], None]
@@ -531,6 +535,7 @@ class Trainer:
         self.peak = peak_tflops(self.device)
         self.clock = Clock(self.device)
         self.first_step, self.last_log = 0, 0.0  # for the progress log's rate
+        self.word = RankZeroWord(self.dist)  # the main process's word to the others while it evaluates alone
 
     def fit(self) -> TrainHistory:
         """Train in place and return the record (also when `stop_after_steps` ends the run early)."""
@@ -690,14 +695,19 @@ class Trainer:
             self.data.durable()
         self.dist.barrier()
 
+    def epoch_eval_failed(self, reason: str) -> Exception:
+        return DrafterError(f"rank 0 of the trainer failed evaluating epoch {self.epoch + 1}: {reason}")
+
     def end_epoch(self) -> None:
         """The epoch's metrics read; the eval split scored (main process; not training time); the epoch recorded,
         logged, and the position moved to the next epoch's first step."""
         with self.clock.paused():
             self.flush()
             metrics: dict[str, Any] = {}
-            if self.held_out is not None and self.dist.main:
-                metrics = evaluate(self.model, self.held_out(), self.settings.ttt_steps)
+            if self.held_out is not None:
+                held_out, steps = self.held_out, self.settings.ttt_steps
+                scored = self.word.alone(lambda: evaluate(self.model, held_out(), steps), self.epoch_eval_failed)
+                metrics = scored or {}  # the others' record of the epoch has no evaluation figures
             h = self.history
             seconds = round(self.clock.elapsed(), 1)
             metrics.update(
