@@ -255,3 +255,12 @@ def test_the_compiled_mlp_trains_as_the_eager_one() -> None:
     assert (eager.compiled, compiled.compiled) == (False, True)
     assert len(compiled.step_loss) == len(eager.step_loss) >= 5
     assert compiled.step_loss == pytest.approx(eager.step_loss, rel=1e-4)
+
+
+def test_a_layout_moved_to_a_device_is_a_copy() -> None:
+    """`DocLayout.to` leaves the host layout on the host, as `Tensor.to` does (a host batch stays usable)."""
+    host = DocLayout(LENGTHS, waste=2.0)
+    moved = host.to(torch.device("meta"))
+    tensors = lambda layout: [layout.doc_id, layout.end, layout.back, *(idx for _, _, idx in layout.groups)]  # noqa: E731
+    assert {t.device.type for t in tensors(host)} == {"cpu"}
+    assert {t.device.type for t in tensors(moved)} == {"meta"}

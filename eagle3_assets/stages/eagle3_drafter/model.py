@@ -17,6 +17,7 @@ keys an inference-time chain rooted at t would have in its KV cache.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -166,7 +167,8 @@ class DocLayout:
         return self
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DocLayout:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        """A copy on `device` (as `Tensor.to`: this layout keeps its own tensors where they are)."""
+        return copy.copy(self)._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def padded_cost(self) -> int:
         """Query-key pairs the grouped calls compute (the useful causal work is about sum(L^2) / 2)."""
