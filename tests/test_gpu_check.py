@@ -455,7 +455,7 @@ def test_tiny_weights_load_into_every_sglang_parameter(tiny_model, sglang_deepse
     assert not dropped, f"SGLang's loader drops these tensors of the tiny checkpoint: {dropped[:10]}"
     unknown = sorted({p for p in placed.values() if p not in params})
     assert not unknown, f"the loader would look these up and fail (KeyError): {unknown[:10]}"
-    halves = {}
+    halves: dict[str, set[str]] = {}
     for k, p in placed.items():
         if p.endswith("fused_qkv_a_proj_with_mqa.weight"):
             halves.setdefault(p, set()).add(k.rsplit(".", 2)[1])

@@ -216,7 +216,8 @@ def test_the_executor_follows_the_environment(monkeypatch):
     monkeypatch.delenv("EAGLE3_EXECUTOR", raising=False)
     assert step_executor() is None
     monkeypatch.setenv("EAGLE3_EXECUTOR", "k8s")
-    assert step_executor().name == "k8s"
+    executor = step_executor()
+    assert executor is not None and executor.name == "k8s"
     monkeypatch.setenv("EAGLE3_EXECUTOR", "kubernetes")
     with pytest.raises(ValueError, match="EAGLE3_EXECUTOR"):
         step_executor()
@@ -354,7 +355,9 @@ def test_dockerfile_builds_a_cpu_and_a_cuda_image_of_the_same_code():
         copied = {item["value"].split()[0].rstrip("/") for item in stage if item["instruction"] == "COPY"}
         assert packages | {"data", "pyproject.toml"} <= copied, name
         [install] = [r for r in runs(stage) if re.search(r"pip install .*-e ", r)]
-        wanted = re.search(r'-e "\.\[([^\]]+)\]"', install).group(1).split(",")
+        extras_named = re.search(r'-e "\.\[([^\]]+)\]"', install)
+        assert extras_named is not None, install
+        wanted = extras_named.group(1).split(",")
         assert set(wanted) <= extras and {"k8s", "postgres"} <= set(wanted), name
         assert name != "cuda" or {"sglang", "gpu"} <= set(wanted)
 

@@ -221,6 +221,7 @@ def test_the_streaming_job_refuses_a_run_that_would_not_stream_on_kubernetes(con
 def test_the_job_passes_the_drafter_config_through_and_is_in_the_code_location():
     job_def = k8s_defs().resolve_job_def("eagle3_drafter_streaming")
     drafter = ResolvedRunConfig.build(job_def, {**STREAMING, "lr": 5e-5}).ops[DRAFTER].config
+    assert isinstance(drafter, dict)
     assert drafter["streaming_spool_gb"] == 2000 and drafter["streaming_nodes"] == 2 and drafter["lr"] == 5e-5
     assert drafter["streaming_sides"] == "kubernetes" and drafter["spec_eval_prompts"] == 0  # no decoding on a CPU
     assert definitions.defs.resolve_job_def("eagle3_drafter_streaming").asset_layer.executable_asset_keys == {
