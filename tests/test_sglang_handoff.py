@@ -96,16 +96,17 @@ def assert_small_messages(seen: list) -> None:
         assert len(ForkingPickler.dumps(m)) < 400, m
 
 
-def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows():
+def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows(monkeypatch):
     pool = make_pool(slabs=2)
     try:
         pool.start()
         assert pool.infos[0]["handoff_pinned"] is False  # a CPU host: plain copies, same protocol
-        pool._replies = Recording(pool._replies)
+        recording = Recording(pool._replies)
+        monkeypatch.setattr(pool, "_replies", recording)  # the pool reads its replies through it
         slabs_used = []
         for k in range(12):  # six times as many batches as slabs
             rows = pool.result(pool.submit(batch(k)))
-            assert_small_messages(pool._replies.seen)
+            assert_small_messages(recording.seen)
             assert_exact(rows.aux, rows.final, batch(k))
             slabs_used.append(rows.slab)
             rows.release()
@@ -124,7 +125,7 @@ def test_rows_arrive_exact_through_reused_slabs_and_the_queue_carries_no_rows():
         assert extraction.copied_out == 3  # one per call
         extraction.release()
 
-        seen = pool._replies.seen
+        seen = recording.seen
         assert_small_messages(seen)
         assert sum(isinstance(m, Done) and m.rank == 0 for m in seen) == 12 + 3 * 3
     finally:
