@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 import torch
@@ -39,7 +40,16 @@ from eagle3_resources.hidden_states.store import (
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 REPO = Path(__file__).resolve().parents[1]
-ROOMY = dict(free_bytes=10**12, reserve_bytes=0)
+
+
+class Roomy(TypedDict):
+    """StoreSettings' disk figures for a test that is not about the disk check."""
+
+    free_bytes: int
+    reserve_bytes: int
+
+
+ROOMY: Roomy = {"free_bytes": 10**12, "reserve_bytes": 0}
 LIBRARY_HASH = {"xxh3_128": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
 
 
@@ -108,7 +118,8 @@ def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct, checksum):
     size = 5 * ALIGN + 123
     buffer = host_buffer(6 * ALIGN, pin=False)
     buffer.random_(0, 256, generator=torch.Generator().manual_seed(5))
-    data = memoryview(buffer.numpy())
+    # numpy's stubs declare ndarray's __buffer__ for Python 3.12+ only; the buffer protocol is there on 3.11 too
+    data = memoryview(buffer.numpy())  # type: ignore[arg-type]
     digest, used_direct = write_file(tmp_path / "f", data, size, direct=direct, chunk=2 * ALIGN, checksum=checksum)
     on_disk = (tmp_path / "f").read_bytes()
     assert on_disk == bytes(data[:size])
@@ -340,6 +351,7 @@ def test_kill_9_in_the_middle_of_a_shard_write(target_resource, tokenizer_resour
     folder = target_resource.folder(tokenizer_resource)
     root = tmp_path / "killed"
     proc = worker(folder, root, "--slow-write", "0.05")
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         deadline, partial = time.monotonic() + 600, None
         while time.monotonic() < deadline and partial is None:

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypedDict
 
 import polars as pl
 import pytest
@@ -39,7 +40,16 @@ from eagle3_resources.hidden_states.store import (
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 REPO = Path(__file__).resolve().parents[1]
-ROOMY = dict(free_bytes=10**12, reserve_bytes=0)  # the disk check is tested on its own below
+
+
+class Roomy(TypedDict):
+    """StoreSettings' disk figures for a test that is not about the disk check."""
+
+    free_bytes: int
+    reserve_bytes: int
+
+
+ROOMY: Roomy = {"free_bytes": 10**12, "reserve_bytes": 0}  # the disk check is tested on its own below
 
 
 def file_xxh3(path: Path) -> str:
@@ -335,7 +345,7 @@ def test_a_failing_write_stops_the_extraction_and_keeps_what_was_committed(targe
 
 
 def test_progress_reports_rate_bytes_and_eta(target_model, tmp_path):
-    seen = []
+    seen: list[dict[str, Any]] = []
     samples = make_samples(5, target_model.config.vocab_size)
     report = extract_to_store(
         samples,
@@ -371,6 +381,7 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(
     folder = target_resource.folder(tokenizer_resource)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = worker(folder, killed, "--slow", "0.3")
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
