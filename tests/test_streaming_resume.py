@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import polars as pl
 import pytest
 from test_spool import Sampler
 from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config, streaming_folder, write_merged
 
 from eagle3_assets.stages.eagle3_drafter.streaming import LANE, RunFiles, StreamingJob, StreamingRequest, side_specs
-from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSides
+from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSide, LocalSides
 from eagle3_assets.stages.eagle3_drafter.streaming_train import coverage, end_line, trained_steps
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE, TrainSettings
 from eagle3_assets.stages.hidden_states.selection import target_identity
@@ -243,7 +244,7 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
     folder = target.folder(tokenizer, print)
     settings = TrainSettings(ttt_steps=3, batch_tokens=200, max_len=64, checkpoint_every=3, epochs=1)
     job = StreamingJob(
-        merged=None,
+        merged=pl.read_parquet(DataLayout(root).merged_dataset()),
         merged_path=DataLayout(root).merged_dataset(),
         target_folder=folder,
         out_dir=DataLayout(root).drafter(),
@@ -270,11 +271,13 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
             mine = spec | {"progress": str(path / "progress.jsonl"), "eval_done": str(path / "eval-done")}
             (path / "spec.json").write_text(json.dumps(mine | {"eval_root": str(path / "eval_states")}))
         a = LocalSides().start_capture(first / "spec.json", first / "capture.log")
+        assert isinstance(a, LocalSide)  # a process group here
         groups.append(a.pgid)
         wait_until("the first capture's shards", lambda: bool(lines(first / "progress.jsonl")), 600)
         assert holder_pid(lane_lock_path(files.spool, LANE)) == a.pgid
 
         b = LocalSides().start_capture(second / "spec.json", second / "capture.log")
+        assert isinstance(b, LocalSide)
         groups.append(b.pgid)
         log = second / "capture.log"
         wait_until(
