@@ -10,8 +10,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+if TYPE_CHECKING:  # torch and polars behind it: imported by the one helper that needs it
+    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
 
 
 def free_port() -> int:
@@ -134,4 +138,24 @@ def extract_merged(merged, target_model, root: Path) -> None:
     settings = StoreSettings(free_bytes=10**12, reserve_bytes=0)
     extract_to_store(
         samples, TransformersHiddenStates(target_model), root, settings, identity={}, progress_every_s=3600
+    )
+
+
+def drafter_report(trained: dict[str, Any], untrained: dict[str, Any]) -> DrafterReport:
+    """A drafter report with these evaluations and nothing else of a training run (`accept_length_metadata` reads
+    nothing else of it)."""
+    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
+    from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
+
+    return DrafterReport(
+        checkpoint=Path("drafter"),
+        config={},
+        draft_vocab_size=0,
+        distinct_loss_tokens=0,
+        train_samples=0,
+        eval_samples=0,
+        eval_split="eval",
+        untrained=untrained,
+        trained=trained,
+        history=TrainHistory(),
     )

@@ -22,12 +22,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from support import drafter_report
 
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.sglang_api import Name
 
 if TYPE_CHECKING:
-    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
+    pass
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "sglang_engine_speculative.py"
@@ -622,31 +623,12 @@ def test_the_server_benchmark_figures_are_recorded_with_their_own_source(tmp_pat
     assert not any(k.startswith("sglang_engine") for k in meta)
 
 
-def report_of(trained: dict[str, Any], untrained: dict[str, Any]) -> DrafterReport:
-    """A drafter report with these evaluations; accept_length_metadata reads nothing else of it."""
-    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
-    from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
-
-    return DrafterReport(
-        checkpoint=Path("drafter"),
-        config={},
-        draft_vocab_size=0,
-        distinct_loss_tokens=0,
-        train_samples=0,
-        eval_samples=0,
-        eval_split="eval",
-        untrained=untrained,
-        trained=trained,
-        history=TrainHistory(),
-    )
-
-
 def test_the_materialization_names_the_source_of_each_accept_length():
     """The drafter's own figures: the decoded one from the transformers loop, the simulated one teacher-forced."""
     from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
     from eagle3_assets.stages.eagle3_drafter.figures import SOURCES
 
-    report = report_of(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
+    report = drafter_report(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
     meta = accept_length_metadata(
         report,
         {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "proxy (stand-in target)"},

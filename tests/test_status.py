@@ -14,7 +14,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -30,6 +29,7 @@ from dagster._core.storage.tags import (
     PARTITION_NAME_TAG,
 )
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
+from support import drafter_report
 
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.money import SpendLedger, SpendPolicy, open_ledger, set_hold
@@ -40,8 +40,6 @@ from eagle3_assets.operations.quality import board_markdown, board_metadata
 from eagle3_assets.operations.status import as_json, gather_status, render_text
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.eagle3_drafter.asset import accept_length_metadata
-from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
-from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_assets.stages.token_ids.asset import token_ids
 from eagle3_resources.completions.resource import CompletionsResource
@@ -433,25 +431,9 @@ def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, 
         assert dataset_line(text, ds).split()[2] == f"{frame.height:,}"
 
 
-def report_of(trained: dict[str, Any], untrained: dict[str, Any]) -> DrafterReport:
-    """A drafter report with these evaluations; accept_length_metadata reads nothing else of it."""
-    return DrafterReport(
-        checkpoint=Path("drafter"),
-        config={},
-        draft_vocab_size=0,
-        distinct_loss_tokens=0,
-        train_samples=0,
-        eval_samples=0,
-        eval_split="eval",
-        untrained=untrained,
-        trained=trained,
-        history=TrainHistory(),
-    )
-
-
 def test_the_drafter_metadata_leads_with_the_real_accept_length():
     """The drafter's materialization: lossless decoding's figure first, the simulated one beside it, named."""
-    report = report_of(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
+    report = drafter_report(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
     real = {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "greedy, 4 draft steps"}
     meta = accept_length_metadata(report, real, {"accept_length": 4.9, "accept_length_real": 3.0})
     assert list(meta)[:2] == ["accept_length_real", "accept_length_real_untrained"]
