@@ -75,7 +75,14 @@ def step_job(step_key: str, tags: dict[str, str]) -> k8s.V1Job:
         instance_config_map="eagle3-dagster-instance",
         postgres_password_secret="eagle3-postgresql",
     )
-    name = f"dagster-step-{get_k8s_job_name('0123abcd-run', step_key)}"
+    return step_worker_job(job_config, context, "0123abcd-run", "eagle3_pipeline", step_key)
+
+
+def step_worker_job(
+    job_config: DagsterK8sJobConfig, context: K8sContainerContext, run_id: str, job_name: str, step_key: str
+) -> k8s.V1Job:
+    """The step worker's Job as K8sStepHandler.launch_step builds it from the step's merged container context."""
+    name = f"dagster-step-{get_k8s_job_name(run_id, step_key)}"
     return construct_dagster_k8s_job(
         job_config=job_config,
         args=["dagster", "api", "execute_step"],
@@ -83,7 +90,7 @@ def step_job(step_key: str, tags: dict[str, str]) -> k8s.V1Job:
         pod_name=name,
         component="step_worker",
         user_defined_k8s_config=context.run_k8s_config,
-        labels={"dagster/job": "eagle3_pipeline", "dagster/op": step_key},
+        labels={"dagster/job": job_name, "dagster/op": step_key},
     )
 
 

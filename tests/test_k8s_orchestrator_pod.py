@@ -13,27 +13,23 @@ client's models. Not here, for want of a cluster: the scheduler placing the pod.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import dagster as dg
 import kubernetes.client as k8s
 import pytest
-import yaml
-from dagster._core.code_pointer import ModuleCodePointer
 from dagster._core.definitions.job_base import InMemoryJob
 from dagster._core.execution.api import create_execution_plan
 from dagster._core.executor.init import InitExecutorContext
 from dagster._core.executor.step_delegating import StepDelegatingExecutor
-from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+from dagster._core.origin import JobPythonOrigin
 from dagster._core.storage.dagster_run import DagsterRun
 from dagster._core.system_config.objects import ResolvedRunConfig
 from dagster_k8s import k8s_job_executor
 from dagster_k8s.executor import K8sStepHandler
-from dagster_k8s.job import construct_dagster_k8s_job, get_k8s_job_name
-from test_k8s_deploy import DEPLOYMENT, pod_rules_hold, round_trip
-from test_k8s_streaming import chart_container_context
+from test_k8s_deploy import DEPLOYMENT, pod_rules_hold, round_trip, step_worker_job
+from test_k8s_streaming import CHART_LAUNCHER, code_origin, unused_kubeconfig
 
 from eagle3_assets import definitions
 from eagle3_assets.operations.jobs import drafter_streaming_job, eagle3_pipeline
@@ -49,31 +45,10 @@ DATA_ROOT = {e["name"]: e["value"] for e in DEPLOYMENT["env"]}["EAGLE3_DATA_DIR"
 @pytest.fixture
 def instance(tmp_path):
     """An instance whose run launcher is the chart's K8sRunLauncher, its credentials from a kubeconfig no call uses."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
     launcher = {
         "module": "dagster_k8s",
         "class": "K8sRunLauncher",
-        "config": {
-            "service_account_name": "eagle3-dagster",
-            "instance_config_map": "eagle3-dagster-instance",
-            "postgres_password_secret": "eagle3-postgresql",
-            "dagster_home": "/opt/dagster/dagster_home",
-            "load_incluster_config": False,
-            "kubeconfig_file": str(kubeconfig),
-            "job_namespace": "eagle3",
-        },
+        "config": {**CHART_LAUNCHER, "kubeconfig_file": str(unused_kubeconfig(tmp_path))},
     }
     with dg.instance_for_test(overrides={"run_launcher": launcher}) as instance:
         yield instance
@@ -107,12 +82,7 @@ def drafter_step_job(instance: dg.DagsterInstance, job_name: str, run_config: di
     handler = executor._step_handler  # the K8sStepHandler dagster-k8s made from the run's executor config
     assert isinstance(handler, K8sStepHandler)
     step = create_execution_plan(job_def, run_config).get_step_by_key(DRAFTER)
-    origin = RepositoryPythonOrigin(
-        executable_path=sys.executable,
-        code_pointer=ModuleCodePointer("eagle3_assets.definitions", "defs", working_directory=None),
-        container_image=CODE_IMAGE,
-        container_context=chart_container_context(),
-    )
+    origin = code_origin(CODE_IMAGE)
     run = DagsterRun(job_name=job_name, run_config=run_config, job_code_origin=JobPythonOrigin(job_name, origin))
     step_handler_context = SimpleNamespace(  # what K8sStepHandler reads of a StepHandlerContext
         execute_step_args=SimpleNamespace(step_keys_to_execute=[step.key]),
@@ -123,17 +93,7 @@ def drafter_step_job(instance: dg.DagsterInstance, job_name: str, run_config: di
     )
     context = handler._get_container_context(step_handler_context)  # type: ignore[arg-type]  # duck: what it reads
     job_config = context.get_k8s_job_config(None, instance.run_launcher).with_image(CODE_IMAGE)
-    name = f"dagster-step-{get_k8s_job_name(run.run_id, step.key)}"
-    job = construct_dagster_k8s_job(
-        job_config=job_config,
-        args=["dagster", "api", "execute_step"],
-        job_name=name,
-        pod_name=name,
-        component="step_worker",
-        user_defined_k8s_config=context.run_k8s_config,
-        labels={"dagster/job": job_name, "dagster/op": step.key},
-    )
-    return round_trip(job)
+    return round_trip(step_worker_job(job_config, context, run.run_id, job_name, step.key))
 
 
 def gpu_free(data: dict) -> bool:

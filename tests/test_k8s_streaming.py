@@ -16,10 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import kubernetes.client as k8s
 import pytest
 import yaml
+from dagster._core.code_pointer import ModuleCodePointer
+from dagster._core.origin import RepositoryPythonOrigin
 from dagster_k8s.job import DagsterK8sJobConfig, OwnerReference
 from test_k8s_deploy import API, DEPLOYMENT, IMAGE, REPO, deployment_context, pod_rules_hold, round_trip
 from torch.distributed.run import config_from_args, get_args_parser
@@ -316,6 +319,43 @@ def test_the_rbac_manifest_passes_yamllint():
 RELEASE_SA = "eagle3-dagster-user-deployments-user-deployments"
 
 
+# The chart's K8sRunLauncher settings (its instance config map), less the credentials.
+CHART_LAUNCHER: dict[str, Any] = {
+    "service_account_name": "eagle3-dagster",
+    "instance_config_map": "eagle3-dagster-instance",
+    "postgres_password_secret": "eagle3-postgresql",
+    "dagster_home": "/opt/dagster/dagster_home",
+    "load_incluster_config": False,
+    "job_namespace": "eagle3",
+}
+
+
+def unused_kubeconfig(folder: Path) -> Path:
+    """A kubeconfig naming a cluster no call reaches: a K8sRunLauncher's client is made from it, never used."""
+    path = folder / "kubeconfig"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def code_origin(image: str) -> RepositoryPythonOrigin:
+    """The code location's origin as a run records it: this project's definitions, in `image`, with the chart's
+    container context."""
+    return RepositoryPythonOrigin(
+        executable_path=sys.executable,
+        code_pointer=ModuleCodePointer("eagle3_assets.definitions", "defs", working_directory=None),
+        container_image=image,
+        container_context=chart_container_context(),
+    )
+
+
 def chart_container_context() -> dict:
     """The code location's container context as the chart's `dagsterUserDeployments.k8sContainerContext` helper
     renders it from the values (DAGSTER_CLI_API_GRPC_CONTAINER_CONTEXT; Dagster stores it in the run's origin)."""
@@ -335,43 +375,17 @@ def chart_container_context() -> dict:
 
 
 def test_in_a_run_the_sides_get_the_step_pods_context_from_the_run_and_its_launcher(tmp_path, monkeypatch):
-    from dagster._core.code_pointer import ModuleCodePointer
-    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+    from dagster._core.origin import JobPythonOrigin
     from dagster._core.storage.dagster_run import DagsterRun
     from dagster_k8s.launcher import K8sRunLauncher
 
     monkeypatch.delenv("EAGLE3_K8S_GPU_IMAGE", raising=False)
     code_image = "registry.example.com/eagle3-pipeline:cpu-0000000"
-    origin = RepositoryPythonOrigin(
-        executable_path=sys.executable,
-        code_pointer=ModuleCodePointer("eagle3_assets.definitions", "defs", working_directory=None),
-        container_image=code_image,
-        container_context=chart_container_context(),
-    )
+    origin = code_origin(code_image)
     run = DagsterRun(job_name="eagle3_pipeline", job_code_origin=JobPythonOrigin("eagle3_pipeline", origin))
     # The chart's run launcher (the instance's config map), its credentials from a kubeconfig no call ever uses.
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
     launcher = K8sRunLauncher(
-        service_account_name="eagle3-dagster",
-        instance_config_map="eagle3-dagster-instance",
-        postgres_password_secret="eagle3-postgresql",
-        dagster_home="/opt/dagster/dagster_home",
-        load_incluster_config=False,
-        kubeconfig_file=str(kubeconfig),
-        job_namespace="eagle3",
-        image_pull_policy="IfNotPresent",
+        **CHART_LAUNCHER, kubeconfig_file=str(unused_kubeconfig(tmp_path)), image_pull_policy="IfNotPresent"
     )
     pods = streaming_k8s.side_pods_for_run(run, launcher, f"{run.run_id}-0", OWNER)
     name = side_job_name(pods.run_key, CAPTURE, 0)
