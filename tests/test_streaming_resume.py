@@ -236,19 +236,17 @@ def test_a_capture_side_killed_stops_the_training_side_and_a_rerun_resumes(data_
     assert 0 < sampler.peak <= budget
 
 
-def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_standin, tok, groups):
-    root = data_dir_with_standin
-    write_merged(root, tok)
+def stand_in_run(root: Path) -> tuple[StreamingJob, RunFiles]:
+    """A streaming run on the stand-in as the step makes it (the job, its folder and its spool), sides not started."""
     standin = str(root / "standin")
     target, tokenizer = TargetModelResource(standin_dir=standin), TokenizerResource(standin_dir=standin)
     folder = target.folder(tokenizer, print)
-    settings = TrainSettings(ttt_steps=3, batch_tokens=200, max_len=64, checkpoint_every=3, epochs=1)
     job = StreamingJob(
         merged=pl.read_parquet(DataLayout(root).merged_dataset()),
         merged_path=DataLayout(root).merged_dataset(),
         target_folder=folder,
         out_dir=DataLayout(root).drafter(),
-        settings=settings,
+        settings=TrainSettings(ttt_steps=3, batch_tokens=200, max_len=64, checkpoint_every=3, epochs=1),
         requested_draft_vocab=512,
         request=StreamingRequest(3 * SHARD_BYTES * 4, PASSES, SHARD_BYTES, 2000.0, 500.0, 5e8, {}),
         identity=target_identity(folder),
@@ -262,6 +260,13 @@ def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_
     files = RunFiles(job.folder, job.spool)
     files.folder.mkdir(parents=True)
     create_spool(files.spool, SpoolSettings({LANE: job.request.spool_bytes}, PASSES, 64, 200, 0, 64))
+    return job, files
+
+
+def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_standin, tok, groups):
+    root = data_dir_with_standin
+    write_merged(root, tok)
+    job, files = stand_in_run(root)
     heartbeat = Heartbeat(files.folder, "lock-test")
     try:
         spec, _ = side_specs(job, files, "lock-test", "eval")

@@ -15,21 +15,13 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import polars as pl
 import pytest
-from test_streaming_drafter import PASSES, SHARD_BYTES, write_merged
-from test_streaming_resume import alive, holder_pid, wait_until
+from test_streaming_drafter import write_merged
+from test_streaming_resume import alive, holder_pid, stand_in_run, wait_until
 
-from eagle3_assets.stages.eagle3_drafter.streaming import LANE, RunFiles, StreamingJob, StreamingRequest, side_specs
+from eagle3_assets.stages.eagle3_drafter.streaming import RunFiles, side_specs
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import Heartbeat, LocalSide, LocalSides
-from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
-from eagle3_assets.stages.hidden_states.selection import target_identity
 from eagle3_resources.hidden_states.lane_lock import trainer_lock_path
-from eagle3_resources.hidden_states.resource import HiddenStatesResource
-from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool
-from eagle3_resources.storage import DataLayout
-from eagle3_resources.target.resource import TargetModelResource
-from eagle3_resources.tokenizer.resource import TokenizerResource
 
 pytestmark = pytest.mark.timeout(600)  # a bound against a hang, not a measured time
 WAITING_FOR_THE_LOCK = "the streaming trainer: waiting for"  # lane_lock.exclusive's line, `what` first
@@ -51,28 +43,7 @@ def sides() -> Iterator[list[LocalSide]]:
 
 def training_spec(root: Path) -> tuple[RunFiles, dict]:
     """A streaming run's folder and spool as the step makes them, and its training side's spec."""
-    standin = str(root / "standin")
-    target, tokenizer = TargetModelResource(standin_dir=standin), TokenizerResource(standin_dir=standin)
-    folder = target.folder(tokenizer, print)
-    job = StreamingJob(
-        merged=pl.read_parquet(DataLayout(root).merged_dataset()),
-        merged_path=DataLayout(root).merged_dataset(),
-        target_folder=folder,
-        out_dir=DataLayout(root).drafter(),
-        settings=TrainSettings(ttt_steps=3, batch_tokens=200, max_len=64, checkpoint_every=3, epochs=1),
-        requested_draft_vocab=512,
-        request=StreamingRequest(3 * SHARD_BYTES * 4, PASSES, SHARD_BYTES, 2000.0, 500.0, 5e8, {}),
-        identity=target_identity(folder),
-        resources={
-            "target": target.model_dump(mode="json"),
-            "tokenizer": tokenizer.model_dump(mode="json"),
-            "hidden_states_backend": HiddenStatesResource(batch_tokens=512).model_dump(mode="json"),
-        },
-        log=print,
-    )
-    files = RunFiles(job.folder, job.spool)
-    files.folder.mkdir(parents=True)
-    create_spool(files.spool, SpoolSettings({LANE: job.request.spool_bytes}, PASSES, 64, 200, 0, 64))
+    job, files = stand_in_run(root)
     _, spec = side_specs(job, files, "trainer-lock-test", "eval")
     return files, spec
 
