@@ -1,5 +1,6 @@
 """benchmarks/device_check.py runs once, on a GPU host that has torch, transformers, safetensors and numpy and what
-those four require, and nothing else: no Dagster, no polars, no sglang, no xxhash. Every section must run there.
+those four require: no Dagster, no polars, no sglang. Every section must run there. (The lent H200 image also has
+xxhash; a bare host may not, so it is left out here too and the store's sha256 fallback is what runs.)
 
 The test builds that host's Python: a virtual environment whose site-packages holds the four distributions and the
 closure of their requirements (Requires-Dist, markers evaluated here, no extras), linked from this project's
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from device_check import SECTIONS  # noqa: E402  (the script's own list of sections)
 
 GPU_HOST = ("torch", "transformers", "safetensors", "numpy")
-ABSENT = ("dagster", "polars", "sglang", "xxhash")  # what the GPU host does not have and the project does
+ABSENT = ("dagster", "polars", "sglang", "xxhash")  # what a bare GPU host lacks and the project has
 
 
 def requirement_closure(names: tuple[str, ...]) -> list[md.Distribution]:
