@@ -21,18 +21,26 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
-
-if TYPE_CHECKING:  # the trainer makes one of these: imported for the annotation alone, not at run time
-    from eagle3_assets.stages.eagle3_drafter.train import Distributed
 
 HEARTBEAT_S = 30.0  # at most this long between two words of rank 0's to the ranks that wait for it
 TIMEOUT_ENV = "EAGLE3_COLLECTIVE_TIMEOUT_S"  # the process group's collective timeout, in seconds (unset: torch's)
 STILL_WAITING = "still waiting"
 T = TypeVar("T")
 Message = tuple[Any, ...]  # (kind, *rest): ("still waiting",), ("done",), ("error", reason), or the caller's own
+
+
+class Ranks(Protocol):
+    """What this module reads of a process's place under torchrun (the trainer's `Distributed`, which imports this
+    module: named here by shape, not imported)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def main(self) -> bool: ...
 
 
 def collective_timeout() -> datetime.timedelta | None:
@@ -56,7 +64,7 @@ class RankZeroWord:
     """Rank 0's word to the other ranks (see the module's docstring). Every rank makes one at the same point of the
     run and uses it at the same points: its gloo group, made at the first word, is a collective of every rank."""
 
-    def __init__(self, dist: Distributed, heartbeat_s: float | None = None):
+    def __init__(self, dist: Ranks, heartbeat_s: float | None = None):
         self.dist = dist
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else heartbeat_interval()
         if not self.heartbeat_s > 0:
