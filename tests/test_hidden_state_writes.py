@@ -286,17 +286,37 @@ def test_the_extraction_leaves_torchs_thread_count_as_it_found_it(target_model, 
 
 
 class FailingWrites:
-    """The store's `os` with its n-th positional write failing (an I/O error in the middle of a shard)."""
+    """The store's `os` with one write failing: the chunk at offset `at` of the file named `name` (an I/O error in
+    the middle of that shard, whichever other shard is written meanwhile). Also counts the files open for writing
+    at once."""
 
-    def __init__(self, fail_at: int):
-        self.left = fail_at
+    def __init__(self, name: str, at: int):
+        self.name, self.at = name, at
+        self.failed = False
+        self.names: dict[int, str] = {}  # the fds open for writing: their file's name
+        self.most_open = 0
+        self._lock = threading.Lock()
 
     def __getattr__(self, name):
         return getattr(os, name)
 
+    def open(self, path, flags, *mode):
+        fd = os.open(path, flags, *mode)
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            with self._lock:
+                self.names[fd] = Path(path).name
+                self.most_open = max(self.most_open, len(set(self.names.values())))
+        return fd
+
+    def close(self, fd):
+        with self._lock:
+            self.names.pop(fd, None)
+        os.close(fd)
+
     def pwrite(self, fd, data, offset):
-        self.left -= 1
-        if self.left == 0:
+        time.sleep(0.01)  # slow enough that the next shard's capture ends while this one is written
+        if self.names.get(fd) == self.name and offset == self.at and not self.failed:
+            self.failed = True
             os.pwrite(fd, data, offset)  # this chunk reached the file, then the device failed
             raise OSError(5, "Input/output error")
         return os.pwrite(fd, data, offset)
@@ -311,14 +331,15 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     assert len(whole) >= 3
 
     monkeypatch.setattr(store_module, "WRITE_CHUNK", ALIGN)
-    first = (tmp_path / "whole" / sorted(whole)[0]).stat().st_size
-    monkeypatch.setattr(store_module, "os", FailingWrites(-(-first // ALIGN) + 2))  # the second shard's second chunk
+    failed = sorted(whole)[1]
+    writes = FailingWrites(failed + ".tmp", ALIGN)  # the second shard's second chunk
+    monkeypatch.setattr(store_module, "os", writes)
     root = tmp_path / "failed"
     with pytest.raises(RuntimeError, match="Input/output error"):
         extract_to_store(samples, backend, root, settings, identity={}, progress_every_s=3600)
+    assert writes.most_open == 1  # writers=1: one shard written at a time
     listed = {n: e["xxh3_128"] for n, e in read_manifest(root)["shards"].items()}
-    failed = sorted(whole)[1]
-    assert failed not in listed and 1 <= len(listed) < len(whole)
+    assert sorted(whole)[0] in listed and failed not in listed and len(listed) < len(whole)
     assert all(
         whole[n] == digest == file_xxh3(root / n) for n, digest in listed.items()
     )  # shards already finished were kept

@@ -403,6 +403,9 @@ class Extraction:
         self.stager = Stager()
         self.failures: list[tuple[str, BaseException]] = []  # appended by writer threads
         self._lock = threading.Lock()  # the writers' report figures
+        # `writers` files written at once: the pool has twice that many threads (see capture) and the buffers let a
+        # captured shard reach a writer while another is still written, so without this writers + 1 could overlap
+        self._writing = threading.BoundedSemaphore(max(1, settings.writers))
 
     def run(self) -> ExtractionReport:
         self.resume = self.plan()
@@ -570,7 +573,8 @@ class Extraction:
             shard.wait()
             bad = shard.non_finite()
             if not self.options.null_sink:
-                entry = self.committer.write(shard.image, direct=self.settings.direct_io)
+                with self._writing:
+                    entry = self.committer.write(shard.image, direct=self.settings.direct_io)
         finally:
             self.buffers.give(shard.image)  # durable on disk (or failed): the next shard can be built in it
         if entry is not None:
