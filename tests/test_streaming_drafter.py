@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import dagster as dg
+import polars as pl
 import pytest
 from test_drafter_training import corpus
 from test_spool import Sampler
@@ -33,6 +34,18 @@ SHARD_BYTES = 40_000  # about one sample a shard
 pytestmark = pytest.mark.timeout(1200)
 
 
+def training_shards(merged: pl.DataFrame) -> dict[str, tuple[int, int]]:
+    """Sample id -> (its shard's number, that shard's bytes), the training split cut into shards as the capture cuts
+    it (the store's own plan and file layout)."""
+    train, _, _ = split_samples(merged)
+    plans = plan_shards(train, HIDDEN, SHARD_BYTES, {})  # the identity names the shards, their sizes are its own
+    return {
+        train[i].sample_id: (k, shard_layout(p, [train[j] for j in p.samples], HIDDEN).size)
+        for k, p in enumerate(plans)
+        for i in p.samples
+    }
+
+
 def write_merged(data_root: Path, tok) -> tuple[int, int]:
     """The merged set (64 samples, a quarter of them eval) at its place; (the training split's shard bytes as the
     capture cuts them, the largest shard's)."""
@@ -40,10 +53,8 @@ def write_merged(data_root: Path, tok) -> tuple[int, int]:
     path = DataLayout(data_root).merged_dataset()
     path.parent.mkdir(parents=True, exist_ok=True)
     merged.write_parquet(path)
-    train, _, _ = split_samples(merged)
-    plans = plan_shards(train, HIDDEN, SHARD_BYTES, {})  # the identity names the shards, their sizes are its own
-    sizes = [shard_layout(p, [train[i] for i in p.samples], HIDDEN).size for p in plans]
-    return sum(sizes), max(sizes)
+    sizes = dict(training_shards(merged).values())
+    return sum(sizes.values()), max(sizes.values())
 
 
 def streaming_folder(data_root: Path) -> Path:
@@ -112,6 +123,30 @@ class SidesSeen:
                     self.seen[side] = (pid, os.getpgid(pid))
                 except (FileNotFoundError, json.JSONDecodeError, KeyError, ProcessLookupError):
                     continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class KeptFile:
+    """A file of the run's folder kept past the folder's removal: hard-linked at `keep` as soon as it exists. The
+    link is the same file, so it holds every line appended to it until the end (the trainer's record is opened once,
+    for appending)."""
+
+    def __init__(self, path: Path, keep: Path):
+        self.path, self.keep = path, keep
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                os.link(self.path, self.keep)
+                return
+            except FileNotFoundError:
+                continue
 
     def stop(self) -> None:
         self._stop.set()
@@ -195,18 +230,33 @@ def test_best_every_in_streaming_mode_keeps_and_exports_the_best_checkpoint(data
 def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
     """`processes: 2`: the training side runs under torchrun (rank 0 reads the spool, rank 1 follows), the capture
     side in a process group of its own; every token is trained exactly PASSES times, counted on rank 0's record of
-    whole steps."""
+    whole steps; the bytes read reported are both ranks', each rank's the shards its windows needed."""
     data_bytes, _ = write_merged(data_dir_with_standin, tok)
     spool = streaming_folder(data_dir_with_standin) / "spool"
     sides = SidesSeen(spool)
+    record = KeptFile(streaming_folder(data_dir_with_standin) / "training-record.jsonl", data_dir_with_standin / "rec")
     try:
         result, _ = materialize(data_dir_with_standin, data_bytes // 10, processes=2)
     finally:
         sides.stop()
+        record.stop()
     assert result.success, result.all_events[-5:]
     meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
     assert meta["train_processes"] == 2
     assert meta["streaming_trained_token_passes"] == {str(PASSES): meta["train_tokens"]}
+    # the bytes the training side read are both ranks': rank 0 reads every shard once; rank 1 each shard its share of
+    # a step needs (the step's windows 1::2, or its first window when it has one only), once, counted here from the
+    # trainer's record of every step's windows and the capture's shard plan
+    steps = [json.loads(line) for line in record.keep.read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, meta["streaming_train_steps"] + 1))
+    shards = training_shards(pl.read_parquet(DataLayout(data_dir_with_standin).merged_dataset()))
+    needed = {shards[sid] for s in steps for sid, _, _ in s["windows"][1::2] or s["windows"][:1]}
+    per_rank = [data_bytes, sum(size for _, size in needed)]
+    print({k: v for k, v in meta.items() if k.startswith("streaming_train_")}, "expected per rank:", per_rank)
+    assert 0 < per_rank[1] < data_bytes, per_rank
+    assert meta["streaming_train_bytes_read_per_rank"] == per_rank
+    assert meta["streaming_train_bytes_read"] == sum(per_rank)
+    assert meta["streaming_train_waited_s_max"] >= meta["streaming_train_waited_s"] >= 0
     # rank 0 (torchrun starts each rank in a session of its own): neither the capture's group nor the test's
     (capture_pid, capture_group), (_, training_group) = sides.seen["capture"], sides.seen["training"]
     assert capture_group == capture_pid and training_group not in (capture_group, os.getpgid(0))

@@ -83,7 +83,11 @@ class StreamingRequest:
 
 @dataclass
 class StreamingFigures:
-    """What the run measured, for the log, the observations and the metadata."""
+    """What the run measured, for the log, the observations and the metadata. The training side's figures come from
+    its progress lines while it runs (rank 0's reading alone: with several ranks, `train_bytes_read` and the GB/s
+    observed are rank 0's share) and, at the end, from its report (every rank's: `train_bytes_read` summed over the
+    ranks, `train_bytes_read_per_rank` the list, `train_waited_s` rank 0's wait for capture, `train_waited_s_max` the
+    longest any rank waited; see `streaming_train`'s docstring)."""
 
     plan: StreamingPlan
     plan_text: str
@@ -95,8 +99,10 @@ class StreamingFigures:
     train_steps: int = 0
     estimated_steps: int = 0
     train_tokens: int = 0
-    train_bytes_read: int = 0
-    train_waited_s: float = 0.0
+    train_bytes_read: int = 0  # while running, rank 0's; from the report, every rank's together
+    train_waited_s: float = 0.0  # rank 0's
+    train_waited_s_max: float = 0.0  # the longest wait of any rank (from the report)
+    train_bytes_read_per_rank: list[int] = field(default_factory=list)  # by rank (from the report)
     seconds: float = 0.0
     train_coverage: dict[int, int] = field(default_factory=dict)  # times trained -> tokens (the trainer's record)
 
@@ -153,6 +159,8 @@ class StreamingFigures:
             "streaming_train_bytes_read": self.train_bytes_read,
             "streaming_train_gb_per_s": round(self.train_bytes_read / seconds / 1e9, 6),
             "streaming_train_waited_s": round(self.train_waited_s, 3),
+            "streaming_train_waited_s_max": round(self.train_waited_s_max, 3),
+            "streaming_train_bytes_read_per_rank": self.train_bytes_read_per_rank,
             "streaming_who_waits": self.who_waits(),
             "streaming_seconds": round(self.seconds, 1),
             # times trained -> training tokens trained that many times, from the trainer's record (all {passes: n})
@@ -411,7 +419,7 @@ class Watch:
                 int(t["estimated_steps"]),
                 int(t["tokens"]),
             )
-            f.train_bytes_read, f.train_waited_s = int(t["bytes_read"]), float(t["waited_s"])
+            f.train_bytes_read, f.train_waited_s = int(t["bytes_read"]), float(t["waited_s"])  # rank 0's
             if "coverage" in t:
                 f.train_coverage = {int(k): int(v) for k, v in t["coverage"].items()}
         f.seconds = time.monotonic() - self.started
@@ -472,7 +480,9 @@ def finish(job: StreamingJob, files: RunFiles, figures: StreamingFigures, sample
     watch.update()
     s = d["streaming"]
     figures.train_steps, figures.train_tokens = len(report.history.step_loss), report.history.tokens
-    figures.train_bytes_read, figures.train_waited_s = int(s["bytes_read"]), float(s["waited_s"])
+    figures.train_bytes_read, figures.train_waited_s = int(s["bytes_read"]), float(s["waited_s"])  # every rank's
+    figures.train_waited_s_max = float(s["waited_s_max"])
+    figures.train_bytes_read_per_rank = [int(b) for b in s["bytes_read_per_rank"]]
     figures.train_coverage = {int(k): int(v) for k, v in s["coverage"].items()}
     job.observe(figures.observation(sampler.last))
     job.log(f"streaming done: {figures.who_waits()}; spool peak {figures.peak_bytes:,} of {figures.budget_bytes:,} B")

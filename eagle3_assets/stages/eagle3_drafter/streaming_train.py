@@ -7,13 +7,21 @@ vocabulary of the training split, the target's shape and frozen embedding), the 
 eval states the capture side stores first (it waits for `eval_done`), training from the spool (`train_from_spool`:
 the real Trainer, `passes` passes as one epoch, its position in the atomic checkpoint), the trained drafter scored
 and exported (`export_report`), the report written as JSON (`train_cli.report_json`, plus `best_checkpoint` and the
-side's `streaming` figures) to `report`. With `best` in the spec, the best-checkpoint keeper runs as offline
+side's `streaming` figures) to `report`. Its `streaming` section is the whole training side's, every rank's figures
+gathered at the end of training (`gather_figures`: one all-gather, every rank at the same point): `steps`;
+`bytes_read`, the shard bytes read by all ranks together (rank 0 reads every shard, each other rank the shards of its
+share of the steps: `spool_data`'s figures are per rank), with `bytes_read_per_rank`, the list by rank; `waited_s`,
+rank 0's seconds waiting for capture (the wait every rank shares: the others wait for rank 0's word meanwhile), and
+`waited_s_max`, the longest any rank waited; `coverage`, from the record (below). One process: its own figures, a
+list of one. With `best` in the spec, the best-checkpoint keeper runs as offline
 (`BestCheckpointKeeper`: the main rank decodes with the target loaded here, the other ranks wait for its word) and the
 best drafter is exported.
 
 What it writes as it goes, in the run's shared folder (the main rank):
 - `progress`: JSON lines {steps, estimated_steps, tokens, bytes_read, waited_s, seconds}, at most every
-  `progress_every_s`, and a last one with "done";
+  `progress_every_s`, and a last one with "done" (and `coverage`). Its `bytes_read` and `waited_s` are rank 0's alone
+  (no collective per line): with several ranks `bytes_read` is rank 0's share of what the side read (the report's is
+  every rank's);
 - `record`: one JSON line per optimizer step, {"step", "windows": [[sample_id, start, end], ...]}, flushed and
   fsynced before the step's checkpoint can be written. A resumed run starts again after its checkpoint's step and
   writes those step numbers again, so the record of what the exported weights were trained on is, for each step up
@@ -237,6 +245,7 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
         if trainer is None:
             raise StreamingTrainingFailed("the training side trained no step: the spool's capture plan holds none")
         best = kept[0].finish(trainer) if kept else None  # every rank: the main one evaluates and loads the best
+        read = gather_figures(data, dist)  # every rank, here: the last collective of training
         if not dist.main:
             return
         if data.reader is None or not data.reader.finished:
@@ -256,11 +265,34 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
     )
     streaming = {
         "steps": trainer.global_step,
-        "bytes_read": data.bytes_read,
-        "waited_s": round(data.waited_s, 3),
+        "bytes_read": sum(read.bytes_read),
+        "bytes_read_per_rank": read.bytes_read,
+        "waited_s": round(data.waited_s, 3),  # rank 0's (this rank)
+        "waited_s_max": round(max(read.waited_s), 3),
         "coverage": {str(k): v for k, v in counted.items()},
     }
     write_report(Path(spec["report"]), report, streaming)
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """Every rank's reading of the spool, in rank order: the shard bytes it read, the seconds it waited (each rank's
+    `SpoolWindows.bytes_read` and `waited_s`)."""
+
+    bytes_read: list[int]
+    waited_s: list[float]
+
+
+def gather_figures(data: SpoolWindows, dist: Distributed) -> RankFigures:
+    """Every rank's figures, on every rank; every rank calls it at the same point. One all-gather of a small CPU
+    tensor (bytes, microseconds waited: integers, exact) over the spool's gloo group (`RankZeroWord.group`: the world
+    under gloo, a gloo group of its own under NCCL, which takes no CPU tensor). One process: its own figures."""
+    mine = torch.tensor([data.bytes_read, round(data.waited_s * 1e6)], dtype=torch.int64)
+    rows = [mine]
+    if dist.world_size > 1:
+        rows = [torch.empty_like(mine) for _ in range(dist.world_size)]
+        torch.distributed.all_gather(rows, mine, group=data.word.group)
+    return RankFigures([int(r[0]) for r in rows], [int(r[1]) / 1e6 for r in rows])
 
 
 def end_line(path: Path) -> None:
