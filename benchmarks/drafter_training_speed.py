@@ -21,15 +21,21 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_windows  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.data import Teacher, WindowPlan, plan_windows  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.model import (  # noqa: E402
+    DrafterConfig,
+    Eagle3Drafter,
+    default_shape,
+    train_flops_per_token,
+)
+from eagle3_assets.stages.eagle3_drafter.train import TrainHistory, TrainSettings, train  # noqa: E402
 
 
 def synthetic_source(
@@ -51,70 +57,123 @@ def synthetic_source(
     return out
 
 
-def measure(
-    *,
-    device: str,
-    hidden: int,
-    intermediate: int | None,
-    draft_vocab: int,
-    target_vocab: int,
-    batch_tokens: int,
-    steps: int,
-    warmup: int,
-    min_len: int,
-    max_len: int,
-    window: int,
-    peak_tflops: float,
-    compile: bool | None,
-    log=print,
-) -> dict:
-    dev = torch.device(device)
-    heads, kv, head_dim = default_shape(hidden)
-    cfg = DrafterConfig(
-        hidden_size=hidden,
-        target_hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
+@dataclass(frozen=True)
+class SpeedOptions:
+    """One measurement's shape and length, as the command line gives them."""
+
+    device: str
+    hidden: int
+    intermediate: int | None  # None: 2 x hidden
+    draft_vocab: int
+    target_vocab: int
+    batch_tokens: int
+    steps: int  # timed optimizer steps
+    warmup: int  # untimed steps before them
+    min_len: int
+    max_len: int
+    window: int
+    peak_tflops: float
+    compile: bool | None  # None: the trainer's own default
+
+
+@dataclass
+class Prepared:
+    """What the clock does not count: the data, the drafter, the target's head and the teacher's argmax cache."""
+
+    cfg: DrafterConfig
+    source: dict
+    model: Eagle3Drafter
+    head: torch.Tensor
+    plan: WindowPlan
+    teacher: Teacher
+    phases: dict[str, float]  # where the section's wall time goes before the clock starts
+
+
+def drafter_config(o: SpeedOptions) -> DrafterConfig:
+    heads, kv, head_dim = default_shape(o.hidden)
+    return DrafterConfig(
+        hidden_size=o.hidden,
+        target_hidden_size=o.hidden,
+        intermediate_size=o.intermediate or 2 * o.hidden,
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        vocab_size=target_vocab,
-        draft_vocab_size=draft_vocab,
-        max_position_embeddings=max(4096, window),
+        vocab_size=o.target_vocab,
+        draft_vocab_size=o.draft_vocab,
+        max_position_embeddings=max(4096, o.window),
     )
-    # Enough samples for warm-up + timed steps (one epoch).
-    avg = (min_len + max_len) / 2
-    n = int((steps + warmup + 1) * batch_tokens / avg) + 2
-    phases: dict[str, float] = {}  # where the section's wall time goes before the clock starts
-    started = time.perf_counter()
-    source = synthetic_source(n, min_len, max_len, hidden, target_vocab, seed=0, device=dev)
-    phases["data_s"] = time.perf_counter() - started
+
+
+def samples_needed(o: SpeedOptions) -> int:
+    """Enough samples for warm-up + timed steps (one epoch)."""
+    avg = (o.min_len + o.max_len) / 2
+    return int((o.steps + o.warmup + 1) * o.batch_tokens / avg) + 2
+
+
+def made_drafter(
+    o: SpeedOptions, cfg: DrafterConfig, dev: torch.device, phases: dict[str, float]
+) -> tuple[Eagle3Drafter, torch.Tensor, torch.Tensor]:
+    """(the drafter, the target's head, the draft vocabulary's ids); the drafter's construction timed as model_s."""
+    vocab, hidden = o.target_vocab, o.hidden
     # the target's embedding and head (163,840 x 7168 for Kimi) drawn where they will live
-    embed = torch.randn(target_vocab, hidden, generator=torch.Generator(device=dev).manual_seed(1), device=dev) * 0.02
-    head = torch.randn(target_vocab, hidden, generator=torch.Generator(device=dev).manual_seed(2), device=dev) * 0.02
-    draft_ids = torch.randperm(target_vocab, generator=torch.Generator().manual_seed(3))[:draft_vocab].sort().values
+    embed = torch.randn(vocab, hidden, generator=torch.Generator(device=dev).manual_seed(1), device=dev) * 0.02
+    head = torch.randn(vocab, hidden, generator=torch.Generator(device=dev).manual_seed(2), device=dev) * 0.02
+    draft_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[: o.draft_vocab].sort().values
     torch.manual_seed(0)
     started = time.perf_counter()
     with dev:  # initialised where it trains: on the host, Kimi width's ~1B parameters take 10-30 s of the cap
         model = Eagle3Drafter(cfg, embed, draft_ids.to(dev))
     del embed
     phases["model_s"] = time.perf_counter() - started
-    started = time.perf_counter()
+    return model, head, draft_ids
+
+
+def cached_teacher(
+    source: dict, head: torch.Tensor, draft_ids: torch.Tensor, window: int, dev: torch.device
+) -> tuple[WindowPlan, Teacher]:
+    """The windows, and a teacher holding every window's argmax: the cache a real run has from its second epoch on."""
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], window)
     teacher = Teacher(head, draft_ids, dev)
-    for w in plan.windows:  # the argmax cache a real run has from its second epoch on
+    for w in plan.windows:
         teacher.argmax(
             (w.sample_id, w.start, w.end),
             source[w.sample_id]["final_hidden_state"][w.start : w.end].to(dev, teacher.dtype),
         )
+    return plan, teacher
+
+
+def prepare(o: SpeedOptions, dev: torch.device) -> Prepared:
+    cfg = drafter_config(o)
+    n = samples_needed(o)
+    phases: dict[str, float] = {}
+    started = time.perf_counter()
+    source = synthetic_source(n, o.min_len, o.max_len, o.hidden, o.target_vocab, seed=0, device=dev)
+    phases["data_s"] = time.perf_counter() - started
+    model, head, draft_ids = made_drafter(o, cfg, dev, phases)
+    started = time.perf_counter()
+    plan, teacher = cached_teacher(source, head, draft_ids, o.window, dev)
     phases["teacher_s"] = time.perf_counter() - started
-    extra = {} if compile is None else {"compile": compile}
+    return Prepared(cfg, source, model, head, plan, teacher, phases)
+
+
+def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> tuple[TrainHistory, float, int]:
+    """Train `warmup + steps` optimizer steps: (the history, the timed steps' seconds and tokens). The clock runs from
+    the end of step `warmup` to the end of step `warmup + steps`; the set-up before it is `to_first_timed_step_s`."""
+    extra = {} if o.compile is None else {"compile": o.compile}
     settings = TrainSettings(
-        ttt_steps=7, epochs=1, batch_tokens=batch_tokens, max_len=window, checkpoint_every=0, warmup_steps=2, **extra
+        ttt_steps=7,
+        epochs=1,
+        batch_tokens=o.batch_tokens,
+        max_len=o.window,
+        checkpoint_every=0,
+        warmup_steps=2,
+        **extra,
     )
     marks: list[tuple[float, int]] = []
+    clock_ends = (o.warmup, o.warmup + o.steps)
 
     def on_step(step: int, tokens: int) -> None:
-        if step in (warmup, warmup + steps):  # the clock's two ends wait for the device; the steps between run free
+        if step in clock_ends:  # the clock's two ends wait for the device; the steps between run free
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             marks.append((time.perf_counter(), tokens))
@@ -123,57 +182,67 @@ def measure(
         torch.cuda.reset_peak_memory_stats(dev)
     train_started = time.perf_counter()
     history = train(
-        model,
-        source,
-        plan.windows,
+        p.model,
+        p.source,
+        p.plan.windows,
         [],
         settings,
-        head=head,
+        head=p.head,
         device=dev,
         log=log,
-        teacher=teacher,
-        stop_after_steps=steps + warmup,
+        teacher=p.teacher,
+        stop_after_steps=o.steps + o.warmup,
         on_step=on_step,
     )
     if len(marks) < 2:
-        raise RuntimeError(f"too few samples for {steps} + {warmup} steps")
+        raise RuntimeError(f"too few samples for {o.steps} + {o.warmup} steps")
     # set-up (torch.compile of the MLP included) and the untimed warm-up steps
-    phases["to_first_timed_step_s"] = marks[0][0] - train_started
-    seconds = marks[1][0] - marks[0][0]
-    tokens = marks[1][1] - marks[0][1]
-    from eagle3_assets.stages.eagle3_drafter.model import train_flops_per_token
+    p.phases["to_first_timed_step_s"] = marks[0][0] - train_started
+    return history, marks[1][0] - marks[0][0], marks[1][1] - marks[0][1]
 
-    fpt = train_flops_per_token(cfg, ttt_steps=7, mean_window=sum(w.tokens for w in plan.windows) / len(plan.windows))[
-        "total"
-    ]
+
+def speed_figures(
+    o: SpeedOptions, p: Prepared, dev: torch.device, history: TrainHistory, seconds: float, tokens: int
+) -> dict:
+    """The JSON: the shape, tokens/s, FLOPs and MFU (on a GPU), the phases, the peak GPU memory."""
+    mean_window = sum(w.tokens for w in p.plan.windows) / len(p.plan.windows)
+    fpt = train_flops_per_token(p.cfg, ttt_steps=7, mean_window=mean_window)["total"]
     rate = tokens / seconds
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "hidden": hidden,
-        "intermediate": cfg.intermediate_size,
-        "heads": heads,
-        "kv_heads": kv,
-        "draft_vocab": draft_vocab,
-        "target_vocab": target_vocab,
-        "batch_tokens": batch_tokens,
-        "timed_steps": steps,
-        "windows": len(plan.windows),
-        "mean_window": round(sum(w.tokens for w in plan.windows) / len(plan.windows), 1),
+        "hidden": o.hidden,
+        "intermediate": p.cfg.intermediate_size,
+        "heads": p.cfg.num_attention_heads,
+        "kv_heads": p.cfg.num_key_value_heads,
+        "draft_vocab": o.draft_vocab,
+        "target_vocab": o.target_vocab,
+        "batch_tokens": o.batch_tokens,
+        "timed_steps": o.steps,
+        "windows": len(p.plan.windows),
+        "mean_window": round(mean_window, 1),
         "tokens_per_s": round(rate, 1),
         "gflop_per_token": round(fpt / 1e9, 3),
         "tflops": round(rate * fpt / 1e12, 2),
-        "mfu": round(rate * fpt / (peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
-        "peak_tflops": peak_tflops if dev.type == "cuda" else None,
+        "mfu": round(rate * fpt / (o.peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
+        "peak_tflops": o.peak_tflops if dev.type == "cuda" else None,
         "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None,
         "seconds": round(seconds, 2),
-        "phases": {k: round(v, 2) for k, v in phases.items()},
+        "phases": {k: round(v, 2) for k, v in p.phases.items()},
         "compile": history.compiled,
         "final_loss": history.step_loss[-1] if history.step_loss else None,
         "peak_gpu_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20) if dev.type == "cuda" else None,
     }
 
 
-def main() -> None:
+def measure(o: SpeedOptions, log=print) -> dict:
+    dev = torch.device(o.device)
+    prepared = prepare(o, dev)
+    history, seconds, tokens = timed_training(o, prepared, dev, log)
+    return speed_figures(o, prepared, dev, history, seconds, tokens)
+
+
+def parse_args() -> tuple[SpeedOptions, str | None]:
+    """(the options, the --json path)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--hidden", type=int, default=256)
@@ -190,8 +259,7 @@ def main() -> None:
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--json", default=None, help="also write the figures here")
     a = p.parse_args()
-    compile_ = {"auto": None, "on": True, "off": False}[a.compile]
-    figures = measure(
+    options = SpeedOptions(
         device=a.device,
         hidden=a.hidden,
         intermediate=a.intermediate,
@@ -204,12 +272,17 @@ def main() -> None:
         max_len=a.max_len,
         window=a.window,
         peak_tflops=a.peak_tflops,
-        compile=compile_,
-        log=lambda m: print(m, file=sys.stderr, flush=True),
+        compile={"auto": None, "on": True, "off": False}[a.compile],
     )
+    return options, a.json
+
+
+def main() -> None:
+    options, json_path = parse_args()
+    figures = measure(options, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(figures))
-    if a.json:
-        Path(a.json).write_text(json.dumps(figures, indent=2) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":
