@@ -34,6 +34,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ def greedy_completions(model, prompts: torch.Tensor, new_tokens: int) -> torch.T
     return out[:, prompts.shape[1] :]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--hidden", type=int, default=2048)
@@ -120,28 +121,27 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--draft-steps", type=int, default=3)
     p.add_argument("--json", default=None, help="write the figures here (default: $OUT/drafter_device_check.json)")
-    a = p.parse_args()
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
-    figures: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "hidden": a.hidden,
-        "layers": a.layers,
-        "vocab": a.vocab,
-    }
-    log = lambda m: print(m, flush=True)  # noqa: E731
+    return p.parse_args()
 
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def fitted_target(a: argparse.Namespace, device: torch.device) -> tuple[Any, torch.Tensor, float]:
+    """(the target, fitted on the chain's text and in bf16 on CUDA; the chain; the fit's seconds)."""
     chain = markov_chain(a.vocab, 4, seed=1)
     # made on the device in fp32 (fitted under autocast, then bf16): a CPU initialisation took 14 s here
     target = random_deepseek_v3(a.hidden, a.layers, a.vocab, device=device, dtype=torch.float32)
-    figures["target_fit_s"] = round(
-        fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps, device, log), 1
-    )
+    fit_s = round(fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps, device, log), 1)
     if device.type == "cuda":
         target = target.to(torch.bfloat16)
+    return target, chain, fit_s
 
-    # Training data: the target's greedy completions of chain prompts, and their hidden states.
-    prompts = chain_text(chain, a.train_samples + a.prompts, a.prompt_len, 3).to(device)
-    started = time.monotonic()
+
+def training_data(target, prompts: torch.Tensor, a: argparse.Namespace) -> dict[str, dict[str, torch.Tensor]]:
+    """The target's greedy completions of the first `--train-samples` prompts and their hidden states, in memory as
+    the store hands samples over (CPU, bf16 states)."""
     completions = torch.cat(
         [greedy_completions(target, prompts[i : i + 64], a.completion_len) for i in range(0, a.train_samples, 64)]
     )
@@ -156,19 +156,24 @@ def main() -> None:
             "aux_hidden_states": aux.to("cpu", torch.bfloat16),
             "final_hidden_state": final.to("cpu", torch.bfloat16),
         }
-    figures["data_s"] = round(time.monotonic() - started, 1)
+    return source
 
+
+def new_drafters(
+    target, source: dict[str, dict[str, torch.Tensor]], vocab: int, hidden: int
+) -> tuple[Eagle3Drafter, Eagle3Drafter, torch.Tensor, torch.Tensor]:
+    """(the drafter to train, an identical one left untrained as the floor, the target's head, the draft ids)."""
     counts = count_loss_tokens((d["input_ids"], d["loss_mask"]) for d in source.values())
-    draft_ids = build_draft_vocab(counts, min(8192, max(64, len(counts))), a.vocab)
-    heads, kv_heads, head_dim = default_shape(a.hidden)
+    draft_ids = build_draft_vocab(counts, min(8192, max(64, len(counts))), vocab)
+    heads, kv_heads, head_dim = default_shape(hidden)
     cfg = DrafterConfig(
-        hidden_size=a.hidden,
-        target_hidden_size=a.hidden,
-        intermediate_size=2 * a.hidden,
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        vocab_size=a.vocab,
+        vocab_size=vocab,
         draft_vocab_size=len(draft_ids),
         max_position_embeddings=4096,
     )
@@ -178,9 +183,21 @@ def main() -> None:
     untrained = Eagle3Drafter(cfg, embed, draft_ids)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, embed, draft_ids)
+    return drafter, untrained, head, draft_ids
+
+
+def train_drafter(
+    drafter: Eagle3Drafter,
+    source: dict[str, dict[str, torch.Tensor]],
+    head: torch.Tensor,
+    draft_ids: torch.Tensor,
+    epochs: int,
+    device: torch.device,
+) -> dict:
+    """Train in place with this project's trainer; its figures."""
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 2048)
     settings = TrainSettings(
-        ttt_steps=7, epochs=a.epochs, batch_tokens=2048, max_len=2048, checkpoint_every=0, warmup_steps=10
+        ttt_steps=7, epochs=epochs, batch_tokens=2048, max_len=2048, checkpoint_every=0, warmup_steps=10
     )
     history = train(
         drafter,
@@ -193,66 +210,110 @@ def main() -> None:
         log=log,
         teacher=Teacher(head, draft_ids, device),
     )
-    figures["train_tokens"] = plan.tokens * a.epochs
-    figures["train_s"] = round(history.seconds, 1)
-    figures["train_tokens_per_s"] = history.tokens_per_s  # the trainer's own figure (evaluation excluded)
-    figures["train_mfu"] = history.mfu
-    figures["final_loss"] = history.step_loss[-1]
+    return {
+        "train_tokens": plan.tokens * epochs,
+        "train_s": round(history.seconds, 1),
+        "train_tokens_per_s": history.tokens_per_s,  # the trainer's own figure (evaluation excluded)
+        "train_mfu": history.mfu,
+        "final_loss": history.step_loss[-1],
+    }
 
-    held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
+
+def speculative_run(
+    name: str, target, drafter: Eagle3Drafter, held_out: list[list[int]], a: argparse.Namespace
+) -> dict:
+    """One drafter's speculative decoding of the held-out prompts, after a one-prompt warm-up: its figures."""
+    started = time.monotonic()
+    # warm-up (CUDA context, cuBLAS handles, allocator): one short prompt, not counted
+    evaluate_speculative(
+        target,
+        drafter,
+        held_out[:1],
+        draft_steps=a.draft_steps,
+        max_new_tokens=min(8, a.new_tokens),
+        proxy=True,
+        eos_token_ids=(),
+    )
+    report = evaluate_speculative(
+        target,
+        drafter,
+        held_out,
+        draft_steps=a.draft_steps,
+        max_new_tokens=a.new_tokens,
+        proxy=True,
+        eos_token_ids=(),
+    )
+    t = report.totals()
+    figures = {
+        k: t[k]
+        for k in (
+            "accept_length_sglang",
+            "accept_length_per_round",
+            "accept_length_vllm",
+            "position_acceptance",
+            "lossless",
+            "mismatched_prompts",
+        )
+    }
+    figures["eager_proxy"] = {k: t[k] for k in ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")}
+    figures["seconds"] = round(time.monotonic() - started, 1)
+    log(
+        f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
+        f"{t['position_acceptance']}, lossless {t['lossless']}; eager proxy (not a deployment speed): speculative "
+        f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s = x{t['speedup']}"
+    )
+    return figures
+
+
+def speculative_figures(
+    target, drafters: dict[str, Eagle3Drafter], held_out: list[list[int]], a: argparse.Namespace, device: torch.device
+) -> dict:
+    """Each drafter (in bf16 on CUDA, as served) decoding the held-out prompts with the target, in turn."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # served in bf16
-    figures["speculative_dtype"] = str(dtype).removeprefix("torch.")
-    figures["speed_note"] = (
-        "eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
-        "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)"
-    )
-    for name, model in (("trained", drafter), ("untrained", untrained)):
+    figures: dict = {
+        "speculative_dtype": str(dtype).removeprefix("torch."),
+        "speed_note": (
+            "eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
+            "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)"
+        ),
+    }
+    for name, model in drafters.items():
         model = model.to(device, dtype).eval()
-        started = time.monotonic()
-        # warm-up (CUDA context, cuBLAS handles, allocator): one short prompt, not counted
-        evaluate_speculative(
-            target,
-            model,
-            held_out[:1],
-            draft_steps=a.draft_steps,
-            max_new_tokens=min(8, a.new_tokens),
-            proxy=True,
-            eos_token_ids=(),
-        )
-        report = evaluate_speculative(
-            target,
-            model,
-            held_out,
-            draft_steps=a.draft_steps,
-            max_new_tokens=a.new_tokens,
-            proxy=True,
-            eos_token_ids=(),
-        )
-        t = report.totals()
-        figures[name] = {
-            k: t[k]
-            for k in (
-                "accept_length_sglang",
-                "accept_length_per_round",
-                "accept_length_vllm",
-                "position_acceptance",
-                "lossless",
-                "mismatched_prompts",
-            )
-        }
-        figures[name]["eager_proxy"] = {k: t[k] for k in ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")}
-        figures[name]["seconds"] = round(time.monotonic() - started, 1)
-        log(
-            f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
-            f"{t['position_acceptance']}, lossless {t['lossless']}; eager proxy (not a deployment speed): speculative "
-            f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s = x{t['speedup']}"
-        )
-    print(json.dumps(figures, indent=2))
-    target_json = a.json or (
-        str(Path(os.environ["OUT"], "drafter_device_check.json")) if os.environ.get("OUT") else None
-    )
+        figures[name] = speculative_run(name, target, model, held_out, a)
+    return figures
+
+
+def write_json(figures: dict, path: str | None) -> None:
+    target_json = path or (str(Path(os.environ["OUT"], "drafter_device_check.json")) if os.environ.get("OUT") else None)
     if target_json:
         Path(target_json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def main() -> None:
+    a = parse_args()
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    figures: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "hidden": a.hidden,
+        "layers": a.layers,
+        "vocab": a.vocab,
+    }
+    target, chain, fit_s = fitted_target(a, device)
+    figures["target_fit_s"] = fit_s
+
+    # Training data: the target's greedy completions of chain prompts, and their hidden states.
+    prompts = chain_text(chain, a.train_samples + a.prompts, a.prompt_len, 3).to(device)
+    started = time.monotonic()
+    source = training_data(target, prompts, a)
+    figures["data_s"] = round(time.monotonic() - started, 1)
+
+    drafter, untrained, head, draft_ids = new_drafters(target, source, a.vocab, a.hidden)
+    figures.update(train_drafter(drafter, source, head, draft_ids, a.epochs, device))
+
+    held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
+    figures.update(speculative_figures(target, {"trained": drafter, "untrained": untrained}, held_out, a, device))
+    print(json.dumps(figures, indent=2))
+    write_json(figures, a.json)
 
 
 if __name__ == "__main__":
