@@ -234,12 +234,15 @@ def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
     data_bytes, _ = write_merged(data_dir_with_standin, tok)
     spool = streaming_folder(data_dir_with_standin) / "spool"
     sides = SidesSeen(spool)
-    record = KeptFile(streaming_folder(data_dir_with_standin) / "training-record.jsonl", data_dir_with_standin / "rec")
+    folder = streaming_folder(data_dir_with_standin)
+    record = KeptFile(folder / "training-record.jsonl", data_dir_with_standin / "record.jsonl")
+    progress = KeptFile(folder / "training-progress.jsonl", data_dir_with_standin / "progress.jsonl")
     try:
         result, _ = materialize(data_dir_with_standin, data_bytes // 10, processes=2)
     finally:
         sides.stop()
         record.stop()
+        progress.stop()
     assert result.success, result.all_events[-5:]
     meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
     assert meta["train_processes"] == 2
@@ -257,6 +260,11 @@ def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
     assert meta["streaming_train_bytes_read_per_rank"] == per_rank
     assert meta["streaming_train_bytes_read"] == sum(per_rank)
     assert meta["streaming_train_waited_s_max"] >= meta["streaming_train_waited_s"] >= 0
+    # the GB/s are over the run's seconds, which hold the training side's (its last progress line: rank 0's seconds
+    # from before its first step to after its last)
+    trained_s = json.loads(progress.keep.read_text().splitlines()[-1])["seconds"]
+    assert meta["streaming_seconds"] >= round(trained_s, 1) > 0
+    assert 0 < meta["streaming_train_gb_per_s"] <= sum(per_rank) / trained_s / 1e9
     # rank 0 (torchrun starts each rank in a session of its own): neither the capture's group nor the test's
     (capture_pid, capture_group), (_, training_group) = sides.seen["capture"], sides.seen["training"]
     assert capture_group == capture_pid and training_group not in (capture_group, os.getpgid(0))

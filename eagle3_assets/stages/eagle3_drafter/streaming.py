@@ -374,6 +374,7 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
         stale.unlink(missing_ok=True)  # the sides write them afresh; the record is kept (a resume writes after it)
     launcher: SidesLauncher = job.launcher if job.launcher is not None else LocalSides()
     sampler = FillSampler(files.spool)
+    watch = Watch(files, sampler, figures)  # its clock: the run's seconds (the GB/s), from the sides' start to the end
     sides: list[SideHandle] = []
     try:
         sides.append(launcher.start_capture(files.capture_spec, files.capture_log))
@@ -384,7 +385,7 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
         )
         for side in sides:
             job.log(f"streaming run {run_id}: {side.describe()}")
-        follow(job, sides[0], sides[1], Watch(files, sampler, figures))
+        follow(job, sides[0], sides[1], watch)
     except BaseException:  # a side's failure, or this step stopped (terminate, Ctrl-C): both sides stop
         job.log(f"streaming run {run_id}: stopping both sides; {files.folder} is kept, and the next run resumes")
         for side in sides:
@@ -393,7 +394,7 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     finally:
         heartbeat.close()
         sampler.close()
-    report = finish(job, files, figures, sampler)
+    report = finish(job, watch)
     shutil.rmtree(files.folder)  # finished: nothing of it is needed again (a failed run keeps it and resumes)
     shutil.rmtree(files.spool, ignore_errors=True)  # when the spool is elsewhere (streaming_spool_dir)
     return report, figures
@@ -470,13 +471,14 @@ def follow(job: StreamingJob, capture: SideHandle, training: SideHandle, watch: 
         )
 
 
-def finish(job: StreamingJob, files: RunFiles, figures: StreamingFigures, sampler: FillSampler) -> DrafterReport:
-    """The training side's report, the final figures logged and observed."""
+def finish(job: StreamingJob, watch: Watch) -> DrafterReport:
+    """The training side's report, the final figures (the run's seconds on `watch`'s clock, which `follow` kept)
+    logged and observed."""
+    files, figures, sampler = watch.files, watch.figures, watch.sampler
     if not files.training_report.exists():
         raise StreamingTrainingFailed(f"the training side exited 0 without its report ({files.training_report})")
     d = json.loads(files.training_report.read_text())
     report = replace(report_from_json(d), best_checkpoint=d.get("best_checkpoint"))
-    watch = Watch(files, sampler, figures)
     watch.update()
     s = d["streaming"]
     figures.train_steps, figures.train_tokens = len(report.history.step_loss), report.history.tokens
