@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from eagle3_resources.hidden_states.store import (  # noqa: E402
     ALIGN,
     CHECKSUM,
     WRITE_CHUNK,
+    ShardPlan,
     StoredSample,
     host_buffer,
     plan_shards,
@@ -257,7 +258,7 @@ def rotated(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="an HF model folder; unset = random DeepseekV3")
     p.add_argument("--hidden", type=int, default=64)
@@ -314,7 +315,11 @@ def main() -> None:
     )
     a = p.parse_args()
     a.write_rounds = a.write_rounds or a.rounds
+    return a
 
+
+def load_target(a: argparse.Namespace) -> tuple[Any, str, torch.device, torch.dtype]:
+    """(the model, in eval mode on its device; its name; the device; the dtype)."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     dtype = getattr(torch, ("bfloat16" if device.type == "cuda" else "float32") if a.dtype == "auto" else a.dtype)
     if a.model:
@@ -327,13 +332,51 @@ def main() -> None:
         name = f"random DeepseekV3 hidden {a.hidden}, {a.layers} layers"
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as an unbound function
     model = model.to(device).eval()  # type: ignore[arg-type]
+    return model, name, device, dtype
+
+
+@dataclass
+class Bench:
+    """The run's fixed parts, all made before anything is timed: the target, the samples and their shards, the write
+    measurements' samples (the samples repeated) and shards, the host buffers and the disk test's source bytes."""
+
+    a: argparse.Namespace
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    backend: TransformersHiddenStates
+    samples: list[StoredSample]
+    tokens: int
+    hidden: int
+    shard_bytes: int
+    settings: StoreSettings
+    identity: dict[str, str]
+    shards: list[list[StoredSample]]  # the samples of each of the store's shards, in order
+    repeat: int  # the write measurements' samples are the samples this many times
+    write_samples: list[StoredSample]
+    write_plans: list[ShardPlan]
+    write_bytes: list[int]  # each write-measurement shard's size
+    buffers: HostBuffers
+    scratch: torch.Tensor  # the disk test's source: any bytes
+    ready: ReadyStates
+    store_direct: bool  # whether the store's writes from `buffers` go O_DIRECT
+
+
+def repeated(samples: list[StoredSample], repeat: int) -> list[StoredSample]:
+    """The samples `repeat` times over, each copy under its own id: a store large enough to time a disk by."""
+    return [
+        StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(repeat) for s in samples
+    ]
+
+
+def prepare(a: argparse.Namespace, model, name: str, device: torch.device, dtype: torch.dtype) -> Bench:
+    """The samples, the shard plans, the buffers and the probe of the store's O_DIRECT: made once, untimed."""
     backend = TransformersHiddenStates(model)
     n_samples = a.samples if a.samples is not None else (400 if device.type == "cuda" else 48)
     samples = sequences(n_samples, a.min_len, a.max_len, model.config.vocab_size)
     tokens = sum(len(s.input_ids) for s in samples)
     H = backend.hidden_size
-    per_token = token_bytes(H)
-    shard_bytes = int(a.shard_gb * 1e9) if a.shard_gb else max(1, tokens * per_token // 24)
+    shard_bytes = int(a.shard_gb * 1e9) if a.shard_gb else max(1, tokens * token_bytes(H) // 24)
     settings = StoreSettings(
         shard_bytes=shard_bytes,
         batch_tokens=a.batch_tokens,
@@ -346,9 +389,7 @@ def main() -> None:
     plans = plan_shards(samples, H, shard_bytes, {**identity, "aux_layer_ids": backend.layer_ids})
     sizes = [shard_layout(pl, [samples[i] for i in pl.samples], H).size for pl in plans]
     repeat = a.write_repeat or max(1, math.ceil(a.write_gb * 1e9 / sum(sizes)))
-    write_samples = [
-        StoredSample(f"{s.sample_id}/{k}", s.split, s.input_ids, s.loss_mask) for k in range(repeat) for s in samples
-    ]
+    write_samples = repeated(samples, repeat)
     write_plans = plan_shards(write_samples, H, shard_bytes * repeat, {**identity, "aux_layer_ids": backend.layer_ids})
     write_bytes = [shard_layout(pl, [write_samples[i] for i in pl.samples], H).size for pl in write_plans]
     buffers = HostBuffers(a.writers + 1, pin=device.type == "cuda")
@@ -357,106 +398,154 @@ def main() -> None:
     scratch.random_(0, 256)
     ready = ReadyStates(backend, max(len(s.input_ids) for s in samples))
     store_direct = store_writes_direct(buffers, a.dir, not a.buffered)
-    print(
-        f"{name} on {device} ({str(dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
-        f"{len(samples)} samples, {tokens:,} tokens, {per_token:,} B/token, {len(plans)} shards "
-        f"of ~{shard_bytes / 1e6:,.0f} MB, "
-        f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {backend.layer_ids}; "
-        f"checksum {CHECKSUM}; the store writes its {'page-locked ' if buffers.pin else ''}buffers "
-        f"{'O_DIRECT' if store_direct else 'buffered'}",
-        flush=True,
-    )
-    print(
-        f"write measurements: the samples x {repeat} = {sum(write_bytes) / 1e9:.2f} GB in {len(write_bytes)} shards of "
-        f"~{statistics.median(write_bytes) / 1e6:,.0f} MB",
-        flush=True,
-    )
-
-    def extraction(
-        be, null_sink: bool, which: list[StoredSample] = samples, shard: int = shard_bytes
-    ) -> tuple[float, float, dict]:
-        """(wall seconds, process CPU seconds, store figures) of one extract_to_store into a new temporary store."""
-        with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-            sync(device)
-            start, cpu = time.perf_counter(), time.process_time()
-            extract_to_store(
-                which,
-                be,
-                Path(tmp),
-                replace(settings, shard_bytes=shard),
-                identity=identity,
-                log=lambda m: None,
-                progress_every_s=3600,
-                buffers=buffers,
-                null_sink=null_sink,
-            )
-            sync(device)
-            end, cpu = time.perf_counter(), time.process_time() - cpu
-            seconds = end - start
-            if isinstance(be, InterleavedBare):
-                be.started, be.ended = start, end
-            return seconds, cpu, ({} if null_sink else store_figures(Path(tmp)))
-
-    def disk(direct: bool, threads: int) -> tuple[float, float, bool]:
-        with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-            cpu = time.process_time()
-            seconds, used_direct = disk_write_s(Path(tmp), write_bytes, direct=direct, threads=threads, buffer=scratch)
-            return seconds, time.process_time() - cpu, used_direct
-
     shards = [[samples[i] for i in pl.samples] for pl in plans]
-    # Warm-up, untimed: the first shards through the model (allocator, kernels), a capture and one shard's store write.
-    bare_forward(backend, shards[:2], a.batch_tokens)
-    extraction(backend, True, samples[:4])
-    extraction(ready, False, [write_samples[i] for i in write_plans[0].samples], shard_bytes * repeat)
-    t: dict[str, list[float]] = {
-        k: [] for k in ("bare", "null", "extract", "ready", "disk_buffered", "disk_direct_parallel")
-    }
-    cpu: dict[str, list[float]] = {k: [] for k in t}
-    direct_ok = False
-    figures: dict[str, Any] = {}
+    return Bench(
+        a=a,
+        name=name,
+        device=device,
+        dtype=dtype,
+        backend=backend,
+        samples=samples,
+        tokens=tokens,
+        hidden=H,
+        shard_bytes=shard_bytes,
+        settings=settings,
+        identity=identity,
+        shards=shards,
+        repeat=repeat,
+        write_samples=write_samples,
+        write_plans=write_plans,
+        write_bytes=write_bytes,
+        buffers=buffers,
+        scratch=scratch,
+        ready=ready,
+        store_direct=store_direct,
+    )
 
-    interleave = device.type == "cpu" and not a.whole_runs
-    pairs: dict[str, list[float]] = {"null": [], "extract": []}  # bare seconds / the run's own seconds, per run
-    bare_in: dict[str, list[float]] = (
-        {"null": [], "extract": []} if interleave else {}
-    )  # the bare forwards inside each run
-    batch_pairs: dict[str, list[float]] = {
-        "null": [],
-        "extract": [],
-    }  # interleaved: bare / own, batch by batch, every run
 
-    def measure(kind: str) -> None:
-        nonlocal direct_ok, figures
-        c = float("nan")
-        if kind == "bare":
-            s = bare_forward(backend, shards, a.batch_tokens)
-            for k in pairs:
-                if len(t[k]) > len(pairs[k]):  # the same round's run came first
-                    pairs[k].append(s / t[k][-1])
-        elif kind in ("null", "extract"):
-            interleaved = InterleavedBare(backend) if interleave else None
-            s, c, f = extraction(interleaved if interleaved is not None else backend, kind == "null")
-            figures = f or figures
-            if interleaved is not None:
-                bare_s = sum(interleaved.bare_s)
-                s -= bare_s
-                t["bare"].append(bare_s)
-                bare_in[kind].append(bare_s)
-                pairs[kind].append(bare_s / s)
-                batch_pairs[kind].extend(interleaved.batch_ratios())
-            elif len(t["bare"]) > len(t[kind]):  # the same round's bare forward came first
-                pairs[kind].append(t["bare"][-1] / s)
-        elif kind == "ready":
-            s, c, _ = extraction(ready, False, write_samples, shard_bytes * repeat)
-        elif kind == "disk_buffered":
-            s, c, _ = disk(False, 1)
-        else:
-            s, c, direct_ok = disk(True, a.writers)
-        t[kind].append(s)
-        cpu[kind].append(c)
+def print_setup(b: Bench) -> None:
+    a = b.a
+    print(
+        f"{b.name} on {b.device} ({str(b.dtype).removeprefix('torch.')}), {torch.get_num_threads()} CPU threads; "
+        f"{len(b.samples)} samples, {b.tokens:,} tokens, {token_bytes(b.hidden):,} B/token, {len(b.shards)} shards "
+        f"of ~{b.shard_bytes / 1e6:,.0f} MB, "
+        f"{a.writers} writers, batch budget {a.batch_tokens:,} tokens, layers {b.backend.layer_ids}; "
+        f"checksum {CHECKSUM}; the store writes its {'page-locked ' if b.buffers.pin else ''}buffers "
+        f"{'O_DIRECT' if b.store_direct else 'buffered'}",
+        flush=True,
+    )
+    print(
+        f"write measurements: the samples x {b.repeat} = {sum(b.write_bytes) / 1e9:.2f} GB in {len(b.write_bytes)} "
+        f"shards of ~{statistics.median(b.write_bytes) / 1e6:,.0f} MB",
+        flush=True,
+    )
 
-    forward_kinds = ["null", "extract"] if interleave else ["bare", "null", "extract"]
-    write_kinds = ["ready", "disk_direct_parallel", "disk_buffered"]
+
+def extraction(
+    b: Bench, be, null_sink: bool, which: list[StoredSample] | None = None, shard: int | None = None
+) -> tuple[float, float, dict]:
+    """(wall seconds, process CPU seconds, store figures) of one extract_to_store into a new temporary store; of `which`
+    (default: the samples) in shards of `shard` bytes (default: the store's)."""
+    which = b.samples if which is None else which
+    shard = b.shard_bytes if shard is None else shard
+    with tempfile.TemporaryDirectory(dir=b.a.dir) as tmp:
+        sync(b.device)
+        start, cpu = time.perf_counter(), time.process_time()
+        extract_to_store(
+            which,
+            be,
+            Path(tmp),
+            replace(b.settings, shard_bytes=shard),
+            identity=b.identity,
+            log=lambda m: None,
+            progress_every_s=3600,
+            buffers=b.buffers,
+            null_sink=null_sink,
+        )
+        sync(b.device)
+        end, cpu = time.perf_counter(), time.process_time() - cpu
+        seconds = end - start
+        if isinstance(be, InterleavedBare):
+            be.started, be.ended = start, end
+        return seconds, cpu, ({} if null_sink else store_figures(Path(tmp)))
+
+
+def disk(b: Bench, direct: bool, threads: int) -> tuple[float, float, bool]:
+    """(wall seconds, process CPU seconds, whether every write went O_DIRECT) of the disk test's files."""
+    with tempfile.TemporaryDirectory(dir=b.a.dir) as tmp:
+        cpu = time.process_time()
+        seconds, used_direct = disk_write_s(Path(tmp), b.write_bytes, direct=direct, threads=threads, buffer=b.scratch)
+        return seconds, time.process_time() - cpu, used_direct
+
+
+def warm_up(b: Bench) -> None:
+    """Untimed: the first shards through the model (allocator, kernels), a capture and one shard's store write."""
+    bare_forward(b.backend, b.shards[:2], b.a.batch_tokens)
+    extraction(b, b.backend, True, b.samples[:4])
+    extraction(b, b.ready, False, [b.write_samples[i] for i in b.write_plans[0].samples], b.shard_bytes * b.repeat)
+
+
+KINDS = ("bare", "null", "extract", "ready", "disk_buffered", "disk_direct_parallel")
+WRITE_KINDS = ["ready", "disk_direct_parallel", "disk_buffered"]
+
+
+@dataclass
+class Runs:
+    """Every measured run's figures, by kind, as the rounds add them."""
+
+    interleave: bool  # a CPU run's bare forward is timed batch by batch inside the null sink and extraction runs
+    t: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})  # wall seconds
+    cpu: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})  # process CPU seconds
+    # bare seconds / the run's own seconds, per run
+    pairs: dict[str, list[float]] = field(default_factory=lambda: {"null": [], "extract": []})
+    bare_in: dict[str, list[float]] = field(default_factory=dict)  # interleaved: the bare forwards inside each run
+    # interleaved: bare / own, batch by batch, every run
+    batch_pairs: dict[str, list[float]] = field(default_factory=lambda: {"null": [], "extract": []})
+    direct_ok: bool = False  # the disk test's O_DIRECT writes went O_DIRECT
+    figures: dict[str, Any] = field(default_factory=dict)  # the last extraction's store figures
+
+    def __post_init__(self) -> None:
+        if self.interleave:
+            self.bare_in = {"null": [], "extract": []}
+
+    def forward_kinds(self) -> list[str]:
+        return ["null", "extract"] if self.interleave else ["bare", "null", "extract"]
+
+
+def measure(b: Bench, runs: Runs, kind: str) -> None:
+    """One run of `kind`, its seconds (and CPU seconds) added to `runs`, and its pairing with the same round's bare
+    forward where that ran first."""
+    t, pairs = runs.t, runs.pairs
+    c = float("nan")
+    if kind == "bare":
+        s = bare_forward(b.backend, b.shards, b.a.batch_tokens)
+        for k in pairs:
+            if len(t[k]) > len(pairs[k]):  # the same round's run came first
+                pairs[k].append(s / t[k][-1])
+    elif kind in ("null", "extract"):
+        interleaved = InterleavedBare(b.backend) if runs.interleave else None
+        s, c, f = extraction(b, interleaved if interleaved is not None else b.backend, kind == "null")
+        runs.figures = f or runs.figures
+        if interleaved is not None:
+            bare_s = sum(interleaved.bare_s)
+            s -= bare_s
+            t["bare"].append(bare_s)
+            runs.bare_in[kind].append(bare_s)
+            pairs[kind].append(bare_s / s)
+            runs.batch_pairs[kind].extend(interleaved.batch_ratios())
+        elif len(t["bare"]) > len(t[kind]):  # the same round's bare forward came first
+            pairs[kind].append(t["bare"][-1] / s)
+    elif kind == "ready":
+        s, c, _ = extraction(b, b.ready, False, b.write_samples, b.shard_bytes * b.repeat)
+    elif kind == "disk_buffered":
+        s, c, _ = disk(b, False, 1)
+    else:
+        s, c, runs.direct_ok = disk(b, True, b.a.writers)
+    t[kind].append(s)
+    runs.cpu[kind].append(c)
+
+
+def print_repeats(a: argparse.Namespace, interleave: bool) -> None:
     print(
         "repeats: "
         + (
@@ -469,11 +558,19 @@ def main() -> None:
         "each round in a rotated order",
         flush=True,
     )
-    took: dict[str, list[float]] = {k: [] for k in forward_kinds + write_kinds}  # wall seconds of each run, by kind
+
+
+def run_rounds(b: Bench, runs: Runs) -> dict[str, int]:
+    """`--rounds` rounds of the forward kinds and `--write-rounds` of the write kinds, each in a rotated order, while
+    `--budget-s` lasts: the rounds done, by family."""
+    a = b.a
+    forward_kinds = runs.forward_kinds()
+    print_repeats(a, runs.interleave)
+    took: dict[str, list[float]] = {k: [] for k in forward_kinds + WRITE_KINDS}  # wall seconds of each run, by kind
     done_rounds = {"forward": 0, "write": 0}
     for r in range(max(a.rounds, a.write_rounds)):
         order = (rotated(forward_kinds, r) if r < a.rounds else []) + (
-            rotated(write_kinds, r) if r < a.write_rounds else []
+            rotated(WRITE_KINDS, r) if r < a.write_rounds else []
         )
         left = None if a.budget_s is None else a.budget_s - (time.monotonic() - STARTED)
         if r and left is not None and next_round_s(order, took) > left:
@@ -485,63 +582,121 @@ def main() -> None:
             break
         for kind in order:
             begin = time.monotonic()
-            measure(kind)
+            measure(b, runs, kind)
             took[kind].append(time.monotonic() - begin)
         done_rounds["forward"] += r < a.rounds
         done_rounds["write"] += r < a.write_rounds
         print(
             f"round {r + 1}: "
             + ", ".join(
-                f"{k} {t[k][-1]:.2f} s" + (f" (bare {bare_in[k][-1]:.2f} s interleaved)" if k in bare_in else "")
+                f"{k} {runs.t[k][-1]:.2f} s"
+                + (f" (bare {runs.bare_in[k][-1]:.2f} s interleaved)" if k in runs.bare_in else "")
                 for k in order
             ),
             flush=True,
         )
+    return done_rounds
 
-    total = figures["bytes"]
-    write_total = sum(write_bytes)
+
+@dataclass
+class Ratios:
+    """The figures the runs give: rates, the disk's bandwidth, and the paired ratios (each a median over rounds, or
+    on a CPU over batches, of ratios taken within one round)."""
+
+    total: int  # the store's bytes
+    write_total: int  # the write measurements' bytes
+    rate: dict[str, dict]  # tokens/s spread, by kind
+    gbps: dict[str, dict]  # GB/s spread, by kind
+    disk_round: list[float]  # the disk's GB/s in each write round, the better of its two ways
+    disk_kind: str
+    null_ratio: float
+    extract_ratio: float
+    store_pairs: list[float]  # store writes GB/s / the disk's, per write round
+    disk_gbps: float
+    bare: float  # the bare forward's median tokens/s
+    store_gbps: float
+    extract_gbps: float
+    bytes_per_token: float
+    limit: float  # min(bare forward tok/s, disk tok/s)
+    extract_paired: float  # the extraction's tok/s by its paired ratio to the bare forward
+    cpu_per_gb: dict[str, float]
+    store_to_disk: float
+    store_to_disk_best: float
+    extract_write_to_disk: float
+    extract_to_limit: float
+
+
+def ratios(b: Bench, runs: Runs) -> Ratios:
+    t, tokens, repeat = runs.t, b.tokens, b.repeat
+    total = runs.figures["bytes"]
+    write_total = sum(b.write_bytes)
     rate = {
         k: spread([tokens * (repeat if k == "ready" else 1) / s for s in t[k]])
         for k in ("bare", "null", "extract", "ready")
     }
-    gbps = {k: spread([(write_total if k in write_kinds else total) / s / 1e9 for s in v]) for k, v in t.items()}
+    gbps = {k: spread([(write_total if k in WRITE_KINDS else total) / s / 1e9 for s in v]) for k, v in t.items()}
     # The disk's bandwidth in each write round: the better of its two ways (buffered, O_DIRECT from `writers` threads).
     disk_round = [
-        max(write_total / b, write_total / d) / 1e9
-        for b, d in zip(t["disk_buffered"], t["disk_direct_parallel"], strict=True)  # one of each per write round
+        max(write_total / buffered, write_total / direct) / 1e9
+        for buffered, direct in zip(t["disk_buffered"], t["disk_direct_parallel"], strict=True)  # one each per round
     ]
     disk_kind = max(("disk_buffered", "disk_direct_parallel"), key=lambda k: gbps[k]["median"])
     # Paired ratios. On a GPU each from one round's adjacent runs, the median over rounds the figure. On a CPU the bare
     # forward runs batch by batch inside the measured runs: the figure is the median over every batch of every run (the
     # finest pairing), and each run's own ratio (its sums) is given beside it.
-    null_pairs, extract_pairs = pairs["null"], pairs["extract"]
-    null_ratio = statistics.median(batch_pairs["null"] if interleave else null_pairs)
-    extract_ratio = statistics.median(batch_pairs["extract"] if interleave else extract_pairs)
+    null_ratio = statistics.median(runs.batch_pairs["null"] if runs.interleave else runs.pairs["null"])
+    extract_ratio = statistics.median(runs.batch_pairs["extract"] if runs.interleave else runs.pairs["extract"])
     store_pairs = [write_total / s / 1e9 / d for s, d in zip(t["ready"], disk_round, strict=True)]  # per write round
     disk_gbps = statistics.median(disk_round)
     bare = rate["bare"]["median"]
     store_gbps, extract_gbps = gbps["ready"]["median"], gbps["extract"]["median"]
     bytes_per_token = total / tokens
     limit = min(bare, disk_gbps * 1e9 / bytes_per_token)
-    extract_paired = bare * extract_ratio  # the extraction's tok/s by its paired ratio to the bare forward
-    cpu_per_gb = {k: round(statistics.median(cpu[k]) / (write_total / 1e9), 4) for k in write_kinds}
-    out = {
-        "model": name,
+    extract_paired = bare * extract_ratio
+    return Ratios(
+        total=total,
+        write_total=write_total,
+        rate=rate,
+        gbps=gbps,
+        disk_round=disk_round,
+        disk_kind=disk_kind,
+        null_ratio=null_ratio,
+        extract_ratio=extract_ratio,
+        store_pairs=store_pairs,
+        disk_gbps=disk_gbps,
+        bare=bare,
+        store_gbps=store_gbps,
+        extract_gbps=extract_gbps,
+        bytes_per_token=bytes_per_token,
+        limit=limit,
+        extract_paired=extract_paired,
+        cpu_per_gb={k: round(statistics.median(runs.cpu[k]) / (write_total / 1e9), 4) for k in WRITE_KINDS},
+        store_to_disk=statistics.median(store_pairs),
+        store_to_disk_best=gbps["ready"]["best"] / max(disk_round),
+        extract_write_to_disk=extract_gbps / disk_gbps,
+        extract_to_limit=extract_paired / limit,
+    )
+
+
+def figures_json(b: Bench, runs: Runs, r: Ratios, done_rounds: dict[str, int]) -> dict:
+    a, device, figures = b.a, b.device, runs.figures
+    return {
+        "model": b.name,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(b.dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
-        "samples": len(samples),
-        "tokens": tokens,
-        "bytes": total,
-        "bytes_per_token": round(bytes_per_token, 2),
+        "samples": len(b.samples),
+        "tokens": b.tokens,
+        "bytes": r.total,
+        "bytes_per_token": round(r.bytes_per_token, 2),
         "shards": figures["shards"],
-        "shard_bytes": shard_bytes,
+        "shard_bytes": b.shard_bytes,
         "writers": a.writers,
-        "o_direct": direct_ok and not a.buffered,
-        "store_o_direct": store_direct,
-        "pinned_buffers": buffers.pin,
+        "o_direct": runs.direct_ok and not a.buffered,
+        "store_o_direct": b.store_direct,
+        "pinned_buffers": b.buffers.pin,
         "checksum": CHECKSUM,
         "rounds": done_rounds["forward"],
         "write_rounds": done_rounds["write"],
@@ -549,99 +704,125 @@ def main() -> None:
         "write_rounds_asked": a.write_rounds,
         "budget_s": a.budget_s,
         "seconds_total": round(time.monotonic() - STARTED, 1),
-        "write_repeat": repeat,
-        "write_test_bytes": write_total,
-        "write_test_shards": len(write_bytes),
-        "seconds": {k: [round(x, 4) for x in v] for k, v in t.items()},
-        "bare_interleaved": interleave,
-        "tokens_per_s": rate,
-        "gb_per_s": gbps,
-        "disk_gb_per_s": disk_gbps,
-        "disk_gb_per_s_by_round": [round(x, 4) for x in disk_round],
-        "disk_measured_as": disk_kind,
-        "cpu_s_per_gb_written": cpu_per_gb,
-        "ratio_null_sink_to_bare": null_ratio,
-        "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in null_pairs],
-        "ratio_null_sink_to_bare_by_batch": [round(x, 4) for x in batch_pairs["null"]],
-        "ratio_extraction_to_bare": extract_ratio,
-        "ratio_extraction_to_bare_by_round": [round(x, 4) for x in extract_pairs],
-        "ratio_extraction_to_bare_by_batch": [round(x, 4) for x in batch_pairs["extract"]],
-        "ratio_store_write_to_disk": statistics.median(store_pairs),
-        "ratio_store_write_to_disk_by_round": [round(x, 4) for x in store_pairs],
-        "ratio_store_write_to_disk_best": gbps["ready"]["best"] / max(disk_round),
-        "ratio_extraction_write_to_disk": extract_gbps / disk_gbps,
-        "limit_tokens_per_s": limit,
-        "ratio_extraction_to_limit": extract_paired / limit,
+        "write_repeat": b.repeat,
+        "write_test_bytes": r.write_total,
+        "write_test_shards": len(b.write_bytes),
+        "seconds": {k: [round(x, 4) for x in v] for k, v in runs.t.items()},
+        "bare_interleaved": runs.interleave,
+        "tokens_per_s": r.rate,
+        "gb_per_s": r.gbps,
+        "disk_gb_per_s": r.disk_gbps,
+        "disk_gb_per_s_by_round": [round(x, 4) for x in r.disk_round],
+        "disk_measured_as": r.disk_kind,
+        "cpu_s_per_gb_written": r.cpu_per_gb,
+        "ratio_null_sink_to_bare": r.null_ratio,
+        "ratio_null_sink_to_bare_by_round": [round(x, 4) for x in runs.pairs["null"]],
+        "ratio_null_sink_to_bare_by_batch": [round(x, 4) for x in runs.batch_pairs["null"]],
+        "ratio_extraction_to_bare": r.extract_ratio,
+        "ratio_extraction_to_bare_by_round": [round(x, 4) for x in runs.pairs["extract"]],
+        "ratio_extraction_to_bare_by_batch": [round(x, 4) for x in runs.batch_pairs["extract"]],
+        "ratio_store_write_to_disk": r.store_to_disk,
+        "ratio_store_write_to_disk_by_round": [round(x, 4) for x in r.store_pairs],
+        "ratio_store_write_to_disk_best": r.store_to_disk_best,
+        "ratio_extraction_write_to_disk": r.extract_write_to_disk,
+        "limit_tokens_per_s": r.limit,
+        "ratio_extraction_to_limit": r.extract_to_limit,
         "overhead_pct_bytes_per_token": figures["overhead_pct"],
     }
 
-    def line(label: str, key: str) -> str:
-        r = rate[key]
+
+def listed(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
+
+
+def rate_line(label: str, key: str, runs: Runs, r: Ratios) -> str:
+    rate = r.rate[key]
+    return (
+        f"{label:<16}{rate['median']:12,.0f} tok/s  (median of {len(runs.t[key])}; "
+        f"best {rate['best']:,.0f}, worst {rate['worst']:,.0f}; "
+        f"{r.gbps[key]['median']:.3f} GB/s)"
+    )
+
+
+def paired(kind: str, runs: Runs) -> str:
+    """How the ratio of `kind` to the bare forward was paired, and its parts."""
+    if runs.interleave:
+        b = runs.batch_pairs[kind]
         return (
-            f"{label:<16}{r['median']:12,.0f} tok/s  (median of {len(t[key])}; "
-            f"best {r['best']:,.0f}, worst {r['worst']:,.0f}; "
-            f"{gbps[key]['median']:.3f} GB/s)"
+            f"median of {len(b)} batches (each batch's bare forward run next to its capture; quartiles "
+            f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) "
+            f"in {len(runs.pairs[kind])} runs; "
+            f"each run's own sums {listed(runs.pairs[kind])}"
         )
+    return f"median of {listed(runs.pairs[kind])}, each from one round's adjacent runs"
 
-    def listed(values: list[float]) -> str:
-        return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
-    print(line("bare forward", "bare"))
-    print(line("null sink", "null"))
-    print(line("extraction", "extract"))
+def print_rates(runs: Runs, r: Ratios) -> None:
+    print(rate_line("bare forward", "bare", runs, r))
+    print(rate_line("null sink", "null", runs, r))
+    print(rate_line("extraction", "extract", runs, r))
     print(
-        f"{'store writes':<16}{rate['ready']['median']:12,.0f} tok/s  "
-        f"({store_gbps:.3f} GB/s median of {len(t['ready'])}, "
-        f"all {listed(gbps['ready']['all'])}: ready states, no forward; {cpu_per_gb['ready']:.3f} CPU s/GB)"
+        f"{'store writes':<16}{r.rate['ready']['median']:12,.0f} tok/s  "
+        f"({r.store_gbps:.3f} GB/s median of {len(runs.t['ready'])}, "
+        f"all {listed(r.gbps['ready']['all'])}: ready states, no forward; {r.cpu_per_gb['ready']:.3f} CPU s/GB)"
     )
     print(
         "disk (fsync'd)  "
         + ", ".join(
-            f"{k.removeprefix('disk_')} {gbps[k]['median']:.3f} GB/s (all {listed(gbps[k]['all'])}, "
-            f"{cpu_per_gb[k]:.3f} CPU s/GB)"
+            f"{k.removeprefix('disk_')} {r.gbps[k]['median']:.3f} GB/s (all {listed(r.gbps[k]['all'])}, "
+            f"{r.cpu_per_gb[k]:.3f} CPU s/GB)"
             for k in ("disk_direct_parallel", "disk_buffered")
         )
-        + f"  -> {disk_gbps:.3f} GB/s "
-        f"(median over rounds of the better way; O_DIRECT {'works' if direct_ok else 'refused here'})"
+        + f"  -> {r.disk_gbps:.3f} GB/s "
+        f"(median over rounds of the better way; O_DIRECT {'works' if runs.direct_ok else 'refused here'})"
     )
 
-    def paired(kind: str) -> str:
-        if interleave:
-            b = batch_pairs[kind]
-            return (
-                f"median of {len(b)} batches (each batch's bare forward run next to its capture; quartiles "
-                f"{statistics.quantiles(b, n=4)[0]:.3f}-{statistics.quantiles(b, n=4)[2]:.3f}) "
-                f"in {len(pairs[kind])} runs; "
-                f"each run's own sums {listed(pairs[kind])}"
-            )
-        return f"median of {listed(pairs[kind])}, each from one round's adjacent runs"
 
+def print_ratios(b: Bench, runs: Runs, r: Ratios) -> None:
     print(
-        f"ratio null sink / bare forward:   {null_ratio:.3f}   "
-        f"(goal >= 0.95: the capture's own overhead; {paired('null')})"
+        f"ratio null sink / bare forward:   {r.null_ratio:.3f}   "
+        f"(goal >= 0.95: the capture's own overhead; {paired('null', runs)})"
     )
-    print(f"ratio extraction / bare forward:  {extract_ratio:.3f}   ({paired('extract')})")
+    print(f"ratio extraction / bare forward:  {r.extract_ratio:.3f}   ({paired('extract', runs)})")
     print(
-        f"ratio store write GB/s / disk:    {out['ratio_store_write_to_disk']:.3f}   (goal >= 0.8; "
-        f"median of {listed(store_pairs)}, "
-        f"each against the disk in the same round; best over best {out['ratio_store_write_to_disk_best']:.3f}; "
+        f"ratio store write GB/s / disk:    {r.store_to_disk:.3f}   (goal >= 0.8; "
+        f"median of {listed(r.store_pairs)}, "
+        f"each against the disk in the same round; best over best {r.store_to_disk_best:.3f}; "
         "the extraction "
-        f"itself wrote {extract_gbps:.3f} GB/s = {out['ratio_extraction_write_to_disk']:.3f} of the disk)"
+        f"itself wrote {r.extract_gbps:.3f} GB/s = {r.extract_write_to_disk:.3f} of the disk)"
     )
     print(
-        f"extraction {extract_paired:,.0f} tok/s (bare x its paired ratio) vs 0.9 x min(bare {bare:,.0f}, disk "
-        f"{disk_gbps * 1e9 / bytes_per_token:,.0f}) = "
-        f"{0.9 * limit:,.0f} tok/s: ratio to the limit {out['ratio_extraction_to_limit']:.3f}   (goal >= 0.9)"
+        f"extraction {r.extract_paired:,.0f} tok/s (bare x its paired ratio) vs 0.9 x min(bare {r.bare:,.0f}, disk "
+        f"{r.disk_gbps * 1e9 / r.bytes_per_token:,.0f}) = "
+        f"{0.9 * r.limit:,.0f} tok/s: ratio to the limit {r.extract_to_limit:.3f}   (goal >= 0.9)"
     )
     print(
-        f"bytes per token {bytes_per_token:,.1f} vs minimum {4 * H * 2:,} ((3 + 1) x H x 2): overhead "
-        f"{figures['overhead_pct']:.2f}%   (goal <= 2%), {figures['shards']} shards"
+        f"bytes per token {r.bytes_per_token:,.1f} vs minimum {4 * b.hidden * 2:,} ((3 + 1) x H x 2): overhead "
+        f"{runs.figures['overhead_pct']:.2f}%   (goal <= 2%), {runs.figures['shards']} shards"
     )
-    target = a.json or (str(Path(os.environ["OUT"]) / "extraction.json") if os.environ.get("OUT") else None)
+
+
+def write_json(path: str | None, out: dict) -> None:
+    target = path or (str(Path(os.environ["OUT"]) / "extraction.json") if os.environ.get("OUT") else None)
     if target:
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         Path(target).write_text(json.dumps(out, indent=2) + "\n")
         print(f"figures written to {target}")
+
+
+def main() -> None:
+    a = parse_args()
+    model, name, device, dtype = load_target(a)
+    bench = prepare(a, model, name, device, dtype)
+    print_setup(bench)
+    warm_up(bench)
+    runs = Runs(interleave=device.type == "cpu" and not a.whole_runs)
+    done_rounds = run_rounds(bench, runs)
+    r = ratios(bench, runs)
+    out = figures_json(bench, runs, r, done_rounds)
+    print_rates(runs, r)
+    print_ratios(bench, runs, r)
+    write_json(a.json, out)
 
 
 if __name__ == "__main__":
