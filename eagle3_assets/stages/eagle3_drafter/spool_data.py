@@ -40,7 +40,8 @@ every rank's share, read from its shards), so the shards a commit deletes are ne
 rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s`
 (rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes
 this rank read); the streaming training side gathers every rank's at the end for its report
-(`streaming_train.gather_figures`). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises there instead).
+(`streaming_train.gather_figures`). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises
+there instead).
 
 Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
 trainer's state is a step's end), not ahead on a background thread as `FixedWindows` does.
