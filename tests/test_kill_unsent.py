@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ledger_invariants import check_ledgers, read_billing_log
+from spend_worker import synthetic
 from support import free_port, ledger_rows, port_open, stop_group, wait_for
 
 from eagle3_assets.money import Caps, SpendLedger, open_ledger
@@ -139,8 +140,8 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
             worker.wait(30)
         finally:
             stop_group(worker)
-        at_kill = stats(base)
-        wait_for(lambda: not stats(base)["generating"], 30, "the provider to finish what it was generating")
+        at_kill = stats(base)  # after the kill: what the provider generates now, its client is gone
+        wait_for(lambda: not stats(base)["generating"], 120, "the provider to finish what it was generating")
 
         ledger = open_ledger(DataLayout(data))
         live = [r for r in ledger_rows(ledger) if r["state"] in ("reserved", "open")]
@@ -153,7 +154,9 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
             f"{len(at_kill['generating'])}, answered {at_kill['answered']}; the ledger held {len(live)} live attempts, "
             f"{len(unmarked)} not marked sent"
         )
-        assert in_flight and in_flight == set(at_kill["generating"])
+        # Whatever the provider was still generating after the kill was billed as such (the snapshot may come after it
+        # finished some of them, on a loaded machine: a subset, not the same set).
+        assert in_flight and set(at_kill["generating"]) <= in_flight
         # Reservations are taken after pacing: ~40 requests were waiting for their turn, none of them reserved (the
         # few that may be between their reservation and their mark are at most one window's turns).
         assert len(unmarked) <= RPS
@@ -170,12 +173,25 @@ def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path,
     stuck = {r["attempt_id"]: r for r in rows if r["state"] in STUCK}
     all_bills = bills(log)
     generated = {b["attempt"]: b for b in all_bills if b["kind"] in ("complete", "after_disconnect")}
-    print(f"after the resume: {len(stuck)} attempts held, the provider's in flight at the kill {len(in_flight)}; {out}")
+    print(
+        f"after the resume: {len(stuck)} attempts held, the provider's in flight at the kill {len(in_flight)}, "
+        f"{len(set(stuck) - set(generated))} marked sent but not received; {out}"
+    )
     # Every request the provider was generating at the kill is held (it is billed: never released at $0), and nothing
-    # else is, but a request the provider generated (an answer that came as the process died).
-    assert in_flight <= set(stuck) <= set(generated)
-    # The worst case held is theirs alone: prompt tokens as the provider counted them, at the worst-case prices.
-    worst = sum(generated[a]["prompt_tokens"] * PRICE_PROMPT + MAX_TOKENS * PRICE_COMPLETION for a in stuck)
+    # else is, but a request the provider generated (an answer that came as the process died) or one marked sent that
+    # had not reached it yet: the kill is aimed mid-window, when no request is between its mark and the provider, but
+    # a loaded machine may delay the kill, or the worker's marks, past that; at most one window's turns are.
+    marked = {r["attempt_id"] for r in rows if r["run_id"] == "run-killed" and r["sent_at"] is not None}
+    assert in_flight <= set(stuck) <= set(generated) | marked
+    unsent = set(stuck) - set(generated)
+    assert len(unsent) <= RPS, unsent
+    # The worst case held is theirs alone: prompt tokens as the provider counted them (as the client did, for one it
+    # had not received), at the worst-case prices.
+    prompt_tokens = {r.prompt_id: len(r.prompt_ids) for r in synthetic(tok, "K", PROMPTS)}
+    counted = {
+        a: generated[a]["prompt_tokens"] if a in generated else prompt_tokens[stuck[a]["prompt_id"]] for a in stuck
+    }
+    worst = sum(counted[a] * PRICE_PROMPT + MAX_TOKENS * PRICE_COMPLETION for a in stuck)
     total = ledger.figures().total
     assert total.live_usd == pytest.approx(0.0, abs=1e-12)
     assert total.stuck_usd == pytest.approx(worst, rel=1e-9)
