@@ -136,8 +136,11 @@ def test_progress_is_reported_while_no_answer_arrives(monkeypatch):
     progress = completions_logic.Progress("B6", 28, 8, log=lambda line: None, on_report=seen.append)
 
     async def wait_a_while():
+        # Until two reports came (a fixed 1.8 s would see one if the loop stalled most of it), bounded against a hang.
         ticker = asyncio.create_task(completions_logic.report_while_waiting(progress))
-        await asyncio.sleep(1.8)
+        deadline = asyncio.get_running_loop().time() + 60
+        while len(seen) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
         ticker.cancel()
 
     asyncio.run(wait_a_while())
