@@ -1,11 +1,12 @@
 """A separate process that fills a hidden-state store, for the kill -9 test.
 
-    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS] [--slow-write SECONDS]
+    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS] [--stall-after N] [--slow-write SECONDS]
 
 Samples are drawn from a seeded generator, so every process extracts the same ones; torch runs on
-one thread so every process computes bit-identical states. `--slow` sleeps after each batch, so
-a test has time to kill the process between two shard commits; `--slow-write` writes shards in
-4 KiB chunks and sleeps after each, so a test can kill it in the middle of a shard's write.
+one thread so every process computes bit-identical states. `--slow` sleeps after each batch;
+`--stall-after N` holds the extraction for good in its N-th batch (the shards of the batches before
+it are committed), so a test can kill the process mid-run without racing it; `--slow-write` writes
+shards in 4 KiB chunks and sleeps after each, so a test can kill it in the middle of a shard's write.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -40,14 +42,20 @@ def samples(vocab: int, n: int = 24, seed: int = 7) -> list[StoredSample]:
 
 
 class Slow:
-    def __init__(self, inner, seconds: float):
-        self.inner, self.seconds = inner, seconds
+    """The backend, sleeping `seconds` after each batch; with `stall_after`, held for good in that batch (a kill then
+    finds the extraction mid-run however fast or slow the machine is)."""
+
+    def __init__(self, inner, seconds: float, stall_after: int | None = None):
+        self.inner, self.seconds, self.stall_after, self.batches = inner, seconds, stall_after, 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def extract_batch(self, sequences):
         out = self.inner.extract_batch(sequences)
+        self.batches += 1
+        if self.stall_after is not None and self.batches >= self.stall_after:
+            threading.Event().wait()  # until the test kills the process
         time.sleep(self.seconds)
         return out
 
@@ -72,6 +80,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("root")
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--stall-after", type=int, default=None, help="batches extracted, the last held for good")
     parser.add_argument("--slow-write", type=float, default=0.0)
     args = parser.parse_args()
     if args.slow_write:
@@ -80,8 +89,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     backend: HiddenStatesBackend = TransformersHiddenStates(model)
-    if args.slow:
-        backend = Slow(backend, args.slow)
+    if args.slow or args.stall_after:
+        backend = Slow(backend, args.slow, args.stall_after)
     settings = StoreSettings(shard_bytes=SHARD_BYTES, batch_tokens=BATCH_TOKENS, free_bytes=10**12, reserve_bytes=0)
     report = extract_to_store(
         samples(model.config.vocab_size),

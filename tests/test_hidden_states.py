@@ -380,7 +380,9 @@ def test_kill_9_mid_extraction_then_resume_equals_an_uninterrupted_run(
 ):
     folder = target_resource.folder(tokenizer_resource)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    proc = worker(folder, killed, "--slow", "0.3")
+    # Held for good in its 4th batch (of 12; 3 of 10 shards done): the kill finds it mid-run, not a race against a sleep
+    # after each batch (which a loaded machine could lose, the extraction ending before the kill).
+    proc = worker(folder, killed, "--stall-after", "4")
     assert proc.stdout is not None  # stdout=PIPE
     try:
         deadline = time.monotonic() + 600
