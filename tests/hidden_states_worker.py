@@ -1,12 +1,15 @@
 """A separate process that fills a hidden-state store, for the kill -9 test.
 
     python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS] [--stall-after N] [--slow-write SECONDS]
+        [--hang-write-at OFFSET]
 
 Samples are drawn from a seeded generator, so every process extracts the same ones; torch runs on
 one thread so every process computes bit-identical states. `--slow` sleeps after each batch;
 `--stall-after N` holds the extraction for good in its N-th batch (the shards of the batches before
 it are committed), so a test can kill the process mid-run without racing it; `--slow-write` writes
-shards in 4 KiB chunks and sleeps after each, so a test can kill it in the middle of a shard's write.
+shards in 4 KiB chunks and sleeps after each, so a test can kill it in the middle of a shard's write;
+`--hang-write-at OFFSET` (4 KiB chunks too) holds the second shard file's write for good once its
+chunk at OFFSET is written, so the kill finds it mid-write without racing it.
 """
 
 from __future__ import annotations
@@ -61,16 +64,34 @@ class Slow:
 
 
 class SlowWrites:
-    """The store's `os`, with a pause after every positional write (the store writes with os.pwrite only)."""
+    """The store's `os`, with a pause after every positional write (the store writes with os.pwrite only); with
+    `hang_at`, the second shard file written is held for good once its chunk at that offset is written (the other
+    shards go on, and are committed)."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float, hang_at: int | None = None):
+        self.seconds, self.hang_at = seconds, hang_at
+        self.paths: dict[int, str] = {}  # the fds open for writing: their file
+        self.written: list[str] = []  # the files written, in the order of their first write
+        self.lock = threading.Lock()
 
     def __getattr__(self, name):
         return getattr(os, name)
 
+    def open(self, path, flags, *mode):
+        fd = os.open(path, flags, *mode)
+        with self.lock:
+            self.paths[fd] = str(path)
+        return fd
+
     def pwrite(self, fd, data, offset):
         n = os.pwrite(fd, data, offset)
+        with self.lock:
+            path = self.paths.get(fd, "")
+            if path not in self.written:
+                self.written.append(path)
+            hang = offset == self.hang_at and self.written.index(path) == 1
+        if hang:
+            threading.Event().wait()  # until the test kills the process
         time.sleep(self.seconds)
         return n
 
@@ -82,10 +103,11 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--stall-after", type=int, default=None, help="batches extracted, the last held for good")
     parser.add_argument("--slow-write", type=float, default=0.0)
+    parser.add_argument("--hang-write-at", type=int, default=None, help="the offset of the 2nd shard's last write")
     args = parser.parse_args()
-    if args.slow_write:
+    if args.slow_write or args.hang_write_at is not None:
         store.WRITE_CHUNK = 4096
-        store.os = SlowWrites(args.slow_write)  # type: ignore[assignment]  # the store's os, with slow writes
+        store.os = SlowWrites(args.slow_write, args.hang_write_at)  # type: ignore[assignment]  # slow writes
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     backend: HiddenStatesBackend = TransformersHiddenStates(model)
