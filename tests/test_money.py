@@ -348,7 +348,7 @@ def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_ans
         proc.wait(30)
     finally:
         stop_group(proc)
-    time.sleep(0.5)  # the fake bills the streams it sees cut
+    wait_for(lambda: not fake.inflight_worst, 60, "the fake to bill the streams it saw cut")
     ledger = open_ledger(DataLayout(data))
     assert (data / "ledger").exists() == (ledger_in == "sqlite")
     killed_bills = len(fake.billing.bills)
