@@ -22,7 +22,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file
-from support import stop_group
+from support import stop_group, wait_for
 
 from eagle3_resources.hidden_states import store as store_module
 from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
@@ -371,18 +371,23 @@ def test_kill_9_in_the_middle_of_a_shard_write(target_resource, tokenizer_resour
     """SIGKILL while a shard's bytes are going to disk: the shard is not listed, and the resume redoes it."""
     folder = target_resource.folder(tokenizer_resource)
     root = tmp_path / "killed"
-    proc = worker(folder, root, "--slow-write", "0.05")
+    hang_at = 2 * ALIGN  # the second shard file written is held for good once its third chunk is on disk
+    proc = worker(folder, root, "--hang-write-at", str(hang_at))
     assert proc.stdout is not None  # stdout=PIPE
+
+    def all_but_one_committed() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        m = root / MANIFEST
+        if not m.exists():
+            return False
+        manifest = json.loads(m.read_text())
+        return len(manifest["shards"]) == len(manifest["planned_shards"]) - 1
+
     try:
-        deadline, partial = time.monotonic() + 600, None
-        while time.monotonic() < deadline and partial is None:
-            m = root / MANIFEST
-            if m.exists() and json.loads(m.read_text())["shards"]:  # past the first commit, so a shard is mid-write
-                partial = next((p for p in root.glob("*.safetensors.tmp") if p.stat().st_size >= 2 * 4096), None)
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.02)
-        assert partial is not None, "no shard was caught mid-write"
-        os.killpg(proc.pid, signal.SIGKILL)
+        wait_for(all_but_one_committed, 600, "every shard but the held one committed")
+        [partial] = root.glob("*.safetensors.tmp")  # the held shard, under its temporary name
+        wait_for(lambda: partial.stat().st_size == hang_at + ALIGN, 60, "the held shard's third chunk on disk")
+        os.killpg(proc.pid, signal.SIGKILL)  # in the middle of that shard's write, whatever the scheduling
         proc.wait()
     finally:
         stop_group(proc)
