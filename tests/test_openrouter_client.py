@@ -368,7 +368,7 @@ def test_total_cap_counts_the_whole_ledger(tok, fake, tmp_path):
 # -- stop ----------------------------------------------------------------------------------
 
 
-def test_sigint_stops_within_2s_keeps_every_paid_result_and_resumes(tok, fake, tmp_path, request):
+def test_sigint_cuts_the_streams_in_flight_keeps_every_paid_result_and_resumes(tok, fake, tmp_path, request):
     # Ctrl-C at a terminal meets Python's own handler; a test run started in the background by a
     # non-interactive shell inherits SIGINT ignored, and the signal would never arrive.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

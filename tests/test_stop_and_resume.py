@@ -95,7 +95,7 @@ def requests_per_prompt(fake) -> collections.Counter:
 
 
 @pytest.mark.timeout(900)
-def test_terminating_the_run_through_dagster_stops_within_2s_and_resumes(
+def test_terminating_the_run_through_dagster_cuts_the_streams_in_flight_and_resumes(
     tmp_path, data_dir_with_standin, slow_fake, monkeypatch
 ):
     from dagster_graphql import DagsterGraphQLClient
