@@ -368,7 +368,7 @@ def test_total_cap_counts_the_whole_ledger(tok, fake, tmp_path):
 # -- stop ----------------------------------------------------------------------------------
 
 
-def test_sigint_cuts_the_streams_in_flight_keeps_every_paid_result_and_resumes(tok, fake, tmp_path, request):
+def test_sigint_stops_within_2s_cuts_the_streams_keeps_every_paid_result_and_resumes(tok, fake, tmp_path, request):
     # Ctrl-C at a terminal meets Python's own handler; a test run started in the background by a
     # non-interactive shell inherits SIGINT ignored, and the signal would never arrive.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -397,9 +397,8 @@ def test_sigint_cuts_the_streams_in_flight_keeps_every_paid_result_and_resumes(t
             pricing=PRICING,
             log=print,
         )
-    # How soon is printed, not asserted (a loaded machine sets any bound): the stop cut the streams in flight rather
-    # than let them finish (each streams for seconds), which is what makes it prompt.
-    print(f"stopped {time.monotonic() - sent_at['t']:.2f} s after the SIGINT")
+    stopped_in = time.monotonic() - sent_at["t"]
+    assert stopped_in < 2.0, stopped_in  # issue 3's acceptance: a stop within 2 s; it cut the streams (below)
     wait_for(lambda: not server.inflight_worst, 60, "the server to bill the streams it saw cancelled")
     records = read_journal(journal).records
     finals = {r["generation_id"] for r in records if r.get("type") == "result" and r["status"] == "ok"}

@@ -95,7 +95,7 @@ def requests_per_prompt(fake) -> collections.Counter:
 
 
 @pytest.mark.timeout(900)
-def test_terminating_the_run_through_dagster_cuts_the_streams_in_flight_and_resumes(
+def test_terminating_the_run_through_dagster_stops_within_2s_cuts_the_streams_and_resumes(
     tmp_path, data_dir_with_standin, slow_fake, monkeypatch
 ):
     from dagster_graphql import DagsterGraphQLClient
@@ -144,9 +144,8 @@ def test_terminating_the_run_through_dagster_cuts_the_streams_in_flight_and_resu
     finally:
         stop_group(dev)
 
-    # How soon is printed, not asserted (a loaded machine sets any bound): the stop cut the streams in flight rather
-    # than let them finish (each streams for seconds), which is what makes it prompt.
     print(f"stopped {stopped_in:.2f}s after the terminate request")
+    assert stopped_in < 2.0  # issue 3's acceptance: a Dagster terminate stops the partition within 2 s
     records = read_journal(journal).records
     end = records[-1]
     # Dagster signals the step with SIGINT; the run's CANCELING status, polled each second, may be seen first.
