@@ -1,8 +1,9 @@
 """The best checkpoint with several training processes: two gloo ranks under torchrun (the asset's own command,
 `launch.torchrun_command`, running `train_cli` on the spec the asset writes), the stand-in target decoding on rank 0.
 
-Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test:
-`EAGLE3_TEST_BEST_EVAL_DELAY_S`, test-only, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
+Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test: each
+decode sleeps `EAGLE3_TEST_BEST_EVAL_DELAY_S` first, by tests/slow_evaluation/sitecustomize.py on the ranks'
+PYTHONPATH, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
 waited for rank 0's word in heartbeat rounds, and keep what one process keeps on the same data: the same curve, the
 same best step, its weights exported, though the job was killed (kill -9) after an evaluation and resumed. An error
 of rank 0's evaluation ends both ranks with rank 0's reason. In streaming mode (the asset materialized,
@@ -26,7 +27,7 @@ from test_spool_ddp import kill_9
 from test_streaming_drafter import materialize, write_merged
 
 from eagle3_assets.stages.eagle3_drafter.asset import DrafterTrainConfig, best_section
-from eagle3_assets.stages.eagle3_drafter.best_checkpoint import CURVE_FILE, TEST_DELAY_ENV, BestCheckpointPlan
+from eagle3_assets.stages.eagle3_drafter.best_checkpoint import CURVE_FILE, BestCheckpointPlan
 from eagle3_assets.stages.eagle3_drafter.launch import torchrun_command
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.rank_zero import TIMEOUT_ENV
@@ -35,6 +36,8 @@ from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec
 from eagle3_resources.storage import DataLayout
 
 REPO = Path(__file__).resolve().parents[1]
+SLOW_EVALUATION = REPO / "tests" / "slow_evaluation"  # its sitecustomize slows each decode by DELAY_ENV's seconds
+DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"
 # 12 optimizer steps over 3 epochs; evaluated at 4, 8 and 12, where step 8 decodes best (the curve is checked)
 SETTINGS = TrainSettings(
     ttt_steps=3, epochs=3, batch_tokens=256, max_len=64, seed=1, checkpoint_every=4, warmup_steps=2
@@ -79,7 +82,13 @@ def start(data, out: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]
         p = subprocess.Popen(
             torchrun_command(spec, 2),
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TIMEOUT_ENV: str(TIMEOUT_S)} | env,
+            env={
+                **os.environ,
+                "PYTHONPATH": f"{SLOW_EVALUATION}:{REPO}",
+                "OMP_NUM_THREADS": "1",
+                TIMEOUT_ENV: str(TIMEOUT_S),
+            }
+            | env,
             stdout=f,
             stderr=subprocess.STDOUT,
             process_group=0,
@@ -124,7 +133,7 @@ def decoded(curve: list[dict]) -> list[tuple]:
 def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collective_timeout(
     data, target_model, tmp_path
 ):
-    out, slow = tmp_path / "drafter", {TEST_DELAY_ENV: str(DELAY_S)}
+    out, slow = tmp_path / "drafter", {DELAY_ENV: str(DELAY_S)}
     keeper = tmp_path / "drafter.training" / "best" / CURVE_FILE
     # kill -9 of the whole job once step 8 is evaluated (its training checkpoint written or not yet), then resume
     killed, log = start(data, out, slow)
@@ -186,7 +195,9 @@ def test_streaming_with_two_training_ranks_exports_the_best_step_though_rank_0_d
     data_dir_with_standin, tok, monkeypatch
 ):
     monkeypatch.setenv(TIMEOUT_ENV, str(TIMEOUT_S))  # the training side's ranks inherit the step's environment
-    monkeypatch.setenv(TEST_DELAY_ENV, str(DELAY_S))
+    monkeypatch.setenv(DELAY_ENV, str(DELAY_S))
+    pythonpath = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", f"{SLOW_EVALUATION}:{pythonpath}" if pythonpath else str(SLOW_EVALUATION))
     data_bytes, _ = write_merged(data_dir_with_standin, tok)
     result, _ = materialize(
         data_dir_with_standin, data_bytes // 10, processes=2, best_every=STREAMING_EVERY, spec_eval_new_tokens=8

@@ -32,9 +32,6 @@ from a thread while it exports and decodes, so no rank waits in one collective p
 The training clock is paused on every rank. An error of rank 0's evaluation is told to every rank, which raises it
 (`DrafterError`, with rank 0's reason). The keeper's state is rank 0's files, as with one process, so a resumed run
 (kill -9 included) picks its curve up the same; the weights loaded at the end are rank 0's model's, the one it exports.
-
-`EAGLE3_TEST_BEST_EVAL_DELAY_S` (tests only): each evaluation sleeps this many seconds first, as a decode at real size
-takes minutes (tests/test_best_checkpoint_ddp.py makes it outlast a short collective timeout).
 """
 
 from __future__ import annotations
@@ -61,7 +58,6 @@ from eagle3_resources.errors import DrafterError
 
 CURVE_FILE = "curve.json"
 UNREGISTERED = "unregistered"  # the kind of a dataset the registry does not name
-TEST_DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"  # tests only: seconds each evaluation sleeps first (a slow decode)
 
 
 @dataclass(frozen=True)
@@ -246,7 +242,6 @@ class BestCheckpointKeeper:
 
     def evaluate_step(self, model: Eagle3Drafter, step: int, loss: float | None) -> dict[str, Any]:
         started = time.perf_counter()
-        time.sleep(float(os.environ.get(TEST_DELAY_ENV) or 0))  # tests only (TEST_DELAY_ENV); 0 otherwise
         self.folder.mkdir(parents=True, exist_ok=True)
         exported = export_checkpoint(model, self.folder / step_folder(step), self.aux_layer_ids)
         embed = self.plan.target.get_input_embeddings().weight.detach().float().cpu()
