@@ -1,15 +1,13 @@
-"""A separate process that fills a hidden-state store, for the kill -9 test.
+"""A separate process that fills a hidden-state store, for the kill -9 tests.
 
-    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--slow SECONDS] [--stall-after N] [--slow-write SECONDS]
-        [--hang-write-at OFFSET]
+    python tests/hidden_states_worker.py MODEL_FOLDER ROOT [--stall-after N] [--hang-write-at OFFSET]
 
 Samples are drawn from a seeded generator, so every process extracts the same ones; torch runs on
-one thread so every process computes bit-identical states. `--slow` sleeps after each batch;
-`--stall-after N` holds the extraction for good in its N-th batch (the shards of the batches before
-it are committed), so a test can kill the process mid-run without racing it; `--slow-write` writes
-shards in 4 KiB chunks and sleeps after each, so a test can kill it in the middle of a shard's write;
-`--hang-write-at OFFSET` (4 KiB chunks too) holds the second shard file's write for good once its
-chunk at OFFSET is written, so the kill finds it mid-write without racing it.
+one thread so every process computes bit-identical states. `--stall-after N` holds the extraction
+for good in its N-th batch (the shards of the batches before it are committed), so a test can kill
+the process mid-run without racing it; `--hang-write-at OFFSET` writes shards in 4 KiB chunks and
+holds the second shard file's write for good once its chunk at OFFSET is written, so the kill finds
+it mid-write without racing it.
 """
 
 from __future__ import annotations
@@ -45,11 +43,26 @@ def samples(vocab: int, n: int = 24, seed: int = 7) -> list[StoredSample]:
 
 
 class Slow:
-    """The backend, sleeping `seconds` after each batch; with `stall_after`, held for good in that batch (a kill then
-    finds the extraction mid-run however fast or slow the machine is)."""
+    """The backend, sleeping `seconds` after each batch (tests/spool_capture_worker.py's `--slow`)."""
 
-    def __init__(self, inner, seconds: float, stall_after: int | None = None):
-        self.inner, self.seconds, self.stall_after, self.batches = inner, seconds, stall_after, 0
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds = inner, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def extract_batch(self, sequences):
+        out = self.inner.extract_batch(sequences)
+        time.sleep(self.seconds)
+        return out
+
+
+class Stalled:
+    """The backend, held for good in its `stall_after`-th batch (a kill then finds the extraction mid-run however
+    fast or slow the machine is)."""
+
+    def __init__(self, inner, stall_after: int):
+        self.inner, self.stall_after, self.batches = inner, stall_after, 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -57,19 +70,17 @@ class Slow:
     def extract_batch(self, sequences):
         out = self.inner.extract_batch(sequences)
         self.batches += 1
-        if self.stall_after is not None and self.batches >= self.stall_after:
+        if self.batches >= self.stall_after:
             threading.Event().wait()  # until the test kills the process
-        time.sleep(self.seconds)
         return out
 
 
-class SlowWrites:
-    """The store's `os`, with a pause after every positional write (the store writes with os.pwrite only); with
-    `hang_at`, the second shard file written is held for good once its chunk at that offset is written (the other
-    shards go on, and are committed)."""
+class HangingWrites:
+    """The store's `os` (the store writes with os.pwrite only): the second shard file written is held for good once
+    its chunk at offset `hang_at` is written (the other shards go on, and are committed)."""
 
-    def __init__(self, seconds: float, hang_at: int | None = None):
-        self.seconds, self.hang_at = seconds, hang_at
+    def __init__(self, hang_at: int):
+        self.hang_at = hang_at
         self.paths: dict[int, str] = {}  # the fds open for writing: their file
         self.written: list[str] = []  # the files written, in the order of their first write
         self.lock = threading.Lock()
@@ -92,7 +103,6 @@ class SlowWrites:
             hang = offset == self.hang_at and self.written.index(path) == 1
         if hang:
             threading.Event().wait()  # until the test kills the process
-        time.sleep(self.seconds)
         return n
 
 
@@ -100,19 +110,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("root")
-    parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--stall-after", type=int, default=None, help="batches extracted, the last held for good")
-    parser.add_argument("--slow-write", type=float, default=0.0)
     parser.add_argument("--hang-write-at", type=int, default=None, help="the offset of the 2nd shard's last write")
     args = parser.parse_args()
-    if args.slow_write or args.hang_write_at is not None:
+    if args.hang_write_at is not None:
         store.WRITE_CHUNK = 4096
-        store.os = SlowWrites(args.slow_write, args.hang_write_at)  # type: ignore[assignment]  # slow writes
+        store.os = HangingWrites(args.hang_write_at)  # type: ignore[assignment]  # the store's os, one write held
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     backend: HiddenStatesBackend = TransformersHiddenStates(model)
-    if args.slow or args.stall_after:
-        backend = Slow(backend, args.slow, args.stall_after)
+    if args.stall_after is not None:
+        backend = Stalled(backend, args.stall_after)
     settings = StoreSettings(shard_bytes=SHARD_BYTES, batch_tokens=BATCH_TOKENS, free_bytes=10**12, reserve_bytes=0)
     report = extract_to_store(
         samples(model.config.vocab_size),
