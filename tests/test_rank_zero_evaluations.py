@@ -18,11 +18,12 @@ from support import stop_group
 HERE = Path(__file__).resolve().parent
 
 
-def two_ranks(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def two_ranks(out: Path, *args: str, worker: str = "rank_zero_eval_worker.py") -> subprocess.CompletedProcess[str]:
+    """`worker` (in tests/) as two torchrun ranks with a 4 s collective timeout, to its end; its output."""
     env = {**os.environ, "EAGLE3_COLLECTIVE_TIMEOUT_S": "4", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.Popen(
-        [*cmd, str(HERE / "rank_zero_eval_worker.py"), str(out), *args],
+        [*cmd, str(HERE / worker), str(out), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

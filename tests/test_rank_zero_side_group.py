@@ -7,38 +7,16 @@ training, only if they went over that gloo group. Not here: NCCL itself."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from support import stop_group
+from test_rank_zero_evaluations import two_ranks
 
-HERE = Path(__file__).resolve().parent
-
-
-def two_ranks(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "EAGLE3_COLLECTIVE_TIMEOUT_S": "4", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = subprocess.Popen(
-        [*cmd, str(HERE / "rank_zero_side_group_worker.py"), str(out), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, _ = proc.communicate(timeout=300)
-    finally:
-        stop_group(proc)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, None)
+WORKER = "rank_zero_side_group_worker.py"
 
 
 @pytest.mark.timeout(600)
 def test_a_world_that_is_not_gloo_hears_rank_0_over_a_gloo_group_of_its_own(tmp_path):
-    done = two_ranks(tmp_path / "run", "--alone-s", "7")
+    done = two_ranks(tmp_path / "run", "--alone-s", "7", worker=WORKER)
     assert done.returncode == 0, done.stdout[-4000:]
     main, other = (json.loads((tmp_path / f"run.rank{r}.json").read_text()) for r in (0, 1))
     assert main["result"] == "rank 0's result" and other["result"] is None
@@ -51,7 +29,7 @@ def test_a_world_that_is_not_gloo_hears_rank_0_over_a_gloo_group_of_its_own(tmp_
 
 @pytest.mark.timeout(600)
 def test_rank_0s_error_reaches_the_other_rank_over_that_group(tmp_path):
-    done = two_ranks(tmp_path / "run", "--fail")
+    done = two_ranks(tmp_path / "run", "--fail", worker=WORKER)
     assert done.returncode != 0
     assert "[rank1]: eagle3_resources.errors.DrafterError: rank 0 failed: ValueError: rank 0's work failed" in (
         done.stdout
