@@ -391,7 +391,7 @@ def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Co
 
     def trainer() -> None:
         try:
-            result["history"], result["data"] = train_from_spool(
+            result["trainer"], result["data"] = train_from_spool(
                 built.model, root, c.settings(seed, 1), options, built.teacher, hooks=counter.hooks, poll_s=0.01
             )
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
@@ -416,7 +416,7 @@ def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Co
     seconds = time.monotonic() - started
     if "error" in result:
         raise result["error"]
-    history, spool_data = result["history"], result["data"]
+    history, spool_data = result["trainer"].history, result["data"]
     run = measure(standin, built, store, data, c, "streaming", seed)
     run.steps, run.tokens, run.seconds = len(history.step_loss), history.tokens, round(seconds, 1)
     run.extra = {

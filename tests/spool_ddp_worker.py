@@ -71,7 +71,7 @@ def main() -> None:
     log = (lambda m: print(m, flush=True)) if dist.main else (lambda _m: None)
     options = RunOptions(device, log, args.checkpoint_dir, dist)
     try:
-        history, data = train_from_spool(
+        trainer, data = train_from_spool(
             model,
             args.root,
             settings,
@@ -84,6 +84,7 @@ def main() -> None:
         )
     finally:
         record.close()
+    history = trainer.history
     stats = {
         "rank": rank,
         "steps": len(history.step_loss),

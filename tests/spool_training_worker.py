@@ -101,8 +101,9 @@ def main() -> None:
         return [Every(1, write)]
 
     options = RunOptions(device, lambda m: print(m, flush=True), args.checkpoint_dir)
-    history, data = train_from_spool(model, args.root, settings, options, teacher, hooks=hooks, poll_s=0.02)
+    trainer, data = train_from_spool(model, args.root, settings, options, teacher, hooks=hooks, poll_s=0.02)
     record.close()
+    history = trainer.history
     stats = {
         "steps": len(history.step_loss),
         "estimated_steps": data.estimated_steps,

@@ -2,7 +2,7 @@
 `launch.torchrun_command`, running `train_cli` on the spec the asset writes), the stand-in target decoding on rank 0.
 
 Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test: each
-decode sleeps `EAGLE3_TEST_BEST_EVAL_DELAY_S` first, by tests/slow_evaluation/sitecustomize.py on the ranks'
+decode sleeps `EAGLE3_TEST_BEST_EVAL_DELAY_S` first, by tests/process_hooks/sitecustomize.py on the ranks'
 PYTHONPATH, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
 waited for rank 0's word in heartbeat rounds, and keep what one process keeps on the same data: the same curve, the
 same best step, its weights exported, though the job was killed (kill -9) after an evaluation and resumed. An error
@@ -36,7 +36,7 @@ from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec
 from eagle3_resources.storage import DataLayout
 
 REPO = Path(__file__).resolve().parents[1]
-SLOW_EVALUATION = REPO / "tests" / "slow_evaluation"  # its sitecustomize slows each decode by DELAY_ENV's seconds
+PROCESS_HOOKS = REPO / "tests" / "process_hooks"  # its sitecustomize slows each decode by DELAY_ENV's seconds
 DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"
 # 12 optimizer steps over 3 epochs; evaluated at 4, 8 and 12, where step 8 decodes best (the curve is checked)
 SETTINGS = TrainSettings(
@@ -84,7 +84,7 @@ def start(data, out: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]
             cwd=REPO,
             env={
                 **os.environ,
-                "PYTHONPATH": f"{SLOW_EVALUATION}:{REPO}",
+                "PYTHONPATH": f"{PROCESS_HOOKS}:{REPO}",
                 "OMP_NUM_THREADS": "1",
                 TIMEOUT_ENV: str(TIMEOUT_S),
             }
@@ -197,7 +197,7 @@ def test_streaming_with_two_training_ranks_exports_the_best_step_though_rank_0_d
     monkeypatch.setenv(TIMEOUT_ENV, str(TIMEOUT_S))  # the training side's ranks inherit the step's environment
     monkeypatch.setenv(DELAY_ENV, str(DELAY_S))
     pythonpath = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", f"{SLOW_EVALUATION}:{pythonpath}" if pythonpath else str(SLOW_EVALUATION))
+    monkeypatch.setenv("PYTHONPATH", f"{PROCESS_HOOKS}:{pythonpath}" if pythonpath else str(PROCESS_HOOKS))
     data_bytes, _ = write_merged(data_dir_with_standin, tok)
     result, _ = materialize(
         data_dir_with_standin, data_bytes // 10, processes=2, best_every=STREAMING_EVERY, spec_eval_new_tokens=8

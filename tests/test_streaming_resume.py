@@ -19,6 +19,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
 from test_spool import Sampler
 from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config, streaming_folder, write_merged
 
@@ -131,11 +132,17 @@ def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_toke
         planned = trained_steps_planned(files)
         at = random.randint(4, max(4, planned // 4))
         wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
+        # The training side is paused (SIGSTOP) across the kill until it is an orphan by its own clock, so its watch
+        # sees that at once when it goes on: a side whose steps are fast could otherwise train to its end and report
+        # within orphan_after_s (a side that dies after its last checkpoint: the test below).
+        os.kill(training_pid, signal.SIGSTOP)
         os.kill(step.pid, signal.SIGKILL)
         running = {
             log: alive(pid) for log, pid in ((files.capture_log, capture_pid), (files.training_log, training_pid))
         }
         step.wait()
+        time.sleep(ORPHAN_AFTER_S + 1.0)
+        os.kill(training_pid, signal.SIGCONT)
         print(f"killed the step at step {len(lines(files.training_record))} of ~{planned}; running then: {running}")
 
         # the orphaned training side leaves by itself, saying why, long before its work is done; the capture side
@@ -315,3 +322,37 @@ def test_the_trainers_record_survives_a_line_cut_by_a_kill(tmp_path):
     steps = trained_steps(record, last_step=2)
     assert steps == {1: [("a", 0, 5)], 2: [("a", 5, 8), ("b", 0, 2)]}
     assert coverage(steps, {"a": 8, "b": 3}) == {0: 1, 1: 10}
+
+
+PROCESS_HOOKS = REPO / "tests" / "process_hooks"  # its sitecustomize: the first side that trains is killed
+
+
+def test_a_training_side_dead_after_its_last_checkpoint_is_resumed_to_its_report(
+    data_dir_with_standin, tok, tmp_path, monkeypatch
+):
+    """The training side trains every step, writes its last checkpoint and dies before its report (as an orphan that
+    finishes its steps while it notices its orchestrator is gone): the next run resumes from a checkpoint with no
+    step left to train, and must still score, export and report, not stop at "no step trained"."""
+    root = data_dir_with_standin
+    data_bytes, _ = write_merged(root, tok)
+    budget = data_bytes // 10
+    files = RunFiles(streaming_folder(root), streaming_folder(root) / "spool")
+    marker = tmp_path / "a training side died"
+    monkeypatch.setenv("PYTHONPATH", f"{PROCESS_HOOKS}:{REPO}")
+    monkeypatch.setenv("EAGLE3_TEST_DIE_AFTER_TRAINING", str(marker))
+
+    result, _ = materialize(root, budget)
+    assert marker.exists() and not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "exited with -9" in str(failure.step_failure_data.error.cause), failure.step_failure_data.error.cause
+    planned = trained_steps(files.training_record, 10**9)
+    last = torch.load(files.checkpoints / CHECKPOINT_FILE, map_location="cpu", weights_only=False)["global_step"]
+    assert last == max(planned) and not files.training_report.exists()
+
+    result, _ = materialize(root, budget)
+    assert result.success, result.all_events[-5:]
+    meta = {k: v.value for k, v in result.asset_materializations_for_node("eagle3_drafter")[0].metadata.items()}
+    assert meta["resumed_from_step"] == last and meta["streaming_train_steps"] == last
+    assert meta["streaming_trained_token_passes"] == {str(PASSES): meta["train_tokens"]}
+    assert meta["sglang_key_check"] == "ok" and (Path(meta["path"]) / "config.json").exists()
+    assert not files.folder.exists()

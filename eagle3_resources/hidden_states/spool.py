@@ -721,6 +721,11 @@ class SpoolReader:
     def finished(self) -> bool:
         return self.total is not None and self.cursor.slot >= self.total + self.settings.passes - 1
 
+    def at_end(self) -> bool:
+        """`finished`, the lanes' plans read first: a reader opened at a trainer's last position (a run resumed with
+        no step left to train) has not read them, as it was asked for no step."""
+        return self._read_plans() and self.finished
+
     def _try_step(self) -> Step | None:
         """The next step if the shards it needs are committed (adopting them), else None (or `finished`)."""
         assert self.total is not None

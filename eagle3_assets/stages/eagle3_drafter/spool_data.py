@@ -68,7 +68,6 @@ from eagle3_assets.stages.eagle3_drafter.train import (
     Every,
     RunOptions,
     Trainer,
-    TrainHistory,
     TrainSettings,
 )
 from eagle3_resources.errors import SpoolStateError
@@ -223,6 +222,12 @@ class SpoolWindows:
         while (step := reader.next_step(self.stop, on_wait=self.on_wait)) is not None:
             yield self._handed_out(step, reader, step.windows)
 
+    def trained_out(self) -> bool:
+        """Rank 0: every pass over every planned shard has been trained (the reader at its end). A run resumed from
+        a checkpoint past its last step asks for no step, so the reader is opened here, at that checkpoint's
+        position (which also records it in the spool if the run died before its commit)."""
+        return self._open_reader().at_end()
+
     def _open_reader(self) -> SpoolReader:
         if self.reader is None:
             # at the checkpoint's position, or at the start (refused if the spool has recorded progress)
@@ -341,13 +346,14 @@ def train_from_spool(
     *,
     stop: Callable[[], bool] | None = None,
     heartbeat_s: float | None = None,
-) -> tuple[TrainHistory, SpoolWindows]:
+) -> tuple[Trainer, SpoolWindows]:
     """Train in place from the spool at `root`, resuming from `options.checkpoint_dir` when it holds a checkpoint
     of this run; the trainer checkpoints whenever it has to wait for capture. `hooks` may be a function of the data
     (to read `SpoolWindows.current`, the step just trained). Under torchrun (`options.dist`, the process group
     joined) every rank calls it alike; rank 0 reads the spool, the others follow (the module's docstring). `stop()`
-    ends the run while it waits for capture; `heartbeat_s`: see `SpoolWindows`. Returns the record and the data (its
-    figures, this rank's)."""
+    ends the run while it waits for capture; `heartbeat_s`: see `SpoolWindows`. Returns the trainer once it is done
+    (its record: `trainer.history`; its position: `global_step`, also where a resume found every step trained) and
+    the data (its figures, this rank's)."""
     if options.checkpoint_dir is None:
         raise ValueError("training from a spool needs a checkpoint folder: a shard is deleted only once checkpointed")
     data = SpoolWindows(
@@ -362,4 +368,5 @@ def train_from_spool(
     )
     trainer = Trainer(model, data, settings, options, teacher, held_out, hooks(data) if callable(hooks) else hooks)
     data.on_wait = trainer.checkpoint
-    return trainer.fit(), data
+    trainer.fit()
+    return trainer, data

@@ -126,7 +126,7 @@ def coverage(steps: dict[int, list[tuple[str, int, int]]], lengths: dict[str, in
 @dataclass
 class SideProgress:
     """The `Every(1)` hook of the training side (main rank): each step's windows into the record (fsynced), the
-    figures into the progress file at most every `every_s`. It also keeps the trainer it is called with."""
+    figures into the progress file at most every `every_s`."""
 
     data: SpoolWindows
     record: IO[str]
@@ -134,10 +134,8 @@ class SideProgress:
     every_s: float
     started: float = field(default_factory=time.monotonic)
     last: float = 0.0
-    trainer: Trainer | None = None
 
     def __call__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
         if not trainer.dist.main:
             return
         step = self.data.current
@@ -238,17 +236,18 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
 
         progress = SideProgress(None, record, progress_file, float(spec["progress_every_s"]))  # type: ignore[arg-type]  # its data is set below, before the first step
         options = RunOptions(dev, log, Path(spec["checkpoints"]), dist)
-        history, data = train_from_spool(
+        trainer, data = train_from_spool(
             model, Path(spec["spool"]), settings, options, teacher, held_out, lambda d: hooks(bind(progress, d)), 0.05
         )
-        trainer = progress.trainer
-        if trainer is None:
+        # a resume may train no step (a run that died after its last checkpoint, before its report: the orphan
+        # that finished its steps): its checkpoint's position says what was trained; none at all is a plan of none
+        if trainer.global_step == 0:
             raise StreamingTrainingFailed("the training side trained no step: the spool's capture plan holds none")
         best = kept[0].finish(trainer) if kept else None  # every rank: the main one evaluates and loads the best
         read = gather_figures(data, dist)  # every rank, here: the last collective of training
         if not dist.main:
             return
-        if data.reader is None or not data.reader.finished:
+        if not data.trained_out():
             raise StreamingTrainingFailed("the trainer ended before every pass over the spool's shards was trained")
         steps = trained_steps(Path(spec["record"]), trainer.global_step)
         train, _, _ = split_samples(merged)
@@ -260,9 +259,8 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
         {"best_step": best["best"]["step"], "best_accept_length_real": best["best"]["accept_length"]} if best else {}
     )
     extra = {"streaming_passes": int(spec["passes"])} | best_keys
-    report = export_report(
-        job, built, store.manifest["aux_layer_ids"], splits, Outcome(ready.untrained, trained, history, best, extra)
-    )
+    outcome = Outcome(ready.untrained, trained, trainer.history, best, extra)
+    report = export_report(job, built, store.manifest["aux_layer_ids"], splits, outcome)
     streaming = {
         "steps": trainer.global_step,
         "bytes_read": sum(read.bytes_read),
