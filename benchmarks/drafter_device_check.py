@@ -120,6 +120,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=6, help="held-out prompts for speculative decoding")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--draft-steps", type=int, default=3)
+    p.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the drafter's MLP in training (auto: the trainer's default, on CUDA only); "
+        "benchmarks/device_check.py passes off: this section's figure is the accept length, and a compiled MLP "
+        "would be compiled again for the bf16 decode",
+    )
     p.add_argument("--json", default=None, help="write the figures here (default: $OUT/drafter_device_check.json)")
     return p.parse_args()
 
@@ -193,11 +201,19 @@ def train_drafter(
     draft_ids: torch.Tensor,
     epochs: int,
     device: torch.device,
+    compile_mlp: bool | None = None,
 ) -> dict:
-    """Train in place with this project's trainer; its figures."""
+    """Train in place with this project's trainer; its figures. `compile_mlp`: TrainSettings.compile (None: the
+    trainer's default, torch.compile on CUDA)."""
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 2048)
     settings = TrainSettings(
-        ttt_steps=7, epochs=epochs, batch_tokens=2048, max_len=2048, checkpoint_every=0, warmup_steps=10
+        ttt_steps=7,
+        epochs=epochs,
+        batch_tokens=2048,
+        max_len=2048,
+        checkpoint_every=0,
+        warmup_steps=10,
+        compile=compile_mlp,
     )
     history = train(
         drafter,
@@ -308,7 +324,8 @@ def main() -> None:
     figures["data_s"] = round(time.monotonic() - started, 1)
 
     drafter, untrained, head, draft_ids = new_drafters(target, source, a.vocab, a.hidden)
-    figures.update(train_drafter(drafter, source, head, draft_ids, a.epochs, device))
+    compile_mlp = {"auto": None, "on": True, "off": False}[a.compile]
+    figures.update(train_drafter(drafter, source, head, draft_ids, a.epochs, device, compile_mlp))
 
     held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
     figures.update(speculative_figures(target, {"trained": drafter, "untrained": untrained}, held_out, a, device))
