@@ -50,6 +50,14 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def pending_signals(pid: int) -> set[signal.Signals]:
+    """The signals pending on a process (sent to it or to its process group, not yet handled: a stopped process's),
+    from /proc/<pid>/status."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    mask = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return {signal.Signals(n) for n in range(1, 32) if mask >> (n - 1) & 1}
+
+
 def holder_pid(path: Path) -> int | None:
     try:
         return int(json.loads(path.read_text())["pid"])
@@ -188,7 +196,12 @@ def test_a_stopped_step_stops_both_sides_keeps_the_folder_and_a_rerun_resumes(
     step, capture_pid, training_pid = start_step(root, config, files, tmp_path, groups)
     at = random.randint(2, max(2, trained_steps_planned(files) // 4))
     wait_until(f"{at} trained steps", lambda: len(lines(files.training_record)) >= at, 900)
+    # The training side is paused (SIGSTOP) until the step's stop (SIGTERM) is pending on it, so it cannot train
+    # to its end (its steps are fast) between the interrupt and the stop: it goes on with the stop at hand.
+    os.kill(training_pid, signal.SIGSTOP)
     os.kill(step.pid, signal.SIGINT)
+    wait_until("the step's SIGTERM to the training side", lambda: signal.SIGTERM in pending_signals(training_pid), 60)
+    os.kill(training_pid, signal.SIGCONT)
     assert step.wait(600) != 0
     # the step stopped both sides before it ended: they left through their SIGTERM handler, not as orphans
     assert not alive(capture_pid) and not alive(training_pid)
