@@ -94,6 +94,7 @@ def main() -> None:
         "tokens": history.tokens,
         "finite": all(x == x for x in history.step_loss),
         "world_size": history.world_size,
+        "trained_out": data.trained_out() if dist.main else None,  # rank 0's reader at its end
     }
     with open(args.stats, "a") as f:
         f.write(json.dumps(stats) + "\n")

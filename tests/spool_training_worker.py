@@ -112,6 +112,7 @@ def main() -> None:
         "resumed_from_step": history.resumed_from_step,
         "tokens": history.tokens,
         "finite": all(x == x for x in history.step_loss),
+        "trained_out": data.trained_out(),
     }
     with open(args.stats, "a") as f:
         f.write(json.dumps(stats) + "\n")

@@ -240,6 +240,14 @@ def test_two_ranks_train_every_token_passes_times_as_one_process_does_through_a_
     for k in a["model"]:
         torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-4, atol=1e-6, msg=k)
 
+    # Run again on the finished spool and checkpoint (what a run killed after its last checkpoint leaves): every
+    # rank resumes at the last step and trains nothing; rank 0's reader, opened at that position, is at its end.
+    finish(two.train_ddp(slow=0.0))
+    again = {s["rank"]: s for s in stats(two.tmp / "ddp.jsonl")[RANKS:]}
+    assert sorted(again) == list(range(RANKS)) and again[0]["trained_out"], again
+    assert all(s["resumed_from_step"] == s["steps"] == len(steps) and s["bytes_read"] == 0 for s in again.values())
+    assert two.ddp_steps() == steps
+
 
 @pytest.mark.timeout(2400)
 def test_kill_9_of_the_two_rank_trainer_resumes_without_losing_or_repeating_a_trained_window(runs):

@@ -185,6 +185,13 @@ def test_the_trainer_trains_every_token_passes_times_through_a_spool_of_a_tenth_
     assert state["data"]["spool_steps"] == len(steps) == state["global_step"]
     assert Position.from_json(state["data"]["spool_position"]) == Position.from_json(read_ledger(run.root)["position"])
 
+    # Run again on the finished spool and checkpoint (what a run killed after its last checkpoint leaves): it resumes
+    # at the last step, trains and reads nothing, and its reader is at its end.
+    finish(run.train(slow=0.0))
+    (_, again) = stats(run.tmp / "t.jsonl")
+    assert again["resumed_from_step"] == again["steps"] == len(steps) and again["trained_out"], again
+    assert again["bytes_read"] == 0 and run.trained_steps() == steps
+
 
 def wait_for_slot(
     root: Path, slot: int, capture: subprocess.Popen, trainer: subprocess.Popen, deadline_s: float = 900
