@@ -116,6 +116,21 @@ def test_chunked_soft_cross_entropy_equals_the_autograd_form():
             torch.testing.assert_close(ga.double(), gb.double(), rtol=tol, atol=tol)
 
 
+def test_the_reported_loss_is_fp32_under_bf16_autocast():
+    """The training step runs the loss under bf16 autocast (CUDA's; CPU's lists the same op): the value the log and
+    the metadata report stays fp32's, where autocast would compute the p . z term in bf16 (7.5e-6 off here)."""
+    g = torch.Generator().manual_seed(5)
+    N, V = 64, 4000
+    z = torch.randn(N, V, generator=g) * 3
+    target_p = torch.softmax(torch.randn(N, V, generator=g) * 3, -1)
+    rows, weight = torch.arange(N), torch.ones(N)
+    want = (weight.double() * -(target_p.double() * torch.log_softmax(z.double(), -1)).sum(-1)).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = soft_cross_entropy(z, target_p, rows, weight)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
 def test_flops_formula_equals_the_counted_matmuls_of_a_forward_and_backward():
     model = tiny_drafter(dtype=torch.float32)
     cfg, steps, L = model.cfg, 3, 29

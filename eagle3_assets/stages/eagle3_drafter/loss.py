@@ -23,12 +23,14 @@ class _SoftCrossEntropy(torch.autograd.Function):
         n, acc = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)
         lse = torch.empty(n, dtype=acc, device=logits.device)
         total = torch.zeros((), dtype=acc, device=logits.device)
-        for a in range(0, n, chunk_rows):
-            z = logits[a : a + chunk_rows].to(acc)
-            p = target_p.index_select(0, rows[a : a + chunk_rows]).to(acc)
-            lse[a : a + chunk_rows] = lz = torch.logsumexp(z, -1)
-            ce = lz * p.sum(-1) - torch.linalg.vecdot(p, z)
-            total = total + (weight[a : a + chunk_rows] * ce).sum()
+        # autocast off: it would run vecdot (on its lower-precision list, CPU's and CUDA's) in bf16, whatever `acc`
+        with torch.autocast(logits.device.type, enabled=False):
+            for a in range(0, n, chunk_rows):
+                z = logits[a : a + chunk_rows].to(acc)
+                p = target_p.index_select(0, rows[a : a + chunk_rows]).to(acc)
+                lse[a : a + chunk_rows] = lz = torch.logsumexp(z, -1)
+                ce = lz * p.sum(-1) - torch.linalg.vecdot(p, z)
+                total = total + (weight[a : a + chunk_rows] * ce).sum()
         ctx.save_for_backward(logits, target_p, rows, weight, lse)
         ctx.chunk_rows = chunk_rows
         return total
