@@ -5,6 +5,8 @@
   such memory on any Linux that has it: the store must write it, buffered, with the right checksum, not fail.
 - The writes of the disk measurements go the store's way: `write_files` with the store's writer count, every file
   whole, hashed or not as asked.
+- Page-locked shard buffers against torch's caching host allocator, emulated by its rule (every pinned block a
+  power of two, kept for reuse): a buffer costs its block, not twice it.
 
 Not driven here (no CPU stand-in has their semantics): the side stream, its events and the `non_blocking` copies
 into pinned buffers (extract.Stager, RankZeroHandoff), cudaHostRegister. benchmarks/device_check.py runs those on a
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_resources.hidden_states.extract import HostBuffers
 from eagle3_resources.hidden_states.store import ALIGN, WRITE_CHUNK, host_buffer, padded_size, write_file, write_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +89,63 @@ def test_the_disk_measurements_write_as_the_store_does(tmp_path):
         assert digest == hashlib.sha256(bytes(memory[:n])).hexdigest()
     assert all(d == "" for d, _ in write_files(items, memory, writers=2, direct=False, checksum=None))
     assert [p.stat().st_size for p, _ in items] == sizes
+
+
+class CachingHostAllocator:
+    """torch's pinned allocations as its caching host allocator makes them (ATen/core/CachingHostAllocator.h): a
+    request is rounded up to the next power of two, and the block starts `offset` bytes into a page (0: where
+    cudaHostAlloc's blocks start). Counts the page-locked bytes it hands out; CPU memory stands in for them."""
+
+    def __init__(self, real_empty, offset: int = 0):
+        self.real_empty, self.offset = real_empty, offset
+        self.blocks: list[int] = []
+
+    def __call__(self, *size, dtype=None, pin_memory=False, **kw):
+        if not pin_memory:
+            return self.real_empty(*size, dtype=dtype, **kw)
+        (n,) = size
+        block = 1 << (n - 1).bit_length()
+        self.blocks.append(block)
+        raw = self.real_empty(block + 2 * ALIGN, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % ALIGN + self.offset
+        return raw[start : start + n]  # torch's tensor has the size asked for, on a block of `block` bytes
+
+
+@pytest.mark.parametrize("nbytes", [2**20, 2**20 - 3 * ALIGN, 2**19 + ALIGN])
+def test_a_page_locked_shard_buffer_costs_its_power_of_two_block_not_twice_it(monkeypatch, nbytes):
+    """A 1 GiB shard buffer asked for with ALIGN bytes of slack became a 2 GiB pinned block; the buffer asks for the
+    block's size and uses all of it, aligned for O_DIRECT."""
+    allocator = CachingHostAllocator(torch.empty)
+    monkeypatch.setattr(torch, "empty", allocator)
+    buffer = host_buffer(nbytes, pin=True)
+    block = 1 << (nbytes - 1).bit_length()
+    assert allocator.blocks == [block]
+    assert buffer.numel() == block and buffer.data_ptr() % ALIGN == 0
+
+
+def test_a_page_locked_buffer_is_reused_for_any_shard_its_block_holds(monkeypatch):
+    """Shards differ in size (whole samples): a later, larger shard that fits the first one's block is built in the
+    same buffer; one that does not gets a new block, and the pinned total is the blocks'."""
+    allocator = CachingHostAllocator(torch.empty)
+    monkeypatch.setattr(torch, "empty", allocator)
+    buffers = HostBuffers(1, pin=True)
+    first = buffers.take(600_000)
+    buffers.give(first)
+    second = buffers.take(1_000_000)  # 2**20 holds it
+    assert second.buffer is first.buffer and allocator.blocks == [2**20]
+    buffers.give(second)
+    third = buffers.take(2**20 + 1)
+    assert third.capacity >= 2**20 + 1 and allocator.blocks == [2**20, 2**21]
+
+
+def test_a_pinned_block_off_a_page_boundary_pays_the_slack_and_stays_aligned(monkeypatch):
+    """Where the allocator's block does not start on ALIGN (another allocator configuration), the buffer is cut from
+    a larger request at an aligned start, as a pageable one is."""
+    allocator = CachingHostAllocator(torch.empty, offset=16)
+    monkeypatch.setattr(torch, "empty", allocator)
+    buffer = host_buffer(2**20, pin=True)
+    assert buffer.numel() >= 2**20 and buffer.data_ptr() % ALIGN == 0
+    assert allocator.blocks == [2**20, 2**21]  # the aligned try, then the one with slack
 
 
 def test_the_extraction_benchmark_keeps_to_its_budget_and_says_how_it_wrote(tmp_path):

@@ -212,11 +212,25 @@ def shard_layout(plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
-    """`nbytes` of host memory starting at an ALIGN boundary (O_DIRECT needs it); page-locked with `pin` (for CUDA
-    copies)."""
+    """At least `nbytes` of host memory starting at an ALIGN boundary (O_DIRECT needs it); page-locked with `pin`
+    (for CUDA copies).
+
+    Pinned memory comes from torch's caching host allocator, which rounds every block up to a power of two and
+    keeps it: `nbytes + ALIGN` of slack for the alignment would turn a 1 GiB shard's buffer into 2 GiB of
+    page-locked memory. So a pinned buffer asks for the power of two itself and is all of the block (its blocks
+    start on a page boundary); only where the block does not start at ALIGN is the slack paid."""
+    if pin:
+        raw = torch.empty(pinned_block_size(nbytes), dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
+
+
+def pinned_block_size(nbytes: int) -> int:
+    """The size torch's caching host allocator gives a pinned request of `nbytes`: the next power of two."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 class ShardImage:
