@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_resources.atomic_files import write_json_atomic
 from eagle3_resources.hidden_states.spool import Position, SpoolReader, SpoolWriter
 from eagle3_resources.hidden_states.store import (
     FORMAT,
@@ -32,7 +33,6 @@ from eagle3_resources.hidden_states.store import (
     host_buffer,
     padded_size,
     plan_shards,
-    write_json_atomic,
 )
 
 HIDDEN = 32

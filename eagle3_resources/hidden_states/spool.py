@@ -85,6 +85,7 @@ from typing import Any
 
 import torch
 
+from eagle3_resources.atomic_files import fsync_dir, write_json_atomic
 from eagle3_resources.errors import SpoolStateError, SpoolTooSmall
 from eagle3_resources.hidden_states.store import (
     CHECKSUMS,
@@ -96,14 +97,12 @@ from eagle3_resources.hidden_states.store import (
     ShardLayout,
     ShardPlan,
     StoredSample,
-    fsync_dir,
     padded_size,
     read_manifest,
     recorded_checksum,
     remove_untrusted,
     shard_layout,
     trusted_shards,
-    write_json_atomic,
 )
 
 SETTINGS = "spool.json"

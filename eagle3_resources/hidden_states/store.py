@@ -60,6 +60,8 @@ from typing import Any, overload
 
 import torch
 
+from eagle3_resources.atomic_files import fsync_dir, write_json_atomic, write_text_atomic
+
 try:
     import xxhash
 except ImportError:  # see the module docstring: sha256 then, recorded as sha256
@@ -417,29 +419,6 @@ def _address(view: memoryview) -> int:
     if view.readonly or not len(view):
         return -1
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over `path`, fsync the directory: `path` is the old text or the new, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_manifest(root: Path) -> dict[str, Any]:

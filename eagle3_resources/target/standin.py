@@ -22,9 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +30,7 @@ from typing import Any
 
 import torch
 
+from eagle3_resources.atomic_files import published_folder
 from eagle3_resources.tokenizer.chat_format import render_messages
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import BOS, EOS, IM_END, PAD, THINK_END
@@ -261,9 +259,7 @@ def build_standin_target(
         pad_token_id=tokenizer.token_id(PAD),
     )
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with published_folder(out_dir, replace=False) as tmp:  # a concurrent builder's identical folder may win
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / "standin.json").write_text(
             json.dumps(
@@ -278,13 +274,6 @@ def build_standin_target(
                 indent=2,
             )
         )
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not (out_dir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +20,7 @@ from pathlib import Path
 import regex
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from eagle3_resources.atomic_files import published_folder
 from eagle3_resources.tokenizer.kimi import (
     KIMI_PAT_STR,
     KimiTokenizer,
@@ -149,19 +147,10 @@ def build_standin_tokenizer(out_dir: Path, corpus_files: list[Path]) -> Path:
         },
     }
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with published_folder(out_dir, replace=False) as tmp:  # a concurrent builder's identical folder may win
         write_tiktoken_ranks(tmp / "tiktoken.model", tokens)
         (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         KimiTokenizer(tmp)  # refuse to publish a folder that does not load
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not (out_dir / "tiktoken.model").is_file():  # lost a race to a concurrent builder: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

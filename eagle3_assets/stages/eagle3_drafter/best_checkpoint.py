@@ -37,7 +37,6 @@ The training clock is paused on every rank. An error of rank 0's evaluation is t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +53,7 @@ from eagle3_assets.stages.eagle3_drafter.quality import drafter_from_checkpoint
 from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative
 from eagle3_assets.stages.eagle3_drafter.train import Every, Trainer
+from eagle3_resources.atomic_files import write_json_atomic
 from eagle3_resources.errors import DrafterError
 
 CURVE_FILE = "curve.json"
@@ -151,15 +151,6 @@ def measure_by_kind(
         by_kind[kind] = t["accept_length_sglang"]
         tokens, rounds = tokens + t["tokens"], rounds + t["verify_rounds"]
     return {"accept_length": round(tokens / rounds, 4) if rounds else None, "by_kind": by_kind}
-
-
-def write_json_atomically(path: Path, value: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(value, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def step_folder(step: int) -> str:
@@ -261,7 +252,7 @@ class BestCheckpointKeeper:
         curve = sorted([r for r in self.state["curve"] if r["step"] != step] + [record], key=lambda r: r["step"])
         kept = record if better or best is None else best
         self.state = {"fingerprint": self.fingerprint, "curve": curve, "best": kept}
-        write_json_atomically(self.folder / CURVE_FILE, self.state)
+        write_json_atomic(self.folder / CURVE_FILE, self.state, indent=1)
         self.remove_unnamed_folders()
         self.evaluated_here.add(step)
         kinds = ", ".join(f"{k} {v}" for k, v in measured["by_kind"].items())

@@ -11,9 +11,6 @@ same checkpoint (it renames `midlayer.` to `layers.0.`) and reads its own layer-
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from eagle3_assets.stages.eagle3_drafter.model import (
     Eagle3Drafter,
     loads_at_tp,
 )
+from eagle3_resources.atomic_files import published_folder
 
 WEIGHTS_FILE = "model.safetensors"
 # The names SGLang's LlamaForCausalLMEagle3.load_weights maps (../shared/reference/eagle3.md).
@@ -206,22 +204,12 @@ def export_checkpoint(
 ) -> Path:
     """Write config.json + model.safetensors to `out_dir`, replacing it only once verified."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with published_folder(out_dir) as tmp:  # a kill leaves the previous drafter; the next export sweeps the rest
         (tmp / "config.json").write_text(json.dumps(config_json(model.cfg, aux_layer_ids, extra), indent=2) + "\n")
         save_file(checkpoint_tensors(model), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         problems = check_checkpoint(tmp)
         if problems:
             raise ValueError("the exported drafter would not load correctly in SGLang:\n  " + "\n  ".join(problems))
-        old = out_dir.with_name(out_dir.name + ".old")
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

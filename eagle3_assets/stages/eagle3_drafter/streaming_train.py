@@ -76,6 +76,7 @@ from eagle3_assets.stages.eagle3_drafter.train import (
     training_device,
 )
 from eagle3_assets.stages.eagle3_drafter.train_cli import join_process_group, report_json
+from eagle3_resources.atomic_files import write_json_atomic
 from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.errors import StreamingTrainingFailed
 from eagle3_resources.hidden_states.lane_lock import exclusive, trainer_lock_path
@@ -310,11 +311,9 @@ def bind(progress: SideProgress, data: SpoolWindows) -> SpoolWindows:
 
 def write_report(path: Path, report: DrafterReport, streaming: dict[str, Any]) -> None:
     """`train_cli`'s report JSON, with the best checkpoint's summary and the side's figures, written atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(
-        json.dumps(report_json(report) | {"best_checkpoint": report.best_checkpoint, "streaming": streaming}) + "\n"
+    write_json_atomic(
+        path, report_json(report) | {"best_checkpoint": report.best_checkpoint, "streaming": streaming}, indent=None
     )
-    os.replace(tmp, path)
 
 
 def training_main(spec_path: Path) -> None:

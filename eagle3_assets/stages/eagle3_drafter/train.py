@@ -68,8 +68,8 @@ from eagle3_assets.stages.eagle3_drafter.data import (
 from eagle3_assets.stages.eagle3_drafter.loss import soft_cross_entropy
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter, default_learning_rate, train_flops_per_token
 from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
+from eagle3_resources.atomic_files import fsync_dir
 from eagle3_resources.errors import DrafterError
-from eagle3_resources.hidden_states.store import fsync_dir
 
 CHECKPOINT_FILE = "training_state.pt"
 LOG_EVERY = 32  # optimizer steps between reads of the device-side metrics (each read waits for the device)

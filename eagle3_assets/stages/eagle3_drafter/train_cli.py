@@ -29,6 +29,7 @@ from eagle3_assets.stages.eagle3_drafter.best_checkpoint import plan_from_spec
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.rank_zero import collective_timeout
 from eagle3_assets.stages.eagle3_drafter.train import Distributed, TrainHistory, TrainSettings
+from eagle3_resources.atomic_files import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,7 @@ def run(
         )
         report = run_drafter_job(job)
         if report is not None and dist.main and train_spec.report_path is not None:
-            tmp = Path(str(train_spec.report_path) + ".tmp")
-            tmp.write_text(json.dumps(report_json(report)) + "\n")
-            os.replace(tmp, train_spec.report_path)
+            write_json_atomic(Path(train_spec.report_path), report_json(report), indent=None)
         return report
     finally:
         if dist.world_size > 1:

@@ -1,0 +1,156 @@
+"""Files and folders that appear whole or not at all: written under another name, made durable, renamed into place.
+
+A file: `write_text_atomic` / `write_json_atomic` write `<name>.tmp`, fsync it, rename it over `<name>` and fsync
+the folder, so `<name>` is the old text or the new after any crash.
+
+A folder (an exported drafter, a stand-in model or tokenizer): `published_folder(out)` hands out a staging folder
+beside `out`, and when the block ends without an error, fsyncs what was written and swaps it in:
+
+    <parent>/.<out>.staging~<host>~<pid>~<token>/    what is being written; removed if the block raises
+    <parent>/.<out>.replaced~<host>~<pid>~<token>/   the previous `out`, between the two renames of the swap
+
+Each name says who made it, so a folder left by a killed writer is told from one a live writer is filling: before
+staging, the publisher removes the leftovers of `out` whose writer is dead (its pid gone, on this host) or that
+are older than STALE_AFTER_S (a writer on another host sharing the folder), and if a writer died between the two
+renames (no `out`, a `.replaced` folder), puts the previous `out` back. Names start with a dot and carry
+`out`'s full name, so `eagle3_drafter.training/` and `eagle3_drafter.streaming/` (resumable state beside the
+drafter) never match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+STAGING, REPLACED = "staging", "replaced"
+STALE_AFTER_S = 24 * 3600.0  # a leftover of another host's writer: no export takes a day
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any, *, indent: int | None = 2) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write, fsync, rename over `path`, fsync the directory: `path` is the old text or the new, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def published_folder(out_dir: Path, *, replace: bool = True) -> Iterator[Path]:
+    """A staging folder to fill; published as `out_dir` when the block ends, removed when it raises.
+
+    `replace=False`: an `out_dir` that exists by then (a concurrent builder of the same content won) is kept and
+    the staging folder dropped."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    recover_leftovers(out_dir)
+    staging = out_dir.with_name(leftover_name(out_dir, STAGING))
+    staging.mkdir()
+    try:
+        yield staging
+        fsync_tree(staging)
+        swap_in(staging, out_dir, replace=replace)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def swap_in(staging: Path, out_dir: Path, *, replace: bool) -> None:
+    """`staging` becomes `out_dir`; the previous `out_dir` is moved aside first and removed after."""
+    replaced = out_dir.with_name(leftover_name(out_dir, REPLACED))
+    if out_dir.exists() and replace:
+        os.rename(out_dir, replaced)
+    try:
+        os.rename(staging, out_dir)
+    except OSError:
+        if replace or not out_dir.is_dir():
+            raise
+        return  # a concurrent builder published first: its folder is as good as ours
+    fsync_dir(out_dir.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def recover_leftovers(out_dir: Path) -> list[Path]:
+    """Put back a previous `out_dir` a dead writer had moved aside, and remove its dead writers' staging folders and
+    replaced copies; returns what was removed. A live writer's folders are left alone."""
+    removed = []
+    for path, kind in leftovers(out_dir):
+        if not abandoned(path):
+            continue
+        if kind == REPLACED and not out_dir.exists():
+            os.rename(path, out_dir)  # killed between the swap's renames: the previous folder is still the latest
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def leftover_name(out_dir: Path, kind: str) -> str:
+    return f".{out_dir.name}.{kind}~{socket.gethostname()}~{os.getpid()}~{secrets.token_hex(4)}"
+
+
+def leftovers(out_dir: Path) -> list[tuple[Path, str]]:
+    """`out_dir`'s staging and replaced folders, newest first."""
+    found = []
+    for kind in (STAGING, REPLACED):
+        found += [(p, kind) for p in out_dir.parent.glob(f".{out_dir.name}.{kind}~*") if p.is_dir()]
+    return sorted(found, key=lambda item: mtime(item[0]), reverse=True)
+
+
+def mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # another publisher removed it meanwhile
+        return 0.0
+
+
+def abandoned(path: Path) -> bool:
+    """Whether the writer that named `path` is gone: a dead pid on this host, or too old to be anyone's."""
+    try:
+        _, host, pid, _ = path.name.rsplit("~", 3)
+        writer, age = int(pid), time.time() - path.stat().st_mtime
+    except (ValueError, FileNotFoundError):  # not a name of ours, or removed meanwhile
+        return False
+    return age > STALE_AFTER_S or (host == socket.gethostname() and not pid_alive(writer))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def fsync_tree(folder: Path) -> None:
+    """Every file under `folder`, then each folder: the rename that publishes it must not outrun its bytes."""
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            fsync_dir(path)
+    fsync_dir(folder)

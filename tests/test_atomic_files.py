@@ -1,0 +1,119 @@
+"""Published folders (an exported drafter, the stand-ins) after kill -9 at their worst moments, and beside live
+writers: a reader finds the previous folder or the new one, whole; what a dead writer left is swept by the next
+publish; a live writer's staging folder and the resumable state beside a drafter are never touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from support import stop_group
+from test_drafter import tiny_drafter
+
+from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, export_checkpoint
+from eagle3_resources.atomic_files import STALE_AFTER_S, published_folder
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(mode: str, out: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "atomic_files_worker.py"), mode, str(out)],
+        cwd=HERE,
+        start_new_session=True,
+        **kw,
+    )
+
+
+def beside(out: Path) -> list[str]:
+    """What is in `out`'s folder besides `out`, by name."""
+    return sorted(p.name for p in out.parent.iterdir() if p != out)
+
+
+def test_an_export_killed_mid_write_leaves_the_previous_drafter_and_the_next_export_sweeps_up(tmp_path):
+    out = tmp_path / "eagle3_drafter"
+    export_checkpoint(tiny_drafter(), out, [1, 29, 57])
+    first = (out / "config.json").read_text()
+    state = [out.with_name("eagle3_drafter.training"), out.with_name("eagle3_drafter.streaming")]
+    for folder in state:  # the resumable state a drafter's training keeps beside it
+        folder.mkdir()
+        (folder / "checkpoint.pt").write_bytes(b"state")
+
+    p = worker("export-killed-mid-write", out)
+    assert p.wait(timeout=120) == -signal.SIGKILL
+    assert (out / "config.json").read_text() == first  # the previous drafter, whole
+    assert check_checkpoint(out) == []
+    left = [n for n in beside(out) if n.startswith(".eagle3_drafter.staging~")]
+    assert len(left) == 1, beside(out)  # the killed export's half-written folder
+
+    export_checkpoint(tiny_drafter(), out, [2, 4, 6])
+    assert (out / "config.json").read_text() != first
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert "fc.weight" in set(f.keys())
+    assert beside(out) == ["eagle3_drafter.streaming", "eagle3_drafter.training"]  # swept, the state untouched
+    assert all((folder / "checkpoint.pt").read_bytes() == b"state" for folder in state)
+
+
+def test_a_writer_killed_between_the_swaps_renames_gets_the_previous_folder_put_back(tmp_path):
+    out = tmp_path / "drafter"
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("old")
+    p = worker("killed-between-renames", out)
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    assert not out.exists()  # the one moment a reader finds nothing: the next publisher repairs it
+    assert sorted(n.split("~")[0] for n in beside(out)) == [".drafter.replaced", ".drafter.staging"]
+
+    with pytest.raises(ValueError, match="refused"), published_folder(out) as tmp:
+        raise ValueError("refused")  # a publish that fails its check still puts the previous folder back
+    assert (out / "version").read_text() == "old"
+    assert beside(out) == []
+
+
+def test_a_live_writers_staging_folder_is_left_alone(tmp_path):
+    out = tmp_path / "drafter"
+    held = worker("hold", out, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout is not None and held.stdout.readline().strip() == "staged"
+        (theirs,) = beside(out)
+        with published_folder(out) as tmp:
+            (tmp / "version").write_text("mine")
+        assert (out / "version").read_text() == "mine"
+        assert beside(out) == [theirs] and (out.parent / theirs / "version").read_text() == "held"
+        assert held.stdin is not None
+        held.stdin.close()
+        assert held.wait(timeout=60) == 0
+    finally:
+        stop_group(held)
+    assert (out / "version").read_text() == "held" and beside(out) == []  # it published in its turn
+
+
+def test_another_hosts_leftover_is_swept_only_once_it_is_older_than_any_export(tmp_path):
+    out = tmp_path / "drafter"
+    fresh = out.with_name(".drafter.staging~another-host~1~0a0b0c0d")
+    old = out.with_name(".drafter.staging~another-host~2~0a0b0c0e")
+    for folder in (fresh, old):
+        folder.mkdir()
+    then = time.time() - STALE_AFTER_S - 60
+    os.utime(old, (then, then))
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("mine")
+    assert beside(out) == [fresh.name]
+    assert socket.gethostname() != "another-host"
+
+
+def test_a_concurrent_builders_folder_wins_when_replacing_is_not_asked(tmp_path):
+    """The stand-ins are built by whoever needs them first: two builders of the same content may race, and the
+    second to finish keeps the first's folder."""
+    out = tmp_path / "tokenizer-abc"
+    with published_folder(out, replace=False) as tmp:
+        (tmp / "version").write_text("second")
+        out.mkdir()
+        (out / "version").write_text("first")  # the other builder published meanwhile
+    assert (out / "version").read_text() == "first" and beside(out) == []
