@@ -202,6 +202,50 @@ SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
 }
 
 
+# The issue's goals on an H200, each (what, section, figure, comparison, target): checked at the end of every run
+# and written into the JSON and as a table, so a run's report says at once which hold. The last is the run's own
+# wall time.
+GOALS: list[tuple[str, str | None, str, str, float]] = [
+    ("extraction / 0.9 x min(bare forward, disk bound)", "extraction", "ratio_extraction_to_limit", ">=", 0.9),
+    ("extraction, null sink / bare forward", "extraction", "ratio_null_sink_to_bare", ">=", 0.95),
+    ("training MFU at Kimi width (4,096-token step)", "train_kimi", "mfu", ">=", 0.40),
+    ("training tokens/s at width 2048 (10x 4,160)", "train_2048", "tokens_per_s", ">=", 41_600),
+    ("the whole device check, seconds", None, "seconds", "<=", 300),
+]
+
+
+def acceptance(report: dict) -> list[dict]:
+    """Each goal with its measured figure and whether it holds (None: not measured, e.g. a failed section, or MFU
+    on a CPU)."""
+    rows = []
+    for what, section, key, op, target in GOALS:
+        source = report if section is None else report["sections"].get(section, {}).get("figures", {})
+        value = source.get(key)
+        met = None if value is None else (value >= target if op == ">=" else value <= target)
+        rows.append(
+            {
+                "goal": what,
+                "section": section,
+                "figure": key,
+                "target": f"{op} {target:g}",
+                "measured": value,
+                "met": met,
+            }
+        )
+    return rows
+
+
+def acceptance_table(rows: list[dict]) -> str:
+    """The goals as a markdown table, for the README's GPU section."""
+    verdict = {True: "yes", False: "**no**", None: "not measured"}
+    lines = ["| goal | target | measured | met |", "|---|---|---|---|"]
+    for r in rows:
+        value = r["measured"]
+        shown = "-" if value is None else f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+        lines.append(f"| {r['goal']} | {r['target']} | {shown} | {verdict[r['met']]} |")
+    return "\n".join(lines)
+
+
 # Sections whose script keeps to a `--budget-s` (no round starts that would end past it): given their limit less
 # this margin (start-up, the JSON), so a section that runs short of time still returns the rounds it finished.
 BUDGETED = {"extraction"}
@@ -285,6 +329,7 @@ def main() -> None:
             report["seconds"] = round(time.monotonic() - started, 1)
             (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
     report["seconds"] = round(time.monotonic() - started, 1)
+    report["acceptance"] = acceptance(report)
     (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
     summary = {
         n: {k: s.get("figures", {}).get(k) for k in ("tokens_per_s", "mfu", "peak_gpu_mib")}
@@ -293,6 +338,8 @@ def main() -> None:
         for n, s in report["sections"].items()
     }
     print(json.dumps({"seconds": report["seconds"], "summary": summary}, indent=2))
+    print(f"\nThe issue's goals, set for an H200 (this run's device: {a.device}):")
+    print(acceptance_table(report["acceptance"]))
 
 
 if __name__ == "__main__":

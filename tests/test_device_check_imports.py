@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from device_check import SECTIONS  # noqa: E402  (the script's own list of sections)
+from device_check import GOALS, SECTIONS, acceptance, acceptance_table  # noqa: E402  (the script's own sections)
 
 GPU_HOST = ("torch", "transformers", "safetensors", "numpy")
 ABSENT = ("dagster", "polars", "sglang", "xxhash")  # what a bare GPU host lacks and the project has
@@ -93,5 +93,30 @@ def test_every_device_check_section_runs_with_the_gpu_hosts_packages_only(gpu_ho
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads((tmp_path / "device_check.json").read_text())["sections"][section]
     assert "figures" in result, f"{section}: {result.get('error')}\n{result.get('output_tail')}"
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    for row in report["acceptance"]:  # a goal's figure is one its section writes (MFU is None on a CPU, yet present)
+        if row["section"] == section:
+            assert row["figure"] in result["figures"], (row, sorted(result["figures"]))
     if section == "extraction":  # the section's own process had no xxhash: the store hashed with sha256, and said so
         assert result["figures"]["checksum"] == "sha256", result["figures"]["checksum"]
+
+
+def test_the_verdict_says_which_goal_holds_which_fails_and_which_was_not_measured():
+    figures = {
+        "extraction": {"figures": {"ratio_extraction_to_limit": 0.93, "ratio_null_sink_to_bare": 0.9}},
+        "train_kimi": {"error": "timed out after 90 s"},
+        "train_2048": {"figures": {"tokens_per_s": 41_600.0}},
+    }
+    rows = acceptance({"sections": figures, "seconds": 300.5})
+    assert [r["section"] for r in rows] == [g[1] for g in GOALS]
+    assert [r["met"] for r in rows] == [True, False, None, True, False]
+    assert [r["measured"] for r in rows] == [0.93, 0.9, None, 41_600.0, 300.5]
+    table = acceptance_table(rows).splitlines()
+    assert table[1:] == [
+        "|---|---|---|---|",
+        "| extraction / 0.9 x min(bare forward, disk bound) | >= 0.9 | 0.93 | yes |",
+        "| extraction, null sink / bare forward | >= 0.95 | 0.9 | **no** |",
+        "| training MFU at Kimi width (4,096-token step) | >= 0.4 | - | not measured |",
+        "| training tokens/s at width 2048 (10x 4,160) | >= 41600 | 41,600 | yes |",
+        "| the whole device check, seconds | <= 300 | 300.5 | **no** |",
+    ]
