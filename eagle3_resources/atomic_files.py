@@ -10,23 +10,25 @@ beside `out`, and when the block ends without an error, fsyncs what was written 
     <parent>/.<out>.replaced~<host>~<pid>~<token>/   the previous `out`, between the two renames of the swap
 
 Each name says who made it, so a folder left by a killed writer is told from one a live writer is filling: before
-staging, the publisher removes the leftovers of `out` whose writer is dead (its pid gone, on this host) or that
-are older than STALE_AFTER_S (a writer on another host sharing the folder), and if a writer died between the two
-renames (no `out`, a `.replaced` folder), puts the previous `out` back. Names start with a dot and carry
-`out`'s full name, so `eagle3_drafter.training/` and `eagle3_drafter.streaming/` (resumable state beside the
-drafter) never match.
+staging, the publisher removes the leftovers in `out`'s folder whose writer is dead (its pid gone, on this host)
+or that are older than STALE_AFTER_S (a writer on another host sharing the folder), and where a writer died
+between the two renames (no `out`, a `.replaced` folder), puts the previous `out` back. Only names of this exact
+form match: `eagle3_drafter.training/` and `eagle3_drafter.streaming/` (resumable state beside the drafter) never
+do.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,7 @@ def published_folder(out_dir: Path, *, replace: bool = True) -> Iterator[Path]:
     the staging folder dropped."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    recover_leftovers(out_dir)
+    recover_leftovers(out_dir.parent)
     staging = out_dir.with_name(leftover_name(out_dir, STAGING))
     staging.mkdir()
     try:
@@ -91,18 +93,20 @@ def swap_in(staging: Path, out_dir: Path, *, replace: bool) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
-def recover_leftovers(out_dir: Path) -> list[Path]:
-    """Put back a previous `out_dir` a dead writer had moved aside, and remove its dead writers' staging folders and
-    replaced copies; returns what was removed. A live writer's folders are left alone."""
+def recover_leftovers(folder: Path) -> list[Path]:
+    """In `folder`: put back a published folder a dead writer had moved aside, and remove dead writers' staging
+    folders and replaced copies, whatever they publish (a best-checkpoint's step folder is never published twice, so
+    its own next publish would never come); returns what was removed. A live writer's folders are left alone."""
     removed = []
-    for path, kind in leftovers(out_dir):
-        if not abandoned(path):
+    for left in leftovers(folder):
+        if not left.abandoned():
             continue
-        if kind == REPLACED and not out_dir.exists():
-            os.rename(path, out_dir)  # killed between the swap's renames: the previous folder is still the latest
+        target = folder / left.target
+        if left.kind == REPLACED and not target.exists():
+            os.rename(left.path, target)  # killed between the swap's renames: the previous folder is still the latest
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        shutil.rmtree(left.path, ignore_errors=True)
+        removed.append(left.path)
     return removed
 
 
@@ -110,12 +114,36 @@ def leftover_name(out_dir: Path, kind: str) -> str:
     return f".{out_dir.name}.{kind}~{socket.gethostname()}~{os.getpid()}~{secrets.token_hex(4)}"
 
 
-def leftovers(out_dir: Path) -> list[tuple[Path, str]]:
-    """`out_dir`'s staging and replaced folders, newest first."""
+LEFTOVER = re.compile(rf"\.(?P<target>.+)\.(?P<kind>{STAGING}|{REPLACED})~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+")
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A staging folder or a replaced copy, by its name: what it publishes and who made it."""
+
+    path: Path
+    target: str
+    kind: str
+    host: str
+    pid: int
+
+    def abandoned(self) -> bool:
+        """Whether its writer is gone: a dead pid on this host, or too old to be anyone's."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:  # removed meanwhile by another publisher
+            return False
+        return age > STALE_AFTER_S or (self.host == socket.gethostname() and not pid_alive(self.pid))
+
+
+def leftovers(folder: Path) -> list[Leftover]:
+    """The staging folders and replaced copies in `folder`, newest first."""
     found = []
-    for kind in (STAGING, REPLACED):
-        found += [(p, kind) for p in out_dir.parent.glob(f".{out_dir.name}.{kind}~*") if p.is_dir()]
-    return sorted(found, key=lambda item: mtime(item[0]), reverse=True)
+    for path in folder.glob(".*~*"):
+        m = LEFTOVER.fullmatch(path.name)
+        if m and path.is_dir():
+            found.append(Leftover(path, m["target"], m["kind"], m["host"], int(m["pid"])))
+    return sorted(found, key=lambda left: mtime(left.path), reverse=True)
 
 
 def mtime(path: Path) -> float:
@@ -123,16 +151,6 @@ def mtime(path: Path) -> float:
         return path.stat().st_mtime
     except FileNotFoundError:  # another publisher removed it meanwhile
         return 0.0
-
-
-def abandoned(path: Path) -> bool:
-    """Whether the writer that named `path` is gone: a dead pid on this host, or too old to be anyone's."""
-    try:
-        _, host, pid, _ = path.name.rsplit("~", 3)
-        writer, age = int(pid), time.time() - path.stat().st_mtime
-    except (ValueError, FileNotFoundError):  # not a name of ours, or removed meanwhile
-        return False
-    return age > STALE_AFTER_S or (host == socket.gethostname() and not pid_alive(writer))
 
 
 def pid_alive(pid: int) -> bool:

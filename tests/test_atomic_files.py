@@ -61,6 +61,16 @@ def test_an_export_killed_mid_write_leaves_the_previous_drafter_and_the_next_exp
     assert all((folder / "checkpoint.pt").read_bytes() == b"state" for folder in state)
 
 
+def test_a_dead_writers_folder_is_swept_by_the_next_publish_of_any_name_beside_it(tmp_path):
+    """A best checkpoint's step folders are each exported once: a step's export killed mid-write is swept up by the
+    next step's."""
+    p = worker("export-killed-mid-write", tmp_path / "step-000100")
+    assert p.wait(timeout=120) == -signal.SIGKILL
+    assert [n.split("~")[0] for n in os.listdir(tmp_path)] == [".step-000100.staging"]
+    export_checkpoint(tiny_drafter(), tmp_path / "step-000200", [1, 2, 3])
+    assert os.listdir(tmp_path) == ["step-000200"]
+
+
 def test_a_writer_killed_between_the_swaps_renames_gets_the_previous_folder_put_back(tmp_path):
     out = tmp_path / "drafter"
     with published_folder(out) as tmp:
