@@ -77,7 +77,8 @@ class Stalled:
 
 class HangingWrites:
     """The store's `os` (the store writes with os.pwrite only): the second shard file written is held for good once
-    its chunk at offset `hang_at` is written (the other shards go on, and are committed)."""
+    its chunk at offset `hang_at` is written (the other shards go on; those after it in plan order are written but
+    never listed, as shards are listed in plan order)."""
 
     def __init__(self, hang_at: int):
         self.hang_at = hang_at

@@ -24,16 +24,26 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from support import stop_group, wait_for
 
+from eagle3_resources.hidden_states import extract as extract_module
 from eagle3_resources.hidden_states import store as store_module
-from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store
+from eagle3_resources.hidden_states.extract import (
+    ExtractionOptions,
+    HostBuffers,
+    StoreSettings,
+    capture_to_spool,
+    extract_to_store,
+)
+from eagle3_resources.hidden_states.spool import LANES, SpoolSettings, create_spool
 from eagle3_resources.hidden_states.store import (
     ALIGN,
     MANIFEST,
     HiddenStateStore,
     ShardCommitter,
+    ShardImage,
     StoredSample,
     file_checksum,
     host_buffer,
+    plan_shards,
     read_manifest,
     write_file,
 )
@@ -355,6 +365,92 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     assert sorted(p.name for p in root.iterdir()) == sorted([*whole, MANIFEST])
 
 
+class HeldBack(HostBuffers):
+    """Host buffers that give shard `hold`'s buffer back (after its write, before it is recorded) only once the shards
+    `until` have given theirs: those are written, and ready to be recorded, before it."""
+
+    def __init__(self, count: int, hold: str, until: list[str]):
+        super().__init__(count)
+        self.hold, self.until = hold, set(until)
+        self.given: set[str] = set()
+        self.held = False  # whether `until` came back while `hold` waited (else the test proves nothing)
+        self._gives = threading.Condition()
+
+    def give(self, image: ShardImage) -> None:
+        assert image.plan is not None  # a started image
+        with self._gives:
+            self.given.add(image.plan.name)
+            self._gives.notify_all()
+            if image.plan.name == self.hold:
+                self.held = self._gives.wait_for(lambda: self.until <= self.given, timeout=60)
+        super().give(image)
+
+
+@pytest.mark.parametrize("writers", [1, 3])
+@pytest.mark.parametrize("sink", ["store", "spool"])
+def test_shards_are_recorded_in_plan_order_when_later_ones_finish_writing_first(target_model, tmp_path, sink, writers):
+    """The first shard's writer is held after its write until the next `writers` shards are written (all at once
+    when writers > 1): the manifest (a spool lane's: the order its trainer adopts them) still lists every shard in
+    plan order, so two runs of the same data commit the same order."""
+    samples = make_samples(12, target_model.config.vocab_size)
+    settings = StoreSettings(shard_bytes=16_000, batch_tokens=64, writers=writers, **ROOMY)
+    planned = [p.name for p in plan_shards(samples, target_model.config.hidden_size, 16_000, {"target": "t"})]
+    assert len(planned) >= writers + 2
+    buffers = HeldBack(writers + 1, planned[0], planned[1 : 1 + writers])
+    backend = TransformersHiddenStates(target_model)
+    options = ExtractionOptions({"target": "t"}, log=lambda line: None, progress_every_s=3600, buffers=buffers)
+    if sink == "store":
+        extract_to_store(samples, backend, tmp_path, settings, options)
+        manifest = read_manifest(tmp_path)
+    else:
+        spool = SpoolSettings(
+            {"lane": 10**9}, 1, max_len=16, batch_tokens=64, seed=0, hidden_size=target_model.config.hidden_size
+        )
+        create_spool(tmp_path, spool)
+        capture_to_spool(samples, backend, tmp_path, "lane", settings, options)
+        manifest = read_manifest(tmp_path / LANES / "lane")
+    assert buffers.held, "the later shards were not written while the first one was held"
+    assert manifest["planned_shards"] == planned
+    assert list(manifest["shards"]) == planned
+
+
+def test_shards_written_early_join_the_manifest_write_that_follows_their_turn(target_model, tmp_path, monkeypatch):
+    """Held back as above, the first shard is listed alone; the three written before it, waiting for their turn, are
+    listed as soon as it is (not once its manifest write is durable) and share the next manifest write."""
+    samples = make_samples(12, target_model.config.vocab_size)
+    planned = [p.name for p in plan_shards(samples, target_model.config.hidden_size, 16_000, {"target": "t"})]
+    buffers = HeldBack(4, planned[0], planned[1:4])
+    committers: list[ShardCommitter] = []
+
+    class Kept(ShardCommitter):
+        def __init__(self, root: Path, manifest: dict) -> None:
+            super().__init__(root, manifest)
+            committers.append(self)
+
+    real, writes = store_module.write_text_atomic, []
+
+    def write_text_atomic(path, text):
+        listed = list(json.loads(text)["shards"])
+        if listed == planned[:1]:  # the first shard's write: the next three are listed meanwhile
+            deadline = time.monotonic() + 30
+            while not all(n in committers[0].manifest["shards"] for n in planned[1:4]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if listed:
+            writes.append(listed)
+        real(path, text)
+
+    monkeypatch.setattr(extract_module, "ShardCommitter", Kept)
+    monkeypatch.setattr(store_module, "write_text_atomic", write_text_atomic)
+    settings = StoreSettings(shard_bytes=16_000, batch_tokens=64, writers=3, **ROOMY)
+    backend = TransformersHiddenStates(target_model)
+    extract_to_store(
+        samples, backend, tmp_path, settings, identity={"target": "t"}, progress_every_s=3600, buffers=buffers
+    )
+    assert buffers.held and writes[0] == planned[:1]
+    assert writes[1][:4] == planned[:4]  # one manifest write for the three
+    assert list(read_manifest(tmp_path)["shards"]) == planned
+
+
 def worker(model_folder: Path, root: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "hidden_states_worker.py"), str(model_folder), str(root), *extra],
@@ -368,39 +464,51 @@ def worker(model_folder: Path, root: Path, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.timeout(900)
 def test_kill_9_in_the_middle_of_a_shard_write(target_resource, tokenizer_resource, tmp_path):
-    """SIGKILL while a shard's bytes are going to disk: the shard is not listed, and the resume redoes it."""
+    """SIGKILL while a shard's bytes are going to disk: neither it nor the shards written after it are listed (shards
+    are listed in plan order), and the resume redoes them all."""
     folder = target_resource.folder(tokenizer_resource)
     root = tmp_path / "killed"
     hang_at = 2 * ALIGN  # the second shard file written is held for good once its third chunk is on disk
     proc = worker(folder, root, "--hang-write-at", str(hang_at))
     assert proc.stdout is not None  # stdout=PIPE
 
-    def all_but_one_committed() -> bool:
+    def held_and_settled() -> Path | None:
+        """The held shard's partial file, once it is the only shard mid-write (its third chunk on disk), the shards
+        before it in plan order are listed and one after it is written: shards are listed in plan order, so that one
+        waits for the held one's turn. (Only the held file stays a .tmp once a later shard is written.)"""
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        m = root / MANIFEST
-        if not m.exists():
-            return False
-        manifest = json.loads(m.read_text())
-        return len(manifest["shards"]) == len(manifest["planned_shards"]) - 1
+        partials = list(root.glob("*.safetensors.tmp"))
+        try:
+            if not (root / MANIFEST).exists() or len(partials) != 1 or partials[0].stat().st_size != hang_at + ALIGN:
+                return None
+        except FileNotFoundError:  # renamed meanwhile: not the held one
+            return None
+        manifest = read_manifest(root)
+        planned, k = manifest["planned_shards"], manifest["planned_shards"].index(partials[0].name.removesuffix(".tmp"))
+        if list(manifest["shards"]) == planned[:k] and any((root / n).exists() for n in planned[k + 1 :]):
+            return partials[0]
+        return None
 
     try:
-        wait_for(all_but_one_committed, 600, "every shard but the held one committed")
-        [partial] = root.glob("*.safetensors.tmp")  # the held shard, under its temporary name
-        wait_for(lambda: partial.stat().st_size == hang_at + ALIGN, 60, "the held shard's third chunk on disk")
+        wait_for(lambda: held_and_settled() is not None, 600, "the held shard mid-write, a later one written")
+        partial = held_and_settled()
+        assert partial is not None  # nothing moves while the held write is held
         os.killpg(proc.pid, signal.SIGKILL)  # in the middle of that shard's write, whatever the scheduling
         proc.wait()
     finally:
         stop_group(proc)
-    listed = read_manifest(root)["shards"]
+    manifest = read_manifest(root)
+    listed, planned = manifest["shards"], manifest["planned_shards"]
     target = partial.name.removesuffix(".tmp")
-    assert target not in listed
+    k = planned.index(target)
+    assert list(listed) == planned[:k]  # in plan order: none after the held one, though some are written
+    assert any((root / n).exists() for n in planned[k + 1 :])
     for name, entry in listed.items():  # what is listed is whole
         assert file_xxh3(root / name) == entry["xxh3_128"]
 
     resumed = worker(folder, root)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
-    planned = read_manifest(root)["planned_shards"]
     final = read_manifest(root)["shards"]
     assert f"{len(planned) - len(listed)} written, {len(listed)} kept" in out
     assert target in final and file_xxh3(root / target) == final[target]["xxh3_128"]

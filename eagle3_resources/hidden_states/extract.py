@@ -13,7 +13,7 @@ batch's forward runs while they cross, and an event marks the shard's last copy.
 check runs where the states are, one figure per sample copied with the states (`finite_hints`). A writer
 thread waits for the event, then writes, hashes, fsyncs and renames the shard (store.write_file), gives
 its buffer back, and lists it in the manifest with the shards other writers finished meanwhile
-(`ShardCommitter.record`, one manifest write for them all).
+(`ShardCommitter.record`, one manifest write for them all), in the order the shards were captured (`InOrder`).
 
 The same phases fill a lane of the streaming spool (`capture_to_spool`, spool.py): there the lane's
 `SpoolWriter` plans what is left to capture, each shard's bytes are reserved in the lane's share of the
@@ -66,7 +66,7 @@ class ShardSink(Protocol):
 
     def write(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]: ...
 
-    def record(self, name: str, entry: dict[str, Any]) -> None: ...
+    def record(self, name: str, entry: dict[str, Any], *, listed: Callable[[], None] | None = None) -> None: ...
 
 
 class HiddenStatesBackend(Protocol):
@@ -218,6 +218,39 @@ def finite_hints(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Te
     """
     extremes = torch.stack([x for a, f in pairs for x in (*torch.aminmax(a), *torch.aminmax(f))])
     return extremes.to(torch.bfloat16).float().view(-1, 4).mul(0).sum(1)
+
+
+class InOrder:
+    """Lets the writer threads record their shards in the order they were captured: ticket 0, 1, 2, ... by submission.
+
+    The writes finish in any order (several run at once, and which waiting writer gets `Extraction._writing` next is
+    up to the scheduler), yet the manifest's order is a spool lane's commit order, which its trainer's steps follow:
+    recorded in capture order, two runs of the same data train the same steps. A writer whose write finished early
+    waits only for the earlier shards to be listed (`done` is called from `ShardCommitter.record` once its shard is in
+    the manifest in memory), then joins their manifest write. FIFO admission to `_writing` alone would not do: two
+    writes admitted in order still finish out of order. A ticket that fails or has nothing to record is `done` at
+    once, so it never holds a later one back; and a writer waits only for earlier tickets, whose tasks the pool
+    started first (it runs them in submission order), none of which waits for a later one: no deadlock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the ticket whose turn it is
+        self._early: set[int] = set()  # tickets done before their turn
+
+    def wait(self, ticket: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._next == ticket)
+
+    def done(self, ticket: int) -> None:
+        """Ticket `ticket` is recorded or will not be (idempotent): the turn moves past it once earlier ones are."""
+        with self._cond:
+            if ticket >= self._next:
+                self._early.add(ticket)
+            while self._next in self._early:
+                self._early.remove(self._next)
+                self._next += 1
+            self._cond.notify_all()
 
 
 @dataclass
@@ -385,6 +418,7 @@ class Extraction:
     capture     each pending shard, once admitted (`admit`: always for a store; a spool lane's reservation), its
                 batches through the backend (`capture_batch`), staged into its host image
     write       on a writer thread: wait for the copies, check, write, hash, fsync, rename, record (`ShardCommitter`)
+                once the shards captured before it are (`InOrder`)
     finish      every shard handed to a writer is committed whatever stopped the loop; then the report
     """
 
@@ -406,6 +440,7 @@ class Extraction:
         # `writers` files written at once: the pool has twice that many threads (see capture) and the buffers let a
         # captured shard reach a writer while another is still written, so without this writers + 1 could overlap
         self._writing = threading.BoundedSemaphore(max(1, settings.writers))
+        self._in_order = InOrder()  # the shards are recorded in capture order, whatever order their writes end in
 
     def run(self) -> ExtractionReport:
         self.resume = self.plan()
@@ -515,7 +550,7 @@ class Extraction:
                     except BaseException:
                         self.release(plan)
                         raise
-                    future = pool.submit(self.write, shard)
+                    future = pool.submit(self.write, shard, len(futures))
                     future.add_done_callback(functools.partial(self._written, plan.name))
                     futures.append(future)
                     self.report.samples_written += len(shard.rows)
@@ -564,21 +599,26 @@ class Extraction:
 
     # ------------------------------------------------------------ the writers (their own threads)
 
-    def write(self, shard: PendingShard) -> int:
-        """A writer thread: wait for the shard's copies, check it, write it, give its buffer back, then record it."""
+    def write(self, shard: PendingShard, ticket: int) -> int:
+        """A writer thread: wait for the shard's copies, check it, write it, give its buffer back, then record it once
+        the shards captured before it are (`ticket`: its place in the capture order, see `InOrder`)."""
         plan, layout = shard.image.plan, shard.image.layout
         assert plan is not None and layout is not None  # started by capture_shard
         entry = None
         try:
-            shard.wait()
-            bad = shard.non_finite()
-            if not self.options.null_sink:
-                with self._writing:
-                    entry = self.committer.write(shard.image, direct=self.settings.direct_io)
+            try:
+                shard.wait()
+                bad = shard.non_finite()
+                if not self.options.null_sink:
+                    with self._writing:
+                        entry = self.committer.write(shard.image, direct=self.settings.direct_io)
+            finally:
+                self.buffers.give(shard.image)  # durable on disk (or failed): the next shard can be built in it
+            if entry is not None:
+                self._in_order.wait(ticket)
+                self.committer.record(plan.name, entry, listed=functools.partial(self._in_order.done, ticket))
         finally:
-            self.buffers.give(shard.image)  # durable on disk (or failed): the next shard can be built in it
-        if entry is not None:
-            self.committer.record(plan.name, entry)
+            self._in_order.done(ticket)  # a failed shard holds no later one back
         with self._lock:
             self.report.nan_samples.extend(bad)
             self.report.shards_written += 1

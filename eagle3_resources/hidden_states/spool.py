@@ -424,14 +424,15 @@ class SpoolWriter:
             self.release(plan)
             raise
 
-    def record(self, name: str, entry: dict[str, Any]) -> None:
-        """List the written shard in the lane's manifest (`ShardCommitter.record`); its reservation becomes committed
-        bytes. If the manifest write fails, the file stays on disk unlisted and its bytes stay reserved (counted)."""
+    def record(self, name: str, entry: dict[str, Any], listed: Callable[[], None] | None = None) -> None:
+        """List the written shard in the lane's manifest (`ShardCommitter.record`, which calls `listed`); its
+        reservation becomes committed bytes. If the manifest write fails, the file stays on disk unlisted and its
+        bytes stay reserved (counted)."""
         # Deleted shards leave the lane's manifest as the next shard is listed: it stays the few shards on disk
         # instead of growing to every shard of the run (at Kimi-K2.5 scale ~86k entries, 22 MB of JSON rewritten
         # per commit and read twice per shard by the trainer). The trainer reads a shard's entry only before its
         # last pass is committed, and the ledger records a deletion only after the unlink.
-        self.committer.record(name, entry, drop=self.consumer.view().deleted)
+        self.committer.record(name, entry, drop=self.consumer.view().deleted, listed=listed)
         with self._lock:
             self._committed[name] = int(entry["bytes"])
             del self._reserved[name]

@@ -489,15 +489,20 @@ class ShardCommitter:
             "tokens": plan.tokens,
         }
 
-    def record(self, name: str, entry: dict[str, Any], drop: Collection[str] = ()) -> None:
+    def record(
+        self, name: str, entry: dict[str, Any], drop: Collection[str] = (), listed: Callable[[], None] | None = None
+    ) -> None:
         """List the written shard `name` in the manifest, unlisting the shards in `drop` (a spool's deleted ones);
-        return once that manifest is durable (see the class)."""
+        return once that manifest is durable (see the class). `listed()` is called once the shard is in the manifest
+        in memory, before it is written: the caller's next shard may be listed from then on, in the same write."""
         with self._cond:
             shards = self.manifest["shards"]
             for gone in [n for n in shards if n in drop]:
                 del shards[gone]
             shards[name] = entry
             self._changes += 1
+            if listed is not None:
+                listed()
             mine = self._changes
             while self._saved < mine:
                 if self._saving:  # another writer's manifest write is under way: the next one lists this shard
