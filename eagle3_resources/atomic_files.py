@@ -9,6 +9,8 @@ beside `out`, and when the block ends without an error, fsyncs what was written 
     <parent>/.<out>.staging~<host>~<pid>~<token>/    what is being written; removed if the block raises
     <parent>/.<out>.replaced~<host>~<pid>~<token>/   the previous `out`, between the two renames of the swap
 
+A scratch folder (`scratch_folder`: `eagle3 gpu-check`'s disk measurement) is named the same way, `.scratch~`.
+
 Each name says who made it, so a folder left by a killed writer is told from one a live writer is filling: before
 staging, the publisher removes the leftovers in `out`'s folder whose writer is dead (its pid gone, on this host)
 or that are older than STALE_AFTER_S (a writer on another host sharing the folder), and where a writer died
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STAGING, REPLACED = "staging", "replaced"
+STAGING, REPLACED, SCRATCH = "staging", "replaced", "scratch"
 STALE_AFTER_S = 24 * 3600.0  # a leftover of another host's writer: no export takes a day
 
 
@@ -78,6 +80,20 @@ def published_folder(out_dir: Path, *, replace: bool = True) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+@contextmanager
+def scratch_folder(parent: Path, purpose: str) -> Iterator[Path]:
+    """A folder in `parent` for throwaway files (`.<purpose>.scratch~<host>~<pid>~<token>`), removed when the block
+    ends; one a killed process left is removed by the next scratch or published folder made in `parent`."""
+    parent = Path(parent)
+    recover_leftovers(parent)
+    folder = parent / leftover_name(parent / purpose, SCRATCH)
+    folder.mkdir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def swap_in(staging: Path, out_dir: Path, *, replace: bool) -> None:
     """`staging` becomes `out_dir`; the previous `out_dir` is moved aside first and removed after."""
     replaced = out_dir.with_name(leftover_name(out_dir, REPLACED))
@@ -98,7 +114,7 @@ def recover_leftovers(folder: Path) -> list[Path]:
     folders and replaced copies, whatever they publish (a best-checkpoint's step folder is never published twice, so
     its own next publish would never come); returns what was removed. A live writer's folders are left alone."""
     removed = []
-    for left in leftovers(folder):
+    for left in leftovers(folder):  # a scratch folder's is removed like a staging folder's
         if not left.abandoned():
             continue
         target = folder / left.target
@@ -114,7 +130,9 @@ def leftover_name(out_dir: Path, kind: str) -> str:
     return f".{out_dir.name}.{kind}~{socket.gethostname()}~{os.getpid()}~{secrets.token_hex(4)}"
 
 
-LEFTOVER = re.compile(rf"\.(?P<target>.+)\.(?P<kind>{STAGING}|{REPLACED})~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+")
+LEFTOVER = re.compile(
+    rf"\.(?P<target>.+)\.(?P<kind>{STAGING}|{REPLACED}|{SCRATCH})~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
+)
 
 
 @dataclass(frozen=True)

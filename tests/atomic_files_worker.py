@@ -4,6 +4,7 @@ python tests/atomic_files_worker.py export-killed-mid-write OUT   # exports a dr
 python tests/atomic_files_worker.py killed-between-renames OUT    # publishes OUT, SIGKILLed after moving the old
                                                                   # OUT aside, before renaming the new one in
 python tests/atomic_files_worker.py hold OUT                      # stages OUT, says "staged", waits for stdin's end
+python tests/atomic_files_worker.py scratch-killed DIR/PURPOSE    # SIGKILLed with a file in a scratch folder
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def main(mode: str, out: Path) -> None:
         os.rename = rename  # type: ignore[assignment]  # this throwaway process's os module: atomic_files calls it
         with atomic_files.published_folder(out) as tmp:
             (tmp / "version").write_text("new")
+    elif mode == "scratch-killed":
+        with atomic_files.scratch_folder(out.parent, out.name) as work:
+            (work / "w0.bin").write_bytes(bytes(2**20))
+            die()
     elif mode == "hold":
         with atomic_files.published_folder(out) as tmp:
             (tmp / "version").write_text("held")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from support import stop_group
 from test_drafter import tiny_drafter
 
+from eagle3_assets.operations.gpu_check import disk_write_row
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, export_checkpoint
 from eagle3_resources.atomic_files import STALE_AFTER_S, published_folder
 
@@ -127,3 +128,13 @@ def test_a_concurrent_builders_folder_wins_when_replacing_is_not_asked(tmp_path)
         out.mkdir()
         (out / "version").write_text("first")  # the other builder published meanwhile
     assert (out / "version").read_text() == "first" and beside(out) == []
+
+
+def test_a_disk_measurement_killed_mid_write_leaves_files_the_next_one_removes(tmp_path):
+    """`eagle3 gpu-check` writes 256 MiB into the data root to time the disk: a kill left them there for good."""
+    p = worker("scratch-killed", tmp_path / "eagle3-gpu-check")
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    (left,) = os.listdir(tmp_path)
+    assert left.startswith(".eagle3-gpu-check.scratch~") and os.listdir(tmp_path / left) == ["w0.bin"]
+    row = disk_write_row(tmp_path, 16, None, 7168, required=True)
+    assert row.status == "ok" and os.listdir(tmp_path) == []

@@ -281,6 +281,7 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
     checksum taken meanwhile, fsync per file), timed, then removed."""
     import torch
 
+    from eagle3_resources.atomic_files import scratch_folder
     from eagle3_resources.hidden_states.extract import StoreSettings
     from eagle3_resources.hidden_states.store import CHECKSUM, host_buffer, token_bytes, write_files
 
@@ -298,15 +299,12 @@ def disk_write_row(root: Path, mib: int, min_gbps: float | None, hidden: int, re
     buffer = host_buffer(file_bytes, pin=False)
     buffer.copy_(torch.randint(0, 256, (file_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
     memory = buffer.numpy().data  # the memoryview of the array (numpy types its buffer protocol from Python 3.12)
-    work = Path(tempfile.mkdtemp(prefix=".eagle3-gpu-check-", dir=root))
-    try:
+    with scratch_folder(root, "eagle3-gpu-check") as work:  # a killed check's files are removed by the next one
         start = time.perf_counter()
         items = [(work / f"w{i}.bin", file_bytes) for i in range(files)]
         written = write_files(items, memory, writers=StoreSettings.writers, direct=True, checksum=CHECKSUM)
         direct = [used for _, used in written]
         seconds = time.perf_counter() - start
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     gbps = files * file_bytes / seconds / 1e9
     rate = gbps * 1e9 / token_bytes(hidden)
     data = {
