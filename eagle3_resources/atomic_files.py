@@ -6,21 +6,27 @@ the folder, so `<name>` is the old text or the new after any crash.
 A folder (an exported drafter, a stand-in model or tokenizer): `published_folder(out)` hands out a staging folder
 beside `out`, and when the block ends without an error, fsyncs what was written and swaps it in:
 
-    <parent>/.<out>.staging~<host>~<pid>~<token>/    what is being written; removed if the block raises
-    <parent>/.<out>.replaced~<host>~<pid>~<token>/   the previous `out`, between the two renames of the swap
+    <parent>/.<out>.staging~<who>~<when>~<token>/    what is being written; removed if the block raises
+    <parent>/.<out>.replaced~<who>~<when>~<token>/   the previous `out`, between the two renames of the swap
 
-A scratch folder (`scratch_folder`: `eagle3 gpu-check`'s disk measurement) is named the same way, `.scratch~`.
+`<who>` is the writer's host, its boot and pid namespace (hashed) and its pid; `<when>` the folder's making, in
+seconds. A scratch folder (`scratch_folder`: `eagle3 gpu-check`'s disk measurement) is named the same way,
+`.scratch~`. So a folder left by a killed writer is told from one a live writer is filling: before staging, the
+publisher removes the leftovers in `out`'s folder whose writer is dead (its pid gone, where this process's pids
+mean the same) or that are older than STALE_AFTER_S (a writer elsewhere: another host or container sharing the
+folder), and where a writer died between the two renames (no `out`, a `.replaced` folder), puts the previous `out`
+back. Only names of this exact form match: `eagle3_drafter.training/` and `eagle3_drafter.streaming/` (resumable
+state beside the drafter) never do.
 
-Each name says who made it, so a folder left by a killed writer is told from one a live writer is filling: before
-staging, the publisher removes the leftovers in `out`'s folder whose writer is dead (its pid gone, on this host)
-or that are older than STALE_AFTER_S (a writer on another host sharing the folder), and where a writer died
-between the two renames (no `out`, a `.replaced` folder), puts the previous `out` back. Only names of this exact
-form match: `eagle3_drafter.training/` and `eagle3_drafter.streaming/` (resumable state beside the drafter) never
-do.
+A reader that opens `out` during a swap may find it missing for the moment between the two renames (a kill there
+is repaired by the next publish), or read one file of the old folder and one of the new: a loader should be
+pointed at a drafter that is not being exported.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -62,31 +68,35 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 @contextmanager
-def published_folder(out_dir: Path, *, replace: bool = True) -> Iterator[Path]:
+def published_folder(out_dir: Path, *, replace: bool = True, marker: str | None = None) -> Iterator[Path]:
     """A staging folder to fill; published as `out_dir` when the block ends, removed when it raises.
 
-    `replace=False`: an `out_dir` that exists by then (a concurrent builder of the same content won) is kept and
-    the staging folder dropped."""
+    `replace=False`: an `out_dir` that exists by then, holding `marker` (a concurrent builder of the same content
+    won), is kept and the staging folder dropped; one without it is an error, not a folder to trust."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     recover_leftovers(out_dir.parent)
-    staging = out_dir.with_name(leftover_name(out_dir, STAGING))
+    token = secrets.token_hex(4)
+    staging = out_dir.with_name(leftover_name(out_dir, STAGING, token))
     staging.mkdir()
     try:
         yield staging
         fsync_tree(staging)
-        swap_in(staging, out_dir, replace=replace)
+        if replace:
+            swap_in(staging, out_dir, out_dir.with_name(leftover_name(out_dir, REPLACED, token)))
+        else:
+            publish_once(staging, out_dir, marker)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextmanager
 def scratch_folder(parent: Path, purpose: str) -> Iterator[Path]:
-    """A folder in `parent` for throwaway files (`.<purpose>.scratch~<host>~<pid>~<token>`), removed when the block
-    ends; one a killed process left is removed by the next scratch or published folder made in `parent`."""
+    """A folder in `parent` for throwaway files (`.<purpose>.scratch~...`), removed when the block ends; one a
+    killed process left is removed by the next scratch or published folder made in `parent`."""
     parent = Path(parent)
     recover_leftovers(parent)
-    folder = parent / leftover_name(parent / purpose, SCRATCH)
+    folder = parent / leftover_name(parent / purpose, SCRATCH, secrets.token_hex(4))
     folder.mkdir()
     try:
         yield folder
@@ -94,19 +104,45 @@ def scratch_folder(parent: Path, purpose: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def swap_in(staging: Path, out_dir: Path, *, replace: bool) -> None:
-    """`staging` becomes `out_dir`; the previous `out_dir` is moved aside first and removed after."""
-    replaced = out_dir.with_name(leftover_name(out_dir, REPLACED))
-    if out_dir.exists() and replace:
+def swap_in(staging: Path, out_dir: Path, replaced: Path) -> None:
+    """`staging` becomes `out_dir`; the previous `out_dir` is moved aside first (to `replaced`) and removed after.
+    If the second rename fails, the previous folder is put back before the error goes on."""
+    try:
         os.rename(out_dir, replaced)
+    except FileNotFoundError:
+        pass  # nothing published yet (or a concurrent publisher has it aside: its swap or ours fails, nothing lost)
     try:
         os.rename(staging, out_dir)
     except OSError:
-        if replace or not out_dir.is_dir():
-            raise
-        return  # a concurrent builder published first: its folder is as good as ours
+        put_back(replaced, out_dir)
+        raise
     fsync_dir(out_dir.parent)
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def publish_once(staging: Path, out_dir: Path, marker: str | None) -> None:
+    """`staging` becomes `out_dir` unless a complete `out_dir` is there already (a concurrent builder won)."""
+    try:
+        os.rename(staging, out_dir)
+    except OSError as e:
+        if not out_dir.is_dir() or (marker is not None and not (out_dir / marker).exists()):
+            raise FileExistsError(f"{out_dir} exists without {marker}: not a finished build; remove it") from e
+        return
+    fsync_dir(out_dir.parent)
+
+
+def put_back(replaced: Path, out_dir: Path) -> bool:
+    """Rename a folder moved aside back to `out_dir`, where nothing took its place; whether it was put back."""
+    if out_dir.exists():
+        return False
+    try:
+        os.rename(replaced, out_dir)
+    except FileNotFoundError:  # never moved aside, or another sweeper put it back first
+        return False
+    except OSError:  # a publisher filled `out_dir` meanwhile: the newer folder stands
+        return False
+    fsync_dir(out_dir.parent)
+    return True
 
 
 def recover_leftovers(folder: Path) -> list[Path]:
@@ -117,58 +153,70 @@ def recover_leftovers(folder: Path) -> list[Path]:
     for left in leftovers(folder):  # a scratch folder's is removed like a staging folder's
         if not left.abandoned():
             continue
-        target = folder / left.target
-        if left.kind == REPLACED and not target.exists():
-            os.rename(left.path, target)  # killed between the swap's renames: the previous folder is still the latest
-            continue
+        if left.kind == REPLACED and put_back(left.path, folder / left.target):
+            continue  # killed between the swap's renames: the previous folder is still the latest
         shutil.rmtree(left.path, ignore_errors=True)
         removed.append(left.path)
     return removed
 
 
-def leftover_name(out_dir: Path, kind: str) -> str:
-    return f".{out_dir.name}.{kind}~{socket.gethostname()}~{os.getpid()}~{secrets.token_hex(4)}"
+def leftover_name(out_dir: Path, kind: str, token: str) -> str:
+    """Who made it (host, pid namespace and boot, pid), when (for the age rule; a rename keeps a folder's mtime, so
+    the name carries it), and a token."""
+    return f".{out_dir.name}.{kind}~{socket.gethostname()}~{process_origin()}~{os.getpid()}~{int(time.time())}~{token}"
 
 
 LEFTOVER = re.compile(
-    rf"\.(?P<target>.+)\.(?P<kind>{STAGING}|{REPLACED}|{SCRATCH})~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+"
+    rf"\.(?P<target>.+)\.(?P<kind>{STAGING}|{REPLACED}|{SCRATCH})"
+    r"~(?P<host>[^~]+)~(?P<origin>[0-9a-f]+)~(?P<pid>\d+)~(?P<made>\d+)~[0-9a-f]+"
 )
+
+
+@functools.cache
+def process_origin() -> str:
+    """Where this process's pid means something: its boot and pid namespace, hashed. Two containers may share a
+    hostname (host networking) yet not their pids, and a pid from before a reboot names no process now."""
+    parts = []
+    for read in (lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(), lambda: os.readlink(PID_NS)):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+
+
+PID_NS = "/proc/self/ns/pid"
 
 
 @dataclass(frozen=True)
 class Leftover:
-    """A staging folder or a replaced copy, by its name: what it publishes and who made it."""
+    """A staging folder, a replaced copy or a scratch folder, by its name: what it publishes and who made it."""
 
     path: Path
     target: str
     kind: str
     host: str
+    origin: str
     pid: int
+    made: int
 
     def abandoned(self) -> bool:
-        """Whether its writer is gone: a dead pid on this host, or too old to be anyone's."""
-        try:
-            age = time.time() - self.path.stat().st_mtime
-        except FileNotFoundError:  # removed meanwhile by another publisher
-            return False
-        return age > STALE_AFTER_S or (self.host == socket.gethostname() and not pid_alive(self.pid))
+        """Whether its writer is gone: a dead pid where this process's pids mean the same, or too old to be anyone's
+        (a writer elsewhere: another host, another pid namespace)."""
+        if time.time() - self.made > STALE_AFTER_S:
+            return True
+        here = self.host == socket.gethostname() and self.origin == process_origin()
+        return here and not pid_alive(self.pid)
 
 
 def leftovers(folder: Path) -> list[Leftover]:
-    """The staging folders and replaced copies in `folder`, newest first."""
+    """The staging folders, replaced copies and scratch folders in `folder`, newest first."""
     found = []
     for path in folder.glob(".*~*"):
         m = LEFTOVER.fullmatch(path.name)
         if m and path.is_dir():
-            found.append(Leftover(path, m["target"], m["kind"], m["host"], int(m["pid"])))
-    return sorted(found, key=lambda left: mtime(left.path), reverse=True)
-
-
-def mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except FileNotFoundError:  # another publisher removed it meanwhile
-        return 0.0
+            found.append(Leftover(path, m["target"], m["kind"], m["host"], m["origin"], int(m["pid"]), int(m["made"])))
+    return sorted(found, key=lambda left: left.made, reverse=True)
 
 
 def pid_alive(pid: int) -> bool:

@@ -4,6 +4,8 @@ python tests/atomic_files_worker.py export-killed-mid-write OUT   # exports a dr
 python tests/atomic_files_worker.py killed-between-renames OUT    # publishes OUT, SIGKILLed after moving the old
                                                                   # OUT aside, before renaming the new one in
 python tests/atomic_files_worker.py hold OUT                      # stages OUT, says "staged", waits for stdin's end
+python tests/atomic_files_worker.py held-between-renames OUT      # as above, but says "between" and waits for
+                                                                  # stdin's end instead of dying
 python tests/atomic_files_worker.py scratch-killed DIR/PURPOSE    # SIGKILLed with a file in a scratch folder
 """
 
@@ -46,6 +48,18 @@ def main(mode: str, out: Path) -> None:
             real_rename(src, dst)
 
         os.rename = rename  # type: ignore[assignment]  # this throwaway process's os module: atomic_files calls it
+        with atomic_files.published_folder(out) as tmp:
+            (tmp / "version").write_text("new")
+    elif mode == "held-between-renames":
+        real_rename = os.rename
+
+        def held_rename(src: Any, dst: Any) -> None:
+            if Path(src).name.startswith(f".{out.name}.staging~"):
+                print("between", flush=True)  # the previous OUT is moved aside
+                sys.stdin.read()
+            real_rename(src, dst)
+
+        os.rename = held_rename  # type: ignore[assignment]  # this throwaway process's os module: atomic_files calls it
         with atomic_files.published_folder(out) as tmp:
             (tmp / "version").write_text("new")
     elif mode == "scratch-killed":

@@ -4,6 +4,7 @@ publish; a live writer's staging folder and the resumable state beside a drafter
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ from test_drafter import tiny_drafter
 
 from eagle3_assets.operations.gpu_check import disk_write_row
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, export_checkpoint
-from eagle3_resources.atomic_files import STALE_AFTER_S, published_folder
+from eagle3_resources.atomic_files import STALE_AFTER_S, process_origin, published_folder
 
 HERE = Path(__file__).resolve().parent
 
@@ -105,29 +106,109 @@ def test_a_live_writers_staging_folder_is_left_alone(tmp_path):
     assert (out / "version").read_text() == "held" and beside(out) == []  # it published in its turn
 
 
+def leftover(out: Path, host: str, origin: str, pid: int, made: float) -> Path:
+    """A staging folder as a writer elsewhere would name it (`<who>~<when>~<token>`, the module docstring's form)."""
+    folder = out.with_name(f".{out.name}.staging~{host}~{origin}~{pid}~{int(made)}~0a0b0c0d")
+    folder.mkdir()
+    return folder
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def test_another_hosts_leftover_is_swept_only_once_it_is_older_than_any_export(tmp_path):
     out = tmp_path / "drafter"
-    fresh = out.with_name(".drafter.staging~another-host~1~0a0b0c0d")
-    old = out.with_name(".drafter.staging~another-host~2~0a0b0c0e")
-    for folder in (fresh, old):
-        folder.mkdir()
-    then = time.time() - STALE_AFTER_S - 60
-    os.utime(old, (then, then))
+    now = time.time()
+    fresh = leftover(out, "another-host", "00000000", 1, now)
+    leftover(out, "another-host", "00000000", 2, now - STALE_AFTER_S - 60)
     with published_folder(out) as tmp:
         (tmp / "version").write_text("mine")
     assert beside(out) == [fresh.name]
     assert socket.gethostname() != "another-host"
 
 
+def test_a_dead_pid_counts_only_where_this_process_pids_mean_the_same(tmp_path):
+    """A container sharing the host's name (host networking) has pids of its own: its writer's pid, dead here, may
+    be alive there. Only a pid from this boot and pid namespace is judged by its liveness; others wait out the age."""
+    out = tmp_path / "drafter"
+    pid = dead_pid()
+    elsewhere = leftover(out, socket.gethostname(), "deadbeef", pid, time.time())
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("mine")
+    assert beside(out) == [elsewhere.name]
+    ours = out.with_name(elsewhere.name.replace("~deadbeef~", f"~{process_origin()}~"))
+    os.rename(elsewhere, ours)
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("again")
+    assert beside(out) == []
+
+
+def test_a_live_writers_folder_moved_aside_is_not_put_back_however_old_its_content(tmp_path):
+    """A rename keeps a folder's mtime: a drafter exported days ago, moved aside by a live export, must not look
+    abandoned to another publisher's sweep (which would put it back and fail the live export)."""
+    out = tmp_path / "drafter"
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("old")
+    days_ago = time.time() - 3 * STALE_AFTER_S
+    os.utime(out, (days_ago, days_ago))
+    held = worker("held-between-renames", out, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout is not None and held.stdout.readline().strip() == "between"
+        with published_folder(tmp_path / "other") as tmp:  # a publish beside it sweeps the folder
+            (tmp / "version").write_text("other")
+        assert not out.exists() and [n.split("~")[0] for n in beside(out)] == [
+            ".drafter.replaced",
+            ".drafter.staging",
+            "other",
+        ]
+        assert held.stdin is not None
+        held.stdin.close()
+        assert held.wait(timeout=60) == 0
+    finally:
+        stop_group(held)
+    assert (out / "version").read_text() == "new" and beside(out) == ["other"]
+
+
+def test_a_failed_swap_puts_the_previous_folder_back_before_it_raises(tmp_path, monkeypatch):
+    out = tmp_path / "drafter"
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("old")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".drafter.staging~"):
+            raise OSError(errno.EIO, "the volume failed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="the volume failed"), published_folder(out) as tmp:
+        (tmp / "version").write_text("new")
+    assert (out / "version").read_text() == "old" and beside(out) == []
+
+
 def test_a_concurrent_builders_folder_wins_when_replacing_is_not_asked(tmp_path):
     """The stand-ins are built by whoever needs them first: two builders of the same content may race, and the
     second to finish keeps the first's folder."""
     out = tmp_path / "tokenizer-abc"
-    with published_folder(out, replace=False) as tmp:
+    with published_folder(out, replace=False, marker="version") as tmp:
         (tmp / "version").write_text("second")
         out.mkdir()
         (out / "version").write_text("first")  # the other builder published meanwhile
     assert (out / "version").read_text() == "first" and beside(out) == []
+
+
+def test_a_folder_without_the_finished_builds_marker_is_not_taken_for_one(tmp_path):
+    out = tmp_path / "tokenizer-abc"
+    (out / "partial").mkdir(parents=True)  # an older, non-atomic build cut short
+    with (
+        pytest.raises(FileExistsError, match="without version"),
+        published_folder(out, replace=False, marker="version") as tmp,
+    ):
+        (tmp / "version").write_text("mine")
+    assert sorted(p.name for p in out.iterdir()) == ["partial"] and beside(out) == []
 
 
 def test_a_disk_measurement_killed_mid_write_leaves_files_the_next_one_removes(tmp_path):

@@ -259,7 +259,7 @@ def build_standin_target(
         pad_token_id=tokenizer.token_id(PAD),
     )
     out_dir = Path(out_dir)
-    with published_folder(out_dir, replace=False) as tmp:  # a concurrent builder's identical folder may win
+    with published_folder(out_dir, replace=False, marker="config.json") as tmp:  # a concurrent build may win
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / "standin.json").write_text(
             json.dumps(

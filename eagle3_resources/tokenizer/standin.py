@@ -147,7 +147,7 @@ def build_standin_tokenizer(out_dir: Path, corpus_files: list[Path]) -> Path:
         },
     }
     out_dir = Path(out_dir)
-    with published_folder(out_dir, replace=False) as tmp:  # a concurrent builder's identical folder may win
+    with published_folder(out_dir, replace=False, marker="tiktoken.model") as tmp:  # a concurrent build may win
         write_tiktoken_ranks(tmp / "tiktoken.model", tokens)
         (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         KimiTokenizer(tmp)  # refuse to publish a folder that does not load
