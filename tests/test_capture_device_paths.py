@@ -138,14 +138,16 @@ def test_a_page_locked_buffer_is_reused_for_any_shard_its_block_holds(monkeypatc
     assert third.capacity >= 2**20 + 1 and allocator.blocks == [2**20, 2**21]
 
 
-def test_a_pinned_block_off_a_page_boundary_pays_the_slack_and_stays_aligned(monkeypatch):
-    """Where the allocator's block does not start on ALIGN (another allocator configuration), the buffer is cut from
-    a larger request at an aligned start, as a pageable one is."""
+def test_a_pinned_block_off_a_page_boundary_is_used_from_its_first_aligned_byte(monkeypatch):
+    """Where the allocator's blocks do not start on ALIGN (`pinned_use_cuda_host_register`: malloc'd memory), the
+    buffer starts at the block's first ALIGN boundary; only when that leaves too little is a larger block taken."""
     allocator = CachingHostAllocator(torch.empty, offset=16)
     monkeypatch.setattr(torch, "empty", allocator)
-    buffer = host_buffer(2**20, pin=True)
+    buffer = host_buffer(2**20 - ALIGN, pin=True)
+    assert buffer.numel() >= 2**20 - ALIGN and buffer.data_ptr() % ALIGN == 0 and allocator.blocks == [2**20]
+    buffer = host_buffer(2**20, pin=True)  # a whole block asked for: the skip does not fit in it
     assert buffer.numel() >= 2**20 and buffer.data_ptr() % ALIGN == 0
-    assert allocator.blocks == [2**20, 2**21]  # the aligned try, then the one with slack
+    assert allocator.blocks == [2**20, 2**20, 2**21]  # the aligned try, then the one with slack
 
 
 def test_the_extraction_benchmark_keeps_to_its_budget_and_says_how_it_wrote(tmp_path):

@@ -219,12 +219,15 @@ def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
 
     Pinned memory comes from torch's caching host allocator, which rounds every block up to a power of two and
     keeps it: `nbytes + ALIGN` of slack for the alignment would turn a 1 GiB shard's buffer into 2 GiB of
-    page-locked memory. So a pinned buffer asks for the power of two itself and is all of the block (its blocks
-    start on a page boundary); only where the block does not start at ALIGN is the slack paid."""
+    page-locked memory. So a pinned buffer asks for the power of two itself and is all of the block from its first
+    ALIGN boundary (cudaHostAlloc's blocks start on one); only where that leaves less than `nbytes` (a block off a
+    page boundary, `nbytes` a power of two) is a larger block taken."""
     if pin:
         raw = torch.empty(pinned_block_size(nbytes), dtype=torch.uint8, pin_memory=True)
-        if raw.data_ptr() % ALIGN == 0:
-            return raw
+        skip = (-raw.data_ptr()) % ALIGN
+        if skip + nbytes <= raw.numel():  # the block's own slack holds the alignment: all of it, less the skip
+            return raw[skip:]
+        del raw  # back to the allocator's cache before the larger request, not held beside it
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
