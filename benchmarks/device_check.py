@@ -206,22 +206,29 @@ SECTIONS: dict[str, tuple[str, list[str], list[str], int]] = {
 # and written into the JSON and as a table, so a run's report says at once which hold. The last is the run's own
 # wall time.
 GOALS: list[tuple[str, str | None, str, str, float]] = [
-    ("extraction / 0.9 x min(bare forward, disk bound)", "extraction", "ratio_extraction_to_limit", ">=", 0.9),
+    ("extraction / min(bare forward, disk bound)", "extraction", "ratio_extraction_to_limit", ">=", 0.9),
     ("extraction, null sink / bare forward", "extraction", "ratio_null_sink_to_bare", ">=", 0.95),
     ("training MFU at Kimi width (4,096-token step)", "train_kimi", "mfu", ">=", 0.40),
     ("training tokens/s at width 2048 (10x 4,160)", "train_2048", "tokens_per_s", ">=", 41_600),
-    ("the whole device check, seconds", None, "seconds", "<=", 300),
+    ("the whole device check, every section done, seconds", None, "seconds", "<=", 300),
 ]
 
 
 def acceptance(report: dict) -> list[dict]:
     """Each goal with its measured figure and whether it holds (None: not measured, e.g. a failed section, or MFU
-    on a CPU)."""
+    on a CPU). The run's time holds only if every section gave its figures in it (a section skipped or cut short
+    by the budget is not a check done in 5 minutes), and is not judged for a run of some sections (`--only`)."""
+    sections = report["sections"]
     rows = []
     for what, section, key, op, target in GOALS:
-        source = report if section is None else report["sections"].get(section, {}).get("figures", {})
+        source = report if section is None else sections.get(section, {}).get("figures", {})
         value = source.get(key)
         met = None if value is None else (value >= target if op == ">=" else value <= target)
+        if section is None and met is not None:  # the run's time
+            if set(sections) != set(SECTIONS):
+                met = None
+            elif not all("figures" in r for r in sections.values()):
+                met = False
         rows.append(
             {
                 "goal": what,
