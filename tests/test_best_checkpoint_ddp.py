@@ -156,7 +156,9 @@ def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collec
     # the same choice as one process on the same data
     alone = one_process(data, target_model, tmp_path / "alone")
     assert decoded(curve) == decoded(alone["curve"]) and best["step"] == alone["best"]["step"]
-    assert best["step"] == 8 and best["accept_length"] > curve[-1]["accept_length"]  # the best is not the last
+    # The best is not the last: step 12 scores no higher than step 8 (equal with the packages of 2026-12-05, lower
+    # with earlier ones); a later step replaces the kept one only when strictly higher, so step 8's weights ship.
+    assert best["step"] == 8 and best["accept_length"] >= curve[-1]["accept_length"]
 
     # rank 0 exported the best step's weights, bit for bit, not the last step's
     kept = tmp_path / "drafter.training" / "best" / f"step-{best['step']:08d}" / "model.safetensors"
