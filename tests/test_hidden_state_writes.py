@@ -365,6 +365,32 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     assert sorted(p.name for p in root.iterdir()) == sorted([*whole, MANIFEST])
 
 
+def test_an_extraction_runs_once_and_a_new_one_resumes_after_an_error(target_model, tmp_path, monkeypatch):
+    """An `Extraction` holds one run's state (capture-order tickets, writer failures): run again after a write error,
+    it says to make a new one (it would otherwise raise the old error, or wait for a capture-order turn already
+    past), and a new one finishes the store."""
+    backend = TransformersHiddenStates(target_model)
+    samples = make_samples(10, target_model.config.vocab_size)
+    settings = StoreSettings(shard_bytes=30_000, batch_tokens=64, writers=1, **ROOMY)
+    planned = [p.name for p in plan_shards(samples, target_model.config.hidden_size, 30_000, {})]
+    assert len(planned) >= 3
+    monkeypatch.setattr(store_module, "WRITE_CHUNK", ALIGN)
+    monkeypatch.setattr(store_module, "os", FailingWrites(planned[1] + ".tmp", ALIGN))
+    options = ExtractionOptions({}, log=lambda line: None, progress_every_s=3600)
+    extraction = extract_module.Extraction(samples, backend, tmp_path, settings, options)
+    with pytest.raises(RuntimeError, match="Input/output error"):
+        extraction.run()
+    listed = list(read_manifest(tmp_path)["shards"])
+    assert planned[0] in listed and planned[1] not in listed
+
+    monkeypatch.setattr(store_module, "os", os)
+    with pytest.raises(RuntimeError, match="runs once"):
+        extraction.run()
+    report = extract_module.Extraction(samples, backend, tmp_path, settings, options).run()
+    assert report.shards_written == len(planned) - len(listed)
+    assert sorted(read_manifest(tmp_path)["shards"]) == planned
+
+
 class HeldBack(HostBuffers):
     """Host buffers that give shard `hold`'s buffer back (after its write, before it is recorded) only once the shards
     `until` have given theirs: those are written, and ready to be recorded, before it."""

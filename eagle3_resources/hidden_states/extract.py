@@ -441,8 +441,14 @@ class Extraction:
         # captured shard reach a writer while another is still written, so without this writers + 1 could overlap
         self._writing = threading.BoundedSemaphore(max(1, settings.writers))
         self._in_order = InOrder()  # the shards are recorded in capture order, whatever order their writes end in
+        self._ran = False
 
     def run(self) -> ExtractionReport:
+        # its state is one run's (capture-order tickets, writer failures, a lane's pauses): a second run would wait
+        # for a ticket already past, or raise the first run's error; a new Extraction plans from the disk instead
+        if self._ran:
+            raise RuntimeError("an Extraction runs once: make a new one to resume (it plans from the store on disk)")
+        self._ran = True
         self.resume = self.plan()
         self.check_disk()
         self.committer, removed = self.open_store()
