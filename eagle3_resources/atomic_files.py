@@ -18,13 +18,18 @@ folder), and where a writer died between the two renames (no `out`, a `.replaced
 back. Only names of this exact form match: `eagle3_drafter.training/` and `eagle3_drafter.streaming/` (resumable
 state beside the drafter) never do.
 
-A reader that opens `out` during a swap may find it missing for the moment between the two renames (a kill there
-is repaired by the next publish), or read one file of the old folder and one of the new: a loader should be
-pointed at a drafter that is not being exported.
+Where the file system can (Linux's `renameat2(RENAME_EXCHANGE)`: ext4, xfs, btrfs, tmpfs), the swap is one step
+(`exchange`): `out` is the old folder or the new at every moment, and two exports of the same folder at once both
+succeed, the later one standing. Elsewhere (NFS, other systems) it is the two renames above: a reader may find `out`
+missing for the moment between them (a kill there is repaired by the next publish), and of two concurrent exports
+one may fail, with nothing lost. Either way a reader that opens one file of `out` before a swap and another after
+it reads a mix: a loader should be pointed at a drafter that is not being exported.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
 import hashlib
 import json
@@ -105,8 +110,12 @@ def scratch_folder(parent: Path, purpose: str) -> Iterator[Path]:
 
 
 def swap_in(staging: Path, out_dir: Path, replaced: Path) -> None:
-    """`staging` becomes `out_dir`; the previous `out_dir` is moved aside first (to `replaced`) and removed after.
-    If the second rename fails, the previous folder is put back before the error goes on."""
+    """`staging` becomes `out_dir`, in one step where the file system can (`staging` then holds the previous folder,
+    removed with it); otherwise the previous `out_dir` is moved aside first (to `replaced`) and removed after, and if
+    the second rename fails, it is put back before the error goes on."""
+    if exchange(staging, out_dir):
+        fsync_dir(out_dir.parent)
+        return
     try:
         os.rename(out_dir, replaced)
     except FileNotFoundError:
@@ -118,6 +127,36 @@ def swap_in(staging: Path, out_dir: Path, replaced: Path) -> None:
         raise
     fsync_dir(out_dir.parent)
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+RENAME_EXCHANGE = 2  # <linux/fs.h>
+AT_FDCWD = -100
+
+
+@functools.cache
+def renameat2() -> Any:
+    """glibc's renameat2 (2.28 and later), or None (another C library, another system)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step; False where that cannot be done here (no renameat2, a file
+    system without RENAME_EXCHANGE, `b` not there yet): the caller renames instead. Other errors are raised."""
+    call = renameat2()
+    if call is None:
+        return False
+    if call(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def publish_once(staging: Path, out_dir: Path, marker: str | None) -> None:

@@ -1,8 +1,9 @@
 """A writer of published folders, killed or held at chosen moments, for tests/test_atomic_files.py.
 
 python tests/atomic_files_worker.py export-killed-mid-write OUT   # exports a drafter, SIGKILLed inside save_file
-python tests/atomic_files_worker.py killed-between-renames OUT    # publishes OUT, SIGKILLed after moving the old
-                                                                  # OUT aside, before renaming the new one in
+python tests/atomic_files_worker.py killed-between-renames OUT    # publishes OUT by two renames (a file system
+                                                                  # without RENAME_EXCHANGE), SIGKILLed after moving
+                                                                  # the old OUT aside, before renaming the new one in
 python tests/atomic_files_worker.py hold OUT                      # stages OUT, says "staged", waits for stdin's end
 python tests/atomic_files_worker.py held-between-renames OUT      # as above, but says "between" and waits for
                                                                   # stdin's end instead of dying
@@ -27,6 +28,10 @@ def die(*_: object, **__: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def two_renames(a: Path, b: Path) -> bool:
+    return False  # as on a file system without RENAME_EXCHANGE: the swap is two renames
+
+
 def main(mode: str, out: Path) -> None:
     if mode == "export-killed-mid-write":
         real_save = export.save_file
@@ -40,6 +45,7 @@ def main(mode: str, out: Path) -> None:
         export.save_file = save_then_die
         export.export_checkpoint(tiny_drafter(), out, [1, 2, 3])
     elif mode == "killed-between-renames":
+        atomic_files.exchange = two_renames
         real_rename = os.rename
 
         def rename(src: Any, dst: Any) -> None:
@@ -51,6 +57,7 @@ def main(mode: str, out: Path) -> None:
         with atomic_files.published_folder(out) as tmp:
             (tmp / "version").write_text("new")
     elif mode == "held-between-renames":
+        atomic_files.exchange = two_renames
         real_rename = os.rename
 
         def held_rename(src: Any, dst: Any) -> None:

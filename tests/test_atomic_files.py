@@ -20,7 +20,8 @@ from test_drafter import tiny_drafter
 
 from eagle3_assets.operations.gpu_check import disk_write_row
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, export_checkpoint
-from eagle3_resources.atomic_files import STALE_AFTER_S, process_origin, published_folder
+from eagle3_resources import atomic_files
+from eagle3_resources.atomic_files import STALE_AFTER_S, exchange, process_origin, published_folder
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,6 +33,12 @@ def worker(mode: str, out: Path, **kw) -> subprocess.Popen:
         start_new_session=True,
         **kw,
     )
+
+
+@pytest.fixture
+def two_renames(monkeypatch):
+    """Swaps as on a file system without RENAME_EXCHANGE (NFS): the previous folder moved aside, the new renamed in."""
+    monkeypatch.setattr(atomic_files, "exchange", lambda staging, out: False)
 
 
 def beside(out: Path) -> list[str]:
@@ -73,7 +80,7 @@ def test_a_dead_writers_folder_is_swept_by_the_next_publish_of_any_name_beside_i
     assert os.listdir(tmp_path) == ["step-000200"]
 
 
-def test_a_writer_killed_between_the_swaps_renames_gets_the_previous_folder_put_back(tmp_path):
+def test_a_writer_killed_between_the_swaps_renames_gets_the_previous_folder_put_back(tmp_path, two_renames):
     out = tmp_path / "drafter"
     with published_folder(out) as tmp:
         (tmp / "version").write_text("old")
@@ -172,7 +179,7 @@ def test_a_live_writers_folder_moved_aside_is_not_put_back_however_old_its_conte
     assert (out / "version").read_text() == "new" and beside(out) == ["other"]
 
 
-def test_a_failed_swap_puts_the_previous_folder_back_before_it_raises(tmp_path, monkeypatch):
+def test_a_failed_swap_puts_the_previous_folder_back_before_it_raises(tmp_path, monkeypatch, two_renames):
     out = tmp_path / "drafter"
     with published_folder(out) as tmp:
         (tmp / "version").write_text("old")
@@ -187,6 +194,42 @@ def test_a_failed_swap_puts_the_previous_folder_back_before_it_raises(tmp_path, 
     with pytest.raises(OSError, match="the volume failed"), published_folder(out) as tmp:
         (tmp / "version").write_text("new")
     assert (out / "version").read_text() == "old" and beside(out) == []
+
+
+def test_the_swap_is_one_step_where_the_file_system_can_so_a_reader_always_finds_a_folder(tmp_path, monkeypatch):
+    """After every rename the publisher makes, `out` is there (with RENAME_EXCHANGE it makes none: the kernel swaps
+    the two names at once); the previous folder is gone after, and nothing is left beside it."""
+    out = tmp_path / "drafter"
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("old")
+    real_rename, missing = os.rename, []
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        if not out.exists():
+            missing.append((Path(src).name, Path(dst).name))
+
+    monkeypatch.setattr(os, "rename", rename)
+    with published_folder(out) as tmp:
+        (tmp / "version").write_text("new")
+        os.mkdir(tmp / "weights")
+        (tmp / "weights" / "w.bin").write_bytes(b"x" * 4096)
+    assert missing == [], f"a reader found no {out.name} after these renames: {missing}"
+    assert (out / "version").read_text() == "new" and (out / "weights" / "w.bin").stat().st_size == 4096
+    assert beside(out) == []
+
+
+def test_exchange_swaps_two_folders_whole_and_declines_when_one_is_missing(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "from_a").write_text("a")
+    assert not exchange(a, b) and (a / "from_a").exists() and not b.exists()  # nothing to swap with: rename instead
+    b.mkdir()
+    (b / "from_b").write_text("b")
+    assert exchange(a, b)
+    assert [p.name for p in a.iterdir()] == ["from_b"] and [p.name for p in b.iterdir()] == ["from_a"]
+    with pytest.raises(NotADirectoryError):
+        exchange(a / "from_b" / "x", b)  # any other error is the caller's to see
 
 
 def test_a_concurrent_builders_folder_wins_when_replacing_is_not_asked(tmp_path):
