@@ -176,9 +176,7 @@ def put_back(replaced: Path, out_dir: Path) -> bool:
         return False
     try:
         os.rename(replaced, out_dir)
-    except FileNotFoundError:  # never moved aside, or another sweeper put it back first
-        return False
-    except OSError:  # a publisher filled `out_dir` meanwhile: the newer folder stands
+    except OSError:  # never moved aside, another sweeper put it back first, or a publisher filled `out_dir` meanwhile
         return False
     fsync_dir(out_dir.parent)
     return True
