@@ -1,0 +1,99 @@
+"""Figures that only a GPU run gives, checked here on the CPU through the code that computes them.
+
+- The trainer's MFU divides by the device's dense bf16 peak, found from `torch.cuda.get_device_name`: the names
+  a GPU host reports ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...) must find theirs, H200 not H20's.
+- `drafter_training_speed.py`'s peak GPU memory (`peak_gpu_mib`, train_kimi's figure) is the trainer's: the
+  benchmark draws the target's head in fp32 on the device to build the teacher, which keeps its own (bf16 on a GPU)
+  copy; the fp32 draw must not outlive that (4.7 GB at Kimi width that a real run keeps on the host, if at all).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_assets.stages.eagle3_drafter import train as train_module
+from eagle3_assets.stages.eagle3_drafter.data import Teacher
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import drafter_training_speed as speed  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H20", 148.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA B200", 2250.0),
+        ("Tesla T4", None),
+    ],
+)
+def test_the_mfu_peak_is_found_from_the_name_a_gpu_reports(monkeypatch, name, peak):
+    asked: list[torch.device | None] = []
+
+    def device_name(device=None) -> str:
+        asked.append(device)
+        return name
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", device_name)
+    device = torch.device("cuda")  # as `training_device()` makes it: no index
+    assert train_module.peak_tflops(device) == peak
+    assert asked == [device]
+
+
+def test_no_mfu_peak_off_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert train_module.peak_tflops(torch.device("cpu")) is None
+
+
+class DeviceTeacher(Teacher):
+    """The teacher as on a GPU: the head it keeps is its own copy (bf16 there; on the CPU `.to(float32)` of an fp32
+    head is the head itself, so the benchmark's fp32 draw and the teacher's would be one tensor)."""
+
+    def __init__(self, head: torch.Tensor, draft_ids: torch.Tensor, device: torch.device, **kwargs):
+        super().__init__(head.to(torch.bfloat16), draft_ids, device, **kwargs)
+
+
+def test_the_speed_benchmark_keeps_no_head_beside_the_teachers(monkeypatch):
+    """Its figures are measured after `prepare`: what `prepare` leaves alive on the device counts in the peak."""
+    drawn: list[weakref.ref] = []
+    made_drafter = speed.made_drafter
+
+    def watched(*args, **kwargs):
+        model, head, draft_ids = made_drafter(*args, **kwargs)
+        drawn.append(weakref.ref(head))
+        return model, head, draft_ids
+
+    monkeypatch.setattr(speed, "made_drafter", watched)
+    monkeypatch.setattr(speed, "Teacher", DeviceTeacher)
+    options = speed.SpeedOptions(
+        device="cpu",
+        hidden=64,
+        intermediate=None,
+        draft_vocab=128,
+        target_vocab=512,
+        batch_tokens=256,
+        steps=1,
+        warmup=1,
+        min_len=16,
+        max_len=64,
+        window=4096,
+        peak_tflops=989.0,
+        compile=False,
+    )
+    prepared = speed.prepare(options, torch.device("cpu"))
+    gc.collect()
+    assert len(drawn) == 1 and drawn[0]() is None, "the fp32 head drawn for the teacher is still held"
+    assert prepared.teacher.head.shape == (512, 64)
+    # and the run goes on from what `prepare` kept
+    history, seconds, tokens = speed.timed_training(options, prepared, torch.device("cpu"), lambda m: None)
+    assert seconds > 0 and tokens > 0 and history.step_loss
