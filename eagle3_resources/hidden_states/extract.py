@@ -180,7 +180,9 @@ class Stager:
                 pending.image.final[offsets[j] : offsets[j + 1]].copy_(f, non_blocking=True)
             host_sums = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host_sums.copy_(sums, non_blocking=True)
-            event = torch.cuda.Event()
+            # blocking: the writer thread that waits for it sleeps rather than spinning a core (CUDA's default for a
+            # process with fewer contexts than cores) beside the thread launching the next forward
+            event = torch.cuda.Event(blocking=True)
             event.record(stream)
         pending.keep.append((items, sums))  # alive until the event: nothing reuses their memory mid-copy
         pending.events.append(event)

@@ -475,7 +475,7 @@ class RankZeroHandoff:
             with torch.cuda.stream(stream):
                 slab_aux[:tokens].copy_(aux, non_blocking=True)
                 slab_final[:tokens].copy_(final, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the completion thread sleeps on it, not spinning a core
                 event.record(stream)
             keep = (aux, final)  # freed by the completion thread once the copy has landed
         else:
