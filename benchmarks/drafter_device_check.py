@@ -269,13 +269,17 @@ def speculative_run(
             "position_acceptance",
             "lossless",
             "mismatched_prompts",
+            "lossless_up_to_ties",
+            "mismatched_at_ties",
         )
     }
     figures["eager_proxy"] = {k: t[k] for k in ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")}
     figures["seconds"] = round(time.monotonic() - started, 1)
     log(
         f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
-        f"{t['position_acceptance']}, lossless {t['lossless']}; eager proxy (not a deployment speed): speculative "
+        f"{t['position_acceptance']}, lossless {t['lossless']} ({t['mismatched_at_ties']} of "
+        f"{t['mismatched_prompts']} mismatched prompts at a tie of the target's dtype); "
+        "eager proxy (not a deployment speed): speculative "
         f"{t['spec_tokens_per_s']} vs greedy {t['greedy_tokens_per_s']} tokens/s = x{t['speedup']}"
     )
     return figures

@@ -375,3 +375,65 @@ def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
     else:
         assert not outcome.passed and "NOT lossless" in outcome.description
         assert outcome.metadata["lossless"] is False
+
+
+@contextmanager
+def flipped_at(model, position: int, gap: Callable[[torch.Tensor], float]):
+    """A target whose top two tokens, for the context ending at absolute `position`, sit `gap(top logit)` apart: the
+    runner-up just below the top in plain forwards (generate's steps, a forward without cache), just above it in the
+    verify shape (several tokens after a cache). So the speculative decode takes the runner-up there and greedy
+    decoding the top, as bf16 rounding does to a target's near-tie, or as a loop bug does by a wide gap."""
+
+    def hook(_module, _args, kwargs, out):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        fed = kwargs["input_ids"].shape[1]
+        start = cache.get_seq_length() - fed if cache is not None else 0  # the cache already holds the fed tokens
+        rows = out.logits.shape[1]  # the last `rows` fed positions (generate keeps only the last one's)
+        row = position - (start + fed - rows)
+        if 0 <= row < rows:
+            logits = out.logits[0, row]
+            top, runner = logits.topk(2).indices.tolist()
+            verify = fed > 1 and start > 0
+            logits[runner] = logits[top] + (1 if verify else -1) * gap(logits[top])
+        return out
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("kind", ["tie", "wide"])
+def test_a_flip_at_a_tie_the_dtype_cannot_resolve_is_told_from_a_loop_that_is_not_lossless(
+    target_model, untrained, prompts, references, kind
+):
+    """The decode first differs from greedy decoding at new token 5 in both cases; the divergence names that token,
+    the two ids and the gap a plain forward sees there. A gap of a few float32 ulps is a tie of the dtype: lossless up
+    to ties, and the asset's check passes; a gap of 1.0 is the loop's fault: NOT lossless, and the check fails."""
+    prompt, at = prompts[0], 5
+    scale = 4 * torch.finfo(torch.float32).eps
+    gap = (lambda top: scale * max(1.0, abs(float(top)))) if kind == "tie" else (lambda top: 1.0)
+    with flipped_at(target_model, len(prompt) + at - 1, gap):
+        reports = [
+            evaluate_speculative(
+                target_model, drafter, [prompt], draft_steps=K, max_new_tokens=12, proxy=True, eos_token_ids=NO_EOS
+            )
+            for drafter in (oracle(references), untrained)
+        ]
+    for report in reports:
+        (result,) = report.prompts
+        assert result.greedy_ids == references[tuple(prompt)][:12]  # the plain path keeps the top token
+        d = result.divergence
+        assert d is not None and d.position == at and result.lossless is False
+        assert d.greedy == references[tuple(prompt)][at] and result.spec.output_ids[at] == d.speculative != d.greedy
+        assert d.logit_gap is not None and d.logit_gap > 0  # the greedy token above the speculative one
+        if kind == "wide":
+            assert d.logit_gap == pytest.approx(1.0, abs=1e-5)
+        assert d.tie is (kind == "tie") and result.lossless_up_to_ties is (kind == "tie")
+        assert report.totals()["mismatched_at_ties"] == (1 if kind == "tie" else 0)
+    outcome = drafter_beats_floor(SpeculativeQuality(*reports).figures(), margin=-math.inf)
+    if kind == "tie":
+        assert outcome.passed and "lossless up to 2 tie(s)" in outcome.description
+    else:
+        assert not outcome.passed and "NOT lossless" in outcome.description

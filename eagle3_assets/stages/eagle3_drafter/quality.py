@@ -31,6 +31,8 @@ class SpeculativeQuality:
             "position_acceptance_real": t["position_acceptance"],
             "position_acceptance_real_untrained": u["position_acceptance"],
             "lossless": bool(self.trained.lossless and self.untrained.lossless),
+            "lossless_up_to_ties": bool(self.trained.lossless_up_to_ties and self.untrained.lossless_up_to_ties),
+            "mismatched_at_ties": t["mismatched_at_ties"] + u["mismatched_at_ties"],
             "speedup": t["speedup"],
             "label": "proxy (stand-in target)" if self.trained.proxy else "target",
         }

@@ -331,6 +331,61 @@ def greedy_generate(
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - started
 
 
+# A tie: two tokens' logits closer than this many of the logits' dtype eps, relative to their size. In bf16 the
+# verify forward (several tokens after a cache) and generate's one-token steps round differently, so a target's
+# near-tie can fall either way: a flip there is the dtype's, not the loop's. In float32 only exact ties qualify.
+TIE_EPS = 8
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a speculative decode first left the target's greedy decoding, and the two tokens' logits there."""
+
+    position: int  # new tokens before it
+    greedy: int | None  # None: that decode had ended
+    speculative: int | None
+    logit_gap: float | None  # greedy's token's logit minus the speculative one's: a plain forward over the prefix
+    tolerance: float  # TIE_EPS eps of the logits' dtype, at their size
+
+    @property
+    def tie(self) -> bool:
+        """Whether the target's dtype cannot tell the two tokens apart here (the flip is rounding, not the loop)."""
+        return self.logit_gap is not None and abs(self.logit_gap) <= self.tolerance
+
+    def to_metadata(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "greedy": self.greedy,
+            "speculative": self.speculative,
+            "logit_gap": None if self.logit_gap is None else round(self.logit_gap, 6),
+            "tolerance": round(self.tolerance, 6),
+            "tie": self.tie,
+        }
+
+
+@torch.inference_mode()
+def divergence(
+    target, prompt_ids: Sequence[int], speculative_ids: Sequence[int], greedy_ids: Sequence[int]
+) -> Divergence | None:
+    """The first position where the two decodes differ (None: they do not), judged by the target's logits there: one
+    forward over the prompt and the tokens both decodes agree on, with no cache (neither decode's own path)."""
+    if list(speculative_ids) == list(greedy_ids):
+        return None
+    common = min(len(speculative_ids), len(greedy_ids))
+    i = next((j for j in range(common) if speculative_ids[j] != greedy_ids[j]), common)
+    if i == common:  # one decode ended where the other went on: not a choice between two tokens
+        greedy_next = int(greedy_ids[i]) if i < len(greedy_ids) else None
+        speculative_next = int(speculative_ids[i]) if i < len(speculative_ids) else None
+        return Divergence(i, greedy_next, speculative_next, None, 0.0)
+    model = text_causal_lm(target)
+    device = model.get_input_embeddings().weight.device
+    ids = torch.as_tensor([[*prompt_ids, *greedy_ids[:i]]], dtype=torch.long, device=device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+    g, s = float(logits[greedy_ids[i]]), float(logits[speculative_ids[i]])
+    tolerance = TIE_EPS * torch.finfo(logits.dtype).eps * max(1.0, abs(g), abs(s))
+    return Divergence(i, int(greedy_ids[i]), int(speculative_ids[i]), g - s, tolerance)
+
+
 # --------------------------------------------------------------------------------------------
 # Reporting
 # --------------------------------------------------------------------------------------------
@@ -368,10 +423,19 @@ class PromptResult:
     spec: SpecRun
     greedy_ids: list[int] | None = None
     greedy_seconds: float | None = None
+    divergence: Divergence | None = None  # where a decode that is not lossless first differs
 
     @property
     def lossless(self) -> bool | None:
         return None if self.greedy_ids is None else self.spec.output_ids == self.greedy_ids
+
+    @property
+    def lossless_up_to_ties(self) -> bool | None:
+        """Lossless, or first differing at a tie the target's dtype cannot resolve (after which the two decodes
+        continue different texts and cannot be compared)."""
+        if self.lossless is None:
+            return None
+        return self.lossless or (self.divergence is not None and self.divergence.tie)
 
     def to_metadata(self) -> dict[str, Any]:
         s = self.spec
@@ -386,6 +450,8 @@ class PromptResult:
             if self.greedy_ids is None
             else _rate(len(self.greedy_ids), self.greedy_seconds),
             "lossless": self.lossless,
+            "lossless_up_to_ties": self.lossless_up_to_ties,
+            "divergence": None if self.divergence is None else self.divergence.to_metadata(),
         }
 
 
@@ -402,6 +468,11 @@ class SpecDecodeReport:
     @property
     def lossless(self) -> bool | None:
         checks = [p.lossless for p in self.prompts if p.lossless is not None]
+        return all(checks) if checks else None
+
+    @property
+    def lossless_up_to_ties(self) -> bool | None:
+        checks = [p.lossless_up_to_ties for p in self.prompts if p.lossless_up_to_ties is not None]
         return all(checks) if checks else None
 
     def totals(self) -> dict[str, Any]:
@@ -428,6 +499,8 @@ class SpecDecodeReport:
             "speedup": round(spec_rate / greedy_rate, 3) if spec_rate and greedy_rate else None,
             "lossless": self.lossless,
             "mismatched_prompts": sum(1 for p in greedy if not p.lossless),
+            "lossless_up_to_ties": self.lossless_up_to_ties,
+            "mismatched_at_ties": sum(1 for p in greedy if not p.lossless and p.lossless_up_to_ties),
         }
 
     def to_metadata(self) -> dict[str, Any]:
@@ -495,5 +568,6 @@ def evaluate_speculative(
         result = PromptResult(prompt_tokens=len(ids), spec=spec)
         if compare_greedy:
             result.greedy_ids, result.greedy_seconds = greedy_generate(target, ids, max_new_tokens, eos)
+            result.divergence = divergence(target, ids, spec.output_ids, result.greedy_ids)
         report.prompts.append(result)
     return report
