@@ -331,7 +331,7 @@ def greedy_generate(
     return out[0, ids.shape[1] :].tolist(), time.perf_counter() - started
 
 
-# A tie: two tokens' logits closer than this many of the logits' dtype eps, relative to their size. In bf16 the
+# A tie: two tokens' logits closer than this many of the target's dtype eps, relative to their size. In bf16 the
 # verify forward (several tokens after a cache) and generate's one-token steps round differently, so a target's
 # near-tie can fall either way: a flip there is the dtype's, not the loop's. In float32 only exact ties qualify.
 TIE_EPS = 8
@@ -345,7 +345,7 @@ class Divergence:
     greedy: int | None  # None: that decode had ended
     speculative: int | None
     logit_gap: float | None  # greedy's token's logit minus the speculative one's: a plain forward over the prefix
-    tolerance: float  # TIE_EPS eps of the logits' dtype, at their size
+    tolerance: float  # TIE_EPS eps of the target's dtype, at the logits' size
 
     @property
     def tie(self) -> bool:
@@ -378,11 +378,11 @@ def divergence(
         speculative_next = int(speculative_ids[i]) if i < len(speculative_ids) else None
         return Divergence(i, greedy_next, speculative_next, None, 0.0)
     model = text_causal_lm(target)
-    device = model.get_input_embeddings().weight.device
-    ids = torch.as_tensor([[*prompt_ids, *greedy_ids[:i]]], dtype=torch.long, device=device)
+    weight = model.get_input_embeddings().weight  # the dtype the target computes in (some upcast only the logits)
+    ids = torch.as_tensor([[*prompt_ids, *greedy_ids[:i]]], dtype=torch.long, device=weight.device)
     logits = model(input_ids=ids, use_cache=False).logits[0, -1]
     g, s = float(logits[greedy_ids[i]]), float(logits[speculative_ids[i]])
-    tolerance = TIE_EPS * torch.finfo(logits.dtype).eps * max(1.0, abs(g), abs(s))
+    tolerance = TIE_EPS * torch.finfo(weight.dtype).eps * max(1.0, abs(g), abs(s))
     return Divergence(i, int(greedy_ids[i]), int(speculative_ids[i]), g - s, tolerance)
 
 
