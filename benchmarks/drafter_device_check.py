@@ -45,7 +45,11 @@ from hidden_states_throughput import random_deepseek_v3  # noqa: E402  (the same
 
 from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_windows  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.speculative import (  # noqa: E402
+    TIE_EPS,
+    evaluate_speculative,
+    forward_shape_rounding,
+)
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, count_loss_tokens  # noqa: E402
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates  # noqa: E402
@@ -300,6 +304,15 @@ def speculative_figures(
     for name, model in drafters.items():
         model = model.to(device, dtype).eval()
         figures[name] = speculative_run(name, target, model, held_out, a)
+    # how far the target's own forward shapes round apart here: what the tie tolerance of the lossless check covers
+    rows = [forward_shape_rounding(target, p, a.draft_steps + 1) for p in held_out if len(p) > a.draft_steps + 1]
+    figures["forward_shape_rounding"] = {
+        "max_eps": max((r["max_eps"] for r in rows), default=None),
+        "argmax_flips": sum(int(r["argmax_flips"]) for r in rows),
+        "rows": sum(int(r["rows"]) for r in rows),
+        "tie_eps": TIE_EPS,
+    }
+    log(f"forward shapes round apart by up to {figures['forward_shape_rounding']}")
     return figures
 
 

@@ -17,9 +17,11 @@ from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Draft
 from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config
 from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality
 from eagle3_assets.stages.eagle3_drafter.speculative import (
+    TIE_EPS,
     Eagle3ChainDrafter,
     accept_lengths,
     evaluate_speculative,
+    forward_shape_rounding,
     greedy_generate,
     position_acceptance,
     speculative_generate,
@@ -437,3 +439,18 @@ def test_a_flip_at_a_tie_the_dtype_cannot_resolve_is_told_from_a_loop_that_is_no
         assert outcome.passed and "lossless up to 2 tie(s)" in outcome.description
     else:
         assert not outcome.passed and "NOT lossless" in outcome.description
+
+
+def test_the_forward_shapes_round_apart_by_less_than_the_tie_tolerance_and_a_wrong_verify_shows(target_model, prompts):
+    """The figure TIE_EPS rests on: on the float32 stand-in, the plain forward, one-token steps and a 4-token verify
+    give the same rows within a few eps, and the same top tokens; a verify forward that shifts its rows (a wrong
+    mask) is far outside it."""
+    sequence = prompts[0] + [5, 6, 7, 8]
+    figures = forward_shape_rounding(target_model, sequence, 4)
+    assert figures["rows"] == 4 and figures["argmax_flips"] == 0
+    assert figures["max_eps"] < TIE_EPS
+    with verify_forwards_corrupted(target_model):
+        corrupted = forward_shape_rounding(target_model, sequence, 4)
+    assert corrupted["max_eps"] > 1000 * TIE_EPS and corrupted["argmax_flips"] > 0
+    with pytest.raises(ValueError, match="need 0 < tokens"):
+        forward_shape_rounding(target_model, sequence, len(sequence))

@@ -333,7 +333,8 @@ def greedy_generate(
 
 # A tie: two tokens' logits closer than this many of the target's dtype eps, relative to their size. In bf16 the
 # verify forward (several tokens after a cache) and generate's one-token steps round differently, so a target's
-# near-tie can fall either way: a flip there is the dtype's, not the loop's. In float32 only exact ties qualify.
+# near-tie can fall either way: a flip there is the dtype's, not the loop's. Measured by `forward_shape_rounding` on
+# the CPU stand-in: up to 2.5 eps apart in float32, 1.0 in bf16; the device check measures it on a GPU.
 TIE_EPS = 8
 
 
@@ -384,6 +385,33 @@ def divergence(
     g, s = float(logits[greedy_ids[i]]), float(logits[speculative_ids[i]])
     tolerance = TIE_EPS * torch.finfo(weight.dtype).eps * max(1.0, abs(g), abs(s))
     return Divergence(i, int(greedy_ids[i]), int(speculative_ids[i]), g - s, tolerance)
+
+
+@torch.inference_mode()
+def forward_shape_rounding(target, sequence: Sequence[int], tokens: int) -> dict[str, float | int]:
+    """How far apart the target's logits for the last `tokens` positions of `sequence` come out of the decode's three
+    forward shapes: one plain forward over it (`divergence`'s), one-token steps after the rest is cached (generate's),
+    and one `tokens`-token verify after it (the speculative loop's). `max_eps`: the largest difference, in eps of the
+    target's dtype at the row's largest logit (what TIE_EPS must cover); `argmax_flips`: rows whose top token differs
+    between shapes."""
+    if not 0 < tokens < len(sequence):
+        raise ValueError(f"need 0 < tokens < {len(sequence)} (the sequence's length), got {tokens}")
+    model = text_causal_lm(target)
+    weight = model.get_input_embeddings().weight
+    prefix, rest = list(sequence[:-tokens]), list(sequence[-tokens:])
+    ids = torch.as_tensor([list(sequence)], dtype=torch.long, device=weight.device)
+    plain = model(input_ids=ids, use_cache=False).logits[0, -tokens:].float()
+    verifier, stepper = _Target(target, None), _Target(target, None)
+    verifier.forward(prefix, aux=False, last_only=True)
+    verify = verifier.forward(rest, aux=False, last_only=False)[0]
+    stepper.forward(prefix, aux=False, last_only=True)
+    steps = torch.cat([stepper.forward([t], aux=False, last_only=True)[0] for t in rest])
+    scale = torch.finfo(weight.dtype).eps * plain.abs().amax(-1).clamp(min=1.0)
+    worst = max(
+        float(((a - b).abs().amax(-1) / scale).max()) for a, b in ((plain, verify), (plain, steps), (verify, steps))
+    )
+    tops = torch.stack([plain.argmax(-1), verify.argmax(-1), steps.argmax(-1)])
+    return {"max_eps": round(worst, 3), "argmax_flips": int((tops != tops[0]).any(0).sum()), "rows": tokens}
 
 
 # --------------------------------------------------------------------------------------------
