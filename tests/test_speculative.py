@@ -305,6 +305,16 @@ def test_the_greedy_reference_is_the_targets_own_decoding_without_any_cache(targ
 
 
 @contextmanager
+def forward_hooked(model, hook):
+    """`hook(module, args, kwargs, output)` on every forward of `model` for the block."""
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
 def verify_forwards_corrupted(model):
     """A target whose forward over several tokens after a cache (the verify shape) differs from its decoding one token
     at a time, as a wrong attention mask for a multi-token step with a KV cache would make it: rows after the first get
@@ -316,11 +326,8 @@ def verify_forwards_corrupted(model):
             out.logits[:, 1:] = out.logits[:, 1:].roll(1, -1)
         return out
 
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    try:
+    with forward_hooked(model, hook):
         yield
-    finally:
-        handle.remove()
 
 
 @contextmanager
@@ -399,11 +406,8 @@ def flipped_at(model, position: int, gap: Callable[[torch.Tensor], float]):
             logits[runner] = logits[top] + (1 if verify else -1) * gap(logits[top])
         return out
 
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    try:
+    with forward_hooked(model, hook):
         yield
-    finally:
-        handle.remove()
 
 
 @pytest.mark.parametrize("kind", ["tie", "wide"])
