@@ -22,7 +22,8 @@ this order: the issue's acceptance figures first, so a run short of time skips t
 Each training section also reports `phases`: where its wall time went before the clock started (data,
 model, teacher, and the set-up with torch.compile and the warm-up steps).
 Needs torch, transformers and safetensors only (plus this project's modules that need neither Dagster nor
-polars). MFU is against the H200's dense bf16 peak (989 TFLOP/s); `mfu_at_790` against the issue's 790.
+polars). MFU is against the GPU's dense bf16 peak from the trainer's table by the name it reports (989 TFLOP/s
+on an H200 or an H100 SXM; `peak_source` says whether it was found); `mfu_at_790` against the issue's 790.
 """
 
 from __future__ import annotations
@@ -345,7 +346,7 @@ def main() -> None:
         for n, s in report["sections"].items()
     }
     print(json.dumps({"seconds": report["seconds"], "summary": summary}, indent=2))
-    print(f"\nThe issue's goals, set for an H200 (this run's device: {a.device}):")
+    print(f"\nThe issue's goals, set for an H200 (this run's device: {report['environment'].get('gpu') or a.device}):")
     print(acceptance_table(report["acceptance"]))
 
 

@@ -9,9 +9,10 @@ samples of mixed lengths, trained by this project's `train` (TTT 7 steps) for a 
 The teacher's full-vocabulary argmax is computed for every window before the clock starts, as it is
 cached from the second epoch of a real run on. The first `--warmup` steps (allocator, cuBLAS,
 torch.compile) are not timed: tokens/s is over the rest, MFU against the FLOPs-per-token formula of
-`model.train_flops_per_token` and the `--peak-tflops` given (H200 bf16 dense: 989; `mfu_at_790`
-uses the 790 of the issue's own figures). Prints one JSON line (and writes it to `--json`); needs
-torch only (and this project's drafter modules).
+`model.train_flops_per_token` and the GPU's dense bf16 peak: `--peak-tflops` if given, else the trainer's table
+by the name the GPU reports (989 for an H200 or H100 SXM, 835 for an NVL board, 756 for an H100 PCIe), else 989,
+marked "assumed" in `peak_source`; `mfu_at_790` uses the 790 of the issue's own figures). Prints one JSON
+line (and writes it to `--json`); needs torch only (and this project's drafter modules).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from eagle3_assets.stages.eagle3_drafter.model import (  # noqa: E402
     default_shape,
     train_flops_per_token,
 )
-from eagle3_assets.stages.eagle3_drafter.train import TrainHistory, TrainSettings, train  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.train import TrainHistory, TrainSettings, peak_tflops, train  # noqa: E402
 
 
 def synthetic_source(
@@ -72,7 +73,7 @@ class SpeedOptions:
     min_len: int
     max_len: int
     window: int
-    peak_tflops: float
+    peak_tflops: float | None  # None: the device's, from the trainer's table
     compile: bool | None  # None: the trainer's own default
 
 
@@ -202,6 +203,17 @@ def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> tupl
     return history, marks[1][0] - marks[0][0], marks[1][1] - marks[0][1]
 
 
+ASSUMED_PEAK_TFLOPS = 989.0  # an H200's, for a GPU the table does not know
+
+
+def mfu_peak(o: SpeedOptions, dev: torch.device) -> tuple[float, str]:
+    """The dense bf16 peak MFU divides by, and where it came from: "given", "table" or "assumed"."""
+    if o.peak_tflops is not None:
+        return o.peak_tflops, "given"
+    known = peak_tflops(dev)
+    return (known, "table") if known is not None else (ASSUMED_PEAK_TFLOPS, "assumed")
+
+
 def speed_figures(
     o: SpeedOptions, p: Prepared, dev: torch.device, history: TrainHistory, seconds: float, tokens: int
 ) -> dict:
@@ -209,6 +221,7 @@ def speed_figures(
     mean_window = sum(w.tokens for w in p.plan.windows) / len(p.plan.windows)
     fpt = train_flops_per_token(p.cfg, ttt_steps=7, mean_window=mean_window)["total"]
     rate = tokens / seconds
+    peak, source = mfu_peak(o, dev)
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "hidden": o.hidden,
@@ -224,8 +237,9 @@ def speed_figures(
         "tokens_per_s": round(rate, 1),
         "gflop_per_token": round(fpt / 1e9, 3),
         "tflops": round(rate * fpt / 1e12, 2),
-        "mfu": round(rate * fpt / (o.peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
-        "peak_tflops": o.peak_tflops if dev.type == "cuda" else None,
+        "mfu": round(rate * fpt / (peak * 1e12), 4) if dev.type == "cuda" else None,
+        "peak_tflops": peak if dev.type == "cuda" else None,
+        "peak_source": source if dev.type == "cuda" else None,
         "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None,
         "seconds": round(seconds, 2),
         "phases": {k: round(v, 2) for k, v in p.phases.items()},
@@ -256,7 +270,9 @@ def parse_args() -> tuple[SpeedOptions, str | None]:
     p.add_argument("--min-len", type=int, default=128)
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--window", type=int, default=4096)
-    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by its name, else 989)"
+    )
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--json", default=None, help="also write the figures here")
     a = p.parse_args()

@@ -1,7 +1,9 @@
 """Figures that only a GPU run gives, checked here on the CPU through the code that computes them.
 
 - The trainer's MFU divides by the device's dense bf16 peak, found from `torch.cuda.get_device_name`: the names
-  a GPU host reports ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...) must find theirs, H200 not H20's.
+  a GPU host reports ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...) must find theirs, H200 not H20's, a PCIe or
+  NVL board its own lower peak, not the SXM's. The training benchmark takes the same peak unless given one, and
+  says where its peak came from.
 - `drafter_training_speed.py`'s peak GPU memory (`peak_gpu_mib`, train_kimi's figure) is the trainer's: the
   benchmark draws the target's head in fp32 on the device to build the teacher, which keeps its own (bf16 on a GPU)
   copy; the fp32 draw must not outlive that (4.7 GB at Kimi width that a real run keeps on the host, if at all).
@@ -30,6 +32,10 @@ import drafter_training_speed as speed  # noqa: E402
     [
         ("NVIDIA H200", 989.0),
         ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200 NVL", 835.0),
         ("NVIDIA H20", 148.0),
         ("NVIDIA A100-SXM4-80GB", 312.0),
         ("NVIDIA L40S", 362.0),
@@ -48,6 +54,39 @@ def test_the_mfu_peak_is_found_from_the_name_a_gpu_reports(monkeypatch, name, pe
     device = torch.device("cuda")  # as `training_device()` makes it: no index
     assert train_module.peak_tflops(device) == peak
     assert asked == [device]
+
+
+def speed_options(peak_tflops: float | None) -> speed.SpeedOptions:
+    """A tiny measurement on the CPU."""
+    return speed.SpeedOptions(
+        device="cpu",
+        hidden=64,
+        intermediate=None,
+        draft_vocab=128,
+        target_vocab=512,
+        batch_tokens=256,
+        steps=1,
+        warmup=1,
+        min_len=16,
+        max_len=64,
+        window=4096,
+        peak_tflops=peak_tflops,
+        compile=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "name", "expected"),
+    [
+        (None, "NVIDIA H100 PCIe", (756.0, "table")),
+        (None, "Tesla T4", (989.0, "assumed")),
+        (500.0, "NVIDIA H100 PCIe", (500.0, "given")),
+    ],
+)
+def test_the_training_benchmark_divides_by_the_gpus_own_peak(monkeypatch, given, name, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    options = speed_options(peak_tflops=given)
+    assert speed.mfu_peak(options, torch.device("cuda")) == expected
 
 
 def test_no_mfu_peak_off_cuda(monkeypatch):
@@ -75,21 +114,7 @@ def test_the_speed_benchmark_keeps_no_head_beside_the_teachers(monkeypatch):
 
     monkeypatch.setattr(speed, "made_drafter", watched)
     monkeypatch.setattr(speed, "Teacher", DeviceTeacher)
-    options = speed.SpeedOptions(
-        device="cpu",
-        hidden=64,
-        intermediate=None,
-        draft_vocab=128,
-        target_vocab=512,
-        batch_tokens=256,
-        steps=1,
-        warmup=1,
-        min_len=16,
-        max_len=64,
-        window=4096,
-        peak_tflops=989.0,
-        compile=False,
-    )
+    options = speed_options(peak_tflops=None)
     prepared = speed.prepare(options, torch.device("cpu"))
     gc.collect()
     assert len(drawn) == 1 and drawn[0]() is None, "the fp32 head drawn for the teacher is still held"

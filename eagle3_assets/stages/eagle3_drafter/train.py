@@ -447,15 +447,36 @@ class Clock:
         self.since = time.monotonic()
 
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+# Dense bf16 tensor-core peaks from NVIDIA's spec sheets (half their "with sparsity" figures), by a fragment of the
+# name `torch.cuda.get_device_name` reports. The first fragment found wins, so a variant comes before its family:
+# the PCIe and NVL boards run at lower clocks and power than the SXM module ("NVIDIA H100 80GB HBM3"), and
+# "H200" before "H20" (a different, much slower chip). GH200's Hopper is the SXM's.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200 NVL", 835.0),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H800 PCIe", 756.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("B200", 2250.0),
+)
+
+
+def peak_tflops_of(name: str) -> float | None:
+    """Dense bf16 peak of a GPU by the name it reports; None for one not in the table."""
+    return next((peak for fragment, peak in PEAK_BF16_TFLOPS if fragment in name), None)
 
 
 def peak_tflops(device: torch.device) -> float | None:
-    """Dense bf16 peak of a known CUDA device (spec sheets), for MFU; None elsewhere."""
+    """Dense bf16 peak of a known CUDA device, for MFU; None elsewhere."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name(device))
 
 
 def compile_mlp(model: Eagle3Drafter, device: torch.device, log: Callable[[str], None]) -> bool:
