@@ -254,9 +254,10 @@ def acceptance_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Sections whose script keeps to a `--budget-s` (no round starts that would end past it): given their limit less
-# this margin (start-up, the JSON), so a section that runs short of time still returns the rounds it finished.
-BUDGETED = {"extraction"}
+# Sections whose script keeps to a `--budget-s` (no round or timed step starts that would end past it): given their
+# limit less this margin (start-up, the JSON), so a section that runs short of time (a slow torch.compile, say) still
+# returns the figures of the rounds or steps it finished, rather than none.
+BUDGETED = {"extraction", "train_2048", "train_kimi", "train_2048_today"}
 BUDGET_MARGIN_S = 15.0
 
 

@@ -38,6 +38,8 @@ from eagle3_assets.stages.eagle3_drafter.model import (  # noqa: E402
 )
 from eagle3_assets.stages.eagle3_drafter.train import TrainHistory, TrainSettings, peak_tflops, train  # noqa: E402
 
+STARTED = time.perf_counter()  # `--budget-s` counts from here (the imports above are a few seconds)
+
 
 def synthetic_source(
     samples: int, min_len: int, max_len: int, hidden: int, vocab: int, seed: int, device: torch.device
@@ -75,6 +77,7 @@ class SpeedOptions:
     window: int
     peak_tflops: float | None  # None: the device's, from the trainer's table
     compile: bool | None  # None: the trainer's own default
+    budget_s: float | None = None  # None: all `steps`; else the timed steps that fit (at least one) from `STARTED`
 
 
 @dataclass
@@ -158,9 +161,21 @@ def prepare(o: SpeedOptions, dev: torch.device) -> Prepared:
     return Prepared(cfg, source, model, plan, teacher, phases)
 
 
-def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> tuple[TrainHistory, float, int]:
-    """Train `warmup + steps` optimizer steps: (the history, the timed steps' seconds and tokens). The clock runs from
-    the end of step `warmup` to the end of step `warmup + steps`; the set-up before it is `to_first_timed_step_s`."""
+@dataclass(frozen=True)
+class Timed:
+    """The timed steps of a training run, and its record."""
+
+    history: TrainHistory
+    steps: int
+    seconds: float
+    tokens: int
+
+
+def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> Timed:
+    """Train `warmup + steps` optimizer steps, timing the last `steps`. The clock
+    runs from the end of step `warmup` to the end of step `warmup + steps`; the set-up before it is
+    `to_first_timed_step_s`. With `budget_s`, the run ends early after the first timed step whose successor (taking
+    as long as it did) would end past the budget: the figures are from the timed steps done."""
     extra = {} if o.compile is None else {"compile": o.compile}
     settings = TrainSettings(
         ttt_steps=7,
@@ -171,14 +186,21 @@ def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> tupl
         warmup_steps=2,
         **extra,
     )
-    marks: list[tuple[float, int]] = []
+    marks: list[tuple[float, int, int]] = []  # (time, tokens, step) at the clock's two ends
     clock_ends = (o.warmup, o.warmup + o.steps)
+    deadline = None if o.budget_s is None else STARTED + o.budget_s
+    last_step_at = [time.perf_counter()]
 
-    def on_step(step: int, tokens: int) -> None:
-        if step in clock_ends:  # the clock's two ends wait for the device; the steps between run free
+    def on_step(step: int, tokens: int) -> bool:
+        # the host runs ahead of the device by about a step (metrics stay queued), so a step's host time is its own
+        now = time.perf_counter()
+        step_s, last_step_at[0] = now - last_step_at[0], now
+        out_of_time = deadline is not None and step > clock_ends[0] and now + step_s > deadline
+        if step in clock_ends or out_of_time:  # the clock's two ends wait for the device; the steps between run free
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            marks.append((time.perf_counter(), tokens))
+            marks.append((time.perf_counter(), tokens, step))
+        return out_of_time
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -200,7 +222,8 @@ def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> tupl
         raise RuntimeError(f"too few samples for {o.steps} + {o.warmup} steps")
     # set-up (torch.compile of the MLP included) and the untimed warm-up steps
     p.phases["to_first_timed_step_s"] = marks[0][0] - train_started
-    return history, marks[1][0] - marks[0][0], marks[1][1] - marks[0][1]
+    (start, start_tokens, start_step), (end, end_tokens, end_step) = marks
+    return Timed(history, end_step - start_step, end - start, end_tokens - start_tokens)
 
 
 ASSUMED_PEAK_TFLOPS = 989.0  # an H200's, for a GPU the table does not know
@@ -214,13 +237,12 @@ def mfu_peak(o: SpeedOptions, dev: torch.device) -> tuple[float, str]:
     return (known, "table") if known is not None else (ASSUMED_PEAK_TFLOPS, "assumed")
 
 
-def speed_figures(
-    o: SpeedOptions, p: Prepared, dev: torch.device, history: TrainHistory, seconds: float, tokens: int
-) -> dict:
+def speed_figures(o: SpeedOptions, p: Prepared, dev: torch.device, timed: Timed) -> dict:
     """The JSON: the shape, tokens/s, FLOPs and MFU (on a GPU), the phases, the peak GPU memory."""
     mean_window = sum(w.tokens for w in p.plan.windows) / len(p.plan.windows)
     fpt = train_flops_per_token(p.cfg, ttt_steps=7, mean_window=mean_window)["total"]
-    rate = tokens / seconds
+    rate = timed.tokens / timed.seconds
+    history = timed.history
     peak, source = mfu_peak(o, dev)
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -231,7 +253,9 @@ def speed_figures(
         "draft_vocab": o.draft_vocab,
         "target_vocab": o.target_vocab,
         "batch_tokens": o.batch_tokens,
-        "timed_steps": o.steps,
+        "timed_steps": timed.steps,
+        "timed_steps_asked": o.steps,
+        "budget_s": o.budget_s,
         "windows": len(p.plan.windows),
         "mean_window": round(mean_window, 1),
         "tokens_per_s": round(rate, 1),
@@ -241,7 +265,7 @@ def speed_figures(
         "peak_tflops": peak if dev.type == "cuda" else None,
         "peak_source": source if dev.type == "cuda" else None,
         "mfu_at_790": round(rate * fpt / 790e12, 4) if dev.type == "cuda" else None,
-        "seconds": round(seconds, 2),
+        "seconds": round(timed.seconds, 2),
         "phases": {k: round(v, 2) for k, v in p.phases.items()},
         "compile": history.compiled,
         "final_loss": history.step_loss[-1] if history.step_loss else None,
@@ -252,8 +276,7 @@ def speed_figures(
 def measure(o: SpeedOptions, log=print) -> dict:
     dev = torch.device(o.device)
     prepared = prepare(o, dev)
-    history, seconds, tokens = timed_training(o, prepared, dev, log)
-    return speed_figures(o, prepared, dev, history, seconds, tokens)
+    return speed_figures(o, prepared, dev, timed_training(o, prepared, dev, log))
 
 
 def parse_args() -> tuple[SpeedOptions, str | None]:
@@ -274,6 +297,12 @@ def parse_args() -> tuple[SpeedOptions, str | None]:
         "--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by its name, else 989)"
     )
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds from start-up: the timed steps that fit (at least one), not all of --steps",
+    )
     p.add_argument("--json", default=None, help="also write the figures here")
     a = p.parse_args()
     options = SpeedOptions(
@@ -290,6 +319,7 @@ def parse_args() -> tuple[SpeedOptions, str | None]:
         window=a.window,
         peak_tflops=a.peak_tflops,
         compile={"auto": None, "on": True, "off": False}[a.compile],
+        budget_s=a.budget_s,
     )
     return options, a.json
 

@@ -4,6 +4,7 @@
   a GPU host reports ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ...) must find theirs, H200 not H20's, a PCIe or
   NVL board its own lower peak, not the SXM's. The training benchmark takes the same peak unless given one, and
   says where its peak came from.
+- The training benchmark keeps to the time budget the device check gives it, timing the steps that fit.
 - `drafter_training_speed.py`'s peak GPU memory (`peak_gpu_mib`, train_kimi's figure) is the trainer's: the
   benchmark draws the target's head in fp32 on the device to build the teacher, which keeps its own (bf16 on a GPU)
   copy; the fp32 draw must not outlive that (4.7 GB at Kimi width that a real run keeps on the host, if at all).
@@ -11,8 +12,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -56,9 +59,9 @@ def test_the_mfu_peak_is_found_from_the_name_a_gpu_reports(monkeypatch, name, pe
     assert asked == [device]
 
 
-def speed_options(peak_tflops: float | None) -> speed.SpeedOptions:
+def speed_options(peak_tflops: float | None, **changes) -> speed.SpeedOptions:
     """A tiny measurement on the CPU."""
-    return speed.SpeedOptions(
+    options = speed.SpeedOptions(
         device="cpu",
         hidden=64,
         intermediate=None,
@@ -73,6 +76,7 @@ def speed_options(peak_tflops: float | None) -> speed.SpeedOptions:
         peak_tflops=peak_tflops,
         compile=False,
     )
+    return dataclasses.replace(options, **changes)
 
 
 @pytest.mark.parametrize(
@@ -120,5 +124,18 @@ def test_the_speed_benchmark_keeps_no_head_beside_the_teachers(monkeypatch):
     assert len(drawn) == 1 and drawn[0]() is None, "the fp32 head drawn for the teacher is still held"
     assert prepared.teacher.head.shape == (512, 64)
     # and the run goes on from what `prepare` kept
-    history, seconds, tokens = speed.timed_training(options, prepared, torch.device("cpu"), lambda m: None)
-    assert seconds > 0 and tokens > 0 and history.step_loss
+    timed = speed.timed_training(options, prepared, torch.device("cpu"), lambda m: None)
+    assert timed.seconds > 0 and timed.tokens > 0 and timed.history.step_loss
+
+
+@pytest.mark.parametrize(
+    ("budget_s", "started_s_ago", "timed_steps"),
+    [(None, 0.0, 3), (1e6, 0.0, 3), (1.0, 1000.0, 1)],
+)
+def test_the_speed_benchmark_times_the_steps_its_budget_allows(monkeypatch, budget_s, started_s_ago, timed_steps):
+    """The device check gives each training section its time limit as `--budget-s`: past it, the run ends after its
+    first timed step (a slow torch.compile on the GPU host still leaves figures), and the figures say so."""
+    monkeypatch.setattr(speed, "STARTED", time.perf_counter() - started_s_ago)
+    figures = speed.measure(speed_options(peak_tflops=None, steps=3, budget_s=budget_s), log=lambda m: None)
+    assert (figures["timed_steps"], figures["timed_steps_asked"]) == (timed_steps, 3)
+    assert figures["tokens_per_s"] > 0 and figures["final_loss"] is not None

@@ -210,6 +210,22 @@ def test_a_training_step_reads_nothing_back_from_the_device() -> None:
     assert per_step == [0] * len(per_step), f"host reads of device values per training step: {per_step}"
 
 
+def test_on_step_may_end_the_run_after_a_step() -> None:
+    """A benchmark's time budget: `on_step` returning True ends the run after that step, its metrics read."""
+    model, source, windows, head, settings = synthetic_run()
+    seen: list[int] = []
+
+    def on_step(step: int, tokens: int) -> bool:
+        seen.append(step)
+        return step == 3
+
+    history = train(
+        model, source, windows, [], settings, head=head, device=torch.device("cpu"), log=print, on_step=on_step
+    )
+    assert seen == [1, 2, 3]
+    assert len(history.step_loss) == len(history.grad_norm) == 3
+
+
 def test_the_first_steps_gradient_is_the_documented_loss_gradient():
     """The gradient norm the trainer records for its first step (before clipping) against the loss written
     out per window and per position from the module docstring: each window's TTT-weighted soft

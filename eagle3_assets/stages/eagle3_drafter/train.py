@@ -557,6 +557,7 @@ class Trainer:
         self.clock = Clock(self.device)
         self.first_step, self.last_log = 0, 0.0  # for the progress log's rate
         self.word = RankZeroWord(self.dist)  # the main process's word to the others while it evaluates alone
+        self.stop_asked = False  # a hook's word to end the run after this step (`train`'s `on_step`)
 
     def fit(self) -> TrainHistory:
         """Train in place and return the record (also when `stop_after_steps` ends the run early)."""
@@ -639,7 +640,8 @@ class Trainer:
 
     def after_step(self) -> bool:
         """The hooks due; the metrics read every `LOG_EVERY` steps (and progress logged every 10 s or more); a
-        checkpoint every `checkpoint_every` steps. True when the run stops here (`stop_after_steps`)."""
+        checkpoint every `checkpoint_every` steps. True when the run stops here (`stop_after_steps`, or a hook set
+        `stop_asked`)."""
         for hook in self.hooks:
             if self.global_step % hook.steps == 0:
                 hook.call(self)
@@ -647,7 +649,9 @@ class Trainer:
             self.clock.lap()
             self.flush()
             self.log_progress()
-        stop = self.options.stop_after_steps is not None and self.global_step >= self.options.stop_after_steps
+        stop = self.stop_asked or (
+            self.options.stop_after_steps is not None and self.global_step >= self.options.stop_after_steps
+        )
         every = self.settings.checkpoint_every
         if (every and self.global_step % every == 0) or stop:
             self.checkpoint()
@@ -747,6 +751,11 @@ class Trainer:
 
 
 # 13 parameters: the one-call form tests and benchmarks use; it only sorts them into `Trainer`'s objects
+def ask_on_step(on_step: Callable[[int, int], bool | None], trainer: Trainer) -> None:
+    """`train`'s `on_step` as a hook: told the step and the tokens so far, it may ask the run to end here."""
+    trainer.stop_asked = bool(on_step(trainer.global_step, trainer.tokens_done))
+
+
 def train(
     model: Eagle3Drafter,
     source: SampleSource,
@@ -761,18 +770,20 @@ def train(
     dist: Distributed | None = None,
     stop_after_steps: int | None = None,
     teacher: Teacher | None = None,
-    on_step: Callable[[int, int], None] | None = None,
+    on_step: Callable[[int, int], bool | None] | None = None,
 ) -> TrainHistory:
     """Train in place on `train_windows` of `source`, evaluating `eval_windows` at each epoch's end; resume from
     `checkpoint_dir` when it holds a checkpoint of this very run.
 
     `stop_after_steps` ends the loop early (after saving a checkpoint), as a kill would, for tests.
-    `on_step(global_step, tokens so far)` is called after each optimizer step (benchmarks time steps with it).
+    `on_step(global_step, tokens so far)` is called after each optimizer step (benchmarks time steps with it); when
+    it returns True the run ends after that step as at `stop_after_steps` (a benchmark's time budget; under several
+    processes every rank must return the same, as they all reach the same step count).
     """
     dist = dist or Distributed()
     data = FixedWindows(source, train_windows, settings, device, dist)
     teacher = teacher or Teacher(head, model.draft_ids, device)
     options = RunOptions(device, log, checkpoint_dir, dist, stop_after_steps)
     held_out = partial(eval_samples, source, eval_windows, teacher, device) if eval_windows else None
-    hooks = [Every(1, lambda t: on_step(t.global_step, t.tokens_done))] if on_step is not None else []
+    hooks = [Every(1, partial(ask_on_step, on_step))] if on_step is not None else []
     return Trainer(model, data, settings, options, teacher, held_out, hooks).fit()
