@@ -172,10 +172,10 @@ class Timed:
 
 
 def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> Timed:
-    """Train `warmup + steps` optimizer steps, timing the last `steps`. The clock
-    runs from the end of step `warmup` to the end of step `warmup + steps`; the set-up before it is
-    `to_first_timed_step_s`. With `budget_s`, the run ends early after the first timed step whose successor (taking
-    as long as it did) would end past the budget: the figures are from the timed steps done."""
+    """Train `warmup + steps` optimizer steps, timing the last `steps`: the clock runs from the end of step `warmup`
+    to the end of step `warmup + steps`; the set-up before it is `to_first_timed_step_s`. With `budget_s`, the run
+    ends early after the first timed step whose successor (taking as long as it did) would end past the budget: the
+    figures are from the timed steps done."""
     extra = {} if o.compile is None else {"compile": o.compile}
     settings = TrainSettings(
         ttt_steps=7,
@@ -192,7 +192,8 @@ def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> Time
     last_step_at = [time.perf_counter()]
 
     def on_step(step: int, tokens: int) -> bool:
-        # the host runs ahead of the device by about a step (metrics stay queued), so a step's host time is its own
+        # the host runs ahead of the device by no more than its launch queue (a step or so: nothing is read back
+        # inside a step), so a step's host time is near its device time; the margin the device check leaves covers it
         now = time.perf_counter()
         step_s, last_step_at[0] = now - last_step_at[0], now
         out_of_time = deadline is not None and step > clock_ends[0] and now + step_s > deadline
