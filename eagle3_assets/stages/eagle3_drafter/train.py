@@ -750,12 +750,12 @@ class Trainer:
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
 
-# 13 parameters: the one-call form tests and benchmarks use; it only sorts them into `Trainer`'s objects
 def ask_on_step(on_step: Callable[[int, int], bool | None], trainer: Trainer) -> None:
     """`train`'s `on_step` as a hook: told the step and the tokens so far, it may ask the run to end here."""
     trainer.stop_asked = bool(on_step(trainer.global_step, trainer.tokens_done))
 
 
+# 13 parameters: the one-call form tests and benchmarks use; it only sorts them into `Trainer`'s objects
 def train(
     model: Eagle3Drafter,
     source: SampleSource,
