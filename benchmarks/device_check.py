@@ -16,7 +16,7 @@ this order: the issue's acceptance figures first, so a run short of time skips t
 - `ttt_attention`: the fused TTT attention against the written-out one at Kimi's head shape;
 - `speculative`: `drafter_device_check.py`, a drafter trained (without torch.compile) on a fitted target's
   text, then real speculative decoding (bf16, after a warm-up): accept length, and an `eager_proxy` speed that
-  is NOT a deployment figure;
+  is NOT a deployment figure (under its budget: fit, training and prompts cut to fit, and counted);
 - `handoff`: `sglang_handoff.py`, the SGLang backend's rank-0 hand-off at Kimi size (the slab ring against
   the queue paths it replaced) and rank 0's device-to-host copy, pinned slab against pageable (no sglang).
 Each training section also reports `phases`: where its wall time went before the clock started (data,
@@ -254,10 +254,10 @@ def acceptance_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Sections whose script keeps to a `--budget-s` (no round or timed step starts that would end past it): given their
-# limit less this margin (start-up, the JSON), so a section that runs short of time (a slow torch.compile, say) still
-# returns the figures of the rounds or steps it finished, rather than none.
-BUDGETED = {"extraction", "train_2048", "train_kimi", "train_2048_today"}
+# Sections whose script keeps to a `--budget-s` (no round, step or prompt starts that would end past it): given their
+# limit less this margin (start-up, the JSON), so a section that runs short of time (a slow torch.compile, slow eager
+# decoding) still returns the figures of the rounds, steps or prompts it finished, rather than none.
+BUDGETED = {"extraction", "train_2048", "train_kimi", "train_2048_today", "speculative"}
 BUDGET_MARGIN_S = 15.0
 
 

@@ -22,6 +22,12 @@ bare GPU machine from a plain checkout. Steps:
    MoE layer per token), so they are not a deployment estimate; SGLang's are
    (`benchmarks/serving_speculative.py`). Few prompts and tokens by default: the accept length is the
    figure here.
+With `--budget-s S` (the device check gives its limit less 15 s) the run keeps to S seconds from start-up and
+ends with figures rather than being killed without any: the fit takes at most a quarter of the time, the untrained
+drafter decodes first (its prompts one at a time, within a third of what is left), training ends after the step
+whose successor would cut into the time the trained drafter's decoding of the same prompts needs (1.25x the
+untrained's: it accepts more, so it makes fewer rounds), and no prompt starts that would end past S. What was cut
+is in the JSON: `fit_steps`, `train_steps`, each drafter's `prompts`, each beside what was asked.
 Figures go to stdout and, as JSON, to `--json` (default `$OUT/drafter_device_check.json` when OUT is set).
 """
 
@@ -33,6 +39,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hidden_states_throughput import random_deepseek_v3  # noqa: E402  (the same mid-size target)
 
-from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_windows  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_steps, plan_windows  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.speculative import (  # noqa: E402
     TIE_EPS,
@@ -53,6 +60,33 @@ from eagle3_assets.stages.eagle3_drafter.speculative import (  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, train  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.vocab import build_draft_vocab, count_loss_tokens  # noqa: E402
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates  # noqa: E402
+
+STARTED = time.perf_counter()  # `--budget-s` counts from here (the imports above are a few seconds)
+FIT_SHARE = 0.25  # of the budget: the target's fit (a shorter fit makes its text less learnable, not wrong)
+UNTRAINED_DECODE_SHARE = 1 / 3  # of what is left after the data: the untrained drafter's decoding
+TRAINED_DECODE_RESERVE = 1.25  # x the untrained's decoding seconds, kept from training for the trained drafter's
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a phase must be done by (`time.perf_counter()`), None for no budget. A phase of repeated units (fit
+    steps, training steps, prompts) starts a unit only if it would end by then, taking as long as the last one."""
+
+    at: float | None
+
+    def left(self) -> float:
+        return float("inf") if self.at is None else self.at - time.perf_counter()
+
+    def share(self, fraction: float) -> Deadline:
+        """A deadline `fraction` of the time left from now."""
+        return self if self.at is None else Deadline(time.perf_counter() + fraction * max(0.0, self.left()))
+
+    def before(self, seconds: float) -> Deadline:
+        return self if self.at is None else Deadline(self.at - seconds)
+
+    def fits(self, unit_s: float) -> bool:
+        """Whether one more unit of `unit_s` seconds, started now, ends by the deadline."""
+        return self.at is None or time.perf_counter() + unit_s <= self.at
 
 
 def markov_chain(vocab: int, branching: int, seed: int) -> torch.Tensor:
@@ -74,12 +108,18 @@ def chain_text(chain: torch.Tensor, n: int, length: int, seed: int) -> torch.Ten
     return torch.tensor(rows)
 
 
-def fit(model, text: torch.Tensor, steps: int, device: torch.device, log) -> float:
-    """A brief LM fit (AdamW, bf16 autocast on CUDA) so the target's greedy text follows the chain."""
+def fit(model, text: torch.Tensor, steps: int, device: torch.device, log, deadline: Deadline) -> tuple[float, int]:
+    """A brief LM fit (AdamW, bf16 autocast on CUDA) so the target's greedy text follows the chain: (seconds,
+    steps done, at least one: fewer than `steps` when the next would end past `deadline`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3 if model.config.hidden_size <= 256 else 1e-3)
     model.train()
     started, loss = time.monotonic(), float("nan")
+    done, last = 0, time.perf_counter()
     for step in range(steps):
+        if step and not deadline.fits(time.perf_counter() - last):
+            log(f"target fit: {step} of {steps} steps in the budget")
+            break
+        last = time.perf_counter()
         batch = text[torch.randint(0, text.shape[0], (16,))].to(device)
         ctx = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -93,8 +133,11 @@ def fit(model, text: torch.Tensor, steps: int, device: torch.device, log) -> flo
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             log(f"target fit step {step + 1}/{steps}: loss {loss.item():.3f}")
+        done = step + 1
     model.eval()
-    return time.monotonic() - started
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic() - started, done
 
 
 @torch.no_grad()
@@ -110,7 +153,7 @@ def greedy_completions(model, prompts: torch.Tensor, new_tokens: int) -> torch.T
     return out[:, prompts.shape[1] :]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--hidden", type=int, default=2048)
@@ -132,23 +175,33 @@ def parse_args() -> argparse.Namespace:
         "benchmarks/device_check.py passes off: this section's figure is the accept length, and a compiled MLP "
         "would be compiled again for the bf16 decode",
     )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="end within this many seconds of start-up, cutting the fit, training and decoding to fit (the "
+        "module's docstring says how); default: no budget, everything asked",
+    )
     p.add_argument("--json", default=None, help="write the figures here (default: $OUT/drafter_device_check.json)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def log(message: str) -> None:
     print(message, flush=True)
 
 
-def fitted_target(a: argparse.Namespace, device: torch.device) -> tuple[Any, torch.Tensor, float]:
-    """(the target, fitted on the chain's text and in bf16 on CUDA; the chain; the fit's seconds)."""
+def fitted_target(
+    a: argparse.Namespace, device: torch.device, deadline: Deadline
+) -> tuple[Any, torch.Tensor, dict[str, float]]:
+    """(the target, fitted on the chain's text and in bf16 on CUDA; the chain; the fit's seconds and steps)."""
     chain = markov_chain(a.vocab, 4, seed=1)
     # made on the device in fp32 (fitted under autocast, then bf16): a CPU initialisation took 14 s here
     target = random_deepseek_v3(a.hidden, a.layers, a.vocab, device=device, dtype=torch.float32)
-    fit_s = round(fit(target, chain_text(chain, 4096, a.prompt_len + a.completion_len, 2), a.fit_steps, device, log), 1)
+    text = chain_text(chain, 4096, a.prompt_len + a.completion_len, 2)
+    seconds, steps = fit(target, text, a.fit_steps, device, log, deadline)
     if device.type == "cuda":
         target = target.to(torch.bfloat16)
-    return target, chain, fit_s
+    return target, chain, {"target_fit_s": round(seconds, 1), "fit_steps": steps, "fit_steps_asked": a.fit_steps}
 
 
 def training_data(target, prompts: torch.Tensor, a: argparse.Namespace) -> dict[str, dict[str, torch.Tensor]]:
@@ -206,9 +259,11 @@ def train_drafter(
     epochs: int,
     device: torch.device,
     compile_mlp: bool | None = None,
+    deadline: Deadline = Deadline(None),
 ) -> dict:
     """Train in place with this project's trainer; its figures. `compile_mlp`: TrainSettings.compile (None: the
-    trainer's default, torch.compile on CUDA)."""
+    trainer's default, torch.compile on CUDA). The run ends after the step whose successor would end past
+    `deadline` (at least one step)."""
     plan = plan_windows([(k, len(v["input_ids"])) for k, v in source.items()], 2048)
     settings = TrainSettings(
         ttt_steps=7,
@@ -219,6 +274,13 @@ def train_drafter(
         warmup_steps=10,
         compile=compile_mlp,
     )
+    last_step_at = [time.perf_counter()]
+
+    def out_of_time(step: int, tokens: int) -> bool:
+        now = time.perf_counter()
+        step_s, last_step_at[0] = now - last_step_at[0], now
+        return not deadline.fits(step_s)
+
     history = train(
         drafter,
         source,
@@ -229,9 +291,14 @@ def train_drafter(
         device=device,
         log=log,
         teacher=Teacher(head, draft_ids, device),
+        on_step=None if deadline.at is None else out_of_time,
     )
     return {
-        "train_tokens": plan.tokens * epochs,
+        "train_steps": len(history.step_loss),
+        "train_steps_asked": sum(
+            len(plan_steps(plan.windows, settings.batch_tokens, settings.seed, e)) for e in range(epochs)
+        ),
+        "train_tokens": history.tokens,
         "train_s": round(history.seconds, 1),
         "train_tokens_per_s": history.tokens_per_s,  # the trainer's own figure (evaluation excluded)
         "train_mfu": history.mfu,
@@ -240,29 +307,36 @@ def train_drafter(
 
 
 def speculative_run(
-    name: str, target, drafter: Eagle3Drafter, held_out: list[list[int]], a: argparse.Namespace
+    name: str,
+    target,
+    drafter: Eagle3Drafter,
+    held_out: list[list[int]],
+    a: argparse.Namespace,
+    deadline: Deadline = Deadline(None),
 ) -> dict:
-    """One drafter's speculative decoding of the held-out prompts, after a one-prompt warm-up: its figures."""
+    """One drafter's speculative decoding of the held-out prompts, after a one-prompt warm-up: its figures. The
+    prompts are decoded one at a time; none starts that would end past `deadline` taking as long as the slowest so
+    far (at least one is decoded; `prompts` says how many)."""
     started = time.monotonic()
-    # warm-up (CUDA context, cuBLAS handles, allocator): one short prompt, not counted
-    evaluate_speculative(
-        target,
-        drafter,
-        held_out[:1],
-        draft_steps=a.draft_steps,
-        max_new_tokens=min(8, a.new_tokens),
-        proxy=True,
-        eos_token_ids=(),
-    )
-    report = evaluate_speculative(
-        target,
-        drafter,
-        held_out,
-        draft_steps=a.draft_steps,
-        max_new_tokens=a.new_tokens,
-        proxy=True,
-        eos_token_ids=(),
-    )
+
+    def decode(prompts: list[list[int]], new_tokens: int):
+        return evaluate_speculative(
+            target, drafter, prompts, draft_steps=a.draft_steps, max_new_tokens=new_tokens, proxy=True, eos_token_ids=()
+        )
+
+    decode(held_out[:1], min(8, a.new_tokens))  # warm-up (CUDA context, cuBLAS handles, allocator), not counted
+    report, slowest = None, 0.0
+    for prompt in held_out:
+        if report is not None and not deadline.fits(slowest):
+            break
+        prompt_started = time.perf_counter()
+        one = decode([prompt], a.new_tokens)
+        slowest = max(slowest, time.perf_counter() - prompt_started)
+        if report is None:
+            report = one
+        else:
+            report.prompts.extend(one.prompts)
+    assert report is not None, "no held-out prompt to decode"
     t = report.totals()
     figures = {
         k: t[k]
@@ -278,6 +352,7 @@ def speculative_run(
         )
     }
     figures["eager_proxy"] = {k: t[k] for k in ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")}
+    figures["prompts"], figures["prompts_asked"] = len(report.prompts), len(held_out)
     figures["seconds"] = round(time.monotonic() - started, 1)
     log(
         f"{name} drafter: accept length {t['accept_length_sglang']} (SGLang's definition), per position "
@@ -289,24 +364,9 @@ def speculative_run(
     return figures
 
 
-def speculative_figures(
-    target, drafters: dict[str, Eagle3Drafter], held_out: list[list[int]], a: argparse.Namespace, device: torch.device
-) -> dict:
-    """Each drafter (in bf16 on CUDA, as served) decoding the held-out prompts with the target, in turn."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # served in bf16
-    figures: dict = {
-        "speculative_dtype": str(dtype).removeprefix("torch."),
-        "speed_note": (
-            "eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
-            "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)"
-        ),
-    }
-    for name, model in drafters.items():
-        model = model.to(device, dtype).eval()
-        figures[name] = speculative_run(name, target, model, held_out, a)
-    figures["forward_shape_rounding"] = rounding_figures(target, held_out, a.draft_steps + 1)
-    log(f"forward shapes round apart by up to {figures['forward_shape_rounding']}")
-    return figures
+def served(model: Eagle3Drafter, device: torch.device) -> Eagle3Drafter:
+    """The drafter as it is served: in bf16 on CUDA, fp32 on the CPU; in eval mode."""
+    return model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
 
 
 def rounding_figures(target, held_out: list[list[int]], tokens: int) -> dict:
@@ -330,17 +390,19 @@ def write_json(figures: dict, path: str | None) -> None:
         Path(target_json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def main() -> None:
-    a = parse_args()
+def measure(a: argparse.Namespace) -> dict:
+    """The whole check, in the order the budget needs (the module's docstring): its figures."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    budget = Deadline(None if a.budget_s is None else STARTED + a.budget_s)
     figures: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "hidden": a.hidden,
         "layers": a.layers,
         "vocab": a.vocab,
+        "budget_s": a.budget_s,
     }
-    target, chain, fit_s = fitted_target(a, device)
-    figures["target_fit_s"] = fit_s
+    target, chain, fit_figures = fitted_target(a, device, budget.share(FIT_SHARE))
+    figures.update(fit_figures)
 
     # Training data: the target's greedy completions of chain prompts, and their hidden states.
     prompts = chain_text(chain, a.train_samples + a.prompts, a.prompt_len, 3).to(device)
@@ -349,11 +411,33 @@ def main() -> None:
     figures["data_s"] = round(time.monotonic() - started, 1)
 
     drafter, untrained, head, draft_ids = new_drafters(target, source, a.vocab, a.hidden)
-    compile_mlp = {"auto": None, "on": True, "off": False}[a.compile]
-    figures.update(train_drafter(drafter, source, head, draft_ids, a.epochs, device, compile_mlp))
-
     held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
-    figures.update(speculative_figures(target, {"trained": drafter, "untrained": untrained}, held_out, a, device))
+    figures["speculative_dtype"] = "bfloat16" if device.type == "cuda" else "float32"
+    figures["speed_note"] = (
+        "eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
+        "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)"
+    )
+    # The floor first: its decoding time says how long the trained drafter's will take, which training leaves it.
+    floor = speculative_run(
+        "untrained", target, served(untrained, device), held_out, a, budget.share(UNTRAINED_DECODE_SHARE)
+    )
+    figures["untrained"] = floor
+    decoded = held_out[: floor["prompts"]]
+    figures["forward_shape_rounding"] = rounding_figures(target, decoded, a.draft_steps + 1)
+    log(f"forward shapes round apart by up to {figures['forward_shape_rounding']}")
+
+    compile_mlp = {"auto": None, "on": True, "off": False}[a.compile]
+    reserve = TRAINED_DECODE_RESERVE * floor["seconds"]
+    figures.update(
+        train_drafter(drafter, source, head, draft_ids, a.epochs, device, compile_mlp, budget.before(reserve))
+    )
+    figures["trained"] = speculative_run("trained", target, served(drafter, device), decoded, a, budget)
+    return figures
+
+
+def main() -> None:
+    a = parse_args()
+    figures = measure(a)
     print(json.dumps(figures, indent=2))
     write_json(figures, a.json)
 
