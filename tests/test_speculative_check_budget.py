@@ -88,3 +88,44 @@ def test_a_deadline_starts_a_unit_only_if_it_would_end_in_time():
     half = check.Deadline(now + 100).share(0.5).at
     assert half is not None and now + 45 < half < now + 55
     assert check.Deadline(now - 5).share(0.5).at == pytest.approx(time.perf_counter(), abs=1.0)
+
+
+class FakeClock:
+    """The benchmark's `time`, advanced only by the fake decoding below: prompt timings that cannot drift."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = perf_counter
+
+
+class FakeReport:
+    def __init__(self, prompts: list):
+        self.prompts = prompts
+
+    def totals(self) -> dict:
+        keys = ("accept_length_sglang", "accept_length_per_round", "accept_length_vllm", "position_acceptance")
+        more = ("lossless", "mismatched_prompts", "lossless_up_to_ties", "mismatched_at_ties")
+        speed = ("spec_tokens_per_s", "greedy_tokens_per_s", "speedup")
+        return {k: 1.0 for k in (*keys, *more, *speed)}
+
+
+def test_no_prompt_starts_that_the_slowest_so_far_says_would_end_past_the_deadline(monkeypatch):
+    """Warm-up 0.5 s, then prompts of 3, 1, 1, 1 s against a deadline at 7 s: the first ends at 3.5, the second
+    (3 s more, as the slowest took, ends by 6.5) starts and ends at 4.5; a third would by the slowest end at 7.5:
+    two prompts. By the last prompt's time instead, or none, all four would run."""
+    clock = FakeClock()
+    monkeypatch.setattr(check, "time", clock)
+    costs = iter([0.5, 3.0, 1.0, 1.0, 1.0])
+
+    def evaluate_speculative(target, drafter, prompts, **kwargs):
+        clock.now += next(costs)
+        return FakeReport(list(prompts))
+
+    monkeypatch.setattr(check, "evaluate_speculative", evaluate_speculative)
+    a = check.parse_args(QUICK)
+    figures = check.speculative_run("trained", None, None, [[1], [2], [3], [4]], a, check.Deadline(7.0))
+    assert (figures["prompts"], figures["prompts_asked"], figures["seconds"]) == (2, 4, 4.5)
