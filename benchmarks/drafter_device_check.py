@@ -70,7 +70,8 @@ TRAINED_DECODE_RESERVE = 1.25  # x the untrained's decoding seconds, kept from t
 @dataclass(frozen=True)
 class Deadline:
     """When a phase must be done by (`time.perf_counter()`), None for no budget. A phase of repeated units (fit
-    steps, training steps, prompts) starts a unit only if it would end by then, taking as long as the last one."""
+    steps, training steps, prompts) starts a unit only if it would end by then, taking as long as one before it did
+    (the last step; the slowest prompt)."""
 
     at: float | None
 
@@ -274,12 +275,13 @@ def train_drafter(
         warmup_steps=10,
         compile=compile_mlp,
     )
-    last_step_at = [time.perf_counter()]
+    last_step_at: list[float | None] = [None]
 
     def out_of_time(step: int, tokens: int) -> bool:
-        now = time.perf_counter()
-        step_s, last_step_at[0] = now - last_step_at[0], now
-        return not deadline.fits(step_s)
+        # a step's time from the end of the one before; the first step's, which holds the trainer's set-up, is not one
+        now, last = time.perf_counter(), last_step_at[0]
+        last_step_at[0] = now
+        return not deadline.fits(0.0 if last is None else now - last)
 
     history = train(
         drafter,

@@ -4,7 +4,9 @@ gets its figures, cut where they can be cut and saying so, instead of a section 
 
 Run here on the CPU in its quick shape: with no budget every step and prompt asked is done; with a budget already
 spent, one of each (the least that still gives an accept length); and training is told to end early enough to leave
-the trained drafter's decoding the time the untrained one's took, times the reserve.
+the trained drafter's decoding the time the untrained one's took, times the reserve. On a fake clock (the
+benchmark's `time`, advanced by fake decoding and training): no prompt starts that the slowest so far says would end
+past the deadline, and training's step time leaves out the trainer's set-up.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -129,3 +134,26 @@ def test_no_prompt_starts_that_the_slowest_so_far_says_would_end_past_the_deadli
     a = check.parse_args(QUICK)
     figures = check.speculative_run("trained", None, None, [[1], [2], [3], [4]], a, check.Deadline(7.0))
     assert (figures["prompts"], figures["prompts_asked"], figures["seconds"]) == (2, 4, 4.5)
+
+
+def test_training_ends_by_its_step_time_not_counting_the_set_up_as_a_step(monkeypatch):
+    """The trainer's set-up (10 s here) comes before its first step: counted as a step, it would end training after
+    one step of a budget that holds five. Steps of 1 s from 10 s against a deadline at 15 s: five steps."""
+    clock = FakeClock()
+    monkeypatch.setattr(check, "time", clock)
+
+    def train(model, source, windows, eval_windows, settings, *, on_step, **kwargs):
+        clock.now += 10.0  # set-up
+        history = TrainHistory()
+        for step in range(1, 100):
+            clock.now += 1.0
+            history.step_loss.append(1.0)
+            if on_step(step, step * 64):
+                break
+        return history
+
+    monkeypatch.setattr(check, "train", train)
+    source = {"s0": {"input_ids": torch.zeros(64, dtype=torch.int32)}}
+    head, draft_ids = torch.zeros(16, 8), torch.arange(4)
+    figures = check.train_drafter(None, source, head, draft_ids, 1, torch.device("cpu"), False, check.Deadline(15.0))
+    assert figures["train_steps"] == 5
