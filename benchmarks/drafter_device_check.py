@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hidden_states_throughput import random_deepseek_v3  # noqa: E402  (the same mid-size target)
 
 from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_steps, plan_windows  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.speculative import (  # noqa: E402
     TIE_EPS,
     evaluate_speculative,
@@ -231,14 +231,9 @@ def new_drafters(
     """(the drafter to train, an identical one left untrained as the floor, the target's head, the draft ids)."""
     counts = count_loss_tokens((d["input_ids"], d["loss_mask"]) for d in source.values())
     draft_ids = build_draft_vocab(counts, min(8192, max(64, len(counts))), vocab)
-    heads, kv_heads, head_dim = default_shape(hidden)
-    cfg = DrafterConfig(
-        hidden_size=hidden,
-        target_hidden_size=hidden,
+    cfg = DrafterConfig.of_width(
+        hidden,
         intermediate_size=2 * hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
         vocab_size=vocab,
         draft_vocab_size=len(draft_ids),
         max_position_embeddings=4096,

@@ -32,21 +32,16 @@ from torch.distributed._tools.mem_tracker import MemTracker
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3_assets.stages.eagle3_drafter.data import PackedBatch  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.model import DocLayout, DrafterConfig, Eagle3Drafter, default_shape  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.model import DocLayout, DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, packed_loss  # noqa: E402
 
 GIB = 2**30
 
 
 def drafter_config(a: argparse.Namespace) -> DrafterConfig:
-    heads, kv, head_dim = default_shape(a.hidden)
-    return DrafterConfig(
-        hidden_size=a.hidden,
-        target_hidden_size=a.hidden,
+    return DrafterConfig.of_width(
+        a.hidden,
         intermediate_size=a.intermediate or 2 * a.hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
         vocab_size=a.target_vocab,
         draft_vocab_size=a.draft_vocab,
         max_position_embeddings=max(4096, a.max_len),

@@ -33,7 +33,6 @@ from eagle3_assets.stages.eagle3_drafter.data import Teacher, WindowPlan, plan_w
 from eagle3_assets.stages.eagle3_drafter.model import (  # noqa: E402
     DrafterConfig,
     Eagle3Drafter,
-    default_shape,
     train_flops_per_token,
 )
 from eagle3_assets.stages.eagle3_drafter.train import TrainHistory, TrainSettings, peak_tflops, train  # noqa: E402
@@ -93,14 +92,9 @@ class Prepared:
 
 
 def drafter_config(o: SpeedOptions) -> DrafterConfig:
-    heads, kv, head_dim = default_shape(o.hidden)
-    return DrafterConfig(
-        hidden_size=o.hidden,
-        target_hidden_size=o.hidden,
+    return DrafterConfig.of_width(
+        o.hidden,
         intermediate_size=o.intermediate or 2 * o.hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
         vocab_size=o.target_vocab,
         draft_vocab_size=o.draft_vocab,
         max_position_embeddings=max(4096, o.window),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from eagle3_assets.stages.eagle3_drafter.train import TrainHistory
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import drafter_device_check as check  # noqa: E402
+
+UNUSED: Any = None  # a model the fakes below never touch
 
 QUICK = (
     "--device cpu --hidden 64 --layers 8 --vocab 2048 --fit-steps 4 --train-samples 24 --prompt-len 16 "
@@ -132,7 +135,7 @@ def test_no_prompt_starts_that_the_slowest_so_far_says_would_end_past_the_deadli
 
     monkeypatch.setattr(check, "evaluate_speculative", evaluate_speculative)
     a = check.parse_args(QUICK)
-    figures = check.speculative_run("trained", None, None, [[1], [2], [3], [4]], a, check.Deadline(7.0))
+    figures = check.speculative_run("trained", UNUSED, UNUSED, [[1], [2], [3], [4]], a, check.Deadline(7.0))
     assert (figures["prompts"], figures["prompts_asked"], figures["seconds"]) == (2, 4, 4.5)
 
 
@@ -155,5 +158,5 @@ def test_training_ends_by_its_step_time_not_counting_the_set_up_as_a_step(monkey
     monkeypatch.setattr(check, "train", train)
     source = {"s0": {"input_ids": torch.zeros(64, dtype=torch.int32)}}
     head, draft_ids = torch.zeros(16, 8), torch.arange(4)
-    figures = check.train_drafter(None, source, head, draft_ids, 1, torch.device("cpu"), False, check.Deadline(15.0))
+    figures = check.train_drafter(UNUSED, source, head, draft_ids, 1, torch.device("cpu"), False, check.Deadline(15.0))
     assert figures["train_steps"] == 5

@@ -21,6 +21,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,19 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def of_width(cls, hidden_size: int, **fields: Any) -> DrafterConfig:
+        """A drafter as wide as its target (`hidden_size`), with `default_shape`'s heads; `fields`: the rest."""
+        heads, kv_heads, head_dim = default_shape(hidden_size)
+        return cls(
+            hidden_size=hidden_size,
+            target_hidden_size=hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            **fields,
+        )
 
 
 TP_SIZES = (1, 2, 4, 8)  # the tensor-parallel sizes a drafter must load at (Kimi-K2.5 serves at --tp 8)

@@ -25,7 +25,7 @@ from eagle3_assets.stages.eagle3_drafter.data import (
     plan_windows,
 )
 from eagle3_assets.stages.eagle3_drafter.export import DrafterCheckpoint, export_checkpoint, read_checkpoint
-from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter, default_shape
+from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
@@ -71,14 +71,9 @@ class DrafterReport:
 def drafter_config(
     target_config: dict[str, Any], hidden_size: int, draft_vocab_size: int, vocab_size: int
 ) -> DrafterConfig:
-    heads, kv_heads, head_dim = default_shape(hidden_size)
-    return DrafterConfig(
-        hidden_size=hidden_size,
-        target_hidden_size=hidden_size,
+    return DrafterConfig.of_width(
+        hidden_size,
         intermediate_size=int(target_config.get("intermediate_size") or 4 * hidden_size),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
         vocab_size=vocab_size,
         draft_vocab_size=draft_vocab_size,
         rms_norm_eps=float(target_config.get("rms_norm_eps") or 1e-6),
