@@ -361,9 +361,14 @@ def speculative_run(
     return figures
 
 
+def served_dtype(device: torch.device) -> torch.dtype:
+    """The drafter's dtype as it is served: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def served(model: Eagle3Drafter, device: torch.device) -> Eagle3Drafter:
-    """The drafter as it is served: in bf16 on CUDA, fp32 on the CPU; in eval mode."""
-    return model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    """The drafter as it is served (`served_dtype`), in eval mode."""
+    return model.to(device, served_dtype(device)).eval()
 
 
 def rounding_figures(target, held_out: list[list[int]], tokens: int) -> dict:
@@ -409,7 +414,7 @@ def measure(a: argparse.Namespace) -> dict:
 
     drafter, untrained, head, draft_ids = new_drafters(target, source, a.vocab, a.hidden)
     held_out = [prompts[a.train_samples + i].tolist() for i in range(a.prompts)]
-    figures["speculative_dtype"] = "bfloat16" if device.type == "cuda" else "float32"
+    figures["speculative_dtype"] = str(served_dtype(device)).removeprefix("torch.")
     figures["speed_note"] = (
         "eager_proxy: transformers eager decoding at batch 1, overhead-bound; not a deployment "
         "speed estimate (that is SGLang's: benchmarks/serving_speculative.py)"
