@@ -13,8 +13,10 @@ storage alive and reports the peak by kind (parameters, buffers, gradients, acti
 An estimate, not a measurement: the CUDA caching allocator's rounding and fragmentation, cuBLAS workspaces and the
 CUDA context (about 0.5-1 GiB) come on top; autocast's CPU op list stands in for CUDA's (the matmuls and attention
 are on both); the attention kernel is the CPU's fused one (CUDA's flash kernel keeps the same output and log-sum-exp
-for backward); torch.compile's MLP, which may keep less, is not modelled. `drafter_training_speed.py --device cuda`
-reports the real `peak_gpu_mib`. Needs torch only (and this project's drafter modules).
+for backward); RMSNorm is CUDA's fused kernel (`CudaRmsNorm`: the CPU's composite would keep fp32 copies of its
+input, 4.1 GiB more at Kimi width); torch.compile's MLP, which may keep less, is not modelled.
+`drafter_training_speed.py --device cuda` reports the real `peak_gpu_mib`. Needs torch only (and this project's
+drafter modules).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import argparse
 import json
 import random
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,6 +40,40 @@ from eagle3_assets.stages.eagle3_drafter.model import DocLayout, DrafterConfig, 
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, packed_loss  # noqa: E402
 
 GIB = 2**30
+
+
+class CudaRmsNorm(torch.autograd.Function):
+    """`F.rms_norm` as CUDA runs it when the input and the weight share a dtype (the drafter's `rms_norm` sees to
+    that): one fused kernel (`_fused_rms_norm`) whose backward keeps the input, the weight and an fp32 rstd
+    [..., 1]. On the CPU the same call decomposes into fp32 steps that autograd keeps, several [tokens, hidden]
+    fp32 tensors a norm, which a CUDA step never holds. The backward's values do not matter here (fake tensors):
+    only what it keeps and allocates."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x.float() * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), None
+
+
+@contextmanager
+def cuda_rms_norm():
+    """`F.rms_norm` dispatched as on CUDA for as long as the context lasts: the fused kernel where input and weight
+    share a dtype (last dimension normalised), the composite otherwise (CUDA falls back alike)."""
+    composite = torch.nn.functional.rms_norm
+
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
+        if weight is None or weight.dtype != x.dtype or len(normalized_shape) != 1:
+            return composite(x, normalized_shape, weight, eps)
+        return CudaRmsNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
+
+    with mock.patch.object(torch.nn.functional, "rms_norm", rms_norm):
+        yield
 
 
 def drafter_config(a: argparse.Namespace) -> DrafterConfig:
@@ -87,7 +125,7 @@ def step_memory(cfg: DrafterConfig, lengths: list[int], ttt_steps: int = 7) -> d
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
         settings = TrainSettings(ttt_steps=ttt_steps, batch_tokens=sum(lengths), max_len=max(lengths))
         tracker.track_external(model, opt, head, head_draft)
-        with tracker:
+        with tracker, cuda_rms_norm():
             for step in range(2):
                 if step:
                     tracker.reset_mod_stats()  # the tracker's per-module figures are per forward; the peak stays

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -68,3 +71,43 @@ def test_the_script_says_whether_it_fits(tmp_path, capsys, monkeypatch):
     figures = json.loads(out.read_text())
     assert figures["headroom_gib"] == pytest.approx(79.1 - figures["peak_gib"], abs=0.011)
     assert figures["peak_gib"] == pytest.approx(sum(figures["peak_gib_by_kind"].values()), abs=0.05)
+
+
+def test_a_norm_keeps_what_cudas_fused_kernel_keeps():
+    """On CUDA, RMSNorm with input and weight of one dtype is one fused kernel whose backward keeps the input, the
+    weight and an fp32 rstd per row; the CPU's composite would keep fp32 copies of the whole input."""
+    torch_rms_norm = F.rms_norm
+    x = torch.randn(6, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.rand(64) + 0.5).to(torch.bfloat16)
+    kept: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def keep(t):
+        kept.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with memory.cuda_rms_norm(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = F.rms_norm(x, [64], w, 1e-6)
+    assert kept == [(torch.bfloat16, (6, 64)), (torch.bfloat16, (64,)), (torch.float32, (6, 1))]
+    torch.testing.assert_close(y, F.rms_norm(x.detach(), [64], w, 1e-6), atol=0.02, rtol=0.02)  # torch's own
+    kept.clear()
+    with memory.cuda_rms_norm(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch says it cannot use the fused kernel: that is the case tested
+        F.rms_norm(x, [64], w.float(), 1e-6)  # dtypes differ: CUDA falls back to the composite, and so does this
+    assert (torch.float32, (6, 64)) in kept
+    assert F.rms_norm is torch_rms_norm  # the context put torch's own back
+
+
+@pytest.mark.timeout(600)
+def test_the_step_runs_its_norms_as_cuda_does(monkeypatch):
+    calls: list[torch.dtype] = []
+    fused = memory.CudaRmsNorm.apply
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return fused(*args)
+
+    monkeypatch.setattr(memory.CudaRmsNorm, "apply", counted)
+    cfg = memory.drafter_config(memory.parse_args(SMALL))
+    memory.step_memory(cfg, [256, 256], ttt_steps=3)
+    # per TTT step: the embedding's, the hidden state's and the post-attention norm, and the final one; two steps
+    assert calls == [torch.bfloat16] * (4 * 3 * 2)
