@@ -64,7 +64,8 @@ class CudaRmsNorm(torch.autograd.Function):
 @contextmanager
 def cuda_rms_norm():
     """`F.rms_norm` dispatched as on CUDA for as long as the context lasts: the fused kernel where input and weight
-    share a dtype (last dimension normalised), the composite otherwise (CUDA falls back alike)."""
+    share a dtype, the composite where they differ (CUDA falls back so too, with a warning). A norm over several
+    dimensions also takes the composite: the drafter has none, and `CudaRmsNorm` keeps one rstd per last-axis row."""
     composite = torch.nn.functional.rms_norm
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
