@@ -22,9 +22,9 @@ with an attention mask):
 Repeats: after an untimed warm-up (every batch through the model, a capture, a store write), `--rounds`
 rounds of (bare, null sink, extraction) and `--write-rounds` rounds of (store writes, disk O_DIRECT, disk
 buffered), each round in a rotated order; each buffered disk test is followed by an untimed store write (on
-this project's host the first store write after one runs ~10% slower, however long the wait, while the O_DIRECT
-disk test does not: without it, the store's runs that came after a buffered test paid for it and the disk's
-never did). A ratio is taken within each round, from runs seconds apart
+this project's host the first store write after one runs ~10% slower, 6 s later still, while the O_DIRECT disk
+test does not: without it, the store's runs that came after a buffered test paid for it and the disk's never
+did). A ratio is taken within each round, from runs seconds apart
 (a shared host's load drifts slower than that), and the median over rounds is the figure; every round's
 value is printed and written. The goal for the extraction: >= 0.9 x min(bare forward tok/s, disk GB/s /
 bytes per token).
