@@ -543,9 +543,9 @@ def measure(b: Bench, runs: Runs, kind: str) -> None:
         s, c, _ = extraction(b, b.ready, False, b.write_samples, b.shard_bytes * b.repeat)
     elif kind == "disk_buffered":
         s, c, _ = disk(b, False, 1)
-        # The first store write after a buffered test is slower whatever comes between (measured here: 1.69-1.92 GB/s
-        # against 1.85-2.15 for the next one; 6 s of sleep or two O_DIRECT disk tests in between change nothing), and
-        # the O_DIRECT disk test is not: so no timed store write comes first after it.
+        # The first store write after a buffered test is slower (measured here: 1.69-1.92 GB/s against 1.85-2.15 for
+        # the next one; 6 s of sleep or two O_DIRECT disk tests in between changed nothing), and the O_DIRECT disk
+        # test is not: so no timed store write comes first after it.
         runs.settle.append(extraction(b, b.ready, False, b.write_samples, b.shard_bytes * b.repeat)[0])
     else:
         s, c, runs.direct_ok = disk(b, True, b.a.writers)
