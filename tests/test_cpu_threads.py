@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,13 +128,12 @@ def test_proc_stat_counts_only_our_cpus_and_not_nice_time(tmp_path):
 # --- for real: a process under an artificial load ------------------------------------------------
 
 PROBE = """
-import json, os, sys
+import json
 import torch
 from eagle3_resources import cpu
 lines = []
 n = cpu.apply_torch_threads("probe", lines.append, sample_s=1.0)
-print(json.dumps({"threads": n, "torch": torch.get_num_threads(), "log": lines,
-                  "picture": cpu.measure(1.0).__dict__ if not os.environ.get(cpu.ENV) else None}))
+print(json.dumps({"threads": n, "torch": torch.get_num_threads(), "log": lines}))
 """
 
 
@@ -189,10 +189,14 @@ def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
                 pass
         except ChildProcessError:
             pass
-    # The busy loops (inheriting this process's affinity) fill every CPU the probe may use.
-    assert got["picture"]["others_busy"] >= min(len(cpus), cpu.cgroup_quota() or len(cpus)) - 0.5, got
+    # The busy loops (inheriting this process's affinity) fill every CPU the probe may use, so it takes one thread.
+    # How busy it saw the CPUs is not this test's to say (other processes on a shared machine add to it, and the
+    # probe's own share of the CPUs it competes for is taken out): only that the rule, applied to what it logged,
+    # gives the count it chose.
     assert got["threads"] == got["torch"] == 1 < idle, got
-    assert "busy with other processes (/proc/stat" in got["log"][0]
+    seen = re.search(r"(\d+\.\d) busy with other processes \(/proc/stat", got["log"][0])
+    assert seen, got["log"]
+    assert choose_threads(CpuPicture(len(cpus), cpu.cgroup_quota(), float(seen[1]))).threads == 1, got
 
 
 def test_worker_threads_take_the_chosen_count():
