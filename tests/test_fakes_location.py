@@ -1,4 +1,5 @@
-"""The fakes are test support (tests/fakes/), not runtime code, and the README's rehearsal starts them from there.
+"""The fakes are test support (tests/fakes/), not runtime code, and the paid-run rehearsal (docs/paid-runs.md, once
+the README's) starts them from there.
 
 The runtime packages are the ones pyproject ships (`[tool.setuptools.packages.find] include`); no module in them
 imports `fakes` (or the fake's old home, `eagle3_resources.fake_openrouter`) or serves HTTP (aiohttp's `web`,
@@ -18,6 +19,7 @@ from pathlib import Path
 from setuptools import find_packages
 
 REPO = Path(__file__).resolve().parents[1]
+REHEARSAL = REPO / "docs" / "paid-runs.md"
 BIN = Path(sys.executable).parent
 SERVER_MODULES = ("aiohttp.web", "http.server", "socketserver")
 
@@ -66,8 +68,8 @@ def test_the_runtime_packages_hold_and_import_no_fake():
 
 
 def rehearsal_fake_commands() -> list[str]:
-    """The README's bash lines that start the fake OpenRouter, without the trailing `&` and comment."""
-    text = (REPO / "README.md").read_text()
+    """The rehearsal's bash lines that start the fake OpenRouter, without the trailing `&` and comment."""
+    text = REHEARSAL.read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -77,9 +79,9 @@ def rehearsal_fake_commands() -> list[str]:
     return commands
 
 
-def test_the_readmes_rehearsal_starts_the_fake_from_tests():
+def test_the_rehearsal_starts_the_fake_from_tests():
     commands = rehearsal_fake_commands()
-    assert commands, "the README's rehearsal no longer starts the fake OpenRouter"
+    assert commands, f"the rehearsal in {REHEARSAL.relative_to(REPO)} no longer starts the fake OpenRouter"
     for command in commands:
         # As written, from the repository root, with this interpreter's venv standing in for `.venv/bin/`; --help
         # parses every flag and exits before the server would take the port.

@@ -1,8 +1,9 @@
-"""The README's GPU host section, run as a reader would run it on a host without GPUs.
+"""The GPU host guide (docs/gpu-host.md, once the README's "GPU host" section), run as a reader would run it on a
+host without GPUs.
 
-Every command in that section's `bash` blocks either says it needs GPUs (a trailing comment that
-starts with `GPU`) or is run here, as written, and must succeed. A command added to the section that
-no test runs, or one this file runs that the section no longer shows, fails the first test.
+Every command in the guide's `bash` blocks either says it needs GPUs (a trailing comment that starts with `GPU`) or
+is run here, as written, and must succeed. A command added to the guide that no test runs, or one this file runs
+that the guide no longer shows, fails the first test.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+GUIDE = REPO / "docs" / "gpu-host.md"
 BIN = Path(sys.executable).parent
 
 
 def gpu_host_section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## GPU host")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
+    """The whole guide: its five numbered steps are the section."""
+    text = GUIDE.read_text()
+    assert text.startswith("# GPU host"), f"{GUIDE} no longer starts with its GPU host title"
+    return text
 
 
 def section_commands() -> list[tuple[str, str]]:
-    """(command, trailing comment) for every command line of the section's bash blocks."""
+    """(command, trailing comment) for every command line of the guide's bash blocks."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", gpu_host_section(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -96,11 +98,11 @@ RUNNERS = {
 
 def test_every_command_without_a_gpu_is_run_here():
     commands = section_commands()
-    assert len(commands) >= 10, "the GPU host section's commands were not found"
+    assert len(commands) >= 10, "the GPU host guide's commands were not found"
     runnable = {c for c, comment in commands if not needs_gpu(comment)}
     assert runnable == set(RUNNERS), (
-        f"in the README but run by no test: {sorted(runnable - set(RUNNERS))}; "
-        f"run here but no longer in the README: {sorted(set(RUNNERS) - runnable)}"
+        f"in docs/gpu-host.md but run by no test: {sorted(runnable - set(RUNNERS))}; "
+        f"run here but no longer in docs/gpu-host.md: {sorted(set(RUNNERS) - runnable)}"
     )
     # Each GPU command is a real command, not prose: it starts with a program this project ships or installs.
     for command, comment in commands:
