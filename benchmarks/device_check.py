@@ -244,7 +244,7 @@ def acceptance(report: dict) -> list[dict]:
 
 
 def acceptance_table(rows: list[dict]) -> str:
-    """The goals as a markdown table, for the README's GPU section."""
+    """The goals as a markdown table, for docs/gpu-host.md, step 5."""
     verdict = {True: "yes", False: "**no**", None: "not measured"}
     lines = ["| goal | target | measured | met |", "|---|---|---|---|"]
     for r in rows:

@@ -16,7 +16,7 @@ files). Not `ru_maxrss`: Linux carries it across fork+exec, so a child's figure 
 its parent had when it forked (here the benchmark itself, which grows with N as it builds the data:
 that read 1,638 MiB at 4x against a VmHWM of 862). The store is read with positional reads, not
 mapped, so its pages stay out of the process (a mapped store grew RssFile by the pages read: 208 MiB
-at 1x, 434 MiB at 4x). Figures: README, "The drafter".
+at 1x, 434 MiB at 4x). Figures: docs/pipeline.md, "The drafter: training, and what it buys".
 """
 
 from __future__ import annotations

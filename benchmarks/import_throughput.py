@@ -9,7 +9,7 @@ the stand-in Kimi-layout tokenizer (same tiktoken engine, Kimi's split regex, 16
 
 Peer, in the same run: the same import with the filters applied to every row before sampling (the
 obvious way: filter, then sample), which must select exactly the same prompts. Also printed: a bare
-polars read of the same file, the floor any importer pays. The figures give the README's estimates
+polars read of the same file, the floor any importer pays. The figures give docs/real-prompts.md's estimates
 for the full-size sets (rows per second x rows of each source).
 """
 

@@ -1,6 +1,6 @@
 """Accept length and speed from SGLang itself: its offline `Engine`, the target alone and then with the EAGLE-3 drafter.
 
-    # an 8-GPU Kimi-K2.5 host with sglang installed (README, GPU host): both engines, one after the other
+    # an 8-GPU Kimi-K2.5 host with sglang installed (docs/gpu-host.md, step 5): both engines, one after the other
     .venv/bin/python benchmarks/sglang_engine_speculative.py --target /models/Kimi-K2.5 --tp 8 \\
         --drafter /data/eagle3/eagle3_drafter --prompts /data/eagle3/merged_dataset/merged.parquet
     # the Engine arguments of both engines, and stop (no sglang needed)

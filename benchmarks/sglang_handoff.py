@@ -18,7 +18,7 @@ copied into the image; the engine hands over the same precomputed tensors each t
 Both processes run torch on one thread (extract.py stages on one; a shared host's cores are busy).
 With CUDA the rows start on the GPU and the script also times rank 0's device-to-host copy alone:
 into a page-locked slab (cudaHostRegister, non_blocking on a side stream, event) against `.to("cpu")`
-into pageable memory. Prints GB/s per path and the ratios. Figures: README, "Hidden states".
+into pageable memory. Prints GB/s per path and the ratios. Figures: docs/gpu-host.md, "3. Capture the hidden states".
 """
 
 from __future__ import annotations

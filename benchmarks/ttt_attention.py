@@ -10,7 +10,7 @@ computed it before (and kept for backward). Prints seconds per unroll, the bytes
 for backward (`saved_tensors_hooks`: what a training step holds per layer), on CUDA the allocator's
 peak, and the ratios.
 Shapes: `standin` 8 heads x 8 (H = 64, the stand-in), `kimi` 56 heads x 128 (a Kimi-K2.5 drafter).
-Figures: README, "The drafter".
+Figures: docs/pipeline.md, "The drafter: training, and what it buys".
 """
 
 from __future__ import annotations

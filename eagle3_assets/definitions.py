@@ -2,7 +2,7 @@
 
 Embedded defaults need nothing: the stand-in tokenizer and target are built under the data root
 and completions are generated in-process. Environment variables point the same code at real
-systems (README: "Pointing it at real systems"):
+systems (docs/configuration.md, "Pointing it at real systems"):
 
     EAGLE3_DATA_DIR              data root (default: var/data in the checkout)
     EAGLE3_TOKENIZER_DIR         a Kimi-K2.5 tokenizer folder (default: the stand-in)
@@ -86,6 +86,8 @@ def hidden_states_resource() -> HiddenStatesResource:
     ):
         if os.environ.get(var):
             kwargs[field] = dg.EnvVar.int(var)
+    if os.environ.get("EAGLE3_SGLANG_MEM_FRACTION"):  # dg.EnvVar has no float form; the value is no secret
+        kwargs["sglang_mem_fraction"] = float(os.environ["EAGLE3_SGLANG_MEM_FRACTION"])
     return HiddenStatesResource(**kwargs)
 
 

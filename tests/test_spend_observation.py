@@ -2,7 +2,8 @@
 
 The credit sensor records an observation only when a figure changes (view.fingerprint). The per-run
 figures used to stay out of that comparison, so the latest observation kept a running run at $0 after it
-had been billed (the README's spend_while_running.png: `spent_by_run_usd` 0 for the run that had spent).
+had been billed (docs/images/spend_while_running.png, shown in docs/paid-runs.md: `spent_by_run_usd` 0 for the run
+that had spent).
 The oracle is the bills this test writes into the ledger, as a spending run's process does.
 """
 

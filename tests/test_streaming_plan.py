@@ -1,5 +1,5 @@
 """The streaming planner (eagle3_assets/stages/eagle3_drafter/streaming_plan.py): properties over random plans, the
-refusal at the spool's own minimum, and the worked Kimi-K2.5 plan the README quotes."""
+refusal at the spool's own minimum, and the worked Kimi-K2.5 plan docs/streaming.md quotes."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_rates_that_were_not_measured_are_refused():
             plan_streaming(dataclasses.replace(i, capture=Hosts(1, bad)))
 
 
-KIMI_600K = [  # the README's worked plan: TorchSpec's 600k Kimi-K2.5 samples, 6B tokens
+KIMI_600K = [  # docs/streaming.md's worked plan: TorchSpec's 600k Kimi-K2.5 samples, 6B tokens
     "--tokens",
     "6e9",
     "--capture-hosts",
@@ -135,7 +135,7 @@ KIMI_600K = [  # the README's worked plan: TorchSpec's 600k Kimi-K2.5 samples, 6
 ]
 
 
-def test_the_worked_kimi_plan_the_readme_quotes(capsys):
+def test_the_worked_kimi_plan_the_streaming_doc_quotes(capsys):
     main(KIMI_600K)
     out = capsys.readouterr().out
     assert "6,000,000,000 tokens x 57,349 B = 344.1 TB offline" in out
