@@ -509,8 +509,9 @@ def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
 # ---------------------------------------------------------------- eagle3 gpu-check as the first command on a host
 
 
-def gpu_check(*args: str, env: dict | None = None, json_out: bool = True):
-    """`eagle3 gpu-check --no-capture ARGS` as a user runs it; (exit code, rows by name or the screen)."""
+def gpu_check(*args: str, env: dict | None = None, json_out: bool = True, unset: tuple[str, ...] = ()):
+    """`eagle3 gpu-check --no-capture ARGS` as a user runs it; (exit code, rows by name or the screen).
+    `env` is added to this process's environment, without the variables in `unset`."""
     cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--no-capture", "--disk-mib", "16", *args]
     proc = subprocess.run(
         cmd + (["--json"] if json_out else []),
@@ -518,7 +519,7 @@ def gpu_check(*args: str, env: dict | None = None, json_out: bool = True):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **(env or {})},
+        env={**{k: v for k, v in os.environ.items() if k not in unset}, **(env or {})},
     )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     if not json_out:
@@ -631,3 +632,137 @@ def test_driver_against_cuda13_minimum(tmp_path, driver, status):
     row = rows["nvidia driver"]
     assert row["status"] == status and row["data"]["driver"] == driver, row
     assert ("sudo apt-get install -y nvidia-driver-580" in row["fix"]) is (status == "fail")
+
+
+# ---------------------------------------------------------------- the CUDA toolchain SGLang's JIT builds need
+
+TOOLCHAIN_VARS = ("CUDA_HOME", "CUDA_PATH", "CXX", "PYTHONPATH")
+
+
+def stand_in(folder: Path, name: str, script: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = folder / name
+    exe.write_text("#!/bin/sh\n" + script)
+    exe.chmod(0o755)
+    return exe
+
+
+def stand_in_nvcc(folder: Path, release: str) -> Path:
+    """`nvcc --version` as CUDA's nvcc prints it."""
+    return stand_in(
+        folder,
+        "nvcc",
+        'echo "nvcc: NVIDIA (R) Cuda compiler driver"\n'
+        f'echo "Cuda compilation tools, release {release}, V{release}.88"\n',
+    )
+
+
+def torch_cuda() -> str:
+    """The CUDA an nvcc is held against: torch's, or sglang's torch's (13.0) on a CPU build."""
+    import torch
+
+    from eagle3_assets.operations.gpu_check import SGLANG_TORCH_CUDA
+
+    return torch.version.cuda or SGLANG_TORCH_CUDA
+
+
+def toolchain(tmp_path: Path, env: dict, *args: str) -> tuple[int, dict]:
+    """gpu-check's rows with PATH, CUDA_HOME, CXX and PYTHONPATH as `env` sets them (none from this host)."""
+    code, rows = gpu_check("--data-dir", str(tmp_path), *args, env=env, unset=TOOLCHAIN_VARS)
+    return code, rows["cuda toolchain"]
+
+
+def test_toolchain_finds_nvcc_under_cuda_home_and_flags_the_venv_one(tmp_path):
+    """SGLang and FlashInfer take nvcc from $CUDA_HOME/bin alone when CUDA_HOME is set; pip's nvcc inside the
+    venv (site-packages/nvidia/cu13/bin) is where neither looks, and the row says so."""
+    bin_dir, home, site = tmp_path / "bin", tmp_path / "cuda", tmp_path / "site"
+    stand_in(bin_dir, "c++", "exit 0\n")
+    home.mkdir()
+    wheel_nvcc = stand_in_nvcc(site / "nvidia" / "cu13" / "bin", torch_cuda())
+    env = {"PATH": str(bin_dir), "CUDA_HOME": str(home), "PYTHONPATH": str(site)}
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert code == 1 and row["status"] == "unavailable" and row["required"], row
+    assert f"{home}/bin/nvcc, via $CUDA_HOME" in row["detail"], row
+    assert f"only pip's, inside the venv: {wheel_nvcc}" in row["detail"] and row["data"]["wheel_nvcc"] == [
+        str(wheel_nvcc)
+    ]
+    from eagle3_assets.operations.gpu_check import CUDA_TOOLKIT_FIX
+
+    # nothing else on PATH: the fix is the toolkit, or /usr/local/cuda where this host has one there
+    usr_local = Path("/usr/local/cuda/bin/nvcc")
+    expected = "export CUDA_HOME=/usr/local/cuda" if os.access(usr_local, os.X_OK) else CUDA_TOOLKIT_FIX
+    assert row["fix"] == expected, row
+    stand_in_nvcc(home / "bin", torch_cuda())
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert row["status"] == "ok", row
+    assert (row["data"]["nvcc"], row["data"]["nvcc_via"]) == (str(home / "bin" / "nvcc"), "$CUDA_HOME"), row
+    assert row["data"]["nvcc_version"] == torch_cuda() and "majors match" in row["detail"] and not row["fix"], row
+    # CUDA_HOME pointed into the wheel (untried with SGLang): found, and named as pip's
+    code, row = toolchain(tmp_path, {**env, "CUDA_HOME": str(site / "nvidia" / "cu13")}, "--tp", "1")
+    assert row["data"]["nvcc"] == str(wheel_nvcc) and "(pip's nvidia wheel, without lib64/stubs)" in row["detail"]
+
+
+def test_toolchain_cuda_home_without_nvcc_hides_the_one_on_path(tmp_path):
+    """A CUDA_HOME with no bin/nvcc is not fallen back from: the fix points CUDA_HOME at the nvcc on PATH."""
+    bin_dir, toolkit = tmp_path / "bin", tmp_path / "cuda-13"
+    stand_in(bin_dir, "c++", "exit 0\n")
+    stand_in_nvcc(toolkit / "bin", torch_cuda())
+    env = {"PATH": f"{toolkit / 'bin'}:{bin_dir}"}
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert row["status"] == "ok" and row["data"]["nvcc_via"] == "PATH", row  # found on PATH when CUDA_HOME is unset
+    code, row = toolchain(tmp_path, {**env, "CUDA_HOME": str(tmp_path / "empty")}, "--tp", "1")
+    assert row["status"] == "unavailable" and row["fix"] == f"export CUDA_HOME={toolkit}", row
+    code, row = toolchain(tmp_path, {**env, "CUDA_HOME": str(toolkit)}, "--tp", "1")
+    assert row["status"] == "ok" and row["data"]["nvcc_via"] == "$CUDA_HOME", row
+
+
+def test_toolchain_nvcc_major_against_torch_cuda(tmp_path):
+    bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
+    stand_in(bin_dir, "c++", "exit 0\n")
+    major = int(torch_cuda().split(".")[0])
+    stand_in_nvcc(home / "bin", f"{major - 1}.8")
+    env = {"PATH": str(bin_dir), "CUDA_HOME": str(home)}
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert code == 1 and row["status"] == "fail" and "majors differ" in row["detail"], row
+    assert "sudo apt-get install -y cuda-nvcc-13-0 cuda-cudart-dev-13-0" in row["fix"], row
+    assert "nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04" in row["fix"], row
+    code, row = toolchain(tmp_path, env)  # not asked for: a warning, and the command passes
+    assert code == 0 and row["status"] == "warn" and not row["required"], row
+    stand_in_nvcc(home / "bin", f"{major}.9")  # a newer minor of the same major is fine
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert row["status"] == "ok" and row["data"]["nvcc_version"] == f"{major}.9", row
+
+
+def test_toolchain_needs_a_cxx_compiler(tmp_path):
+    """nvcc hands host code to $CXX, else `c++` (SGLang's toolchain.py): gcc alone is not enough."""
+    bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
+    stand_in_nvcc(home / "bin", torch_cuda())
+    stand_in(bin_dir, "gcc", "exit 0\n")
+    env = {"PATH": str(bin_dir), "CUDA_HOME": str(home)}
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert code == 1 and row["status"] == "fail" and row["fix"] == "sudo apt-get install -y g++", row
+    gxx = stand_in(bin_dir, "g++", "exit 0\n")
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert row["status"] == "fail" and row["fix"] == f"export CXX={gxx}", row  # g++ without the c++ name
+    code, row = toolchain(tmp_path, {**env, "CXX": str(gxx)}, "--tp", "1")
+    assert row["status"] == "ok" and row["data"]["cxx"] == str(gxx) and row["data"]["cxx_via"] == "$CXX", row
+    code, row = toolchain(tmp_path, {**env, "CXX": "clang++"}, "--tp", "1")
+    assert row["status"] == "fail" and "$CXX=clang++ not found" in row["detail"], row
+    cxx = stand_in(bin_dir, "c++", "exit 0\n")
+    code, row = toolchain(tmp_path, env, "--tp", "1")
+    assert row["status"] == "ok" and row["data"]["cxx"] == str(cxx), row
+
+
+def test_find_nvcc_falls_back_to_usr_local_cuda(tmp_path):
+    """The last place looked (/usr/local/cuda on a host), tested on a stand-in root."""
+    from eagle3_assets.operations.gpu_check import find_nvcc
+
+    root = tmp_path / "usr-local-cuda"
+    lookup = find_nvcc({"PATH": str(tmp_path / "bin")}, default_home=root)
+    assert (lookup.path, lookup.via) == (None, str(root))
+    nvcc = stand_in_nvcc(root / "bin", "13.0")
+    assert find_nvcc({"PATH": str(tmp_path / "bin")}, default_home=root).path == str(nvcc)
+    # CUDA_PATH when CUDA_HOME is unset, as SGLang reads them
+    other = stand_in_nvcc(tmp_path / "other" / "bin", "13.0")
+    lookup = find_nvcc({"PATH": "", "CUDA_PATH": str(tmp_path / "other")}, default_home=root)
+    assert (lookup.path, lookup.via) == (str(other), "$CUDA_PATH")

@@ -8,6 +8,10 @@ command that fixes it. Rows, in order:
   pins (its wheel pins exact versions; `sglang_api.INSTALL_HINT` is the install that resolves them).
 - `nvidia driver`: the driver's version (nvidia-smi) against CUDA 13's minimum (sglang 0.5.23's kernels are
   CUDA 13 builds).
+- `cuda toolchain`: the nvcc SGLang and FlashInfer compile their JIT kernels with, found as they find it
+  ($CUDA_HOME/bin/nvcc, else nvcc on PATH, else /usr/local/cuda/bin/nvcc; pip's nvcc inside the venv is named
+  but not used), its CUDA major against torch's (a CPU torch: against sglang's torch, CUDA 13.0), and the C++
+  compiler nvcc hands host code to ($CXX, else c++).
 - `gpus`: the CUDA devices against `--tp`.
 - `/dev/shm`: its size against the rank hand-off: rank 0 returns each forward's states through a ring of
   `--handoff-slabs` shared slabs the backend reserves in /dev/shm at start, each `--max-forward-tokens` x
@@ -29,7 +33,7 @@ command that fixes it. Rows, in order:
   default EAGLE-3 layers: shapes, finiteness, tokens/s over one timed batch.
 
 Exit code: 1 when a row failed, or when a row that was asked for is not ok; 0 otherwise.
-Asked for: the transformers row always (unless `--no-capture`); the SGLang, CUDA, driver, GPU and
+Asked for: the transformers row always (unless `--no-capture`); the SGLang, CUDA, driver, toolchain, GPU and
 /dev/shm rows when `--tp` or `--model` is given; the disk rows then too, or with `--tokens`. A row
 that was not asked for and finds a shortfall says `warn`, which does not fail the command. A CPU host
 without sglang therefore passes `eagle3 gpu-check` (SGLang rows "unavailable", with the reason and the
@@ -44,6 +48,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -176,12 +181,13 @@ def sglang_row(required: bool) -> Check:
     )
 
 
-def nvidia_driver() -> str | None:
-    """The driver's version from nvidia-smi, or None when there is no NVIDIA driver."""
+def nvidia_smi(query: str) -> list[str] | None:
+    """`nvidia-smi --query-gpu=QUERY --format=csv,noheader,nounits`: one line per GPU, or None when there is no
+    NVIDIA driver (no nvidia-smi)."""
     if shutil.which("nvidia-smi") is None:
         return None
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -189,7 +195,13 @@ def nvidia_driver() -> str | None:
     lines = [x.strip() for x in out.stdout.splitlines() if x.strip()]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"nvidia-smi failed (exit {out.returncode}): {(out.stderr or out.stdout).strip()[:200]}")
-    return lines[0]
+    return lines
+
+
+def nvidia_driver() -> str | None:
+    """The driver's version from nvidia-smi, or None when there is no NVIDIA driver."""
+    lines = nvidia_smi("driver_version")
+    return None if lines is None else lines[0]
 
 
 def driver_row(required: bool) -> Check:
@@ -208,6 +220,148 @@ def driver_row(required: bool) -> Check:
         {"driver": driver},
         fix="" if ok else DRIVER_FIX,
     )
+
+
+# ---------------------------------------------------------------- the CUDA toolchain SGLang compiles with
+
+# SGLang 0.5.23 compiles its JIT kernels (and FlashInfer 0.7.2, which ships no prebuilt kernels, its own) on the
+# host at first use. sglang's torch 2.14.1 is a CUDA 13.0 build (cuda-toolkit 13.0.3, nvidia-*-cu13): the
+# version an nvcc is held against when the torch here is a CPU build.
+SGLANG_TORCH_CUDA = "13.0"
+DEFAULT_CUDA_HOME = Path("/usr/local/cuda")  # SGLang's and FlashInfer's last resort
+CUDA_DEVEL_IMAGE = "nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04"  # deploy/Dockerfile's cuda stage
+CUDA_TOOLKIT_FIX = (
+    "install CUDA 13.0's compiler and headers: sudo apt-get install -y cuda-nvcc-13-0 cuda-cudart-dev-13-0 "
+    "(NVIDIA's CUDA apt repository) && export CUDA_HOME=/usr/local/cuda; in a container, build from "
+    f"{CUDA_DEVEL_IMAGE} (deploy/Dockerfile's cuda stage)"
+)
+CXX_FIX = "sudo apt-get install -y g++"
+
+
+@dataclass(frozen=True)
+class NvccLookup:
+    """Where SGLang and FlashInfer look for nvcc (sglang/kernels/jit/utils/compile/toolchain.py `cuda_home`,
+    flashinfer/jit/cpp_ext.py): $CUDA_HOME (else $CUDA_PATH)/bin/nvcc and nothing else when that is set, else
+    nvcc on PATH, else /usr/local/cuda/bin/nvcc."""
+
+    path: str | None  # the nvcc they would run; None: not found
+    via: str  # "$CUDA_HOME", "$CUDA_PATH", "PATH" or "/usr/local/cuda"
+    looked_at: str  # the file looked for (the last one when nothing was found)
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_nvcc(env: dict[str, str], default_home: Path = DEFAULT_CUDA_HOME) -> NvccLookup:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if env.get(var):  # SGLang: os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"), no fallback after
+            nvcc = Path(env[var]) / "bin" / "nvcc"
+            return NvccLookup(str(nvcc) if _executable(nvcc) else None, f"${var}", str(nvcc))
+    on_path = shutil.which("nvcc", path=env.get("PATH", ""))
+    if on_path is not None:
+        return NvccLookup(on_path, "PATH", on_path)
+    nvcc = default_home / "bin" / "nvcc"
+    return NvccLookup(str(nvcc) if _executable(nvcc) else None, str(default_home), str(nvcc))
+
+
+def wheel_nvccs(paths: list[str]) -> list[str]:
+    """nvcc binaries of pip's NVIDIA wheels (nvidia-cuda-nvcc: site-packages/nvidia/cu13/bin/nvcc, or
+    nvidia/cuda_nvcc/bin/nvcc for CUDA 12) on the import path, which neither SGLang nor FlashInfer looks in."""
+    found = []
+    for entry in paths:
+        root = Path(entry or ".") / "nvidia"
+        if root.is_dir():
+            found += [str(p) for p in sorted(root.glob("*/bin/nvcc")) if _executable(p)]
+    return found
+
+
+def nvcc_version(nvcc: str) -> tuple[int, int]:
+    """(major, minor) from `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88")."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    if out.returncode != 0 or m is None:
+        said = (out.stdout + out.stderr).strip()[-200:]
+        raise RuntimeError(f"`{nvcc} --version` gave no CUDA release (exit {out.returncode}): {said}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def find_cxx(env: dict[str, str]) -> tuple[str | None, str, str]:
+    """(the C++ compiler nvcc hands host code to, how it was chosen, the fix when there is none): $CXX, else
+    `c++` (SGLang's toolchain.py `host_compiler_path`; torch's cpp_extension the same)."""
+    path = env.get("PATH", "")
+    gxx = shutil.which("g++", path=path)
+    if env.get("CXX"):
+        found = shutil.which(env["CXX"], path=path)
+        if found is not None:
+            return found, "$CXX", ""
+        if shutil.which("c++", path=path) is not None:
+            return None, f"$CXX={env['CXX']} not found", "unset CXX"
+        return None, f"$CXX={env['CXX']} not found", f"export CXX={gxx}" if gxx else f"{CXX_FIX} && unset CXX"
+    found = shutil.which("c++", path=path)
+    if found is not None:
+        return found, "c++ on PATH", ""
+    if gxx is not None:
+        return None, f"no c++ on PATH (g++ is {gxx})", f"export CXX={gxx}"
+    return None, "no C++ compiler (c++, g++) on PATH", CXX_FIX
+
+
+def toolchain_row(required: bool, env: dict[str, str] | None = None) -> Check:
+    import torch
+
+    name = "cuda toolchain"
+    env = dict(os.environ) if env is None else env
+    torch_cuda = torch.version.cuda
+    want = torch_cuda or SGLANG_TORCH_CUDA
+    want_from = f"torch's CUDA {torch_cuda}" if torch_cuda else f"CUDA {want} (sglang's torch; torch here: CPU build)"
+    lookup = find_nvcc(env)
+    cxx, cxx_via, cxx_fix = find_cxx(env)
+    data: dict[str, Any] = {
+        "nvcc": lookup.path,
+        "nvcc_via": lookup.via,
+        "nvcc_looked_at": lookup.looked_at,
+        "torch_cuda": torch_cuda,
+        "cxx": cxx,
+        "cxx_via": cxx_via,
+    }
+    parts, fixes = [], []
+    if lookup.path is None:
+        in_wheels = wheel_nvccs(sys.path)
+        data["wheel_nvcc"] = in_wheels
+        parts.append(
+            f"no nvcc where SGLang and FlashInfer look ({lookup.looked_at}, via {lookup.via})"
+            + (f"; only pip's, inside the venv: {in_wheels[0]}, which they do not look in" if in_wheels else "")
+        )
+        elsewhere = find_nvcc({k: v for k, v in env.items() if k not in ("CUDA_HOME", "CUDA_PATH")})
+        if lookup.via.startswith("$") and elsewhere.path is not None:  # a CUDA_HOME without nvcc hides a good one
+            fixes.append(f"export CUDA_HOME={Path(elsewhere.path).parent.parent}")
+        else:
+            fixes.append(CUDA_TOOLKIT_FIX)
+        major_ok = False
+    else:
+        major, minor = nvcc_version(lookup.path)
+        data["nvcc_version"] = f"{major}.{minor}"
+        major_ok = major == int(want.split(".")[0])
+        in_wheel = any(p and lookup.path.startswith(str(Path(p) / "nvidia") + os.sep) for p in sys.path)
+        stubs = Path(lookup.path).parent.parent / "lib64" / "stubs"  # SGLang links -lcuda against these
+        parts.append(
+            f"nvcc {major}.{minor} at {lookup.path} (via {lookup.via})"
+            + (" (pip's nvidia wheel" + ("" if stubs.is_dir() else ", without lib64/stubs") + ")" if in_wheel else "")
+            + (f", {want_from}: majors match" if major_ok else f", {want_from}: majors differ")
+        )
+        if not major_ok:
+            fixes.append(f"{CUDA_TOOLKIT_FIX}; or point CUDA_HOME at a CUDA {want.split('.')[0]} toolkit")
+    parts.append(f"C++ compiler {cxx} ({cxx_via})" if cxx else cxx_via)
+    if cxx is None:
+        fixes.append(cxx_fix)
+    detail = "; ".join(parts)
+    if lookup.path is None:
+        status = UNAVAILABLE
+    elif major_ok and cxx is not None:
+        status = OK
+    else:
+        status = FAIL if required else WARN
+    return Check(name, status, detail, required, data, fix="; ".join(fixes))
 
 
 def gpus_row(tp: int | None, model: str | None, required: bool) -> Check:
@@ -712,6 +866,7 @@ def run_checks(
         _guard("torch/cuda", sglang_asked, lambda: torch_row(sglang_asked)),
         _guard("sglang", sglang_asked, lambda: sglang_row(sglang_asked)),
         _guard("nvidia driver", sglang_asked, lambda: driver_row(sglang_asked)),
+        _guard("cuda toolchain", sglang_asked, lambda: toolchain_row(sglang_asked)),
         _guard("gpus", sglang_asked, lambda: gpus_row(tp, model, sglang_asked)),
         _guard(
             "/dev/shm",
