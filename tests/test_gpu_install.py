@@ -215,6 +215,19 @@ def test_sglang_host_install_resolves_for_the_gpu_platform(sglang_host_lock):
     print(f"{len(lock)} packages, about {size / 1e9:.1f} GB of wheels to install")
 
 
+def test_image_toolkit_is_the_cuda_of_the_locked_torch(sglang_host_lock):
+    """SGLang compiles its kernels with the image's nvcc against the locked torch's CUDA (cuda-toolkit, which torch
+    requires): the same major.minor, which is also the CUDA gpu-check holds an nvcc to on a CPU torch."""
+    from eagle3_assets.operations.gpu_check import SGLANG_TORCH_CUDA
+
+    args, _, runs = cuda_stage()
+    m = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-(?:cudnn-)?devel-ubuntu", args["CUDA_IMAGE"])
+    assert m, f"the cuda stage is not on a CUDA devel image (nvcc, headers): {args['CUDA_IMAGE']}"
+    toolkit = Version(sglang_host_lock["cuda-toolkit"]["version"])
+    assert (int(m.group(1)), int(m.group(2))) == (toolkit.major, toolkit.minor) == Version(SGLANG_TORCH_CUDA).release
+    assert any(re.search(r"apt-get install .*\bg\+\+ ", r) for r in runs), runs
+
+
 def test_the_override_lifts_only_the_projects_cpu_cap(sglang_host_lock, tmp_path):
     """The locked versions resolve as they are without any override: the file hides no other conflict
     (a torch that some other package excludes, or a line that overrules sglang's own pins)."""

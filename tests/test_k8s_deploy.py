@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -376,6 +377,24 @@ def test_cpu_image_takes_torch_from_the_cpu_index_first():
     assert f'"{torch_pin}"' in stage[index]
     [project] = [i for i, r in enumerate(stage) if '-e ".[' in r]
     assert index < project
+
+
+def test_cuda_image_has_the_toolchain_sglang_compiles_with():
+    """SGLang 0.5.23 and FlashInfer 0.7.2 build their CUDA kernels on the host at first use: nvcc where they look
+    (CUDA_HOME, then PATH, then /usr/local/cuda; a devel image has it there, a runtime image has none) and a C++
+    compiler for nvcc's host code (g++; gcc alone has no cc1plus). The image is the one gpu-check's fix names."""
+    from eagle3_assets.operations.gpu_check import CUDA_DEVEL_IMAGE, DEFAULT_CUDA_HOME
+
+    stage = stages()["cuda"]
+    _, cuda_base = DockerfileParser(path=str(DOCKERFILE)).parent_images
+    installs = [r for r in runs(stage) if "apt-get install" in r]
+    packages = {w for r in installs for w in r.split() if not w.startswith("-")}
+    assert "-devel-" in cuda_base or any(p.startswith("cuda-nvcc-") for p in packages), cuda_base
+    assert "-runtime-" not in cuda_base or any(p.startswith("cuda-cudart-dev-") for p in packages), cuda_base
+    assert "g++" in packages, installs
+    envs = dict(kv.split("=", 1) for item in stage if item["instruction"] == "ENV" for kv in shlex.split(item["value"]))
+    assert envs.get("CUDA_HOME") == str(DEFAULT_CUDA_HOME), envs
+    assert cuda_base == CUDA_DEVEL_IMAGE
 
 
 def test_dockerfile_passes_hadolint():
