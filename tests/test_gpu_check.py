@@ -766,3 +766,199 @@ def test_find_nvcc_falls_back_to_usr_local_cuda(tmp_path):
     other = stand_in_nvcc(tmp_path / "other" / "bin", "13.0")
     lookup = find_nvcc({"PATH": "", "CUDA_PATH": str(tmp_path / "other")}, default_home=root)
     assert (lookup.path, lookup.via) == (str(other), "$CUDA_PATH")
+
+
+# ---------------------------------------------------------------- the target's weights against GPU memory
+
+GIB = 2**30
+H100, H200, B200 = 81559 * 2**20, 143771 * 2**20, 183359 * 2**20
+KIMI_CONFIG = {
+    "model_type": "kimi_k25",
+    "text_config": {
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 64,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+    },
+}
+
+
+def test_memory_fit_kimi_on_h100_h200_b200():
+    """Kimi-K2.5 at TP 8, sglang_mem_fraction 0.8: 69.2 GiB of weights and a 2.1 GiB KV pool a GPU; an H100's
+    63.7 GiB does not hold them, and no fraction that leaves SGLang its 10 GiB does; H200 and B200 do."""
+    from eagle3_assets.operations.gpu_check import (
+        KIMI_K25_KV,
+        KIMI_K25_WEIGHT_BYTES,
+        fitting_kinds,
+        memory_fit,
+        smallest_tp,
+    )
+
+    pool = 32768 * KIMI_K25_KV.bytes_per_token(8)
+    assert pool == 32768 * 61 * 576 * 2
+    h100 = memory_fit(KIMI_K25_WEIGHT_BYTES, 8, 0.8, H100, pool)
+    assert round(h100.weights_per_gpu / GIB, 1) == 69.2 and round(h100.budget / GIB, 1) == 63.7
+    assert not h100.fits and h100.fraction_needed == 0.90 and h100.fraction_max == 0.87
+    assert h100.fraction_to_set is None
+    for gpu in (H200, B200):
+        fit = memory_fit(KIMI_K25_WEIGHT_BYTES, 8, 0.8, gpu, pool)
+        assert fit.fits and fit.fraction_to_set == 0.8
+    assert [(k.name, f) for k, f in fitting_kinds(KIMI_K25_WEIGHT_BYTES, 8, 0.8, pool)] == [
+        ("H200 141GB", 0.8),
+        ("B200 180GB", 0.8),
+    ]
+    assert smallest_tp(KIMI_K25_WEIGHT_BYTES, 0.8, H100, KIMI_K25_KV, 32768) is None  # no TP <= 8 on H100
+    on_h200 = smallest_tp(KIMI_K25_WEIGHT_BYTES, 0.8, H200, KIMI_K25_KV, 32768)
+    assert on_h200 is not None and on_h200.tp == 8
+
+
+def test_memory_fit_raises_the_fraction_or_the_tp():
+    from eagle3_assets.operations.gpu_check import KvShape, memory_fit, smallest_tp
+
+    # 130 GiB of bf16 weights at TP 2 on H100: 65 GiB + 1 GiB of pool needs 0.83, within the 0.87 cap
+    fit = memory_fit(130 * GIB, 2, 0.8, H100, GIB)
+    assert not fit.fits and fit.fraction_needed == 0.83 and fit.fraction_to_set == 0.83
+    assert memory_fit(130 * GIB, 2, 0.83, H100, GIB).fits
+    # a GQA cache is split over the ranks (8 KV heads: one a rank from TP 8 on)
+    llama_70b = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8}
+    kv = KvShape.of_config(llama_70b)
+    assert (kv.layers, kv.width, kv.heads) == (80, 256, 8)
+    assert kv.bytes_per_token(1) == 80 * 256 * 8 * 2 and kv.bytes_per_token(16) == 80 * 256 * 1 * 2
+    bigger = smallest_tp(300 * GIB, 0.8, H100, kv, 4096)
+    assert bigger is not None and bigger.tp == 8 and bigger.fits  # 37.5 GiB + pool fits at TP 8, not at TP 4
+    assert KvShape.of_config(KIMI_CONFIG) == KvShape(61, 576)
+
+
+def test_weight_bytes_from_the_index_or_the_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_assets.operations.gpu_check import TargetSize, safetensors_bytes, target_size
+
+    tensors = {"a": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.zeros(7, dtype=torch.float32)}
+    save_file(tensors, str(tmp_path / "model-00001.safetensors"))
+    save_file({"c": torch.zeros(11, dtype=torch.int32)}, str(tmp_path / "model-00002.safetensors"))
+    assert safetensors_bytes(tmp_path) == (3 * 5 * 2 + 7 * 4 + 11 * 4, "2 safetensors header(s)")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 12345}}))
+    assert safetensors_bytes(tmp_path) == (12345, "model.safetensors.index.json total_size")
+    assert safetensors_bytes(tmp_path / "nothing") is None
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_CONFIG))
+    target = target_size(str(tmp_path))
+    assert isinstance(target, TargetSize) and target.weight_bytes == 12345 and target.kv is not None
+    # Kimi's hub id where no folder is: its known figures
+    assert target_size("/somewhere/moonshotai/Kimi-K2.5").name == "Kimi-K2.5"  # type: ignore[union-attr]
+    assert isinstance(target_size(str(tmp_path / "missing")), str)
+
+
+def stand_in_smi(bin_dir: Path, name: str, mib: int, gpus: int = 8) -> None:
+    """nvidia-smi answering the driver query and the memory query as a host with `gpus` of these GPUs would."""
+    lines = "".join(f'echo "{name}, {mib}"\n' for _ in range(gpus))
+    stand_in(bin_dir, "nvidia-smi", f'case "$*" in\n*memory.total*)\n{lines};;\n*) echo 580.95.05;;\nesac\n')
+
+
+def target_folder(path: Path, total_size: int, config: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    index = {"metadata": {"total_size": total_size}, "weight_map": {}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
+def test_memory_row_kimi_on_h100_then_h200(tmp_path):
+    """--model asks for the row: Kimi-K2.5's checkpoint (its index's total_size) on 8 x H100 fails and names the
+    GPUs that hold it; the same command on 8 x H200 passes the row."""
+    kimi = target_folder(tmp_path / "Kimi-K2.5", 594 * 10**9, KIMI_CONFIG)
+    bin_dir = tmp_path / "bin"
+    stand_in_smi(bin_dir, "NVIDIA H100 80GB HBM3", 81559)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(kimi), env=env)
+    row = rows["gpu memory"]
+    assert code == 1 and row["status"] == "fail" and row["required"], row
+    assert row["data"]["weights_from"] == "model.safetensors.index.json total_size" and row["data"]["tp"] == 8
+    assert "69.2 GiB weights + 2.1 GiB KV pool" in row["detail"] and "63.7 GiB: does not fit" in row["detail"], row
+    assert "needs sglang_mem_fraction 0.90, above the 0.87" in row["detail"], row
+    assert row["fix"] == (
+        "8 x NVIDIA H100 80GB HBM3 is too small for Kimi-K2.5 (--model): "
+        "run it on 8 x H200 141GB or 8 x B200 180GB at sglang_mem_fraction 0.8"
+    ), row
+    stand_in_smi(bin_dir, "NVIDIA H200", 143771)
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(kimi), env=env)
+    row = rows["gpu memory"]
+    assert row["status"] == "ok" and row["data"]["fits"] and not row["fix"], row
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
+def test_memory_row_plans_kimi_without_a_folder(tmp_path):
+    """No --model and no EAGLE3_TARGET_DIR: Kimi-K2.5's known size at EAGLE3_SGLANG_TP_SIZE (else 8); not asked
+    for, so a shortfall warns. Without nvidia-smi the row still says which nodes hold it."""
+    code, rows = gpu_check("--data-dir", str(tmp_path), unset=("EAGLE3_TARGET_DIR", "EAGLE3_SGLANG_TP_SIZE"))
+    row = rows["gpu memory"]
+    assert code == 0 and row["status"] == "unavailable" and not row["required"], row
+    assert "fits 8 x H200 141GB or 8 x B200 180GB at sglang_mem_fraction 0.8; not 8 x H100 80GB" in row["detail"]
+    bin_dir = tmp_path / "bin"
+    stand_in_smi(bin_dir, "NVIDIA H100 80GB HBM3", 81559)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    code, rows = gpu_check("--data-dir", str(tmp_path), env=env, unset=("EAGLE3_TARGET_DIR", "EAGLE3_SGLANG_TP_SIZE"))
+    row = rows["gpu memory"]
+    assert code == 0 and row["status"] == "warn" and row["data"]["target"] == "Kimi-K2.5", row
+    assert "8 x H200 141GB or 8 x B200 180GB" in row["fix"], row
+    stand_in_smi(bin_dir, "NVIDIA B200", 183359)
+    code, rows = gpu_check("--data-dir", str(tmp_path), env=env, unset=("EAGLE3_TARGET_DIR", "EAGLE3_SGLANG_TP_SIZE"))
+    assert rows["gpu memory"]["status"] == "ok", rows["gpu memory"]
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
+def test_memory_row_fix_is_the_fraction_or_the_tp_to_set(tmp_path):
+    """A target that fits an H100 with a higher sglang_mem_fraction is told the fraction, and passes once it is
+    set; one that needs more GPUs is told the TP. Its size here is summed from the safetensors headers."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "dense"
+    folder.mkdir()
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"w": torch.zeros(2**20, dtype=torch.uint8)}, str(folder / "model.safetensors"))  # 1 MiB
+    bin_dir = tmp_path / "bin"
+    stand_in_smi(bin_dir, "Small GPU", 14)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "EAGLE3_SGLANG_MAX_FORWARD_TOKENS": "4096"}
+    # a forward's KV pool: 4096 tokens x 2 layers x (2 x 16) x 4 heads x 2 B = 2 MiB at TP 1: 3 MiB of 0.8 x 14 fit
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(folder), "--tp", "1", env=env)
+    row = rows["gpu memory"]
+    assert row["status"] == "ok" and row["data"]["weights_from"] == "1 safetensors header(s)", row
+    assert row["data"]["weight_bytes"] == 2**20 and row["data"]["kv_pool_bytes"] == 2 * 2**20, row
+    # 300 MiB of weights on 320 MiB GPUs: too much for TP 1 at any fraction, TP 2 fits at 0.8 (SGLang's 10 GiB
+    # reserve is larger than these GPUs, so a raised fraction is never offered here)
+    save_file({"w": torch.zeros(300 * 2**20, dtype=torch.uint8)}, str(folder / "model.safetensors"))
+    stand_in_smi(bin_dir, "Small GPU", 320)
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(folder), "--tp", "1", env=env)
+    row = rows["gpu memory"]
+    assert code == 1 and row["status"] == "fail", row
+    assert row["fix"].startswith("TP 2: export EAGLE3_SGLANG_TP_SIZE=2"), row
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(folder), "--tp", "2", env=env)
+    assert rows["gpu memory"]["status"] == "ok", rows["gpu memory"]
+    # H100s and a 130 GiB index at TP 2: the fraction to set, then the same command with it set
+    big = target_folder(tmp_path / "big", 130 * GIB, config)
+    stand_in_smi(bin_dir, "NVIDIA H100 80GB HBM3", 81559)
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(big), "--tp", "2", env=env)
+    row = rows["gpu memory"]
+    assert row["status"] == "fail" and row["fix"].startswith("export EAGLE3_SGLANG_MEM_FRACTION=0.82 "), row
+    env["EAGLE3_SGLANG_MEM_FRACTION"] = "0.82"
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(big), "--tp", "2", env=env)
+    row = rows["gpu memory"]
+    assert row["status"] == "ok" and row["data"]["mem_fraction"] == 0.82, row
+
+
+def test_mem_fraction_is_a_resource_setting(monkeypatch):
+    """EAGLE3_SGLANG_MEM_FRACTION, the fraction gpu-check plans with, is the one the pipeline's backend gets."""
+    from eagle3_assets.definitions import hidden_states_resource
+    from eagle3_assets.operations.gpu_check import planned_mem_fraction
+
+    monkeypatch.delenv("EAGLE3_SGLANG_MEM_FRACTION", raising=False)
+    assert hidden_states_resource().process_config_and_initialize().sglang_mem_fraction == 0.8
+    assert planned_mem_fraction() == (0.8, "sglang_mem_fraction's default")
+    monkeypatch.setenv("EAGLE3_SGLANG_MEM_FRACTION", "0.86")
+    assert hidden_states_resource().process_config_and_initialize().sglang_mem_fraction == 0.86
+    assert planned_mem_fraction() == (0.86, "EAGLE3_SGLANG_MEM_FRACTION")

@@ -13,6 +13,10 @@ command that fixes it. Rows, in order:
   but not used), its CUDA major against torch's (a CPU torch: against sglang's torch, CUDA 13.0), and the C++
   compiler nvcc hands host code to ($CXX, else c++).
 - `gpus`: the CUDA devices against `--tp`.
+- `gpu memory`: the target's weights (its safetensors index or headers; Kimi-K2.5's known size when no folder is
+  given) / the planned TP plus the KV pool of one forward, against sglang_mem_fraction x the smallest GPU's
+  memory (nvidia-smi); when it does not fit, the fraction to set, a TP that fits, or the GPU kinds that do.
+  Asked for with `--model`.
 - `/dev/shm`: its size against the rank hand-off: rank 0 returns each forward's states through a ring of
   `--handoff-slabs` shared slabs the backend reserves in /dev/shm at start, each `--max-forward-tokens` x
   (3 + 1) x hidden x 2 bytes plus the token ids (the backend's own `SlabLayout`).
@@ -34,16 +38,17 @@ command that fixes it. Rows, in order:
 
 Exit code: 1 when a row failed, or when a row that was asked for is not ok; 0 otherwise.
 Asked for: the transformers row always (unless `--no-capture`); the SGLang, CUDA, driver, toolchain, GPU and
-/dev/shm rows when `--tp` or `--model` is given; the disk rows then too, or with `--tokens`. A row
-that was not asked for and finds a shortfall says `warn`, which does not fail the command. A CPU host
-without sglang therefore passes `eagle3 gpu-check` (SGLang rows "unavailable", with the reason and the
-fix) and fails `eagle3 gpu-check --tp 1`. An installed sglang whose contract check finds problems is a
-failure either way.
+/dev/shm rows when `--tp` or `--model` is given, the GPU memory row with `--model`; the disk rows then too, or
+with `--tokens`. A row that was not asked for and finds a shortfall says `warn`, which does not fail the
+command. A CPU host without sglang therefore passes `eagle3 gpu-check` (SGLang rows "unavailable", with the
+reason and the fix) and fails `eagle3 gpu-check --tp 1`. An installed sglang whose contract check finds
+problems is a failure either way.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -382,6 +387,299 @@ def gpus_row(tp: int | None, model: str | None, required: bool) -> Check:
         "(Kimi-K2.5 needs 8 GPUs of 141 GB)"
     )
     return Check("gpus", FAIL if required else WARN, detail, required, data, fix=fix)
+
+
+# ---------------------------------------------------------------- the target's weights against GPU memory
+
+GIB, MIB = 2**30, 2**20
+# SGLang 0.5.23 keeps at least 10 GiB outside mem_fraction_static on GPUs over 60 GiB when it picks the fraction
+# itself (arg_groups/memory_hook.py): activations, CUDA graphs, NCCL. A fraction that leaves less is not offered.
+SGLANG_RESERVE_BYTES = 10 * GIB
+# Kimi-K2.5 when no folder is at hand: the INT4 checkpoint's size (60 MoE layers x 384 experts x 3 x 7168 x 2048
+# at 4.5 bits ~ 571 GB, plus ~23 GB of bf16 attention, shared experts, embedding and head) and its MLA cache
+# (61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) per token, bf16, the same on every TP rank).
+KIMI_K25_HUB_ID = "moonshotai/Kimi-K2.5"
+KIMI_K25_WEIGHT_BYTES = 594 * 10**9
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    name: str
+    memory_bytes: int  # what nvidia-smi reports as memory.total
+
+
+# 8-GPU NVLink servers of the GPUs SGLang's Kimi path runs on (sm90, sm100), smallest first; nvidia-smi's totals.
+GPU_KINDS = (
+    GpuKind("H100 80GB", 81559 * MIB),
+    GpuKind("H200 141GB", 143771 * MIB),
+    GpuKind("B200 180GB", 183359 * MIB),
+)
+TP_CHOICES = (1, 2, 4, 8)  # one node
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """One token's KV cache on one TP rank: layers x width x (heads split over ranks) x bytes."""
+
+    layers: int
+    width: int  # MLA: kv_lora_rank + qk_rope_head_dim (one latent, on every rank); else 2 x head_dim per head
+    heads: int = 1  # KV heads split over the TP ranks (MLA: 1)
+    dtype_bytes: int = 2
+
+    def bytes_per_token(self, tp: int) -> int:
+        return self.layers * self.width * -(-self.heads // tp) * self.dtype_bytes
+
+    @staticmethod
+    def of_config(config: dict[str, Any]) -> KvShape:
+        text = config.get("text_config") or config
+        if text.get("kv_lora_rank"):
+            return KvShape(int(text["num_hidden_layers"]), int(text["kv_lora_rank"]) + int(text["qk_rope_head_dim"]))
+        heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"]))
+        return KvShape(int(text["num_hidden_layers"]), 2 * head_dim, heads)
+
+
+KIMI_K25_KV = KvShape(layers=61, width=512 + 64)
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """A target on one GPU at a TP size: weights / tp plus the KV pool, against mem_fraction_static x memory.
+    Tensors SGLang replicates on every rank (MLA's a-projections, the router, norms: ~2 GB on Kimi-K2.5) are
+    counted once, so the real figure is a little higher."""
+
+    tp: int
+    weights_per_gpu: int
+    kv_pool: int
+    gpu_bytes: int
+    fraction: float
+
+    @property
+    def need(self) -> int:
+        return self.weights_per_gpu + self.kv_pool
+
+    @property
+    def budget(self) -> int:
+        return int(self.fraction * self.gpu_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.budget
+
+    @property
+    def fraction_needed(self) -> float:
+        """The smallest mem_fraction_static, in hundredths, that holds the weights and the pool."""
+        return math.ceil(round(self.need / self.gpu_bytes * 100, 6)) / 100
+
+    @property
+    def fraction_max(self) -> float:
+        """The largest mem_fraction_static, in hundredths, that leaves SGLang its reserve."""
+        return math.floor((self.gpu_bytes - SGLANG_RESERVE_BYTES) / self.gpu_bytes * 100) / 100
+
+    @property
+    def fraction_to_set(self) -> float | None:
+        """The fraction as configured when it fits, else the one it needs when that leaves the reserve, else None."""
+        if self.fits:
+            return self.fraction
+        return self.fraction_needed if self.fraction_needed <= self.fraction_max else None
+
+
+def memory_fit(weight_bytes: int, tp: int, fraction: float, gpu_bytes: int, kv_pool_bytes: int) -> MemoryFit:
+    return MemoryFit(tp, -(-weight_bytes // tp), kv_pool_bytes, gpu_bytes, fraction)
+
+
+def fitting_kinds(
+    weight_bytes: int, tp: int, fraction: float, kv_pool_bytes: int, kinds: tuple[GpuKind, ...] = GPU_KINDS
+) -> list[tuple[GpuKind, float]]:
+    """The GPU kinds the target fits at `tp`, smallest first, each with the mem fraction to set."""
+    out = []
+    for kind in kinds:
+        fit = memory_fit(weight_bytes, tp, fraction, kind.memory_bytes, kv_pool_bytes)
+        if fit.fraction_to_set is not None:
+            out.append((kind, fit.fraction_to_set))
+    return out
+
+
+def smallest_tp(
+    weight_bytes: int, fraction: float, gpu_bytes: int, kv: KvShape, tokens: int, tps: tuple[int, ...] = TP_CHOICES
+) -> MemoryFit | None:
+    """The smallest TP size that fits this GPU (at the configured fraction or a raised one), or None."""
+    for tp in tps:
+        fit = memory_fit(weight_bytes, tp, fraction, gpu_bytes, tokens * kv.bytes_per_token(tp))
+        if fit.fraction_to_set is not None:
+            return fit
+    return None
+
+
+@dataclass(frozen=True)
+class TargetSize:
+    name: str
+    weight_bytes: int
+    source: str  # where the figure comes from
+    kv: KvShape | None  # None: no config.json, the KV pool is not counted
+
+
+def safetensors_bytes(folder: Path) -> tuple[int, str] | None:
+    """The checkpoint's tensor bytes: model.safetensors.index.json's metadata.total_size, else the sum of the
+    safetensors files' headers (each tensor's data_offsets); None when the folder has neither."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+        if total:
+            return int(total), f"{index.name} total_size"
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    size = 0
+    for f in files:
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        size += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return size, f"{len(files)} safetensors header(s)"
+
+
+def is_kimi_hub_id(path: str) -> bool:
+    return path.rstrip("/").lower().endswith(KIMI_K25_HUB_ID.lower())
+
+
+def target_size(model: str | None) -> TargetSize | str:
+    """The planned target's size: --model's folder, else EAGLE3_TARGET_DIR's, else Kimi-K2.5's known figures
+    (also for Kimi's hub id where no folder is); or why there is none."""
+    for path, label in ((model, "--model"), (os.environ.get("EAGLE3_TARGET_DIR"), "EAGLE3_TARGET_DIR")):
+        if not path:
+            continue
+        folder = Path(path)
+        if not folder.is_dir():
+            if is_kimi_hub_id(path):
+                break
+            return f"{label} {path} is not a folder"
+        found = safetensors_bytes(folder)
+        if found is None:
+            return f"no safetensors (nor model.safetensors.index.json) in {label} {folder}"
+        config = folder / "config.json"
+        kv = KvShape.of_config(json.loads(config.read_text())) if config.is_file() else None
+        return TargetSize(f"{folder.name} ({label})", found[0], found[1], kv)
+    return TargetSize("Kimi-K2.5", KIMI_K25_WEIGHT_BYTES, "its INT4 checkpoint's known size", KIMI_K25_KV)
+
+
+def planned_tp(model: str | None, tp: int | None) -> tuple[int, str]:
+    """The target's TP size: --tp with --model (default 8, as the target capture), else EAGLE3_SGLANG_TP_SIZE,
+    else the hidden_states_backend's sglang_tp_size default. Without --model, --tp is the tiny model's."""
+    from eagle3_resources.hidden_states.resource import HiddenStatesResource
+
+    if model is not None:
+        return (tp, "--tp") if tp else (8, "--model's default")
+    if os.environ.get("EAGLE3_SGLANG_TP_SIZE"):
+        return int(os.environ["EAGLE3_SGLANG_TP_SIZE"]), "EAGLE3_SGLANG_TP_SIZE"
+    return int(HiddenStatesResource.model_fields["sglang_tp_size"].default), "sglang_tp_size's default"
+
+
+def planned_mem_fraction() -> tuple[float, str]:
+    """EAGLE3_SGLANG_MEM_FRACTION, else the hidden_states_backend's sglang_mem_fraction default."""
+    from eagle3_resources.hidden_states.resource import HiddenStatesResource
+
+    if os.environ.get("EAGLE3_SGLANG_MEM_FRACTION"):
+        return float(os.environ["EAGLE3_SGLANG_MEM_FRACTION"]), "EAGLE3_SGLANG_MEM_FRACTION"
+    return float(HiddenStatesResource.model_fields["sglang_mem_fraction"].default), "sglang_mem_fraction's default"
+
+
+def gpu_memory() -> list[tuple[str, int]] | None:
+    """(name, memory.total in bytes) per GPU from nvidia-smi, or None when there is no NVIDIA driver."""
+    lines = nvidia_smi("name,memory.total")
+    if lines is None:
+        return None
+    out = []
+    for line in lines:
+        name, _, mib = line.rpartition(",")
+        if not name or not mib.strip().isdigit():
+            raise RuntimeError(f"nvidia-smi gave {line!r} for name,memory.total")
+        out.append((name.strip(), int(mib) * MIB))
+    return out
+
+
+def kinds_text(fitting: list[tuple[GpuKind, float]], tp: int) -> str:
+    """The kinds in one phrase, "8 x H200 141GB or 8 x B200 180GB at sglang_mem_fraction 0.8" (each with its own
+    fraction where they differ); empty when none fits."""
+    if len({f for _, f in fitting}) == 1:
+        return " or ".join(f"{tp} x {k.name}" for k, _ in fitting) + f" at sglang_mem_fraction {fitting[0][1]:g}"
+    return " or ".join(f"{tp} x {k.name} at sglang_mem_fraction {f:g}" for k, f in fitting)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def memory_row(model: str | None, tp: int | None, forward_tokens: int, required: bool) -> Check:
+    name = "gpu memory"
+    target = target_size(model)
+    if isinstance(target, str):
+        return Check(name, FAIL if required else WARN, target, required, fix="eagle3 gpu-check --model <target folder>")
+    tp_size, tp_from = planned_tp(model, tp)
+    fraction, fraction_from = planned_mem_fraction()
+    pool = forward_tokens * target.kv.bytes_per_token(tp_size) if target.kv else 0
+    weights = -(-target.weight_bytes // tp_size)
+    plan = (
+        f"{target.name}, {target.weight_bytes / 1e9:,.0f} GB ({target.source}) at TP {tp_size} ({tp_from}): "
+        f"{gib(weights)} weights + "
+        + (f"{gib(pool)} KV pool ({forward_tokens:,} tokens)" if target.kv else "no KV pool (no config.json)")
+        + f" = {gib(weights + pool)} a GPU"
+    )
+    fitting = fitting_kinds(target.weight_bytes, tp_size, fraction, pool)
+    kinds = kinds_text(fitting, tp_size)
+    too_small = [f"{tp_size} x {k.name}" for k in GPU_KINDS if k not in dict(fitting)]
+    data: dict[str, Any] = {
+        "target": target.name,
+        "weight_bytes": target.weight_bytes,
+        "weights_from": target.source,
+        "tp": tp_size,
+        "mem_fraction": fraction,
+        "kv_pool_bytes": pool,
+        "fits_kinds": [k.name for k, _ in fitting],
+    }
+    gpus = gpu_memory()
+    if gpus is None:
+        return Check(
+            name,
+            UNAVAILABLE,
+            f"no GPU to measure (nvidia-smi not found); {plan}: fits {kinds or 'none of ' + ', '.join(too_small)}"
+            + (f"; not {', '.join(too_small)}" if fitting and too_small else ""),
+            required,
+            data,
+            fix=f"a host with {kinds}" if fitting else f"{target.name} fits no node of {', '.join(too_small)}",
+        )
+    gpu_name, gpu_bytes = min(gpus, key=lambda g: g[1])
+    fit = memory_fit(target.weight_bytes, tp_size, fraction, gpu_bytes, pool)
+    data.update(gpu=gpu_name, gpu_bytes=gpu_bytes, need_bytes=fit.need, budget_bytes=fit.budget, fits=fit.fits)
+    detail = (
+        f"{plan}; {gpu_name} {gib(gpu_bytes)} x sglang_mem_fraction {fraction:g} ({fraction_from}) "
+        f"= {gib(fit.budget)}: " + ("fits" if fit.fits else "does not fit")
+    )
+    if fit.fits:
+        return Check(name, OK, detail, required, data)
+    fixes = []
+    if fit.fraction_to_set is not None:
+        fixes.append(
+            f"export EAGLE3_SGLANG_MEM_FRACTION={fit.fraction_to_set:g}  (the hidden_states_backend's "
+            "sglang_mem_fraction)"
+        )
+        detail += f" (needs sglang_mem_fraction {fit.fraction_needed:.2f})"
+    else:
+        detail += (
+            f" (needs sglang_mem_fraction {fit.fraction_needed:.2f}, above the {fit.fraction_max:.2f} that "
+            f"leaves SGLang its {SGLANG_RESERVE_BYTES // GIB} GiB)"
+        )
+        bigger = smallest_tp(target.weight_bytes, fraction, gpu_bytes, target.kv or KvShape(0, 0), forward_tokens)
+        if bigger is not None and bigger.tp > tp_size:
+            env = f"EAGLE3_SGLANG_TP_SIZE={bigger.tp}" + (
+                "" if bigger.fits else f" EAGLE3_SGLANG_MEM_FRACTION={bigger.fraction_to_set:g}"
+            )
+            fixes.append(f"TP {bigger.tp}: export {env}  (and eagle3 gpu-check --tp {bigger.tp})")
+        fixes.append(
+            f"{tp_size} x {gpu_name} is too small for {target.name}: run it on {kinds}"
+            if fitting
+            else f"{target.name} fits no node of {tp_size} x {', '.join(k.name for k in GPU_KINDS)}"
+        )
+    return Check(name, FAIL if required else WARN, detail, required, data, fix="; or ".join(fixes))
 
 
 def human(n: float) -> str:
@@ -782,7 +1080,9 @@ def sglang_target_row(model_path: str, tp: int) -> Check:
     vocab = int((config.get("text_config") or config)["vocab_size"])
     started = time.monotonic()
     try:
-        backend = SGLangHiddenStates(model_path, tp_size=tp, max_length=8192)
+        backend = SGLangHiddenStates(
+            model_path, tp_size=tp, max_length=8192, mem_fraction_static=planned_mem_fraction()[0]
+        )
     except SGLangUnavailable as e:
         return Check(name, UNAVAILABLE, str(e).splitlines()[0], True)
     load_s = time.monotonic() - started
@@ -868,6 +1168,7 @@ def run_checks(
         _guard("nvidia driver", sglang_asked, lambda: driver_row(sglang_asked)),
         _guard("cuda toolchain", sglang_asked, lambda: toolchain_row(sglang_asked)),
         _guard("gpus", sglang_asked, lambda: gpus_row(tp, model, sglang_asked)),
+        _guard("gpu memory", model is not None, lambda: memory_row(model, tp, forward_tokens, model is not None)),
         _guard(
             "/dev/shm",
             sglang_asked,
