@@ -6,6 +6,7 @@ files, and every server a test talks to runs on 127.0.0.1 inside the test proces
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -19,12 +20,27 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 REPO = Path(__file__).resolve().parents[1]
 
+# slow_guard: the `slow` marker, and a run that fails on a test over a minute without it. pytester: its own test.
+pytest_plugins = ["slow_guard", "pytester"]
+
 
 @pytest.fixture(scope="session")
 def standin_dir(tmp_path_factory) -> Path:
-    """Built once per session (minutes); EAGLE3_TEST_STANDIN_DIR names a folder to build it in once and reuse."""
+    """Built once per test run (a minute or two); EAGLE3_TEST_STANDIN_DIR names a folder to build it in once and reuse.
+
+    Under pytest-xdist every worker is a session of its own: the first to ask builds the stand-ins in the run's
+    shared temporary folder while the others wait on a file lock, then all load the same files."""
     reuse = os.environ.get("EAGLE3_TEST_STANDIN_DIR")
-    return Path(reuse) if reuse else tmp_path_factory.mktemp("standin")
+    if reuse:
+        return Path(reuse)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp("standin")
+    shared = tmp_path_factory.getbasetemp().parent / "standin"
+    shared.mkdir(exist_ok=True)
+    with open(shared.parent / "standin.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        TargetModelResource(standin_dir=str(shared)).folder(TokenizerResource(standin_dir=str(shared)), log=print)
+    return shared
 
 
 @pytest.fixture(scope="session")
