@@ -44,6 +44,11 @@ class TargetModelResource(dg.ConfigurableResource):
         "unset = the whole model on `device`",
     )
 
+    @property
+    def is_standin(self) -> bool:
+        """No `path`: the tiny stand-in (8 layers, hidden 64) is what the local backends load."""
+        return not self.path
+
     def resolved(self) -> tuple[str, str]:
         """(device, dtype) with `auto` decided for this host."""
         import torch
