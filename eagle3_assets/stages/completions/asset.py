@@ -13,6 +13,7 @@ from eagle3_assets.common.metadata import json_value, markdown_table, path_value
 from eagle3_assets.common.outcome import per_dataset
 from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.common.registry import dataset_partitions, dataset_spec
+from eagle3_assets.common.standin import explained, is_standin_target
 from eagle3_assets.money import SpendPolicy, cancelling, get_hold, open_ledger
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.admission import HALTED
@@ -204,7 +205,9 @@ def completions(
                     before=f"{key}: ",
                     after=f". Every finished response is in {journal}; fix the cause and re-materialize to resume.",
                 ) from e
-        metadata[key], outcomes[key] = partition_results(store.layout, pilot, completions_backend, kind)
+        metadata[key], outcomes[key] = partition_results(
+            store.layout, pilot, completions_backend, kind, standin=is_standin_target(completions_backend, target)
+        )
     yield from per_dataset_results(context, metadata, CHECKS, outcomes)
 
 
@@ -227,9 +230,10 @@ def read_prompts(layout: DataLayout, key: str, sample_cap: int | None, log) -> p
 
 
 def partition_results(
-    layout: DataLayout, pilot: PartitionPilot, resource: CompletionsResource, kind: BackendKind
+    layout: DataLayout, pilot: PartitionPilot, resource: CompletionsResource, kind: BackendKind, *, standin: bool
 ) -> tuple[dict, dict]:
-    """The partition's Parquet file (from its journal), its metadata and its checks' outcomes; a halted run fails."""
+    """The partition's Parquet file (from its journal), its metadata and its checks' outcomes; a halted run fails.
+    `standin`: the answers are the tiny stand-in target's (a failure it explains says so)."""
     part, means = pilot.partition, pilot.means
     key, journal = part.key, part.journal
     df = completions_frame(key, part.requests, journal, part.prompts)
@@ -242,7 +246,7 @@ def partition_results(
             f"is in {journal}; re-materialize to resume once the hold is lifted."
         )
     summary = run_summary(key, pilot.batches, pilot.stopped_by)
-    outcome = {**per_dataset(COMPLETION_CHECKS, {key: df})[key], PILOT_CHECK: pilot.outcome()}
+    outcome = {**explained(per_dataset(COMPLETION_CHECKS, {key: df}), standin)[key], PILOT_CHECK: pilot.outcome()}
     metadata = {
         **completions_figures(df, summary, means.ledger.read(L.scope, f"dataset:{key}")),
         "backend": json_value({**pilot.backend_description(), "settings_from": resource.sources()}),

@@ -10,10 +10,13 @@ from eagle3_assets.common.metadata import markdown_table, path_value, png_markdo
 from eagle3_assets.common.outcome import per_dataset
 from eagle3_assets.common.per_dataset import dataset_check_specs, per_dataset_results
 from eagle3_assets.common.registry import dataset_partitions
+from eagle3_assets.common.standin import explained, is_standin_target
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.token_ids.checks import TOKEN_CHECKS
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids, token_ids_summary
+from eagle3_resources.completions.resource import CompletionsResource
 from eagle3_resources.storage import DataStore
+from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 
@@ -66,9 +69,16 @@ class TokenIdsConfig(dg.Config):
 )
 @failure_for_operator
 def token_ids(
-    context: dg.AssetExecutionContext, config: TokenIdsConfig, store: DataStore, tokenizer: TokenizerResource
+    context: dg.AssetExecutionContext,
+    config: TokenIdsConfig,
+    store: DataStore,
+    tokenizer: TokenizerResource,
+    target: TargetModelResource,
+    completions_backend: CompletionsResource,
 ):
     tok = tokenizer.load()
+    # The completions came from the tiny stand-in (this run's resources say so): its failures are said to be its own.
+    standin = is_standin_target(completions_backend, target)
     metadata, frames = {}, {}
     for key in context.partition_keys:
         df = build_token_ids(
@@ -90,4 +100,5 @@ def token_ids(
                 df, ["prompt_id", "prompt_len", "completion_len", "ids_source", "ids_match", "n_separators", "has_end"]
             ),
         }
-    yield from per_dataset_results(context, metadata, TOKEN_CHECKS, per_dataset(TOKEN_CHECKS, frames))
+    outcomes = explained(per_dataset(TOKEN_CHECKS, frames), standin)
+    yield from per_dataset_results(context, metadata, TOKEN_CHECKS, outcomes)
