@@ -13,6 +13,7 @@ import json
 
 import dagster as dg
 
+from eagle3_assets.common.standin import STANDIN_TAG
 from eagle3_assets.money import open_ledger
 from eagle3_assets.operations.status import (
     PARTITIONED,
@@ -32,7 +33,8 @@ pipeline_status = dg.AssetSpec(
     group_name="training",
     kinds={"dagster"},
     description="Every dataset and stage at a glance, observed by the `status_board` sensor when something changes: "
-    "materialized or not (—), rows, ok / warn / **FAIL** and the names of the checks that fail (ERROR first); "
+    "materialized or not (—), rows, ok / warn / **FAIL** and the names of the checks that fail (ERROR first; "
+    f"{STANDIN_TAG} where the tiny stand-in target explains the failure); "
     "the training stages' figures "
     "(the drafter's real accept length, from lossless speculative decoding, then the simulated one). The same as "
     "`eagle3 status` in a terminal. A dataset is complete when its "
@@ -42,7 +44,8 @@ pipeline_status = dg.AssetSpec(
 
 
 def _failing(stage: StageState) -> str:
-    return ", ".join(f"`{c.name}`" for c in sorted(stage.failing, key=lambda c: c.severity != "ERROR"))
+    failing = sorted(stage.failing, key=lambda c: c.severity != "ERROR")
+    return ", ".join(f"`{c.name}`" + (f" {STANDIN_TAG}" if c.standin else "") for c in failing)
 
 
 def _cell(stage: StageState) -> str:

@@ -9,7 +9,9 @@ reported in `errors` and the others are still filled in.
 Check evaluations and partitions: an evaluation that names its partition is that dataset's. One
 that does not (older instances, runs over several datasets that judged each one and combined the
 verdicts) belongs to every dataset its run covers (`registry.run_datasets`); when such a combined
-verdict failed and lists `failed_datasets` in its metadata, only those datasets are shown failing.
+verdict failed and lists `failed_datasets` in its metadata, only those datasets are shown failing. A failed
+evaluation whose metadata says `standin: true` is one the tiny stand-in target explains (`common/standin.py`): its
+`CheckState.standin`, shown tagged `(stand-in)`.
 
 Figures of a run over several datasets: a stage's metadata may hold the run's totals rather than the
 partition's. Where the metadata has a per-dataset figure (`per_dataset`) it is used; otherwise a
@@ -38,6 +40,7 @@ from dagster._core.storage.asset_check_execution_record import (
 )
 
 from eagle3_assets.common.registry import DATASETS, run_datasets
+from eagle3_assets.common.standin import STANDIN_KEY
 from eagle3_assets.money import ledger as L
 from eagle3_assets.money.hold import get_hold, spends
 from eagle3_assets.money.ledger import SpendLedger
@@ -182,6 +185,7 @@ def _check_state(record: AssetCheckExecutionRecord, ev, passed: bool) -> CheckSt
         run_id=record.run_id,
         timestamp=record.create_timestamp,
         partition=record.partition or ev.partition,
+        standin=not passed and _value(ev.metadata.get(STANDIN_KEY)) is True,
     )
 
 

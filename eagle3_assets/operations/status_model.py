@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle3_assets.common.standin import STANDIN_TAG
+
 # Stage -> the figures shown: (label, metadata keys tried in order). Per-dataset stages first.
 PARTITIONED: dict[str, tuple[str, list[tuple[str, tuple[str, ...]]]]] = {
     "raw_prompts": ("prompts", [("rows", ("rows",)), ("tokens", ("tokens",))]),
@@ -46,10 +48,16 @@ class CheckState:
     run_id: str
     timestamp: float
     partition: str | None  # as recorded; None: attributed to the dataset by its run's tags
+    standin: bool = False  # a failure the tiny stand-in target explains (its metadata says `standin: true`)
 
     @property
     def label(self) -> str:
         return f"{self.severity} {self.name}"
+
+    @property
+    def shown(self) -> str:
+        """The label as the text shows it: a failure of the stand-in's tagged `(stand-in)`."""
+        return f"{self.label} {STANDIN_TAG}" if self.standin and not self.passed else self.label
 
 
 @dataclass

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from eagle3_assets.common.registry import DATASETS
+from eagle3_assets.common.standin import STANDIN_TAG, STANDIN_TARGET
 from eagle3_assets.operations.status_model import PARTITIONED, StageState, Status
 
 WIDTH = 118
@@ -129,7 +130,7 @@ def _dataset_table(status: Status, paint: _Paint) -> list[str]:
             if not stage.materialized:
                 line += paint(f"{'not materialized':<{_group_width(asset)}}", "dim")
                 if stage.failing:
-                    notes.append(f"{PARTITIONED[asset][0]}: " + ", ".join(c.label for c in stage.failing))
+                    notes.append(f"{PARTITIONED[asset][0]}: " + ", ".join(c.shown for c in stage.failing))
                 continue
             cells = []
             for label, w in cols:
@@ -147,7 +148,7 @@ def _dataset_table(status: Status, paint: _Paint) -> list[str]:
                     cells.append(f"{text:>{w}}")
             line += " ".join(cells)
             if stage.failing:
-                notes.append(f"{PARTITIONED[asset][0]}: " + ", ".join(c.label for c in stage.failing))
+                notes.append(f"{PARTITIONED[asset][0]}: " + ", ".join(c.shown for c in stage.failing))
         lines.append(line.rstrip())
         if notes:
             indent = " " * (name_w + len(GAP))
@@ -156,6 +157,16 @@ def _dataset_table(status: Status, paint: _Paint) -> list[str]:
     if shared_any:
         lines.append("* the run's total over all its datasets (its metadata holds no figure of this dataset alone)")
     return lines
+
+
+def _standin_legend(status: Status) -> list[str]:
+    """Under the dataset table, where a failure shown is the stand-in's: what its tag means (one line)."""
+    stages = [*(s for d in status.datasets for s in d.stages.values()), *status.stages]
+    if not any(c.standin for s in stages for c in s.failing):
+        return []
+    return textwrap.wrap(
+        f"{STANDIN_TAG} expected of {STANDIN_TARGET}, not a fault; each check's description says why", WIDTH
+    )
 
 
 def _stage_table(status: Status, paint: _Paint) -> list[str]:
@@ -169,7 +180,7 @@ def _stage_table(status: Status, paint: _Paint) -> list[str]:
             text = nbytes(value) if label == "bytes" else count(value)
             parts.append(f"{label} {text}")
         text, colour = _checks_cell(stage)
-        checks = paint(", ".join(c.label for c in stage.failing) if stage.failing else text, colour)
+        checks = paint(", ".join(c.shown for c in stage.failing) if stage.failing else text, colour)
         lines.append(f"{stage.asset:<15} {_age_of(status, stage):<5} {'  '.join(parts):<58} {checks}")
     return lines
 
@@ -234,7 +245,7 @@ def render_text(status: Status, colour: bool = False) -> str:
         f"data root    {status.data_dir or '-'}",
         "",
     ]
-    out += _dataset_table(status, paint)
+    out += _dataset_table(status, paint) + _standin_legend(status)
     out += [""] + _stage_table(status, paint)
     out += ["", paint("runs", "bold")] + _runs_lines(status, paint)
     out += ["", paint("money", "bold")] + _money_lines(status, paint)
