@@ -128,3 +128,23 @@ def sglang_release_source() -> Path:
     from sglang_source import sglang_source
 
     return sglang_source()
+
+
+@pytest.fixture(autouse=True)
+def no_dead_dagster_state_storage():
+    """Dagster keeps the open instance's definitions-state storage in a context variable, reset when the instance is
+    closed, but to the value before it was opened: instances closed out of the order they were opened leave it
+    pointing at one closed and collected, and the next `Definitions` resolved in this process raises "undefined
+    DagsterInstance weakref" (seen under xdist, where another file's tests ran first in the same worker). Cleared
+    before and after each test when it is dead."""
+    from dagster._core.storage.defs_state.base import DefsStateStorage, _current_storage
+
+    def clear_if_dead() -> None:
+        storage = DefsStateStorage.get()
+        ref = getattr(storage, "_instance_weakref", None)
+        if storage is not None and ref is not None and ref() is None:
+            _current_storage.set(None)
+
+    clear_if_dead()
+    yield
+    clear_if_dead()
