@@ -99,12 +99,14 @@ def spike_after(step: int, factor: float):
     return Every(1, spike)
 
 
+@pytest.mark.slow
 def test_prompts_are_grouped_by_the_registry_kind(data):
     by_kind = prompts_by_kind(data["merged"], 2)
     assert list(by_kind) == ["chat", "code", "function-calling", "reasoning"]
     assert all(len(v) == 1 for v in by_kind.values())  # one eval sample of each dataset
 
 
+@pytest.mark.slow
 def test_the_exported_drafter_is_the_best_by_real_accept_length_not_the_last(data, target_model, tmp_path):
     logs: list[str] = []
     out = tmp_path / "drafter"
@@ -172,6 +174,7 @@ def without_seconds(curve: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in curve]
 
 
+@pytest.mark.slow
 def test_the_curve_survives_a_resume_without_a_duplicate_step(data, target_model, tmp_path):
     logs: list[str] = []
     out = tmp_path / "drafter"

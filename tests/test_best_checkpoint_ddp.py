@@ -129,6 +129,7 @@ def decoded(curve: list[dict]) -> list[tuple]:
     return [(r["step"], r["accept_length"], r["by_kind"]) for r in curve]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collective_timeout(
     data, target_model, tmp_path
@@ -177,6 +178,7 @@ def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collec
     assert history["world_size"] == 2 and history["tokens"] / history["tokens_per_s"] < DELAY_S
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_error_of_rank_0s_evaluation_ends_every_rank_with_its_reason(data, tmp_path):
     out = tmp_path / "drafter"
@@ -192,6 +194,7 @@ def test_an_error_of_rank_0s_evaluation_ends_every_rank_with_its_reason(data, tm
     assert not Path(str(out) + ".report.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_streaming_with_two_training_ranks_exports_the_best_step_though_rank_0_decodes_past_the_timeout(
     data_dir_with_standin, tok, monkeypatch

@@ -150,6 +150,7 @@ def test_a_pinned_block_off_a_page_boundary_is_used_from_its_first_aligned_byte(
     assert allocator.blocks == [2**20, 2**20, 2**21]  # the aligned try, then the one with slack
 
 
+@pytest.mark.slow
 def test_the_extraction_benchmark_keeps_to_its_budget_and_says_how_it_wrote(tmp_path):
     """A device check's cap kills a section that runs past it, and a killed section gives no figures: with
     `--budget-s` the benchmark starts no round that would end past it (the first always runs) and says how many it

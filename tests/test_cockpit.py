@@ -105,6 +105,7 @@ def test_the_launchpad_offers_the_spend_caps():
     assert {"max_run_usd", "max_total_usd", "max_projected_usd"} <= set(offered)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_pilot_then_the_rest_against_a_provider_that_caps_requests_per_second(data_dir_with_standin, tok):
     # Found taking the screenshots for the issue: the rate limit learnt in the pilot's event loop was awaited

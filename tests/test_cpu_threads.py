@@ -165,6 +165,7 @@ def test_bad_override_fails_a_real_process():
     assert "EAGLE3_TORCH_THREADS='many' is not valid" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
     cpus = cpu.affinity_cpus()
     if len(cpus) < 2:

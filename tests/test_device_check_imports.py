@@ -79,6 +79,7 @@ def gpu_host_python(tmp_path_factory) -> Path:
     return python
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("section", list(SECTIONS))
 def test_every_device_check_section_runs_with_the_gpu_hosts_packages_only(gpu_host_python, section, tmp_path):

@@ -159,6 +159,7 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_kill_9_during_training_then_resume_reaches_the_uninterrupted_weights(training_data, tmp_path):
     settings = TrainSettings(**{**SETTINGS.__dict__, "epochs": 4, "checkpoint_every": 2})
@@ -196,6 +197,7 @@ def test_kill_9_during_training_then_resume_reaches_the_uninterrupted_weights(tr
     assert rb["history"]["step_loss"] == ra["history"]["step_loss"] and rb["trained"] == ra["trained"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_two_gloo_processes_train_like_one_with_the_same_global_batch(training_data, tmp_path):
     one, two = tmp_path / "one" / "drafter", tmp_path / "two" / "drafter"

@@ -66,6 +66,7 @@ def assert_made(home: Path, data_dir: Path, runs: int = 0) -> None:
         assert db.execute("select count(*) from meta where key = 'legacy_import'").fetchone() == (1,)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_commands_started_together_on_fresh_homes_all_work(tmp_path):
     gate = tmp_path / "gate"
@@ -120,6 +121,7 @@ def data_dir_with_tokenizer(tmp_path, standin_dir, tok) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_materializations_started_together_on_a_fresh_home(tmp_path, data_dir_with_tokenizer):
     """The issue's case as a user runs it: two `eagle3 dagster asset materialize` at once, one dataset each."""

@@ -538,6 +538,7 @@ def install_command() -> str:
 HAVE_GPU = shutil.which("nvidia-smi") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAVE_GPU, reason="the screen of a host without a GPU")
 def test_cpu_host_screen_says_no_gpu_and_how_to_install(tmp_path):
     code, screen = gpu_check("--data-dir", str(tmp_path), json_out=False)
@@ -552,6 +553,7 @@ def test_cpu_host_screen_says_no_gpu_and_how_to_install(tmp_path):
     assert rows["torch/cuda"]["fix"].endswith(install_command())
 
 
+@pytest.mark.slow
 def test_disk_space_against_the_planned_capture(tmp_path):
     from eagle3_resources.hidden_states.store import token_bytes
 
@@ -576,6 +578,7 @@ def test_disk_space_against_the_planned_capture(tmp_path):
     assert code == 0
 
 
+@pytest.mark.slow
 def test_disk_write_measured_on_the_data_root(tmp_path):
     code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000")
     row = rows["disk write"]
@@ -596,6 +599,7 @@ def test_disk_write_measured_on_the_data_root(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_shm_against_the_rank_hand_off(tmp_path):
     """The SGLang backend reserves its hand-off ring in /dev/shm: slabs x (a forward's rows, 3 aux + 1 final,
     bf16, at Kimi's hidden 7168, plus int64 token ids and page alignment)."""
@@ -619,6 +623,7 @@ def test_shm_against_the_rank_hand_off(tmp_path):
     assert rows["/dev/shm"]["status"] == "fail", rows["/dev/shm"]  # a third slab of the same size does not fit
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
 @pytest.mark.parametrize("driver,status", [("535.104.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")])
 def test_driver_against_cuda13_minimum(tmp_path, driver, status):

@@ -34,6 +34,7 @@ def eagle3(args, tmp_path, data_dir):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_eagle3_prompts_real_builds_every_dataset_and_reports_rejects(tmp_path, data_dir_with_standin):
     sources = build_source_tree(tmp_path / "sources")

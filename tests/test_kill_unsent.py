@@ -119,6 +119,7 @@ def spend(tmp_path, base: str, tok, data: Path, run_id: str, name: str) -> subpr
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_after_a_kill_only_what_the_provider_was_generating_is_blocked(tmp_path, tok):
     data = tmp_path / "data"

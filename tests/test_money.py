@@ -96,6 +96,7 @@ def complete_bills_per_prompt(fake) -> collections.Counter:
 # -- caps ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_two_dataset_run_with_a_run_cap_stays_within_it_pilots_included(tmp_path, data_dir_with_standin, serve):
     """The run cap is the Dagster run's, across its datasets and their pilots (it used to restart at $0 for each)."""
     fake = serve(latency_s=0.05)
@@ -159,6 +160,7 @@ def worker(tmp_path, fake, tok, data_dir, run_id, datasets, *, name, **kw):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ledger_in", ["sqlite", "postgres"], indirect=True)
 def test_two_processes_started_together_on_one_total_cap_stay_within_it(tmp_path, tok, serve, ledger_in):
@@ -232,6 +234,7 @@ def test_retries_under_a_hold_send_nothing(tmp_path, tok, serve):
     assert done == {}  # nothing final: sent again once the hold is lifted
 
 
+@pytest.mark.slow
 def test_a_provider_capping_requests_per_second_gets_every_prompt_answered(tmp_path, tok, serve):
     fake = serve(max_rps=50.0)  # 429 with X-RateLimit-Limit/Remaining/Reset (epoch ms), no Retry-After
     layout = DataLayout(tmp_path / "data")
@@ -248,6 +251,7 @@ def test_a_provider_capping_requests_per_second_gets_every_prompt_answered(tmp_p
 # -- unsettled generations -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_generation_billed_30s_after_a_cancel_is_in_the_ledger_and_its_prompt_is_not_paid_twice(tmp_path, tok, serve):
     # This provider keeps generating after a stream is cancelled and bills the whole answer 30 s later.
@@ -333,6 +337,7 @@ def test_a_never_found_generation_stays_unsettled_and_blocks_its_prompt_until_th
     [*(("sqlite", s) for s in (0.2, 0.7, 1.5, 3.0, 6.0, 10.0)), ("postgres", 1.5)],
     indirect=["ledger_in"],
 )
+@pytest.mark.slow
 def test_kill_9_at_any_moment_of_a_two_dataset_run_loses_no_bill_and_pays_no_answer_twice(
     tmp_path, tok, serve, ledger_in, kill_after_s
 ):
@@ -458,6 +463,7 @@ def test_a_pilot_billed_above_the_listed_prices_stops_the_run_before_the_rest(da
     assert len(fake.billing.requests) == 4  # only the pilot was bought
 
 
+@pytest.mark.slow
 def test_the_projection_is_recorded_and_stops_a_partition_that_would_cost_too_much(data_dir_with_standin, serve):
     fake = serve(latency_s=0.05)
     result, failure, _ = materialize_b6(

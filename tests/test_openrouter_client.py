@@ -171,6 +171,7 @@ RETRYABLE = [
 RETRYABLE += [("rate_error_200", False), ("rate_error_midstream", True)]  # an error inside HTTP 200 / inside the stream
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, stream", RETRYABLE)
 def test_retryable_faults_end_ok_with_one_result_each_and_ledger_equal_to_billing(tok, fake, tmp_path, fault, stream):
     server, thread = fake(**{fault: 0.35}, seed=7)
@@ -298,6 +299,7 @@ def test_inflight_402_is_retried_after_retry_after(tok, fake, tmp_path):
 # -- scale ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_2000_prompts_with_15pct_429s_no_duplicate_none_lost_ledger_equals_billing(tok, fake, tmp_path):
     server, thread = fake(rate_429=0.15, retry_after_s=0.05, seed=11, mean_reasoning_words=8, mean_content_words=6)
@@ -368,6 +370,7 @@ def test_total_cap_counts_the_whole_ledger(tok, fake, tmp_path):
 # -- stop ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigint_stops_within_2s_cuts_the_streams_keeps_every_paid_result_and_resumes(tok, fake, tmp_path, request):
     # Ctrl-C at a terminal meets Python's own handler; a test run started in the background by a
     # non-interactive shell inherits SIGINT ignored, and the signal would never arrive.

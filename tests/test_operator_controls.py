@@ -231,6 +231,7 @@ def test_a_second_spending_run_on_a_dataset_fails_at_once_and_spends_nothing(tmp
     assert fake.billing.requests == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["hold", "terminate"])
 @pytest.mark.parametrize("pilot_size", [0, 8])
 def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(
@@ -290,6 +291,7 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(
 # -- alerts --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data_dir_with_standin, tok, webhook):
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, rate_finish_error=0.3, seed=5))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
@@ -355,6 +357,7 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
         assert len({a["figures"]["run_id"] for a in webhook.alerts}) == 2
 
 
+@pytest.mark.slow
 def test_failed_run_alert(tmp_path, data_dir_with_standin, tok, webhook):
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, prompt_token_offset=9))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
@@ -420,6 +423,7 @@ def test_schedule_requests_exactly_the_missing_partitions():
 @pytest.mark.timeout(900)
 # Both modes, both instance storages, in two runs (each is a minute or more): the hold mode's path does not depend on
 # where the instance keeps its runs.
+@pytest.mark.slow
 @pytest.mark.parametrize(("storage", "hold_mode"), [("sqlite", "drain"), ("postgres", "cancel")])
 def test_credit_sensor_halts_spending_and_holds_it(
     tmp_path, data_dir_with_standin, tok, monkeypatch, request, storage, hold_mode

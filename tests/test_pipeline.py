@@ -31,6 +31,7 @@ def env_for(tmp_path, data_dir):
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_dir_with_standin):
     env = env_for(tmp_path, data_dir_with_standin)

@@ -102,6 +102,7 @@ def test_a_home_that_disagrees_with_the_variable_is_refused(tmp_path, postgres_u
             dagster_home()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_eagle3_run_on_postgres_records_its_run_and_assets_there(tmp_path, data_dir_with_standin, postgres_url):
     env = clean_env(tmp_path / "dagster_home", postgres_url) | {"EAGLE3_DATA_DIR": str(data_dir_with_standin)}
@@ -171,6 +172,7 @@ def overlap(a: tuple[float, float, str | None], b: tuple[float, float, str | Non
     return a[0] < b[1] and b[0] < a[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_eagle3_dev_on_one_instance_run_one_daemon_that_keeps_the_dataset_queue_and_the_gpu_pool(
     tmp_path, postgres_url

@@ -37,6 +37,7 @@ def two_ranks(out: Path, *args: str, worker: str = "rank_zero_eval_worker.py") -
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_other_ranks_wait_out_rank_0s_evaluations_past_the_collective_timeout(tmp_path):
     done = two_ranks(tmp_path / "run", "--eval-s", "7")
@@ -52,6 +53,7 @@ def test_the_other_ranks_wait_out_rank_0s_evaluations_past_the_collective_timeou
 @pytest.mark.parametrize(
     "where, what", [("untrained", "scoring the untrained drafter"), ("epoch", "evaluating epoch 1")]
 )
+@pytest.mark.slow
 def test_an_error_of_rank_0s_evaluation_ends_every_rank_with_its_reason(tmp_path, where, what):
     done = two_ranks(tmp_path / "run", "--fail-at", where)
     assert done.returncode != 0

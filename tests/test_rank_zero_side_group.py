@@ -14,6 +14,7 @@ from test_rank_zero_evaluations import two_ranks
 WORKER = "rank_zero_side_group_worker.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_world_that_is_not_gloo_hears_rank_0_over_a_gloo_group_of_its_own(tmp_path):
     done = two_ranks(tmp_path / "run", "--alone-s", "7", worker=WORKER)
@@ -27,6 +28,7 @@ def test_a_world_that_is_not_gloo_hears_rank_0_over_a_gloo_group_of_its_own(tmp_
     assert main["waited_s"] == other["waited_s"] == [0.5, 1.0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rank_0s_error_reaches_the_other_rank_over_that_group(tmp_path):
     done = two_ranks(tmp_path / "run", "--fail", worker=WORKER)

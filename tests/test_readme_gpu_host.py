@@ -116,6 +116,7 @@ def test_every_command_without_a_gpu_is_run_here():
             }, command
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("command", list(RUNNERS))
 def test_readme_command_runs(command, tmp_path):

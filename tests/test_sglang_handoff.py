@@ -197,6 +197,7 @@ def test_rank_zero_dying_mid_batch_stops_every_rank_and_frees_the_slabs():
     assert not any(os.path.exists(p) for p in paths) and not mapped(paths)
 
 
+@pytest.mark.slow
 def test_slabs_leave_nothing_in_dev_shm():
     pool = make_pool(slabs=3)
     paths = pool.ring.paths

@@ -198,6 +198,7 @@ def assert_spool_emptied(root: Path, lanes: list[str]) -> None:
     )
 
 
+@pytest.mark.slow
 def test_capture_and_training_as_processes_through_a_spool_of_a_tenth_of_the_data(procs, tmp_path):
     root = tmp_path / "spool"
     settings, data = make_spool(root, ["a"])
@@ -229,6 +230,7 @@ def wait_for_slot(root: Path, slot: int, producer: subprocess.Popen, trainer: su
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_kill_9_of_capture_then_of_training_resumes_without_losing_or_repeating_a_window(procs, tmp_path):
     root = tmp_path / "spool"
     settings, _ = make_spool(root, ["a"])
@@ -261,6 +263,7 @@ def test_kill_9_of_capture_then_of_training_resumes_without_losing_or_repeating_
     )
 
 
+@pytest.mark.slow
 def test_two_hosts_sharing_the_spool_directory(procs, tmp_path):
     """Host A: two capture lanes in one process group; host B: the trainer in another. They share only files."""
     root = tmp_path / "spool"

@@ -208,6 +208,7 @@ def assert_spool_emptied(root: Path, plans: list[ShardPlan]) -> None:
     assert read_ledger(root)["deleted"] == len(read_order(root)) == len(plans)
 
 
+@pytest.mark.slow
 def test_real_capture_streams_through_a_tenth_of_the_data_bit_identical_to_the_offline_store(
     offline: Path, capture: Callable[..., Capture], tmp_path: Path, model_folder: Path
 ) -> None:
@@ -249,6 +250,7 @@ def test_real_capture_streams_through_a_tenth_of_the_data_bit_identical_to_the_o
     )
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_capture_at_random_moments_then_restarts_lose_and_repeat_nothing(
     offline: Path, capture: Callable[..., Capture], tmp_path: Path, model_folder: Path
 ) -> None:

@@ -195,6 +195,7 @@ def assert_one_adoption_per_shard(root: Path) -> None:
     assert sorted(adopted) == sorted(planned), (len(adopted), len(planned))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_two_ranks_train_every_token_passes_times_as_one_process_does_through_a_spool_of_a_tenth_of_the_data(runs):
     one = runs("one")
@@ -249,6 +250,7 @@ def test_two_ranks_train_every_token_passes_times_as_one_process_does_through_a_
     assert two.ddp_steps() == steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_kill_9_of_the_two_rank_trainer_resumes_without_losing_or_repeating_a_trained_window(runs):
     whole = runs("whole")
@@ -286,6 +288,7 @@ def test_kill_9_of_the_two_rank_trainer_resumes_without_losing_or_repeating_a_tr
     assert b["history"]["step_loss"] == a["history"]["step_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_watch_stops_or_fails_every_rank_while_rank_0_waits_for_capture(runs):
     """`stop()` is asked while rank 0 waits: "stop" ends the run on every rank (its steps so far checkpointed), an

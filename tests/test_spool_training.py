@@ -166,6 +166,7 @@ def assert_spool_emptied(root: Path) -> None:
     assert read_ledger(root)["deleted"] == len(read_order(root)) == planned
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_every_token_passes_times_through_a_spool_of_a_tenth_of_the_data(runs):
     run = runs("one")
     settings, data = make_spool(run.root)
@@ -209,6 +210,7 @@ def wait_for_slot(
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_trainer_resumes_without_losing_or_repeating_a_trained_window(runs):
     whole = runs("whole")
     make_spool(whole.root)

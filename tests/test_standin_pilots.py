@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -30,6 +31,7 @@ from eagle3_resources.tokenizer.resource import standin_corpus_files
 from eagle3_resources.tokenizer.standin import corpus_strings
 
 
+@pytest.mark.slow
 def test_every_dataset_pilot_passes_on_the_standin_with_margin(tok, target_model, tmp_path, ledger):
     config = CompletionsConfig()
     settings = config.settings(BackendKind.LOCAL)
@@ -67,6 +69,7 @@ def test_every_dataset_pilot_passes_on_the_standin_with_margin(tok, target_model
         assert answered >= math.ceil(1.5 * MIN_ANSWER_SHARE * ok), (name, answered, ok, description)
 
 
+@pytest.mark.slow
 def test_fit_gives_the_same_weights_whatever_torch_thread_count_came_before(tok, tmp_path):
     """The fit fixes its own thread count: fitted after torch was set to 1 or to 2 threads (what
     the load rule picks on a busy or an idle 2-core machine), the weights are bit for bit the same,

@@ -394,6 +394,7 @@ def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(
     assert not doc["datasets"]["A1"]["raw_prompts"]["materialized"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, data_dir_with_tokenizer):
     # `eagle3 prompts` builds raw_prompts for A1 and A2 in one run (one step, two partitions).

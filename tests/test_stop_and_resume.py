@@ -94,6 +94,7 @@ def requests_per_prompt(fake) -> collections.Counter:
     return collections.Counter(json.dumps(b["messages"], sort_keys=True) for b in fake.billing.requests)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_terminating_the_run_through_dagster_stops_within_2s_cuts_the_streams_and_resumes(
     tmp_path, data_dir_with_standin, slow_fake, monkeypatch
@@ -172,6 +173,7 @@ def test_terminating_the_run_through_dagster_stops_within_2s_cuts_the_streams_an
     assert bills_not_in_ledger(slow_fake, ledger) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill_9_then_resume_never_resends_a_journaled_prompt(tmp_path, data_dir_with_standin, slow_fake, monkeypatch):
     monkeypatch.setenv("OPENROUTER_API_KEY", SECRET)

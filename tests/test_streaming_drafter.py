@@ -153,6 +153,7 @@ class KeptFile:
         self._thread.join()
 
 
+@pytest.mark.slow
 def test_one_materialization_captures_and_trains_through_a_tenth_of_the_data(data_dir_with_standin, tok):
     data_bytes, largest = write_merged(data_dir_with_standin, tok)
     budget = data_bytes // 10
@@ -209,6 +210,7 @@ def test_a_spool_too_small_is_refused_before_capture_starts(data_dir_with_standi
     assert not streaming.exists() and not observations  # no spool, no capture process, no progress
 
 
+@pytest.mark.slow
 def test_best_every_in_streaming_mode_keeps_and_exports_the_best_checkpoint(data_dir_with_standin, tok):
     """`best_every` runs in the training side as offline: the main rank decodes the held-out prompts with the target
     every N steps and at the last; the drafter exported is the step with the highest accept length."""
@@ -227,6 +229,7 @@ def test_best_every_in_streaming_mode_keeps_and_exports_the_best_checkpoint(data
     assert exported["best_step"] == best["step"] and exported["streaming_passes"] == PASSES
 
 
+@pytest.mark.slow
 def test_two_training_ranks_under_torchrun(data_dir_with_standin, tok):
     """`processes: 2`: the training side runs under torchrun (rank 0 reads the spool, rank 1 follows), the capture
     side in a process group of its own; every token is trained exactly PASSES times, counted on rank 0's record of

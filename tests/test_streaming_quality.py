@@ -47,6 +47,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_the_streaming_drafter_decodes_within_noise_of_the_offline_one(
     tok, target_model, target_resource, tokenizer_resource, tmp_path: Path, one_thread: None

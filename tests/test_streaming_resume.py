@@ -124,6 +124,7 @@ def start_step(
     return step, capture_pid, training_pid
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_token_exactly_passes_times(
     data_dir_with_standin, tok, tmp_path, groups
 ):
@@ -181,6 +182,7 @@ def test_kill_9_of_the_step_leaves_no_side_running_and_a_rerun_trains_every_toke
     assert not files.folder.exists()
 
 
+@pytest.mark.slow
 def test_a_stopped_step_stops_both_sides_keeps_the_folder_and_a_rerun_resumes(
     data_dir_with_standin, tok, tmp_path, groups
 ):
@@ -217,6 +219,7 @@ def test_a_stopped_step_stops_both_sides_keeps_the_folder_and_a_rerun_resumes(
     assert meta["streaming_trained_token_passes"] == {str(PASSES): meta["train_tokens"]}
 
 
+@pytest.mark.slow
 def test_a_capture_side_killed_stops_the_training_side_and_a_rerun_resumes(data_dir_with_standin, tok, groups):
     root = data_dir_with_standin
     data_bytes, _ = write_merged(root, tok)
@@ -283,6 +286,7 @@ def stand_in_run(root: Path) -> tuple[StreamingJob, RunFiles]:
     return job, files
 
 
+@pytest.mark.slow
 def test_a_second_capture_on_a_held_lane_waits_and_writes_nothing(data_dir_with_standin, tok, groups):
     root = data_dir_with_standin
     write_merged(root, tok)
@@ -340,6 +344,7 @@ def test_the_trainers_record_survives_a_line_cut_by_a_kill(tmp_path):
 PROCESS_HOOKS = REPO / "tests" / "process_hooks"  # its sitecustomize: the first side that trains is killed
 
 
+@pytest.mark.slow
 def test_a_training_side_dead_after_its_last_checkpoint_is_resumed_to_its_report(
     data_dir_with_standin, tok, tmp_path, monkeypatch
 ):

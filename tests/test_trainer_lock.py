@@ -68,6 +68,7 @@ def stop(side: LocalSide) -> None:
     side.stop()  # SIGTERM, as the step stops a side: it leaves through its handler (SystemExit)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", [kill_9, stop], ids=["kill -9", "SIGTERM"])
 def test_a_second_trainer_on_a_spool_waits_naming_the_first_and_proceeds_once_the_first_is_gone(
     data_dir_with_standin, tok, sides, end

@@ -44,6 +44,7 @@ def chromium_installed():
     require_chromium()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_materialize_a_partition_from_the_ui(tmp_path, data_dir_with_standin):
     shots = screenshots_dir()
