@@ -25,7 +25,8 @@ def test_instances_closed_out_of_order_leave_a_collected_instances_storage_curre
     del first, second
     gc.collect()
     storage = DefsStateStorage.get()
-    assert storage is not None and storage._instance_weakref() is None  # what the next test meets without the fixture
+    ref = storage._instance_weakref if storage is not None else None
+    assert ref is not None and ref() is None  # what the next test meets without the fixture
 
 
 def test_the_next_test_resolves_definitions():

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -350,16 +351,20 @@ class OpenRouterBackend:
             )
         raise _Final(state.result("failed", text, str(status)))
 
-    async def _pace(self) -> float:
+    async def _pace(self, wanted: Callable[[], bool] = lambda: True) -> float | None:
         """Wait until a request may go: a place in flight (held until its attempt ends), then its requests-per-second
-        turn (returned, for `RateLimiter.refund`). Attempts are reserved after this, never while waiting here."""
+        turn (returned, for `RateLimiter.refund`). Attempts are reserved after this, never while waiting here. None,
+        and no place held, once `wanted()` is false before the turn came."""
         assert self.limiter is not None
         await self.limiter.enter()
         try:
-            return await self.rate.acquire()
+            token = await self.rate.acquire(wanted)
         except BaseException:
             await self.limiter.leave()
             raise
+        if token is None:
+            await self.limiter.leave()
+        return token
 
     async def _complete(
         self, client: httpx.AsyncClient, feed: RequestFeed, settings: SamplingSettings, state: RequestState
@@ -466,13 +471,16 @@ class _PacedFeed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._feed, name)
 
+    def _nothing_left(self) -> bool:
+        return getattr(self._feed, "remaining", None) == 0
+
     async def take(self, wait: bool = True) -> Attempt | None:
-        if getattr(self._feed, "remaining", None) == 0:  # nothing left to take: no turn to wait for
+        token = None if self._nothing_left() else await self._backend._pace(lambda: not self._nothing_left())
+        if token is None:  # nothing left to take (now, or while this worker waited for its turn): no turn to wait for
             attempt = await self._feed.take(wait)
             if attempt is not None:  # requests came back meanwhile (a cancelled worker's): paced after all
                 await self._backend._pace()
             return attempt
-        token = await self._backend._pace()
         assert self._backend.limiter is not None
         try:
             attempt = await self._feed.take(wait)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 
@@ -135,8 +136,10 @@ class RateLimiter:
             self.allowance = min(self.allowance, remaining_n) if self.reset_at else remaining_n
         self.limit, self.reset_at = limit_n, reset_at
 
-    async def acquire(self) -> float:
-        """Wait for a request's turn; returns its token (the end of the window it counts in) for `refund`."""
+    async def acquire(self, wanted: Callable[[], bool] = lambda: True) -> float | None:
+        """Wait for a request's turn; returns its token (the end of the window it counts in) for `refund`, or None
+        once `wanted()` is false: a worker queued for a turn after the last request was taken stops waiting (with
+        hundreds of workers queued at one request a second, the run's end otherwise waited a turn for each)."""
         if self.limit is None:
             return 0.0
         loop = asyncio.get_running_loop()
@@ -144,6 +147,8 @@ class RateLimiter:
             self._lock, self._lock_loop = asyncio.Lock(), loop
         async with self._lock:  # one waiter at a time keeps the order and the count honest
             while True:
+                if not wanted():
+                    return None
                 now = time.time()
                 if now >= self.reset_at:
                     window = self.window_s or max(0.05, self.reset_at - now if self.reset_at > now else 1.0)
