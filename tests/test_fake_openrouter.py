@@ -78,7 +78,6 @@ def test_the_fake_imports_nothing_from_the_project():
     assert "fakes.openrouter.server" in loaded and not [m for m in loaded if m.startswith("eagle3")], loaded
 
 
-@pytest.mark.slow
 def test_the_fake_takes_a_folder_or_an_object_with_one(tok):
     for tokenizer in (tok, tok.folder, str(tok.folder)):
         with serve(tokenizer) as (fake, client):

@@ -623,7 +623,6 @@ def test_shm_against_the_rank_hand_off(tmp_path):
     assert rows["/dev/shm"]["status"] == "fail", rows["/dev/shm"]  # a third slab of the same size does not fit
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
 @pytest.mark.parametrize("driver,status", [("535.104.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")])
 def test_driver_against_cuda13_minimum(tmp_path, driver, status):

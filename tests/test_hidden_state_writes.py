@@ -80,7 +80,6 @@ def make_samples(n: int, vocab: int) -> list[StoredSample]:
     return out
 
 
-@pytest.mark.slow
 def test_a_shard_is_a_safetensors_file_holding_what_was_captured(target_model, tmp_path):
     """safetensors' own loader reads every shard; each sample's rows are the backend's states for it alone, in bf16."""
     backend = TransformersHiddenStates(target_model)
@@ -143,7 +142,6 @@ def test_the_hash_taken_while_writing_is_the_files(tmp_path, direct, checksum):
     assert not used2 and digest2 == digest and (tmp_path / "g").read_bytes() == on_disk
 
 
-@pytest.mark.slow
 def test_without_xxhash_new_shards_are_sha256_and_say_so(tmp_path):
     """A bare GPU machine (the device check: torch alone) has no xxhash: shards are then hashed with sha256 and
     named sha256, and an xxh3 entry asks for the package instead of passing as unverifiable."""
@@ -169,7 +167,6 @@ print("ok")
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
 
 
-@pytest.mark.slow
 def test_a_store_checksummed_with_sha256_stays_readable_and_verifiable(target_model, tmp_path):
     """A store committed before xxh3 lists `sha256` per shard. It is read as it is, `verify_on_resume` checks each
     shard with the algorithm its entry names (a rotten byte is caught and that shard alone redone, now with xxh3), and
@@ -217,7 +214,6 @@ def test_a_store_checksummed_with_sha256_stays_readable_and_verifiable(target_mo
     )  # redone: the same bytes as before
 
 
-@pytest.mark.slow
 def test_a_shard_rotten_on_disk_is_caught_by_its_xxh3_and_redone(target_model, tmp_path):
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(10, target_model.config.vocab_size)
@@ -336,7 +332,6 @@ class FailingWrites:
         return os.pwrite(fd, data, offset)
 
 
-@pytest.mark.slow
 def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target_model, tmp_path, monkeypatch):
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(10, target_model.config.vocab_size)
@@ -370,7 +365,6 @@ def test_an_error_mid_write_lists_nothing_and_the_resume_redoes_the_shard(target
     assert sorted(p.name for p in root.iterdir()) == sorted([*whole, MANIFEST])
 
 
-@pytest.mark.slow
 def test_an_extraction_runs_once_and_a_new_one_resumes_after_an_error(target_model, tmp_path, monkeypatch):
     """An `Extraction` holds one run's state (capture-order tickets, writer failures): run again after a write error,
     it says to make a new one (it would otherwise raise the old error, or wait for a capture-order turn already
@@ -418,7 +412,6 @@ class HeldBack(HostBuffers):
         super().give(image)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("writers", [1, 3])
 @pytest.mark.parametrize("sink", ["store", "spool"])
 def test_shards_are_recorded_in_plan_order_when_later_ones_finish_writing_first(target_model, tmp_path, sink, writers):

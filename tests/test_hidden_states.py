@@ -111,7 +111,6 @@ def test_batches_respect_the_token_budget():
     assert batches(lengths, 64) == groups  # deterministic
 
 
-@pytest.mark.slow
 def test_store_holds_each_layer_output_and_the_normed_final_state(target_model, tmp_path):
     """Ground truth for the layer convention: batched, padded extraction through the store equals HF's hidden_states."""
     model = target_model
@@ -176,7 +175,6 @@ def test_a_multimodal_wrapper_is_looked_through(target_model):
         TransformersHiddenStates(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.slow
 def test_bytes_per_token_within_two_percent_of_the_minimum(target_model, tmp_path):
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(60, target_model.config.vocab_size, lengths=(180, 420, 250, 600, 90))
@@ -259,7 +257,6 @@ def test_untrusted_files_are_removed_and_redone(target_model, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-@pytest.mark.slow
 def test_shards_another_plan_would_discard_are_kept_unless_asked(target_model, tmp_path):
     backend = TransformersHiddenStates(target_model)
     samples = [replace(s, group=s.sample_id[:2]) for s in make_samples(6, target_model.config.vocab_size)]
@@ -304,7 +301,6 @@ class Failing:
         return self.inner.extract_batch(sequences)
 
 
-@pytest.mark.slow
 def test_a_stop_commits_the_finished_shards_first(target_model, tmp_path):
     backend = TransformersHiddenStates(target_model)
     samples = make_samples(8, target_model.config.vocab_size)
@@ -528,7 +524,6 @@ def materialize_hidden_states(data_root: Path, config: dict):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_asset_checks_the_disk_first_then_stores_within_two_percent(data_dir_with_standin, target_model):
     from eagle3_resources.storage import DataLayout

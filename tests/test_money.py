@@ -96,7 +96,6 @@ def complete_bills_per_prompt(fake) -> collections.Counter:
 # -- caps ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_two_dataset_run_with_a_run_cap_stays_within_it_pilots_included(tmp_path, data_dir_with_standin, serve):
     """The run cap is the Dagster run's, across its datasets and their pilots (it used to restart at $0 for each)."""
     fake = serve(latency_s=0.05)
@@ -463,7 +462,6 @@ def test_a_pilot_billed_above_the_listed_prices_stops_the_run_before_the_rest(da
     assert len(fake.billing.requests) == 4  # only the pilot was bought
 
 
-@pytest.mark.slow
 def test_the_projection_is_recorded_and_stops_a_partition_that_would_cost_too_much(data_dir_with_standin, serve):
     fake = serve(latency_s=0.05)
     result, failure, _ = materialize_b6(

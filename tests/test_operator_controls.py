@@ -291,7 +291,6 @@ def test_a_hold_or_terminate_halts_an_in_process_run_that_no_launcher_can_stop(
 # -- alerts --------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data_dir_with_standin, tok, webhook):
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, rate_finish_error=0.3, seed=5))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:
@@ -357,7 +356,6 @@ def test_webhook_gets_one_alert_per_failed_check_with_the_figures(tmp_path, data
         assert len({a["figures"]["run_id"] for a in webhook.alerts}) == 2
 
 
-@pytest.mark.slow
 def test_failed_run_alert(tmp_path, data_dir_with_standin, tok, webhook):
     fake = FakeOpenRouter(tok, FakeSettings(api_key=KEY, prompt_token_offset=9))
     with ServerThread(fake.app) as server, dg.instance_for_test() as instance:

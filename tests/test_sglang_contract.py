@@ -133,7 +133,6 @@ SRT = "sglang/srt/"
     ],
     ids=["ModelRunner method", "ServerArgs field", "publish keyword", "capture setter", "capture rule"],
 )
-@pytest.mark.slow
 def test_contract_on_a_copy_of_the_release_reports_one_renamed_name(
     sglang_release_source, tmp_path, rel, old, new, problem
 ):
@@ -385,7 +384,6 @@ def test_reply_gather_needs_every_rank_and_rank_zero_tensors():
 # ---------------------------------------------------------------- (d) real rank processes, fake engine
 
 
-@pytest.mark.slow
 def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
     import functools
 
@@ -407,7 +405,6 @@ def test_rank_pool_sends_every_batch_to_every_rank_and_returns_rank_zero():
     assert not pool.alive
 
 
-@pytest.mark.slow
 def test_rank_pool_reports_a_failing_rank_and_stops_all():
     import functools
 
@@ -431,7 +428,6 @@ def test_rank_pool_reports_a_failing_rank_and_stops_all():
         pool.run([[1]])
 
 
-@pytest.mark.slow
 def test_rank_pool_reports_a_rank_that_dies_while_starting():
     import functools
 

@@ -522,7 +522,6 @@ def figures_cli(report: Path, home: Path, data: Path) -> subprocess.CompletedPro
     )
 
 
-@pytest.mark.slow
 def test_the_engine_figures_are_recorded_on_the_drafter_asset_and_refused_for_other_weights(tmp_path, capsys):
     """`python -m eagle3_assets.operations.record_figures REPORT` records the Engine benchmark's figures as an
     observation of eagle3_drafter, each named by its source; once the drafter's weights change it refuses (the

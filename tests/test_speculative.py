@@ -121,7 +121,6 @@ def test_untrained_drafter_is_lossless(target_model, untrained, prompts):
     assert meta["simulated"] is None and meta["spec_tokens_per_s"] > 0 and meta["greedy_tokens_per_s"] > 0
 
 
-@pytest.mark.slow
 def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(target_model, prompts, references):
     rounds = 5
     log, handle = forward_log(target_model)
@@ -156,7 +155,6 @@ def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(ta
     assert run.output_ids == references[tuple(prompts[0])][:23] and run.accepted == [K] * 6
 
 
-@pytest.mark.slow
 def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, references):
     report = evaluate_speculative(
         target_model,
@@ -229,7 +227,6 @@ class SpyChain(Eagle3ChainDrafter):
         return super().propose(k)
 
 
-@pytest.mark.slow
 def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, untrained, prompts):
     spy = SpyChain(untrained)
     p = prompts[1]
@@ -299,7 +296,6 @@ def uncached_greedy(model, prompt_ids, n, eos=()):
     return ids[len(prompt_ids) :]
 
 
-@pytest.mark.slow
 def test_the_greedy_reference_is_the_targets_own_decoding_without_any_cache(target_model, prompts, references):
     """greedy_generate (transformers' generate) against a decode that re-reads the whole sequence at each token."""
     for p in prompts:
@@ -359,7 +355,6 @@ def drafts_accepted_unverified():
         yield
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("corruption", ["none", "target_verify", "cache_rollback", "unverified_drafts"])
 def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
     target_model, untrained, prompts, references, corruption
