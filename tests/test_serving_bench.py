@@ -256,12 +256,13 @@ class FakeSGLang:
                     fake.lock.wait_for(lambda: phase in fake.gathered, FakeSGLang.GATHER_S)
                 try:
                     time.sleep(fake.delay_s)
+                finally:
+                    # out of flight before the answer is written: a client that sends its next request the moment
+                    # it reads this one must not find this one still counted (a concurrency of 1 read as 2)
                     with fake.lock:
                         fake.events.append((time.monotonic(), "reply", phase))
-                    self.reply(200, fake.answer(body))
-                finally:
-                    with fake.lock:
                         fake.inflight -= 1
+                self.reply(200, fake.answer(body))
 
         class Server(ThreadingHTTPServer):
             request_queue_size = 64  # 16 connections at once, none left to a SYN retry
