@@ -9,8 +9,9 @@ from fakes.openrouter.server import (
     Billing,
     FakeOpenRouter,
     FakeSettings,
+    Generated,
     RequestInfo,
 )
 from fakes.openrouter.thread import ServerThread
 
-__all__ = ["Bill", "Billing", "FakeOpenRouter", "FakeSettings", "RequestInfo", "ServerThread"]
+__all__ = ["Bill", "Billing", "FakeOpenRouter", "FakeSettings", "Generated", "RequestInfo", "ServerThread"]

@@ -15,6 +15,16 @@ What it does, each a setting (`FakeSettings`; every one is also a CLI flag):
 - reasoning and content made of whole words (WORDS), and `completion_tokens` =
   len(enc(reasoning)) + 1 (`</think>`) + len(enc(content)) + 1 (`<|im_end|>`) (no reasoning and no
   `</think>` with thinking off); `finish_reason` `length` at `max_tokens`, cut at whole tokens;
+- tool calls, as Kimi answers a request that declares `tools` (`rate_tool_calls` of them): reasoning,
+  no content, `message.tool_calls` [{id `functions.{name}:{i}`, type `function`, function {name,
+  arguments (a JSON string)}}] (`tool_calls_per_answer` calls to the request's first tool; streamed
+  as `delta.tool_calls` chunks: id and name first, then the arguments in pieces), `finish_reason`
+  `tool_calls`; billed as generated: enc(reasoning) + `</think>` + `<|tool_calls_section_begin|>` and per
+  call `<|tool_call_begin|>` enc(id) `<|tool_call_argument_begin|>` enc(arguments) `<|tool_call_end|>`,
+  then `<|tool_calls_section_end|>` `<|im_end|>`, or without the `</think>` for `rate_implicit_think_end`
+  of them (the reasoning ended by the section itself); an answer that would not fit `max_tokens` is
+  a text answer instead; `completion_token_offset` is added to every nonzero completion count (a
+  provider that counts completions otherwise);
 - `gen-...` ids in the body and the `X-Generation-Id` header;
 - faults at configurable rates: 429 with `Retry-After` (and periodic 429 storms), 503, 408, 500,
   errors inside HTTP 200 and mid-stream, connection resets, truncated bodies and streams,
@@ -131,6 +141,10 @@ class FakeSettings:
     models: str = "moonshotai/kimi-k2.5,moonshotai/kimi-k2-thinking"  # the catalogue (comma-separated)
     endpoints: str = ""  # JSON list of {provider_name, quantization, price_prompt, price_completion}; "" = `provider`
     billed_price_factor: float = 1.0  # what an endpoint bills, relative to what it advertises
+    rate_tool_calls: float = 0.0  # share of requests with `tools` answered with tool calls (finish "tool_calls")
+    tool_calls_per_answer: int = 1  # calls in such an answer, each to the request's first tool
+    rate_implicit_think_end: float = 0.0  # share of tool-call answers with no </think> (billed without it)
+    completion_token_offset: int = 0  # added to every nonzero completion_tokens (a provider that counts otherwise)
 
 
 @dataclass
@@ -193,6 +207,18 @@ class _Gen:
     never_found: bool
     model: Any
     answer: tuple[str, str] = ("", "")  # (reasoning, content) as generated: what /generation/content returns
+    tool_calls: list[dict[str, Any]] | None = None  # as answered (message.tool_calls)
+    think_end: bool = True  # whether the reasoning ended with </think> (False: implicitly, by the tool calls)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one generation answered, as the provider generated it (for a test's expected ids)."""
+
+    reasoning: str
+    content: str
+    tool_calls: list[dict[str, Any]] | None
+    think_end: bool  # False: the reasoning ended implicitly (no </think> generated nor billed)
 
 
 class _Answer:
@@ -282,6 +308,36 @@ class FakeOpenRouter:
         if not s.thinking:
             reasoning = ""
         return _Answer(reasoning, content, self.encoding.encode(reasoning), self.encoding.encode(content))
+
+    def _tool_calls(self, seed: int, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`tool_calls_per_answer` calls to the first declared tool, arguments of whole words for its first
+        parameter (`query` if it declares none), ids as Kimi writes them: `functions.{name}:{i}`."""
+        rng = random.Random(seed)
+        fn = tools[0].get("function") or {}
+        name = str(fn.get("name") or "tool")
+        params = list((fn.get("parameters") or {}).get("properties") or {})
+        key = params[0] if params else "query"
+        calls = []
+        for i in range(max(1, self.settings.tool_calls_per_answer)):
+            value = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+            arguments = json.dumps({key: value}, ensure_ascii=False)
+            calls.append(
+                {"id": f"functions.{name}:{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+            )
+        return calls
+
+    def _section_tokens(self, calls: list[dict[str, Any]]) -> int:
+        """Tokens of the tool-call section Kimi generates for `calls` (markers are single special tokens)."""
+        text = "<|tool_calls_section_begin|>"
+        for call in calls:
+            text += f"<|tool_call_begin|>{call['id']}<|tool_call_argument_begin|>{call['function']['arguments']}"
+            text += "<|tool_call_end|>"
+        return self.encoding.count(text + "<|tool_calls_section_end|>", specials=True)
+
+    def generated(self, generation_id: str) -> Generated:
+        """What a generation answered (KeyError for an id it never generated)."""
+        gen = self._gens[generation_id]
+        return Generated(gen.answer[0], gen.answer[1], gen.tool_calls, gen.think_end)
 
     def _bill(self, gen: _Gen, prompt_tokens: int, completion_tokens: int, finish: str | None, kind: str) -> Bill:
         cost = 0.0 if kind == "failed" else prompt_tokens * gen.price_prompt + completion_tokens * gen.price_completion
@@ -438,6 +494,14 @@ class FakeOpenRouter:
             separator = 1 if s.thinking else 0  # </think> (with thinking off it is in the prompt)
             reasoning, content = answer.reasoning, answer.content
             completion_tokens = len(answer.r_ids) + separator + len(answer.c_ids) + 1
+            tool_calls = None
+            if finish == "stop" and body.get("tools") and self._roll(s.rate_tool_calls):
+                calls = self._tool_calls(self.rng.randrange(1 << 30), body["tools"])
+                implicit = s.thinking and self._roll(s.rate_implicit_think_end)
+                needed = len(answer.r_ids) + (0 if implicit else separator) + self._section_tokens(calls) + 1
+                if needed <= max_tokens:  # else a text answer (cut as usual)
+                    tool_calls, content, finish, completion_tokens = calls, "", "tool_calls", needed
+                    gen.think_end = not implicit
             if finish == "stop" and completion_tokens > max_tokens:  # cut at whole tokens, no end marker
                 finish = "length"
                 if s.thinking and max_tokens <= len(answer.r_ids):
@@ -447,7 +511,9 @@ class FakeOpenRouter:
                 completion_tokens = max_tokens
             if finish is None or finish == "error":
                 completion_tokens = 0  # not charged
-            gen.answer = (reasoning, content)
+            if completion_tokens:
+                completion_tokens += s.completion_token_offset
+            gen.answer, gen.tool_calls = (reasoning, content), tool_calls
             self._gens[gen.id] = gen
             usage = {
                 "prompt_tokens": prompt_tokens,
@@ -461,8 +527,8 @@ class FakeOpenRouter:
                 "is_byok": False,
             }
             if body.get("stream"):
-                return await self._stream(request, gen, reasoning, content, finish, usage)
-            return await self._respond(request, gen, reasoning, content, finish, usage)
+                return await self._stream(request, gen, reasoning, content, finish, usage, tool_calls)
+            return await self._respond(request, gen, reasoning, content, finish, usage, tool_calls)
         finally:
             self.inflight_worst.pop(gen.id, None)
 
@@ -470,7 +536,7 @@ class FakeOpenRouter:
     def _failed(finish: str | None, usage: dict[str, Any]) -> bool:
         return finish in (None, "error") and usage["completion_tokens"] == 0
 
-    async def _respond(self, request, gen: _Gen, reasoning, content, finish, usage) -> web.StreamResponse:
+    async def _respond(self, request, gen: _Gen, reasoning, content, finish, usage, tool_calls) -> web.StreamResponse:
         s = self.settings
         await asyncio.sleep(s.latency_s)  # the client may leave meanwhile: billed all the same
         if self._roll(s.rate_error_200):  # the provider failed: nothing generated, nothing charged, but recorded
@@ -488,6 +554,8 @@ class FakeOpenRouter:
             "native_finish_reason": finish,
             "message": {"role": "assistant", "content": content, "reasoning": reasoning},
         }
+        if tool_calls:  # as OpenAI's shape has it: no content is null
+            choice["message"].update(content=content or None, tool_calls=tool_calls)
         if finish == "error":
             choice["error"] = {"code": 502, "message": "Provider disconnected mid-generation"}
         data = {
@@ -510,7 +578,7 @@ class FakeOpenRouter:
             return resp
         return web.Response(body=payload, content_type="application/json", headers={"X-Generation-Id": gen.id})
 
-    async def _stream(self, request, gen: _Gen, reasoning, content, finish, usage) -> web.StreamResponse:
+    async def _stream(self, request, gen: _Gen, reasoning, content, finish, usage, tool_calls) -> web.StreamResponse:
         s = self.settings
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Generation-Id": gen.id}
@@ -559,9 +627,18 @@ class FakeOpenRouter:
             cut_at, midstream_error = None, False
             if self._roll(s.rate_truncate) or self._roll(s.rate_error_midstream):
                 cut_at, midstream_error = self.rng.randrange(1, 4), self.rng.random() < 0.5
-            for i, (kind, piece) in enumerate(
-                [("reasoning", p) for p in pieces(reasoning)] + [("content", p) for p in pieces(content)]
-            ):
+            deltas: list[tuple[str, Any]] = [("reasoning", p) for p in pieces(reasoning)]
+            deltas += [("content", p) for p in pieces(content)]
+            for n, call in enumerate(tool_calls or []):  # OpenAI's chunks: id, type and name first, then arguments
+                head = {"index": n, "id": call["id"], "type": "function"}
+                deltas.append(
+                    ("tool_calls", [{**head, "function": {"name": call["function"]["name"], "arguments": ""}}])
+                )
+                deltas += [
+                    ("tool_calls", [{"index": n, "function": {"arguments": p}}])
+                    for p in pieces(call["function"]["arguments"])
+                ]
+            for i, (kind, piece) in enumerate(deltas):
                 if i == cut_at:
                     if midstream_error:  # the provider failed: billed for what it sent
                         await send({**base, "error": {"code": 502, "message": "Provider disconnected"}})
@@ -573,7 +650,10 @@ class FakeOpenRouter:
                     request.transport.abort()
                     return resp
                 await send({**base, "choices": [{"index": 0, "delta": {kind: piece}, "finish_reason": None}]})
-                sent[kind] += piece
+                if kind == "tool_calls":
+                    sent["content"] += piece[0]["function"]["arguments"]  # (billed like text if the stream is cut)
+                else:
+                    sent[kind] += piece
             final = {"index": 0, "delta": {}, "finish_reason": finish, "native_finish_reason": finish}
             if finish == "error":
                 final["error"] = {"code": 502, "message": "Provider disconnected mid-generation"}
