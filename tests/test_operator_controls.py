@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 import uuid
-from collections import namedtuple
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from eagle3_assets.money import SpendPolicy, get_hold, open_ledger, set_hold
 from eagle3_assets.money.settle import partition_lock
 from eagle3_assets.operations.instance import dagster_home
 from eagle3_assets.operations.schedules import missing_partitions_nightly
-from eagle3_assets.operations.sensors import check_failure_alert, newly_resolved, run_failure_alert
+from eagle3_assets.operations.sensors import check_failure_alert, run_failure_alert
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.completions.checks import COMPLETION_CHECKS
 from eagle3_assets.stages.completions.run import COMPLETION_COLUMNS, final_results
@@ -562,18 +561,3 @@ def test_credit_sensor_halts_spending_and_holds_it(
                 assert cur.fetchone() == ("CANCELED",)
                 cur.execute("select count(*) from job_ticks where type = 'SENSOR' and tick_body like '%credit_sensor%'")
                 assert cur.fetchone()[0] > 0
-
-
-def test_check_alert_cursor_waits_for_an_older_execution_still_in_flight():
-    Rec = namedtuple("Rec", "id done")
-    done = lambda r: r.done  # noqa: E731
-    # First look: only the latest execution counts, however long the history.
-    out, state = newly_resolved([Rec(1, True), Rec(2, True), Rec(3, True)], None, done)
-    assert [r.id for r in out] == [3] and state == {"from": 4, "handled": []}
-    # Run A's execution (4) is still running when run B's (5) finishes: 5 now, 4 when it resolves, nothing twice.
-    out, state = newly_resolved([Rec(3, True), Rec(4, False), Rec(5, True)], state, done)
-    assert [r.id for r in out] == [5] and state == {"from": 4, "handled": [5]}
-    out, state = newly_resolved([Rec(3, True), Rec(4, True), Rec(5, True), Rec(6, True)], state, done)
-    assert [r.id for r in out] == [4, 6] and state == {"from": 7, "handled": []}
-    out, state = newly_resolved([Rec(4, True), Rec(5, True), Rec(6, True)], state, done)
-    assert out == [] and state == {"from": 7, "handled": []}

@@ -2,7 +2,7 @@
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -10,6 +10,7 @@ import dagster as dg
 from dagster._core.storage.asset_check_execution_record import (
     AssetCheckExecutionRecordStatus,
 )
+from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
 from eagle3_assets.common.registry import run_datasets
 from eagle3_assets.money import open_ledger, view
@@ -294,73 +295,120 @@ def run_failure_alert(context: dg.RunFailureSensorContext, alerts: AlertSink):
     )
 
 
-CHECK_HISTORY_WINDOW = 200  # executions of one check read per tick; far more than run between two ticks
+ALERT_PAGE = 500  # check evaluations read per query
+ALERT_BUDGET_S = 30.0  # a tick alerts for this long at most (a down webhook waits its timeout); the rest is next tick's
 
 
-def _resolved(instance: dg.DagsterInstance, record) -> bool:
-    if record.status != AssetCheckExecutionRecordStatus.PLANNED:
-        return True
-    run = instance.get_run_by_id(record.run_id)  # a check planned by a run that ended never evaluates
-    return run is None or run.is_finished
+def check_evaluations(
+    instance: dg.DagsterInstance, after: int | None, limit: int, ascending: bool = True
+) -> Sequence[dg.EventLogRecord]:
+    """The instance's ASSET_CHECK_EVALUATION events with a storage id above `after` (oldest first by default).
 
-
-def newly_resolved(records: list, state: dict[str, Any] | None, is_resolved) -> tuple[list, dict[str, Any]]:
-    """The executions of one check (ascending ids) resolved since `state`, and the state to keep.
-
-    State: `from`, the oldest execution still in flight at the last look (runs of several partitions
-    evaluate a check concurrently and finish in any order), and `handled`, the ids above it already
-    returned. Without a state only the latest execution counts (no flood of old history).
+    One event per evaluation, per partition. Their storage ids are global on every storage: PostgreSQL's event log,
+    and, in Dagster's default SQLite storage, the index file each check evaluation is copied into (each run's own file
+    numbers its events from 1). That storage's `get_event_records` reads the run files for this event type and refuses
+    a storage-id cursor, so every SQL storage is read with the SQL storages' own query, which reads the index.
     """
-    state = state or {"from": records[-1].id, "handled": []}
-    handled = set(state["handled"])
-    out, pending = [], []
-    for record in records:
-        if record.id < state["from"] or record.id in handled:
-            continue
-        if is_resolved(record):
-            out.append(record)
-            handled.add(record.id)
-        else:
-            pending.append(record.id)
-    start = min(pending) if pending else records[-1].id + 1
-    return out, {"from": start, "handled": sorted(i for i in handled if i >= start)}
+    storage = instance.event_log_storage
+    records_filter = dg.EventRecordsFilter(dg.DagsterEventType.ASSET_CHECK_EVALUATION, after_cursor=after)
+    if isinstance(storage, SqlEventLogStorage):
+        return SqlEventLogStorage.get_event_records(storage, records_filter, limit=limit, ascending=ascending)
+    return storage.get_event_records(records_filter, limit=limit, ascending=ascending)
+
+
+def _evaluations_after(instance: dg.DagsterInstance, after: int) -> Iterator[dg.EventLogRecord]:
+    while True:
+        page = check_evaluations(instance, after, ALERT_PAGE)
+        yield from page
+        if len(page) < ALERT_PAGE:
+            return
+        after = page[-1].storage_id
+
+
+def _check_name(key: dg.AssetCheckKey) -> str:
+    return f"{key.asset_key.to_user_string()}.{key.name}"
+
+
+def _alert_failed_check(
+    context: dg.SensorEvaluationContext, alerts: AlertSink, checks: Set[dg.AssetCheckKey], entry: dg.EventLogEntry
+) -> None:
+    """The alert for one evaluation, if it failed a non-blocking check of this code location."""
+    assert entry.dagster_event is not None, "an ASSET_CHECK_EVALUATION record is a Dagster event"
+    ev = entry.dagster_event.asset_check_evaluation_data
+    if ev.passed or ev.asset_check_key not in checks:
+        return
+    if ev.blocking:
+        return  # it failed its run: run_failure_alert says so
+    instance = context.instance
+    figs: dict[str, Any] = {"severity": ev.severity.value, "description": ev.description, "run_id": entry.run_id}
+    figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
+    run = instance.get_run_by_id(entry.run_id) if entry.run_id else None
+    partition = f" [{ev.partition}]" if ev.partition else _partition_label(run)
+    title = f"Check failed: {_check_name(ev.asset_check_key)}{partition}"
+    alert_in_runs(instance, [entry.run_id] if run else [], alerts.send(title, figs, context.log.warning))
+
+
+def _from_per_check_cursor(
+    instance: dg.DagsterInstance, state: dict[str, Any], checks: Set[dg.AssetCheckKey]
+) -> tuple[int, list[dg.EventLogEntry]]:
+    """The cursor this sensor kept before it walked the event log, read once: per check (`asset.check`), the
+    executions below `from` and those in `handled` had been alerted. The walk starts after the last evaluation
+    recorded now; the failed executions that cursor had not reached are returned, to be alerted first. (An
+    evaluation recorded between the two reads is alerted twice, never missed.)"""
+    newest = check_evaluations(instance, None, 1, ascending=False)
+    after = newest[0].storage_id if newest else 0
+    missed = []
+    for key in checks:
+        old = state.get(_check_name(key)) or {"from": 0, "handled": []}  # no state then: no executions then
+        handled, cursor = set(old["handled"]), None
+        while True:
+            records = instance.event_log_storage.get_asset_check_execution_history(key, ALERT_PAGE, cursor=cursor)
+            missed += [
+                r.event
+                for r in records
+                if r.id >= old["from"]
+                and r.id not in handled
+                and r.status == AssetCheckExecutionRecordStatus.FAILED
+                and r.event is not None
+            ]
+            if len(records) < ALERT_PAGE or records[-1].id < old["from"]:
+                break
+            cursor = records[-1].id
+    return after, sorted(missed, key=lambda e: e.timestamp)
 
 
 @dg.sensor(
     name="check_failure_alert",
     minimum_interval_seconds=10,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Alerts once per failed non-blocking asset check (blocking ones fail their run: run_failure_alert).",
+    description="Alerts once per failed evaluation of a non-blocking asset check, every partition's, including those "
+    "recorded while no daemon ran (blocking ones fail their run: run_failure_alert).",
 )
 def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
-    """Every failed evaluation of every non-blocking check, once, with its figures.
+    """Every failed evaluation of every non-blocking check of this code location, once, in the order recorded.
 
-    The cursor is `newly_resolved`'s state per check, over each check's execution history (not a
-    global event cursor: SQLite event storage is run-sharded and has none).
+    Walks the instance's ASSET_CHECK_EVALUATION events after the cursor, `{"after": <storage id of the last one
+    handled>}`: one event per evaluation and partition, so none is collapsed into its check's latest, and the
+    evaluations of runs that ended while no daemon ran are in the log like any other. With no cursor (first start)
+    the walk starts at the beginning of history. A later evaluation of the same check and partition is another
+    event: a pass un-alerts nothing, a failure is alerted again.
     """
-    state: dict[str, dict[str, Any]] = json.loads(context.cursor) if context.cursor else {}
-    instance = context.instance
-    storage = instance.event_log_storage
     repository = context.repository_def
     assert repository is not None, "a sensor of the code location has its repository"
-    for key in sorted(repository.asset_graph.asset_check_keys, key=lambda k: k.to_user_string()):
-        name = f"{key.asset_key.to_user_string()}.{key.name}"
-        records = sorted(storage.get_asset_check_execution_history(key, limit=CHECK_HISTORY_WINDOW), key=lambda r: r.id)
-        if not records:
-            continue
-        resolved, state[name] = newly_resolved(records, state.get(name), lambda r: _resolved(instance, r))
-        for record in resolved:
-            if record.status != AssetCheckExecutionRecordStatus.FAILED or record.event is None:
-                continue
-            ev = record.event.dagster_event.asset_check_evaluation_data
-            if ev.blocking:
-                continue  # it failed its run: run_failure_alert says so
-            figs = {"severity": ev.severity.value, "description": ev.description, "run_id": record.run_id}
-            figs.update({k: v.value if hasattr(v, "value") else str(v) for k, v in (ev.metadata or {}).items()})
-            partition = (
-                f" [{ev.partition}]" if ev.partition else _partition_label(instance.get_run_by_id(record.run_id))
-            )
-            alert_in_runs(
-                instance, [record.run_id], alerts.send(f"Check failed: {name}{partition}", figs, context.log.warning)
-            )
-    return dg.SensorResult(cursor=json.dumps(state, sort_keys=True))
+    checks = set(repository.asset_graph.asset_check_keys)
+    state = json.loads(context.cursor) if context.cursor else {}
+    backlog: list[dg.EventLogEntry] = []
+    if state and "after" not in state:  # the per-check cursor of earlier versions
+        after, backlog = _from_per_check_cursor(context.instance, state, checks)
+    else:
+        after = int(state.get("after", 0))
+    for entry in backlog:
+        _alert_failed_check(context, alerts, checks, entry)
+    deadline = time.monotonic() + ALERT_BUDGET_S
+    for record in _evaluations_after(context.instance, after):
+        _alert_failed_check(context, alerts, checks, record.event_log_entry)
+        after = record.storage_id
+        if time.monotonic() > deadline:
+            context.log.info(f"check_failure_alert: {ALERT_BUDGET_S:.0f} s of alerts this tick; the rest next tick")
+            break
+    return dg.SensorResult(cursor=json.dumps({"after": after}))
