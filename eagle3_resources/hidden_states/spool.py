@@ -104,6 +104,7 @@ from eagle3_resources.hidden_states.store import (
     shard_layout,
     trusted_shards,
 )
+from eagle3_resources.kill_points import kill_point
 
 SETTINGS = "spool.json"
 LEDGER = "consumer.json"
@@ -607,10 +608,12 @@ class SpoolReader:
         for lane, name, _ in self.order[self.deleted : done]:
             (self.root / LANES / lane / name).unlink(missing_ok=True)
             lanes.add(lane)
+            kill_point("spool.shard_deleted")  # fault injection for tests (eagle3_resources/kill_points.py)
         for lane in lanes:
             fsync_dir(self.root / LANES / lane)
         self.deleted = done
         self._write_ledger()
+        kill_point("spool.deletions_recorded")
 
     def commit(self, position: Position) -> None:
         """Record `position` durably (call it once the trainer's checkpoint at that position is durable), then
@@ -621,6 +624,7 @@ class SpoolReader:
             raise ValueError(f"commit({position}) is past the last step handed out ({self.cursor})")
         self.committed = position
         self._write_ledger()
+        kill_point("spool.position_committed")  # fault injection for tests (eagle3_resources/kill_points.py)
         self._commit_pending_deletions()
 
     # -- adoption

@@ -70,6 +70,7 @@ from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter, default_lea
 from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_resources.atomic_files import fsync_dir
 from eagle3_resources.errors import DrafterError
+from eagle3_resources.kill_points import kill_point
 
 CHECKPOINT_FILE = "training_state.pt"
 LOG_EVERY = 32  # optimizer steps between reads of the device-side metrics (each read waits for the device)
@@ -234,8 +235,11 @@ def save_training_state(path: Path, state: dict) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    kill_point("checkpoint.tmp_written")  # fault injection for tests (eagle3_resources/kill_points.py)
     os.replace(tmp, path)
+    kill_point("checkpoint.renamed")
     fsync_dir(path.parent)  # the rename itself durable (a data source acts on it: `durable`)
+    kill_point("checkpoint.durable")
 
 
 def trainable_state(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
