@@ -90,6 +90,7 @@ def main() -> None:
         "steps": len(history.step_loss),
         "waited_s": round(data.waited_s, 3),
         "bytes_read": data.bytes_read,
+        "reads": [read.to_json() for read in data.reads],  # this rank's own record of the shards it read
         "resumed_from_step": history.resumed_from_step,
         "tokens": history.tokens,
         "finite": all(x == x for x in history.step_loss),

@@ -62,12 +62,13 @@ every step (`try_next_step`, which never waits) and hands it to the others with 
 shards its share of the step needs, whole, from the shared directory, and verifies their checksums itself (the
 checksum is of the whole file, so a part of a shard could not be verified; and over its `passes` slots a rank's
 shuffled share touches most of a shard's rows anyway). A follower keeps a shard until its passes are done, so it
-reads each shard at most once. Deletion stays safe: rank 0 deletes only shards whose passes are all before the
-committed position, and it commits a position only after the trainer's checkpoint at it, when every step before it
-has been trained by every rank (each step ends in the gradients' all-reduce, which no rank passes before every rank
-has read its share of that step's data, and the checkpoint's barrier follows). A shard a follower still needs is one
-of a step not yet trained, so it is not deleted. The wait for capture is decided by rank 0 and told to every rank,
-because the trainer's checkpoint on waiting (`on_wait`) is collective (spool_data.py).
+reads each shard at most once (`reads`: each rank's record of the shards it read, and at which step). Deletion stays
+safe: rank 0 deletes only shards whose passes are all before the committed position, and it commits a position only
+after the trainer's checkpoint at it, when every step before it has been trained by every rank (each step ends in the
+gradients' all-reduce, which no rank passes before every rank has read its share of that step's data, and the
+checkpoint's barrier follows). A shard a follower still needs is one of a step not yet trained, so it is not deleted.
+The wait for capture is decided by rank 0 and told to every rank, because the trainer's checkpoint on waiting
+(`on_wait`) is collective (spool_data.py).
 """
 
 from __future__ import annotations
@@ -483,6 +484,20 @@ class ShardRef:
     entry: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class ShardRead:
+    """One shard file read whole by a training rank (its record, `reads`: each rank reads a shard at most once, at the
+    first step that needs it): `at` is that step's position, `index` the shard's place in the adoption order."""
+
+    at: Position
+    index: int
+    lane: str
+    name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.at.slot, "step": self.at.step, "index": self.index, "lane": self.lane, "name": self.name}
+
+
 class _Loaded:
     """One shard read whole into memory, its checksum verified on those bytes."""
 
@@ -553,6 +568,7 @@ class SpoolReader:
         self._next_lane = 0
         self.waited_s = 0.0
         self.bytes_read = 0
+        self.reads: list[ShardRead] = []  # every shard file this reader read, in order
         self._commit_pending_deletions()
         if self.cursor > self.committed:  # the checkpoint is durable and ahead of the ledger: catch up
             self.commit(self.cursor)
@@ -675,6 +691,7 @@ class SpoolReader:
                 self._by_sample[sid] = k
             self._loaded[k] = shard
             self.bytes_read += shard.size
+            self.reads.append(ShardRead(self.cursor, k, lane, name))  # the cursor: the step about to be handed out
         return self._loaded[k]
 
     # -- steps
@@ -793,10 +810,12 @@ class SpoolFollower:
         self._loaded: dict[int, _Loaded] = {}
         self._by_sample: dict[str, int] = {}
         self.bytes_read = 0
+        self.reads: list[ShardRead] = []  # every shard file this rank read, in order
 
-    def take(self, slot: int, refs: Sequence[ShardRef]) -> None:
-        """Read the shards `refs` (those this rank's share of a step in `slot` needs) unless already in memory, and
+    def take(self, at: Position, refs: Sequence[ShardRef]) -> None:
+        """Read the shards `refs` (those this rank's share of the step at `at` needs) unless already in memory, and
         drop those whose passes all ended before the previous slot (as `SpoolReader` keeps the last two slots')."""
+        slot = at.slot
         for k in [k for k in self._loaded if k < slot - self.settings.passes]:
             for sid in self._loaded.pop(k).samples:
                 self._by_sample.pop(sid, None)
@@ -810,6 +829,7 @@ class SpoolFollower:
                 self._by_sample[sid] = ref.index
             self._loaded[ref.index] = shard
             self.bytes_read += shard.size
+            self.reads.append(ShardRead(at, ref.index, ref.lane, ref.name))
 
     def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
         shard = self._loaded[self._by_sample[sample_id]]

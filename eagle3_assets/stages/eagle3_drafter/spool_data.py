@@ -40,7 +40,8 @@ every rank's share, read from its shards), so the shards a commit deletes are ne
 rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s`
 (rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes
 this rank read); the streaming training side gathers every rank's at the end for its report
-(`streaming_train.gather_figures`). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises
+(`streaming_train.gather_figures`). Each rank also keeps its own record of the shards it read (`reads`: each at
+most once, with the step that read it). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises
 there instead).
 
 Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
@@ -76,6 +77,7 @@ from eagle3_resources.hidden_states.spool import (
     PLAN,
     SETTINGS,
     Position,
+    ShardRead,
     ShardRef,
     SpoolFollower,
     SpoolReader,
@@ -267,7 +269,7 @@ class SpoolWindows:
                 source: SpoolReader | SpoolFollower = self._open_reader()
             else:
                 source = self.follower = self.follower or SpoolFollower(self.root)
-                source.take(step.position.slot, [refs[k] for k in sorted({w.shard for w in share})])
+                source.take(step.position, [refs[k] for k in sorted({w.shard for w in share})])
             yield self._handed_out(step, source, share)
 
     def _lead(self) -> tuple[Step, dict[int, ShardRef]] | None:
@@ -331,6 +333,14 @@ class SpoolWindows:
         if self.reader is not None:
             return self.reader.bytes_read
         return self.follower.bytes_read if self.follower is not None else 0
+
+    @property
+    def reads(self) -> list[ShardRead]:
+        """The shard files this rank read, in order, each with the step that read it (its own record: rank 0 reads
+        every shard at its first slot's first step, another rank each shard its share needs, at its first such step)."""
+        if self.reader is not None:
+            return self.reader.reads
+        return self.follower.reads if self.follower is not None else []
 
 
 # 10 parameters: the one-call form; its last three only reach `SpoolWindows`
