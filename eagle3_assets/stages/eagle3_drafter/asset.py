@@ -47,7 +47,12 @@ class DrafterTrainConfig(dg.Config):
     )
     ttt_steps: int = Field(default=7, description="training-time-test unroll length (SpecForge/EAGLE: 7)")
     step_decay: float = Field(default=0.8, description="loss weight of TTT step k is decay**k")
-    epochs: int = Field(default=6, description="passes over the training split")
+    epochs: int = Field(
+        default=3,
+        description="passes over the training split (3 of 1,024-token batches: the first command's stand-in drafter "
+        "decodes at 3.6x the untrained one's accept length; 2 gave 2.2-2.7x, 6 of 2,048-token batches 3.0-3.8x in "
+        "twice the time; GPU runs set their own, docs/gpu-host.md)",
+    )
     lr: float | None = Field(
         default=None,
         description="AdamW peak learning rate (warmup, then cosine); unset = by the "
@@ -55,7 +60,7 @@ class DrafterTrainConfig(dg.Config):
         "3e-4 from 1024, 2e-3 for the narrow stand-in",
     )
     batch_tokens: int = Field(
-        default=2048,
+        default=1024,
         description="tokens per optimizer step (whole windows, at least one); the "
         "global batch, whatever the number of processes",
     )
