@@ -24,6 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["slow_guard", "pytester"]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with the most `slow` tests first, the rest after in their own order: the two workers (`--dist
+    loadfile` hands out whole files in this order) then end on short files together, not one of them on a
+    minute-long file that started last while the other waits."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def standin_dir(tmp_path_factory) -> Path:
     """Built once per test run (a minute or two); EAGLE3_TEST_STANDIN_DIR names a folder to build it in once and reuse.
