@@ -42,8 +42,11 @@ from typing import TYPE_CHECKING, Any
 from eagle3_assets.operations.instance import DAEMON_LIVE_S, dagster_home
 from eagle3_resources.storage import PROJECT_ROOT, default_data_dir
 
+DEFS_MODULE = "eagle3_assets.definitions"  # the code location, as workspace.yaml loads it
+
 if TYPE_CHECKING:  # dagster and the ledger are imported when a command needs them: `eagle3 env` starts at once
     import dagster as dg
+    from dagster._core.remote_origin import RemoteJobOrigin
     from dagster._core.storage.dagster_run import DagsterRun
 
     from eagle3_assets.money.ledger import SpendLedger
@@ -76,25 +79,65 @@ def _dataset_range(datasets: list[str] | None) -> tuple[str, str] | None:
     return names[idx[0]], names[idx[-1]]
 
 
+def workspace_job_origin(job_name: str) -> RemoteJobOrigin:
+    """The origin a run of `job_name` gets when the UI or `dagster job launch` starts it from workspace.yaml.
+
+    The UI's timeline (Overview) places a run by its code location and repository, read from this origin, and leaves
+    out a run without one, as `execute_job` makes them (the Runs page lists it anyway). The location is the one of
+    the project's workspace.yaml that loads this code (`dagster dev` and `eagle3 dev` read the same file).
+    """
+    from dagster._core.remote_origin import (
+        ManagedGrpcPythonEnvCodeLocationOrigin,
+        RemoteJobOrigin,
+        RemoteRepositoryOrigin,
+    )
+    from dagster._core.workspace.load import location_origin_from_module_name, location_origins_from_yaml_paths
+
+    workspace = PROJECT_ROOT / "workspace.yaml"
+    origins = location_origins_from_yaml_paths([str(workspace)]) if workspace.exists() else []
+    ours = [
+        o
+        for o in origins
+        if isinstance(o, ManagedGrpcPythonEnvCodeLocationOrigin) and o.loadable_target_origin.module_name == DEFS_MODULE
+    ]
+    location = ours[0] if ours else location_origin_from_module_name(DEFS_MODULE, None, str(PROJECT_ROOT))
+    from eagle3_assets.definitions import defs
+
+    return RemoteJobOrigin(RemoteRepositoryOrigin(location, defs.get_repository_def().name), job_name)
+
+
 def _execute(
     job_fn: Callable[[], dg.JobDefinition], start: str, end: str, run_config: dict[str, Any] | None = None
 ) -> tuple[dg.ExecuteJobResult, DagsterRun]:
-    """Run a job of the code location (`job_fn` returns it) now, in this process, over the range start...end."""
+    """Run a job of the code location (`job_fn` returns it) now, in this process, over the range start...end.
+
+    As `dg.execute_job` does (a run created in the instance, then executed here), but the run is created with the
+    workspace's job origin, as a launched run is, so the UI's timeline shows it (`workspace_job_origin`).
+    """
     import dagster as dg
+    from dagster._core.execution.api import execute_run
     from dagster._core.storage.tags import (
         ASSET_PARTITION_RANGE_END_TAG,
         ASSET_PARTITION_RANGE_START_TAG,
     )
 
+    recon = dg.reconstructable(job_fn)
+    load_data = recon.repository.get_definition().repository_load_data
+    recon = recon.with_repository_load_data(load_data)
+    job_def = recon.get_definition()
+    tags = {ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end}
     with dg.DagsterInstance.get() as instance:
-        result = dg.execute_job(
-            dg.reconstructable(job_fn),
-            instance=instance,
-            tags={ASSET_PARTITION_RANGE_START_TAG: start, ASSET_PARTITION_RANGE_END_TAG: end},
+        created = instance.create_run_for_job(
+            job_def=job_def,
             run_config={"execution": {"config": {"in_process": {}}}, **(run_config or {})},
+            tags={**job_def.run_tags, **tags},
+            job_code_origin=recon.get_python_origin(),
+            remote_job_origin=workspace_job_origin(job_def.name),
+            repository_load_data=load_data,
         )
+        result = execute_run(recon, created, instance)
         run = instance.get_run_by_id(result.run_id)
-        assert run is not None, "execute_job records its run in the instance"
+        assert run is not None, "the run was created in the instance"
         return result, run
 
 
