@@ -77,7 +77,8 @@ def test_a_reject_rate_above_the_limit_blocks_the_paid_stage(tmp_path, data_dir_
             run_config={"ops": {"raw_prompts": {"config": {"prompts": "real", "sources_dir": str(sources)}}}},
         )
         checks = result.get_asset_check_evaluations()
-    assert [(c.check_name, c.passed) for c in checks] == [("reject_rate", False)]
+    # the dataset's own check, then `all_datasets` (every dataset's evaluations in one, for the asset's page)
+    assert [(c.check_name, c.passed) for c in checks] == [("reject_rate", False), ("all_datasets", False)]
     assert checks[0].description is not None
     assert "1 of 5 rows rejected (20.00%, limit 5.0%)" in checks[0].description
     assert "completions" not in [e.step_key for e in result.get_step_success_events()]

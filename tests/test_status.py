@@ -31,6 +31,7 @@ from dagster._core.storage.tags import (
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
 from support import drafter_report
 
+from eagle3_assets.common.per_dataset import SUMMARY_CHECK
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.money import SpendLedger, SpendPolicy, open_ledger, set_hold
 from eagle3_assets.money import ledger as L
@@ -324,9 +325,14 @@ def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(
             run_config={"ops": {"completions": {"config": {"max_tokens": 30, "pilot_size": 0}}}},
         )
         assert result.success
-        evaluations = [
+        recorded = [
             e.asset_check_evaluation_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
         ]
+        # Each dataset's own evaluations; `all_datasets` sums them up for the UI, and status leaves it out.
+        evaluations = [e for e in recorded if e.check_name != SUMMARY_CHECK]
+        summaries = {e.asset_key.to_user_string(): e for e in recorded if e.check_name == SUMMARY_CHECK}
+        assert set(summaries) == set(STAGES) and not summaries["completions"].passed
+        assert "on B6" in summaries["completions"].description
         started = time.monotonic()
         status = gather_status(instance, open_ledger(DataStore(root=str(data_dir_with_tokenizer)).layout))
         print(f"gather_status: {time.monotonic() - started:.2f} s")

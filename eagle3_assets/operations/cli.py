@@ -197,7 +197,10 @@ def prompts_command(datasets: list[str] | None, mode: str, sources: str | None) 
                 f"{'':8} rejects: {mat.metadata['rejects_file'].value} "
                 f"({', '.join(f'{k}: {v}' for k, v in r['reject_reasons'].items())})"
             )
-    failed = [c for c in result.get_asset_check_evaluations() if not c.passed]
+    from eagle3_assets.common.per_dataset import SUMMARY_CHECK
+
+    # each dataset's own checks (`all_datasets` also reads datasets this run left alone)
+    failed = [c for c in result.get_asset_check_evaluations() if not c.passed and c.check_name != SUMMARY_CHECK]
     for check in failed:  # the description starts with the dataset
         print(f"check {check.check_name} FAILED: {check.description}", file=sys.stderr)
     return 0 if result.success and not failed else 1

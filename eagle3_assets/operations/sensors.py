@@ -12,6 +12,7 @@ from dagster._core.storage.asset_check_execution_record import (
 )
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
+from eagle3_assets.common.per_dataset import is_summary
 from eagle3_assets.common.registry import run_datasets
 from eagle3_assets.money import open_ledger, view
 from eagle3_assets.money.hold import active_spending_runs, cancel_run, cancel_spending, get_hold, lift_hold, set_hold
@@ -395,7 +396,8 @@ def check_failure_alert(context: dg.SensorEvaluationContext, alerts: AlertSink):
     """
     repository = context.repository_def
     assert repository is not None, "a sensor of the code location has its repository"
-    checks = set(repository.asset_graph.asset_check_keys)
+    # `all_datasets` sums up the partitions' evaluations, each alerted on its own
+    checks = {key for key in repository.asset_graph.asset_check_keys if not is_summary(key)}
     state = json.loads(context.cursor) if context.cursor else {}
     backlog: list[dg.EventLogEntry] = []
     if state and "after" not in state:  # the per-check cursor of earlier versions

@@ -39,6 +39,7 @@ from dagster._core.storage.asset_check_execution_record import (
     AssetCheckExecutionRecord,
 )
 
+from eagle3_assets.common.per_dataset import is_summary
 from eagle3_assets.common.registry import DATASETS, run_datasets
 from eagle3_assets.common.standin import STANDIN_KEY
 from eagle3_assets.money import ledger as L
@@ -250,6 +251,8 @@ def _gather_assets(instance: dg.DagsterInstance, status: Status, check_keys: Ite
         else _check_keys(runs, materialized_by, [*PARTITIONED, *UNPARTITIONED])
     )
     for key in sorted(keys, key=lambda k: k.to_user_string()):
+        if is_summary(key):  # every dataset's evaluations in one: each dataset's own are read instead
+            continue
         asset = key.asset_key.to_user_string()
         if asset in PARTITIONED:
             for dataset, check in latest_checks(instance, key, names, runs).items():
