@@ -440,16 +440,29 @@ def test_status_after_a_run_over_two_datasets_gives_each_its_own_rows(tmp_path, 
 
 def test_the_drafter_metadata_leads_with_the_real_accept_length():
     """The drafter's materialization: lossless decoding's figure first, the simulated one beside it, named."""
-    report = drafter_report(trained={"accept_length": 5.09}, untrained={"accept_length": 1.8})
-    real = {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "greedy, 4 draft steps"}
+    report = drafter_report(
+        trained={"accept_length": 5.09, "acc": [0.9] * 7}, untrained={"accept_length": 1.8, "acc": [0.1] * 7}
+    )
+    real = {"accept_length_real": 3.21, "accept_length_real_untrained": 1.52, "label": "target", "draft_steps": 3}
     meta = accept_length_metadata(report, real, {"accept_length": 4.9, "accept_length_real": 3.0})
     assert list(meta)[:2] == ["accept_length_real", "accept_length_real_untrained"]
     assert meta["accept_length_real"] == 3.21 and meta["accept_length_simulated"] == 5.09
     assert meta["accept_length_real_change"] == 0.21 and meta["accept_length_simulated_change"] == 0.19
     assert "accept_length" not in meta  # no unnamed figure
+    # Each with its scale: 3.21 of a ceiling of 4 (3 draft steps decoded), 5.09 of 8 (the 7-step unroll, simulated).
+    assert (meta["accept_length_real_draft_steps"], meta["accept_length_real_ceiling"]) == (3, 4)
+    assert (meta["accept_length_simulated_draft_steps"], meta["accept_length_simulated_ceiling"]) == (7, 8)
+    assert meta["accept_length_real_label"].endswith("3 draft steps, ceiling 4")
+    assert meta["accept_length_simulated_label"].startswith("simulated, teacher-forced")
+    assert "7 draft steps, ceiling 8" in meta["accept_length_simulated_label"]
+    assert "the real figure's: 3 draft steps, ceiling 4" in meta["accept_length_simulated_label"]
     without = accept_length_metadata(report, None, None)  # a target too big to decode with here: simulated only, named
     assert list(without) == [
         "accept_length_simulated",
         "accept_length_simulated_untrained",
+        "accept_length_simulated_draft_steps",
+        "accept_length_simulated_ceiling",
+        "accept_length_simulated_label",
         "accept_length_simulated_source",
     ]
+    assert "real" not in without["accept_length_simulated_label"]

@@ -234,22 +234,23 @@ def training_plot(report: DrafterReport):
     ax1.set_title("training loss (TTT-weighted)")
     ax1.set_xlabel("optimizer step")
     steps = range(1, len(report.trained["acc"]) + 1)
+    most = ceiling(simulated_steps(report))
     ax2.plot(
         steps,
         report.trained["acc"],
         marker="o",
-        label=f"trained (simulated accept {report.trained['accept_length']:.2f})",
+        label=f"trained: simulated accept length {report.trained['accept_length']:.2f} (ceiling {most})",
     )
     ax2.plot(
         steps,
         report.untrained["acc"],
         marker="x",
-        label=f"untrained (simulated accept {report.untrained['accept_length']:.2f})",
+        label=f"untrained: simulated accept length {report.untrained['accept_length']:.2f} (ceiling {most})",
     )
     ax2.set_title(f"per-step accuracy on the {report.eval_split} split")
     ax2.set_xlabel("draft step")
     ax2.set_ylim(0, 1)
-    ax2.legend()
+    ax2.legend(fontsize=8, loc="center")
     plt.close(fig)
     return fig
 
@@ -278,28 +279,50 @@ def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int =
     return out
 
 
-def history_plot(history: list[dict], report: DrafterReport):
-    """Accept length over materializations, and this drafter's per-step acceptance against the previous one's."""
+def history_plot(history: list[dict], report: DrafterReport, real: dict | None = None):
+    """Accept length over materializations, the real one (decoded, where measured) and the simulated one, each with
+    its draft steps and ceiling; and this drafter's simulated per-step acceptance against the previous one's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
-    lengths = [h["accept_length"] for h in history] + [report.trained["accept_length"]]
-    ax1.plot(range(1, len(lengths) + 1), lengths, marker="o")
-    ax1.axhline(report.untrained["accept_length"], color="grey", ls=":", label="untrained drafter")
-    ax1.set_title("simulated accept length per materialization")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+    x = range(1, len(history) + 2)
+    nan = float("nan")
+    steps_sim = simulated_steps(report)
+    simulated = [h["accept_length"] for h in history] + [report.trained["accept_length"]]
+    line = ax1.plot(x, simulated, marker="o", label=f"simulated, teacher-forced ({accept_scale(steps_sim)})")[0]
+    ax1.axhline(ceiling(steps_sim), color=line.get_color(), ls="--", lw=0.8)
+    tops = [ceiling(steps_sim)]
+    if real is not None:
+        steps_real = real.get("draft_steps") or 0
+        decoded = [h.get("accept_length_real") for h in history] + [real["accept_length_real"]]
+        line = ax1.plot(
+            x,
+            [v if v is not None else nan for v in decoded],
+            marker="s",
+            label=f"real, decoded ({accept_scale(steps_real)})" if steps_real else "real, decoded",
+        )[0]
+        if steps_real:
+            ax1.axhline(ceiling(steps_real), color=line.get_color(), ls="--", lw=0.8)
+            tops.append(ceiling(steps_real))
+    ax1.axhline(1, color="grey", ls=":", lw=0.8, label="no draft accepted (1)")
+    ax1.set_ylim(0, max(tops) + 0.5)
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_title("accept length per materialization (dashed: ceilings)")
     ax1.set_xlabel("materialization (this one last)")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=7, loc="lower left")
     steps = range(1, len(report.trained["acc"]) + 1)
     ax2.plot(steps, report.trained["acc"], marker="o", label="this drafter")
     if history and history[-1]["acc"]:
         ax2.plot(range(1, len(history[-1]["acc"]) + 1), history[-1]["acc"], marker="x", label="previous drafter")
-    ax2.set_title("acceptance per draft step")
+    ax2.set_title(f"simulated acceptance per draft step ({steps_sim} steps)")
     ax2.set_xlabel("draft step")
     ax2.set_ylim(0, 1)
     ax2.legend(fontsize=8)
+    fig.tight_layout()
     plt.close(fig)
     return fig
 
@@ -337,11 +360,19 @@ def acceptance_plot(report: DrafterReport, quality: SpeculativeQuality):
         pos, [a if a is not None else float("nan") for a in u["position_acceptance"]], marker="x", label="untrained"
     )
     ax1.set_title("real decoding: acceptance per draft position")
+    ax1.set_xticks(list(pos))
     ax1.set_xlabel("draft position")
     ax1.set_ylim(0, 1)
     ax1.legend(fontsize=8)
-    names = ["real\n(SGLang def.)", "simulated\n(teacher-forced)"]
+    steps_real, steps_sim = quality.trained.draft_steps, simulated_steps(report)
+    names = [
+        f"real (SGLang def.)\n{accept_scale(steps_real)}",
+        f"simulated (teacher-forced)\n{accept_scale(steps_sim)}",
+    ]
     x = range(len(names))
+    ax2.hlines(
+        [ceiling(steps_real), ceiling(steps_sim)], [-0.45, 0.55], [0.45, 1.45], colors="grey", ls="--", label="ceiling"
+    )
     ax2.bar(
         [i - 0.2 for i in x], [t["accept_length_sglang"], report.trained["accept_length"]], width=0.4, label="trained"
     )
@@ -373,17 +404,45 @@ def loss_plot(losses: list[float]):
     return fig
 
 
+def ceiling(draft_steps: int) -> int:
+    """The highest accept length chains of `draft_steps` can reach: every draft token accepted, plus the target's own
+    next token of the verify pass."""
+    return draft_steps + 1
+
+
+def accept_scale(draft_steps: int) -> str:
+    """`3 draft steps, ceiling 4`: what an accept length is out of."""
+    return f"{draft_steps} draft steps, ceiling {ceiling(draft_steps)}"
+
+
+def simulated_steps(report: DrafterReport) -> int:
+    """The simulated figure's draft steps: the trainer's eval pass scores every step of the TTT unroll (0: not
+    known, a report without its per-step acceptance)."""
+    return len(report.trained.get("acc") or ())
+
+
 def accept_length_metadata(report: DrafterReport, real: dict | None, previous: dict | None) -> dict:
     """The accept lengths, the real one first: measured by lossless speculative decoding with the target (when the
     target is small enough to run here), then the simulated one (teacher-forced on the eval split), named so; each
     with a `_source` saying what produced it. SGLang's own figures come later, as observations of this asset
-    (eagle3_assets/stages/eagle3_drafter/figures.py)."""
+    (eagle3_assets/stages/eagle3_drafter/figures.py). Each with its draft steps and ceiling (`_draft_steps`,
+    `_ceiling`, and in its `_label`): the real one decodes chains of `spec_draft_steps` (3: at most 4), the simulated
+    one scores the whole training-time-test unroll (7: at most 8), so the two are on different scales."""
     out: dict = {}
+    steps_sim = simulated_steps(report)
+    steps_real = real.get("draft_steps") if real is not None else None
     if real is not None:
+        scale = f", {accept_scale(steps_real)}" if steps_real else ""
         out |= {
             "accept_length_real": real["accept_length_real"],
             "accept_length_real_untrained": real["accept_length_real_untrained"],
-            "accept_length_real_label": real["label"] + ": SGLang's definition (completion_tokens / spec_verify_ct)",
+            **(
+                {"accept_length_real_draft_steps": steps_real, "accept_length_real_ceiling": ceiling(steps_real)}
+                if steps_real
+                else {}
+            ),
+            "accept_length_real_label": real["label"]
+            + f": SGLang's definition (completion_tokens / spec_verify_ct){scale}",
             "accept_length_real_source": f"{FIGURE_SOURCES['transformers']}; target: {real['label']}",
         }
         if previous and previous.get("accept_length_real") is not None:
@@ -391,9 +450,18 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
                 "accept_length_real_previous": previous["accept_length_real"],
                 "accept_length_real_change": round(real["accept_length_real"] - previous["accept_length_real"], 4),
             }
+    other = f"; the real figure's: {accept_scale(steps_real)}" if steps_real and steps_real != steps_sim else ""
+    scale = f": {accept_scale(steps_sim)}, the training-time-test unroll{other}" if steps_sim else ""
     out |= {
         "accept_length_simulated": report.trained["accept_length"],
         "accept_length_simulated_untrained": report.untrained["accept_length"],
+        **(
+            {"accept_length_simulated_draft_steps": steps_sim, "accept_length_simulated_ceiling": ceiling(steps_sim)}
+            if steps_sim
+            else {}
+        ),
+        "accept_length_simulated_label": f"simulated, teacher-forced on the {report.eval_split} split (no "
+        f"decoding){scale}",
         "accept_length_simulated_source": FIGURE_SOURCES["simulated"],
     }
     if previous:
@@ -464,7 +532,7 @@ def eagle3_drafter(
     return dg.MaterializeResult(
         check_results=to_results(DRAFTER_CHECKS, outcomes),
         metadata=accept_length_metadata(report, real, previous)
-        | evaluation_metadata(report, history)
+        | evaluation_metadata(report, history, real)
         | decoding_metadata(report, quality)
         | training_metadata(report)
         | best_checkpoint_metadata(report)
@@ -679,7 +747,7 @@ def best_checkpoint_metadata(report: DrafterReport) -> dict:
     }
 
 
-def evaluation_metadata(report: DrafterReport, history: list[dict]) -> dict:
+def evaluation_metadata(report: DrafterReport, history: list[dict], real: dict | None = None) -> dict:
     """The trained drafter's simulated per-step acceptance, its loss curves, and the quality over
     materializations."""
     per_step = pl.DataFrame(
@@ -692,7 +760,7 @@ def evaluation_metadata(report: DrafterReport, history: list[dict]) -> dict:
     positions = {f"acceptance_step_{i}": round(a, 4) for i, a in enumerate(report.trained["acc"], start=1)}
     return {
         **positions,
-        "quality_over_materializations": png_markdown(history_plot(history, report)),
+        "quality_over_materializations": png_markdown(history_plot(history, report, real)),
         "accept_length_product": report.trained["accept_length_product"],
         "eval_split": report.eval_split,
         "eval_positions": report.trained["positions"],

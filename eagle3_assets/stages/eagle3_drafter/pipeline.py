@@ -49,6 +49,14 @@ from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.errors import DrafterError
 from eagle3_resources.hidden_states.store import HiddenStateStore
 
+# What the checkpoint's `eval_accept_length_simulated` is (config.json, section `eagle3_pipeline`)
+SIMULATED_ABOUT = (
+    "simulated accept length: the trainer's eval pass on the eval split, teacher-forced (each draft step scored "
+    "against the target's own next token), no decoding; {steps} draft steps (the training-time-test unroll), "
+    "ceiling {ceiling}. The real one, decoded with the target (chains of spec_draft_steps), is the eagle3_drafter "
+    "materialization's accept_length_real"
+)
+
 
 @dataclass
 class DrafterReport:
@@ -254,7 +262,11 @@ def export_report(
             "eagle3_pipeline": {
                 "ttt_steps": job.settings.ttt_steps,
                 "train_samples": splits.train.samples,
-                "eval_accept_length": outcome.trained["accept_length"],
+                # teacher-forced over the whole TTT unroll, not decoded: named so, with its scale
+                "eval_accept_length_simulated": outcome.trained["accept_length"],
+                "eval_accept_length_simulated_about": SIMULATED_ABOUT.format(
+                    steps=job.settings.ttt_steps, ceiling=job.settings.ttt_steps + 1
+                ),
                 "target": Path(job.target_folder).name,  # a name, not this machine's path
             }
             | outcome.extra

@@ -35,6 +35,7 @@ class SpeculativeQuality:
             "mismatched_at_ties": t["mismatched_at_ties"] + u["mismatched_at_ties"],
             "speedup": t["speedup"],
             "label": "proxy (stand-in target)" if self.trained.proxy else "target",
+            "draft_steps": self.trained.draft_steps,  # chains decoded: the figure's ceiling is one more
         }
 
 
