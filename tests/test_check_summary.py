@@ -153,5 +153,5 @@ def test_a_first_run_of_some_datasets_says_which_are_not_evaluated_yet(tmp_path:
     rest = [d for d in DATASETS if d not in ("B6", "B7")]
     assert summary.passed
     assert summary.description == (
-        f"every check passes on all 2 datasets evaluated\n(not evaluated yet: {', '.join(rest)})"
+        f"every check passes on all 2 datasets evaluated\n\n(not evaluated yet: {', '.join(rest)})"
     )

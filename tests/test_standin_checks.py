@@ -22,6 +22,7 @@ from test_status import dataset_line, home_with_yaml, widest
 from test_token_checks import frame
 
 from eagle3_assets.common.outcome import per_dataset
+from eagle3_assets.common.per_dataset import SUMMARY_CHECK
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.common.standin import STANDIN_NOTES, explained, is_standin_target
 from eagle3_assets.money import SpendPolicy, open_ledger
@@ -200,10 +201,10 @@ def materialize_token_ids(instance, data_dir, tok, target_path: str | None, data
         },
     )
     assert result.success
-    return {
+    return {  # the dataset's own checks (`all_datasets` sums them up for the asset's page)
         e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
         for e in result.all_events
-        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.asset_check_evaluation_data.check_name != SUMMARY_CHECK
     }
 
 

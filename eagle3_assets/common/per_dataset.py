@@ -198,7 +198,7 @@ def summary_evaluation(
             else f"every check passes on {evaluated[0]}, the one dataset evaluated"
         )
     if unevaluated:
-        description += f"\n(not evaluated yet: {', '.join(unevaluated)})"
+        description += f"\n\n(not evaluated yet: {', '.join(unevaluated)})"  # a paragraph of its own, not the list's
     return AssetCheckEvaluation(
         asset_key=asset_key,
         check_name=SUMMARY_CHECK,
