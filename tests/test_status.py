@@ -332,7 +332,7 @@ def test_status_after_a_real_run_shows_the_dataset_figures_and_checks(
         evaluations = [e for e in recorded if e.check_name != SUMMARY_CHECK]
         summaries = {e.asset_key.to_user_string(): e for e in recorded if e.check_name == SUMMARY_CHECK}
         assert set(summaries) == set(STAGES) and not summaries["completions"].passed
-        assert "on B6" in summaries["completions"].description
+        assert "on B6" in str(summaries["completions"].description)
         started = time.monotonic()
         status = gather_status(instance, open_ledger(DataStore(root=str(data_dir_with_tokenizer)).layout))
         print(f"gather_status: {time.monotonic() - started:.2f} s")
