@@ -14,6 +14,7 @@ from test_descriptions import unquoted_special_tokens
 
 from eagle3_assets.common.registry import DatasetSpec
 from eagle3_assets.definitions import resources
+from eagle3_assets.operations.cli import workspace_job_origin
 from eagle3_assets.stages.completions.asset import completions
 from eagle3_assets.stages.raw_prompts.asset import raw_prompts
 from eagle3_resources.storage import DataStore
@@ -51,6 +52,8 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
         with dg.DagsterInstance.get() as instance:
             runs = instance.get_runs()
             assert [r.job_name for r in runs] == ["eagle3_pipeline"] and runs[0].status == dg.DagsterRunStatus.SUCCESS
+            # the origin a launched run has, so the UI's landing page (the timeline) shows it (test_run_origin.py)
+            assert runs[0].remote_job_origin == workspace_job_origin("eagle3_pipeline")
             for key in ASSETS:
                 assert instance.get_latest_materialization_event(dg.AssetKey(key)) is not None, key
             for ds in ("B6", "B7"):
