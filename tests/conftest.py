@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fakes.openrouter import ServerThread
+from support import Webhook
 
 from eagle3_assets.money import SpendLedger
 from eagle3_resources.target.resource import TargetModelResource
@@ -32,6 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
+
+
+@pytest.fixture
+def webhook():
+    """A real loopback server that records every alert posted to it (`hook.url`)."""
+    hook = Webhook()
+    with ServerThread(hook.app) as server:
+        hook.url = f"{server.base_url}/hook"
+        yield hook
 
 
 @pytest.fixture(scope="session")

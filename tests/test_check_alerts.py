@@ -16,7 +16,6 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
-from fakes.openrouter import ServerThread
 from support import Webhook
 
 from eagle3_assets.common.outcome import CheckOutcome, Checks
@@ -64,14 +63,6 @@ def probe(context: dg.AssetExecutionContext, config: ProbeConfig):
 
 
 REPOSITORY = dg.Definitions(assets=[probe]).get_repository_def()
-
-
-@pytest.fixture
-def webhook():
-    hook = Webhook()
-    with ServerThread(hook.app) as server:
-        hook.url = f"{server.base_url}/hook"
-        yield hook
 
 
 @pytest.fixture(params=["sqlite"])

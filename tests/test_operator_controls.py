@@ -20,7 +20,7 @@ from dagster._core.storage.tags import (
 )
 from dagster._utils.tags import TagConcurrencyLimitsCounter
 from fakes.openrouter import FakeOpenRouter, FakeSettings, ServerThread
-from support import Webhook, bills_not_in_ledger, free_port, stop_group, wait_for
+from support import bills_not_in_ledger, free_port, stop_group, wait_for
 
 from eagle3_assets.common.outcome import per_dataset
 from eagle3_assets.common.per_dataset import SUMMARY_CHECK
@@ -46,14 +46,6 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "k-ops"
-
-
-@pytest.fixture
-def webhook():
-    hook = Webhook()
-    with ServerThread(hook.app) as server:
-        hook.url = f"{server.base_url}/hook"
-        yield hook
 
 
 def step_failure_message(event: dg.DagsterEvent) -> str:
