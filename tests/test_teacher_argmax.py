@@ -4,9 +4,9 @@ completion token), and training sees exactly what it saw when every position was
 from __future__ import annotations
 
 import torch
+from test_drafter_packed_training import tiny_drafter
 
 from eagle3_assets.stages.eagle3_drafter.data import Teacher, Window, pack_windows
-from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings, packed_loss
 
 VOCAB, H = 3000, 16
@@ -53,21 +53,8 @@ def test_the_argmax_is_computed_exactly_where_a_completion_token_follows():
 
 
 def test_the_loss_with_the_needed_argmax_equals_the_loss_with_every_position_computed():
-    g = torch.Generator().manual_seed(2)
-    head = torch.randn(VOCAB, H, generator=g)
-    draft_ids = torch.cat([torch.arange(0, VOCAB, 3)])  # a third of the vocabulary: some argmaxes fall outside
-    cfg = DrafterConfig(
-        hidden_size=H,
-        target_hidden_size=H,
-        intermediate_size=24,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        vocab_size=VOCAB,
-        draft_vocab_size=len(draft_ids),
-    )
-    torch.manual_seed(0)
-    model = Eagle3Drafter(cfg, torch.randn(VOCAB, H, generator=g), draft_ids)
+    head = torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(2))
+    model = tiny_drafter(vocab=VOCAB, draft=1000, H=H, dtype=torch.float32)  # even ids < 2000: some argmaxes outside
     data = source(seed=3)
     windows = [Window(k, 0, len(v["input_ids"])) for k, v in data.items()]
     batch = pack_windows(data, windows, torch.float32, pin=False)

@@ -181,19 +181,17 @@ class Teacher:
         self.cache: dict[tuple[str, int, int], torch.Tensor] = {}
         self.cache_tokens, self.cached_tokens = cache_tokens, 0
 
-    def argmax(
-        self, key: tuple[str, int, int], final: torch.Tensor, needed: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The argmax at each position of the window `key` (`needed`: a bool mask of the positions read; on the CPU
-        the others hold -1; None: every position)."""
+    def argmax(self, key: tuple[str, int, int], final: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The argmax at each position of the window `key`; given its loss `mask`, on the CPU only where it is read
+        (`argmax_needed`), the others -1."""
         hit = self.cache.get(key)
         if hit is not None:
             return hit.to(self.device, torch.long)
-        if needed is None or self.device.type != "cpu":  # on a GPU, picking the rows would wait for the device
+        if mask is None or self.device.type != "cpu":  # on a GPU, picking the rows would wait for the device
             out = vocab_argmax(final, self.head, *self.tile)
         else:
             out = torch.full((final.shape[0],), -1, dtype=torch.long, device=final.device)
-            rows = needed.to(final.device).nonzero().squeeze(1)
+            rows = argmax_needed(mask).to(final.device).nonzero().squeeze(1)
             if rows.numel():
                 out[rows] = vocab_argmax(final[rows], self.head, *self.tile)
         if self.cached_tokens + out.numel() <= self.cache_tokens:
@@ -207,7 +205,7 @@ class Teacher:
         """(distribution over the draft vocabulary, argmax where it is read) of one window; `mask`: its loss mask."""
         final = final.to(self.device, self.dtype)
         p = torch.softmax((final @ self.head_draft.T).float(), -1)
-        return p, self.argmax(key, final, argmax_needed(mask))
+        return p, self.argmax(key, final, mask)
 
     def packed(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(distribution [T, V_draft] fp32, argmax [T]) of a packed batch on the device: one matmul for the
@@ -216,7 +214,7 @@ class Teacher:
         p = torch.softmax((final @ self.head_draft.T).float(), -1)
         a = batch.layout.starts
         arg = [
-            self.argmax(key, final[s : s + n], argmax_needed(batch.mask[s : s + n]))
+            self.argmax(key, final[s : s + n], batch.mask[s : s + n])
             for key, s, n in zip(batch.keys, a, batch.layout.lengths, strict=True)
         ]
         return p, torch.cat(arg)
