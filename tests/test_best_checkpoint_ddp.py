@@ -1,9 +1,10 @@
 """The best checkpoint with several training processes: two gloo ranks under torchrun (the asset's own command,
 `launch.torchrun_command`, running `train_cli` on the spec the asset writes), the stand-in target decoding on rank 0.
 
-Rank 0's evaluation is made slower than the process group's collective timeout (both shortened for the test: each
-decode sleeps `EAGLE3_TEST_BEST_EVAL_DELAY_S` first, by tests/process_hooks/sitecustomize.py on the ranks'
-PYTHONPATH, and `EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
+Rank 0's evaluation, and its load of the target, are made slower than the process group's collective timeout (all
+shortened for the test: each decode sleeps `EAGLE3_TEST_BEST_EVAL_DELAY_S` first and the load
+`EAGLE3_TEST_TARGET_LOAD_DELAY_S`, by tests/process_hooks/sitecustomize.py on the ranks' PYTHONPATH, and
+`EAGLE3_COLLECTIVE_TIMEOUT_S`); the run must still end, rank 1 having
 waited for rank 0's word in heartbeat rounds, and keep what one process keeps on the same data: the same curve, the
 same best step, its weights exported, though the job was killed (kill -9) after an evaluation and resumed. An error
 of rank 0's evaluation ends both ranks with rank 0's reason. In streaming mode (the asset materialized,
@@ -38,6 +39,7 @@ from eagle3_resources.storage import DataLayout
 REPO = Path(__file__).resolve().parents[1]
 PROCESS_HOOKS = REPO / "tests" / "process_hooks"  # its sitecustomize slows each decode by DELAY_ENV's seconds
 DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"
+LOAD_DELAY_ENV = "EAGLE3_TEST_TARGET_LOAD_DELAY_S"  # its sitecustomize slows rank 0's target load as much
 # 12 optimizer steps over 3 epochs; evaluated at 4, 8 and 12, where step 8 decodes best (the curve is checked)
 SETTINGS = TrainSettings(
     ttt_steps=3, epochs=3, batch_tokens=256, max_len=64, seed=1, checkpoint_every=4, warmup_steps=2
@@ -134,7 +136,8 @@ def decoded(curve: list[dict]) -> list[tuple]:
 def test_two_ranks_keep_the_best_checkpoint_while_rank_0_decodes_past_the_collective_timeout(
     data, target_model, tmp_path
 ):
-    out, slow = tmp_path / "drafter", {DELAY_ENV: str(DELAY_S)}
+    # rank 0 loads the target (alone) and evaluates, each slower than the collective timeout rank 1 waits under
+    out, slow = tmp_path / "drafter", {DELAY_ENV: str(DELAY_S), LOAD_DELAY_ENV: str(DELAY_S)}
     keeper = tmp_path / "drafter.training" / "best" / CURVE_FILE
     # kill -9 of the whole job once step 8 is evaluated (its training checkpoint written or not yet), then resume
     killed, log = start(data, out, slow)

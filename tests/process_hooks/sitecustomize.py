@@ -5,6 +5,9 @@ product has no such knobs. One file for all of them: mypy checks the tests as on
 
 - `EAGLE3_TEST_BEST_EVAL_DELAY_S` (tests/test_best_checkpoint_ddp.py): each best-checkpoint evaluation's decode
   sleeps that many seconds first, inside the evaluation's timed region, as a decode at real size takes minutes.
+- `EAGLE3_TEST_TARGET_LOAD_DELAY_S` (tests/test_best_checkpoint_ddp.py): loading the target
+  (`TargetModelResource.load_model`, rank 0's alone when the best checkpoint is kept) sleeps that many seconds first,
+  as loading a real target takes minutes while the other ranks go on to their first collective.
 - `EAGLE3_TEST_DIE_AFTER_TRAINING` (tests/test_streaming_resume.py), naming a file that does not exist yet: the
   first streaming training side whose training returns (every step trained, the last checkpoint written) creates
   that file and is killed (SIGKILL) before it scores, exports or reports: the state an orphan leaves when it
@@ -18,6 +21,7 @@ from pathlib import Path
 
 DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"
 DIE_AFTER_TRAINING_ENV = "EAGLE3_TEST_DIE_AFTER_TRAINING"
+LOAD_DELAY_ENV = "EAGLE3_TEST_TARGET_LOAD_DELAY_S"
 
 
 def _slow_evaluations(seconds: float) -> None:
@@ -33,6 +37,21 @@ def _slow_evaluations(seconds: float) -> None:
         return measure(*args, **kwargs)
 
     best_checkpoint.measure_by_kind = slow_measure
+
+
+def _slow_target_loads(seconds: float) -> None:
+    import time
+
+    from eagle3_resources.target.resource import TargetModelResource
+
+    load = TargetModelResource.load_model
+
+    @functools.wraps(load)
+    def slow_load(*args, **kwargs):
+        time.sleep(seconds)
+        return load(*args, **kwargs)
+
+    TargetModelResource.load_model = slow_load  # type: ignore[method-assign]
 
 
 def _die_after_training(marker: Path) -> None:
@@ -59,5 +78,7 @@ def _die_after_training(marker: Path) -> None:
 
 if float(os.environ.get(DELAY_ENV) or 0) > 0:
     _slow_evaluations(float(os.environ[DELAY_ENV]))
+if float(os.environ.get(LOAD_DELAY_ENV) or 0) > 0:
+    _slow_target_loads(float(os.environ[LOAD_DELAY_ENV]))
 if os.environ.get(DIE_AFTER_TRAINING_ENV):
     _die_after_training(Path(os.environ[DIE_AFTER_TRAINING_ENV]))

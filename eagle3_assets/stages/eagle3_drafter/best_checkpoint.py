@@ -50,7 +50,7 @@ from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.eagle3_drafter.export import export_checkpoint, read_checkpoint
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.quality import drafter_from_checkpoint
-from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
+from eagle3_assets.stages.eagle3_drafter.rank_zero import Ranks, RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative
 from eagle3_assets.stages.eagle3_drafter.train import Every, Trainer
 from eagle3_resources.atomic_files import write_json_atomic
@@ -78,21 +78,28 @@ class BestCheckpointPlan:
 
 
 def plan_from_spec(
-    best: Mapping[str, Any] | None, log: Callable[[str], None], load_target: bool = True
+    best: Mapping[str, Any] | None, log: Callable[[str], None], dist: Ranks
 ) -> BestCheckpointPlan | None:
     """The plan of a training process's spec (`best`: every, prompts_per_kind, max_new_tokens, draft_steps, and the
-    target and tokenizer resources as their config; None: off), the target loaded here when `load_target` (rank 0)."""
+    target and tokenizer resources as their config; None: off). Every rank calls it at the same point: rank 0 loads
+    the target while the others wait for its word in heartbeat rounds (`RankZeroWord.alone`), so a load slower than
+    the collective timeout never fails the first collective they meet next; a load that fails ends every rank with
+    rank 0's reason."""
     if not best:
         return None
-    target = None
-    if load_target:
+
+    def load() -> Any:
         from eagle3_resources.target.resource import TargetModelResource
         from eagle3_resources.tokenizer.resource import TokenizerResource
 
-        target = TargetModelResource(**best["target"]).load_model(TokenizerResource(**best["tokenizer"]), log)
+        return TargetModelResource(**best["target"]).load_model(TokenizerResource(**best["tokenizer"]), log)
+
+    def failed(reason: str) -> Exception:
+        return DrafterError(f"rank 0 of the trainer failed loading the target for the best checkpoint: {reason}")
+
     return BestCheckpointPlan(
         every=int(best["every"]),
-        target=target,
+        target=RankZeroWord(dist).alone(load, failed),  # None on the other ranks, which never decode
         prompts_per_kind=int(best["prompts_per_kind"]),
         max_new_tokens=int(best["max_new_tokens"]),
         draft_steps=int(best["draft_steps"]),

@@ -204,7 +204,7 @@ def prepare(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[
         device=device,
         init_from=Path(spec["init_from"]) if spec.get("init_from") else None,
         dist=dist,
-        best=plan_from_spec(spec.get("best"), log, load_target=dist.main),  # every rank keeps; rank 0 decodes
+        best=plan_from_spec(spec.get("best"), log, dist),  # every rank keeps; rank 0 decodes
     )
     built = build_drafter(job, target_hidden_size(job.target_folder), train_ids, dev)
     model, teacher = built.model, built.teacher

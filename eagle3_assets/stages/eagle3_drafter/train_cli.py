@@ -189,7 +189,7 @@ def run(
             init_from=train_spec.init_from,
             dist=dist,
             stop_after_steps=stop_after_steps,
-            best=plan_from_spec(train_spec.best, log, load_target=dist.main),  # every rank keeps; rank 0 decodes
+            best=plan_from_spec(train_spec.best, log, dist),  # every rank keeps; rank 0 decodes
         )
         report = run_drafter_job(job)
         if report is not None and dist.main and train_spec.report_path is not None:
