@@ -17,6 +17,8 @@ from eagle3_assets.stages.eagle3_drafter.model import (
     DocLayout,
     DrafterConfig,
     Eagle3Drafter,
+    QueryRows,
+    loss_rows,
     train_flops_per_token,
     ttt_attention,
 )
@@ -55,6 +57,87 @@ def written_out_packed(q, k0, v0, chain_k, chain_v, scale, lengths):
     for i, v in enumerate(chain_v):
         out = out + p[..., L + i : L + i + 1] * v
     return out
+
+
+STARTS = [2, 1, 0, 7, 3, 11, 0]  # per document of LENGTHS: the first row steps >= 1 run over (its length: none)
+
+
+def test_ttt_attention_over_query_rows_equals_the_written_out_mask_on_those_rows_and_its_gradients():
+    """Steps >= 1 over some rows only (`QueryRows`): what the written-out attention gives those rows when every
+    row is a query, gradients included, whether the rows' documents are alone, grouped or all in one group."""
+    g = torch.Generator().manual_seed(7)
+    h, d, scale = 3, 8, 8**-0.5
+    L = sum(LENGTHS)
+    for waste in (1.0, 2.0, 100.0):
+        rows = QueryRows(LENGTHS, STARTS, waste=waste)
+        index = rows.index
+        assert len(rows) == sum(n - a for n, a in zip(LENGTHS, STARTS, strict=True)) == len(index)
+        for steps in (1, 3):
+            k0, v0 = (torch.randn(h, L, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+            q = torch.randn(h, len(rows), d, generator=g, dtype=torch.float64, requires_grad=True)
+            chain_k = [torch.randn(h, len(rows), d, generator=g, dtype=torch.float64) for _ in range(steps)]
+            chain_v = [torch.randn(h, len(rows), d, generator=g, dtype=torch.float64) for _ in range(steps)]
+            for x in (*chain_k, *chain_v):
+                x.requires_grad_(True)
+            leaves = [q, k0, v0, *chain_k, *chain_v]
+            got = ttt_attention(q, k0, v0, chain_k, chain_v, scale, DocLayout(LENGTHS, waste=waste), rows)
+
+            def everywhere(x, index=index):  # the rows' tensor at full length (other rows' queries are never read)
+                return torch.zeros(h, L, d, dtype=x.dtype).index_copy(1, index, x)
+
+            want = written_out_packed(
+                everywhere(q),
+                k0,
+                v0,
+                [everywhere(c) for c in chain_k],
+                [everywhere(c) for c in chain_v],
+                scale,
+                LENGTHS,
+            )[:, index]
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+            w = torch.randn(h, len(rows), d, generator=g, dtype=torch.float64)
+            for a, b in zip(
+                torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves), strict=True
+            ):
+                torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+def test_loss_rows_hold_every_row_a_later_steps_loss_reads_and_start_at_one():
+    """A row of a document is needed by TTT step k >= 1 when token t+2+k is a completion token; `loss_rows` keeps
+    each document's suffix from its first needed row, and nothing for a document whose steps >= 1 read no row."""
+    g = torch.Generator().manual_seed(3)
+    for steps in (2, 3, 7):
+        for trial in range(20):
+            mask = (torch.rand(sum(LENGTHS), generator=g) < 0.15 * (trial % 4)).long()
+            rows = loss_rows(LENGTHS, mask, steps)
+            kept = set(rows.index.tolist()) if rows is not None else set(range(sum(LENGTHS)))
+            offset = 0
+            for n in LENGTHS:
+                needed = [
+                    t for t in range(n) if any(t + 2 + k < n and mask[offset + t + 2 + k] == 1 for k in range(1, steps))
+                ]
+                mine = sorted(r - offset for r in kept if offset <= r < offset + n)
+                assert set(needed) <= set(mine), (steps, trial, n)
+                if rows is not None:
+                    assert mine == (list(range(needed[0], n)) if needed else []), (steps, trial, n, needed, mine)
+                offset += n
+    assert loss_rows(LENGTHS, torch.ones(sum(LENGTHS), dtype=torch.long), 1) is None  # no step >= 1
+
+
+def test_a_drafter_unrolled_over_the_loss_rows_gives_those_rows_the_logits_of_a_full_unroll():
+    model = tiny_drafter()
+    g = torch.Generator().manual_seed(4)
+    L, steps = sum(LENGTHS), 4
+    aux = torch.randn(L, 96, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 300, (L,), generator=g)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])
+    layout = DocLayout(LENGTHS, waste=2.0)
+    rows = QueryRows(LENGTHS, STARTS, waste=2.0)
+    full = model.unroll(aux, tokens, positions, steps, layout)
+    pruned = model.unroll(aux, tokens, positions, steps, layout, rows)
+    torch.testing.assert_close(pruned[0], full[0], rtol=0, atol=0)  # step 0 runs over every row as before
+    for k in range(1, steps):
+        torch.testing.assert_close(pruned[k], full[k][rows.index], rtol=1e-9, atol=1e-9)
 
 
 def test_packed_ttt_attention_equals_a_written_out_document_mask_and_its_gradients():
@@ -154,6 +237,15 @@ def test_flops_formula_equals_the_counted_matmuls_of_a_forward_and_backward():
     fc = 2 * 3 * cfg.target_hidden_size * cfg.hidden_size * L
     assert 3 * (forward - fc) + 2 * fc == matmuls
     assert formula["total"] > formula["linear"] > 0 and formula["attention"] > 0
+    # steps >= 1 over the last 9 rows only (`loss_rows`): the formula at that share
+    rows = QueryRows([L], [L - 9])
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss = sum(lg.sum() for lg in model.unroll(aux, tokens, torch.arange(L), steps, DocLayout([L]), rows))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+    pruned = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
+    assert pruned == train_flops_per_token(cfg, steps, L, later_share=9 / L)["linear"] * L < matmuls
 
 
 class ScalarReads(TorchDispatchMode):

@@ -802,5 +802,6 @@ def training_metadata(report: DrafterReport) -> dict:
         "train_seconds": round(h.seconds, 1),
         "train_tokens_per_s": h.tokens_per_s,  # all processes, training steps only
         "train_gflop_per_token": round(h.flops_per_token / 1e9, 4),  # model.train_flops_per_token
+        "train_later_steps_share": h.later_steps_share,  # positions TTT steps >= 1 ran over (model.loss_rows)
         **({"train_mfu": h.mfu} if h.mfu is not None else {}),  # per GPU, of its bf16 peak
     }

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from eagle3_assets.stages.eagle3_drafter.model import DocLayout
+from eagle3_assets.stages.eagle3_drafter.model import DocLayout, QueryRows, loss_rows
 
 
 @dataclass
@@ -46,6 +46,7 @@ class PackedBatch:
     final: torch.Tensor  # [T, H_t] the target's final hidden states, bf16 as stored
     layout: DocLayout
     keys: list[tuple[str, int, int]]  # each window's (sample id, start, end): the teacher's cache keys
+    rows: QueryRows | None = None  # the rows TTT steps >= 1 run over (`model.loss_rows`; None: every row)
 
     def to(self, device: torch.device) -> PackedBatch:
         """On `device`; from pinned memory without blocking the host on CUDA."""
@@ -58,15 +59,22 @@ class PackedBatch:
             final=self.final.to(device, non_blocking=nb),
             layout=self.layout.to(device, non_blocking=nb),
             keys=self.keys,
+            rows=self.rows.to(device, non_blocking=nb) if self.rows is not None else None,
         )
 
 
 def pack_windows(
-    source: SampleSource, windows: Sequence[Window], aux_dtype: torch.dtype, pin: bool, waste: float = 1.1
+    source: SampleSource,
+    windows: Sequence[Window],
+    aux_dtype: torch.dtype,
+    pin: bool,
+    waste: float = 1.1,
+    ttt_steps: int | None = None,
 ) -> PackedBatch:
     """Read and pack windows on the host (a sample cut into several of them is read once); `pin` puts the
     result in page-locked memory for a non-blocking copy to the GPU. `waste`: see `DocLayout` (on the GPU,
-    fewer, padded attention calls pay; on the CPU a call costs nothing but its work)."""
+    fewer, padded attention calls pay; on the CPU a call costs nothing but its work). `ttt_steps`: the rows TTT
+    steps >= 1 need are worked out here, on the host (`model.loss_rows`); None: every row."""
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "positions", "mask", "aux", "final")}
     last: tuple[str, dict[str, torch.Tensor]] | None = None
     for w in windows:
@@ -79,12 +87,15 @@ def pack_windows(
         parts["aux"].append(data["aux_hidden_states"][a:b].to(aux_dtype))
         parts["final"].append(data["final_hidden_state"][a:b])
     out = {k: torch.cat(v) for k, v in parts.items()}
+    lengths = [w.tokens for w in windows]
+    rows = loss_rows(lengths, out["mask"], ttt_steps, waste, pin) if ttt_steps is not None else None
     if pin:
         out = {k: v.pin_memory() for k, v in out.items()}
     return PackedBatch(
         **out,
-        layout=DocLayout([w.tokens for w in windows], waste=waste, pin=pin),
+        layout=DocLayout(lengths, waste=waste, pin=pin),
         keys=[(w.sample_id, w.start, w.end) for w in windows],
+        rows=rows,
     )
 
 

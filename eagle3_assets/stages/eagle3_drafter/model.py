@@ -13,6 +13,10 @@ Training-time test (TTT) unrolls k draft steps. Step k at position t drafts the 
 ahead of t: its query sits at rope position t+k and attends to every step-0 key at positions
 <= t (the verified context) plus its own chain's keys from steps 1..k at position t, exactly the
 keys an inference-time chain rooted at t would have in its KV cache.
+
+Steps 1..k-1 are read by the loss only near completion tokens: given `QueryRows`, they run over each
+document's suffix from a few tokens before its first completion token (step 0 still runs over every
+position: its keys are the context of every later step). On prompt-heavy data most of the work goes.
 """
 
 from __future__ import annotations
@@ -189,6 +193,97 @@ class DocLayout:
         return sum(n * longest * longest for n, longest, _ in self.groups)
 
 
+class QueryRows:
+    """The rows of a packed sequence (`DocLayout`) that TTT steps >= 1 run over: in each document, the suffix from
+    `starts[i]` (an offset inside document i; its length for none) to its end.
+
+    Their attention reads every step-0 key of the document up to the row (`fused_rows`): documents are grouped as
+    `DocLayout` groups them (by the padded cost of their query rows times their keys against `waste` x the useful
+    work), each group one fused call over [docs, heads, rows, keys] with an explicit mask (queries and keys padded
+    at the end and masked out; column 0 the sink, seen by every row). Built on the host from lengths alone."""
+
+    def __init__(self, lengths: Sequence[int], starts: Sequence[int], waste: float = 2.0, pin: bool = False):
+        if len(starts) != len(lengths) or any(not 0 <= a <= n for a, n in zip(starts, lengths, strict=True)):
+            raise ValueError(f"query-row starts {list(starts)} do not fit documents of lengths {list(lengths)}")
+        doc_starts = [0]
+        for n in lengths[:-1]:
+            doc_starts.append(doc_starts[-1] + n)
+        T = sum(lengths)
+        self.index = torch.cat(
+            [torch.arange(d + a, d + n) for d, a, n in zip(doc_starts, starts, lengths, strict=True)]
+            or [torch.zeros(0, dtype=torch.long)]
+        )  # [K] the rows, ascending
+        K = len(self.index)
+        row_starts = [0]
+        for a, n in zip(starts[:-1], lengths[:-1], strict=True):
+            row_starts.append(row_starts[-1] + n - a)
+        docs = [i for i in range(len(lengths)) if starts[i] < lengths[i]]
+        order = sorted(docs, key=lambda i: (-lengths[i], -(lengths[i] - starts[i])))
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            if g is not None:
+                rows = max(lengths[j] - starts[j] for j in [*g, i])
+                work = sum((lengths[j] - starts[j]) * lengths[j] for j in [*g, i])
+                if (len(g) + 1) * rows * lengths[g[0]] <= waste * work:
+                    g.append(i)
+                    continue
+            groups.append([i])
+        # (docs, rows M, keys N, query index [docs * M] into K + 1, key index [docs * N] into T + 1, mask)
+        self.groups: list[tuple[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        back = torch.empty(K, dtype=torch.long)
+        offset = 0
+        for g in groups:
+            M, N = max(lengths[i] - starts[i] for i in g), lengths[g[0]]
+            q_idx = torch.full((len(g), M), K, dtype=torch.long)  # K: the zero row appended for padding
+            k_idx = torch.full((len(g), N), T, dtype=torch.long)
+            mask = torch.zeros(len(g), 1, M, 1 + N, dtype=torch.bool)
+            mask[..., 0] = True  # the sink, for padded rows too (a row that sees nothing would be NaN)
+            for r, i in enumerate(g):
+                a, n, m = starts[i], lengths[i], lengths[i] - starts[i]
+                q_idx[r, :m] = torch.arange(row_starts[i], row_starts[i] + m)
+                k_idx[r, :n] = torch.arange(doc_starts[i], doc_starts[i] + n)
+                # row a + j of the document sees its keys 0..a + j
+                mask[r, 0, :m, 1 : 1 + n] = torch.ones(m, n, dtype=torch.bool).tril(diagonal=a)
+                back[row_starts[i] : row_starts[i] + m] = offset + r * M + torch.arange(m)
+            offset += len(g) * M
+            self.groups.append((len(g), M, N, q_idx.reshape(-1), k_idx.reshape(-1), mask))
+        self.back = back  # [K] where each row's output sits in the groups' outputs, concatenated
+        if pin:
+            self._map(lambda t: t.pin_memory())
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _map(self, fn) -> QueryRows:
+        self.index, self.back = fn(self.index), fn(self.back)
+        self.groups = [(n, M, N, fn(q), fn(k), fn(m)) for n, M, N, q, k, m in self.groups]
+        return self
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> QueryRows:
+        """A copy on `device` (this one keeps its tensors where they are)."""
+        return copy.copy(self)._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def loss_rows(
+    lengths: Sequence[int], mask: torch.Tensor, steps: int, waste: float = 2.0, pin: bool = False
+) -> QueryRows | None:
+    """The `QueryRows` TTT steps 1..steps-1 need for a packed sequence of documents `lengths` with loss `mask` [T]
+    (host tensor): row t of a document feeds the loss at step k >= 1 when token t+2+k is a completion token, so each
+    document's suffix starts `steps + 1` rows before its first completion token at offset >= 3 (none: no rows). None
+    when every row is needed (the plain causal path does the same work faster) or there is no step >= 1."""
+    if steps < 2:
+        return None
+    starts, offset = [], 0
+    for n in lengths:
+        hits = (mask[offset + 3 : offset + n] != 0).nonzero()
+        starts.append(max(0, int(hits[0, 0]) + 3 - 1 - steps) if len(hits) else n)
+        offset += n
+    if not any(starts):
+        return None
+    return QueryRows(lengths, starts, waste, pin)
+
+
 SINK_CHANNELS = 8  # extra head channels carrying the sink (8 keeps GPU flash kernels' head-dim multiple of 8)
 
 
@@ -225,6 +320,25 @@ def fused_causal(
     return torch.cat(outs, 1).index_select(1, layout.back)
 
 
+def fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: QueryRows) -> torch.Tensor:
+    """`fused_causal(..., sink=True)` for the query rows `rows` only: q [h, K, D] (the rows), k and v [h, T, D] (every
+    position); row t sees the sink and its document's keys up to t. Returns [h, K, D]."""
+    h, K, D = q.shape
+    pad = q.new_zeros(h, 1, D)
+    qp, kp, vp = torch.cat([q, pad], 1), torch.cat([k, pad], 1), torch.cat([v, pad], 1)
+    outs = []
+    for n, M, N, q_idx, k_idx, mask in rows.groups:
+        qg = qp.index_select(1, q_idx).view(h, n, M, D).transpose(0, 1)
+        kg, vg = (x.index_select(1, k_idx).view(h, n, N, D).transpose(0, 1) for x in (kp, vp))
+        one = q.new_zeros(n, h, 1, D)
+        one[..., D - SINK_CHANNELS] = 1
+        out = F.scaled_dot_product_attention(qg, torch.cat([one, kg], 2), torch.cat([one, vg], 2), mask, scale=scale)
+        outs.append(out.transpose(0, 1).reshape(h, n * M, D))
+    if not outs:
+        return q
+    return torch.cat(outs, 1).index_select(1, rows.back)
+
+
 def ttt_attention(
     q: torch.Tensor,
     k0: torch.Tensor,
@@ -233,10 +347,12 @@ def ttt_attention(
     chain_v: Sequence[torch.Tensor],
     scale: float,
     layout: DocLayout | None = None,
+    rows: QueryRows | None = None,
 ) -> torch.Tensor:
     """Attention of one TTT step: query t sees the step-0 keys at positions <= t of its document (causal)
     and, from each earlier chain step i >= 1, only its own position's key chain_k[i][t]. q, k0, v0,
-    chain_* are [h, L, d]; `layout` the documents packed in L (None: one).
+    chain_* are [h, L, d]; `layout` the documents packed in L (None: one). Given `rows` (steps >= 1 only), q and
+    chain_* hold those rows only, [h, K, d], and so does the result.
 
     Never materializes the [h, L, L] scores (at Kimi width, 56 heads x 4096^2 fp32 is 3.7 GB a step, kept
     for backward): the causal part is one fused `scaled_dot_product_attention` per document group and
@@ -259,9 +375,12 @@ def ttt_attention(
 
     zeros = q.new_zeros(h, L, SINK_CHANNELS)
     q_x = torch.cat([carried[..., None], zeros[..., 1:]], -1)
-    out = fused_causal(
-        torch.cat([q, q_x], -1), torch.cat([k0, zeros], -1), torch.cat([v0, zeros], -1), scale, layout, sink=True
-    )
+    pad0 = k0.new_zeros(*k0.shape[:-1], SINK_CHANNELS)
+    q_in, k_in, v_in = torch.cat([q, q_x], -1), torch.cat([k0, pad0], -1), torch.cat([v0, pad0], -1)
+    if rows is not None:
+        out = fused_rows(q_in, k_in, v_in, scale, rows)
+    else:
+        out = fused_causal(q_in, k_in, v_in, scale, layout, sink=True)
     a, u = out[..., :d].to(acc), out[..., d].to(acc)
     ur = u * torch.exp(lse_d - sigma)
     return ((a + ur[..., None] * out_d.to(acc)) / ((1 - u) + ur)[..., None]).to(q.dtype)
@@ -283,8 +402,10 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cache: list[tuple[torch.Tensor, torch.Tensor]],
         layout: DocLayout | None = None,
+        rows: QueryRows | None = None,
     ) -> torch.Tensor:
-        """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's."""
+        """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's. At a step >= 1
+        given `rows`, x and positions are those rows' ([K, 2H], [K]); step 0's cache entry covers every position."""
         cfg = self.cfg
         L = x.shape[0]
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -296,7 +417,8 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
         cache.append((k, v))
         k0, v0 = cache[0]
-        out = ttt_attention(q, k0, v0, [c[0] for c in cache[1:]], [c[1] for c in cache[1:]], 1.0 / math.sqrt(d), layout)
+        chain_k, chain_v = [c[0] for c in cache[1:]], [c[1] for c in cache[1:]]
+        out = ttt_attention(q, k0, v0, chain_k, chain_v, 1.0 / math.sqrt(d), layout, rows)
         return self.o_proj(out.transpose(0, 1).reshape(L, h * d))
 
 
@@ -320,10 +442,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, cache, layout: DocLayout | None = None):
+    def forward(self, embeds, hidden, positions, cache, layout: DocLayout | None = None, rows: QueryRows | None = None):
         residual = hidden
         x = torch.cat([rms_norm(self.input_layernorm, embeds.to(hidden.dtype)), rms_norm(self.hidden_norm, hidden)], -1)
-        residual = self.self_attn(x, positions, cache, layout) + residual
+        residual = self.self_attn(x, positions, cache, layout, rows) + residual
         return self.mlp(rms_norm(self.post_attention_layernorm, residual)) + residual
 
 
@@ -363,9 +485,10 @@ class Eagle3Drafter(nn.Module):
         positions: torch.Tensor,
         steps: int,
         layout: DocLayout | None = None,
+        rows: QueryRows | None = None,
     ) -> list[torch.Tensor]:
         """`unroll`, as a module call: DistributedDataParallel syncs gradients of what goes through `forward`."""
-        return self.unroll(aux, tokens, positions, steps, layout)
+        return self.unroll(aux, tokens, positions, steps, layout, rows)
 
     def unroll(
         self,
@@ -374,13 +497,15 @@ class Eagle3Drafter(nn.Module):
         positions: torch.Tensor,
         steps: int,
         layout: DocLayout | None = None,
+        rows: QueryRows | None = None,
     ) -> list[torch.Tensor]:
         """Draft logits of TTT steps 0..steps-1 for one sequence, or for several packed into one (`layout`).
 
         aux [L, 3H_t] target aux hidden states; tokens [L] the sequence; step k at position t
         reads token t+1+k (teacher forcing) and returns logits over the draft vocabulary for the
         token at t+2+k. Positions whose inputs would run past the end of their document are fed
-        padding (id 0) and must be masked by the caller.
+        padding (id 0) and must be masked by the caller. Given `rows` (`loss_rows`), steps >= 1 run over those
+        rows only and their logits are [K, V] in the rows' order (step 0's stay [L, V]).
         """
         L = tokens.shape[0]
         hidden = self.fc(aux)
@@ -389,14 +514,19 @@ class Eagle3Drafter(nn.Module):
         t = torch.arange(L, device=tokens.device)
         end = layout.end if layout is not None else torch.full_like(t, L)
         for k in range(steps):
+            if k == 1 and rows is not None:  # from here on, only the rows a later step's loss reads
+                hidden, t, end, positions = (x.index_select(0, rows.index) for x in (hidden, t, end, positions))
             src = t + 1 + k
             nxt = torch.where(src < end, tokens[src.clamp(max=L - 1)], 0) if L else tokens
-            hidden = self.midlayer(self.embed(nxt), hidden, positions + k, cache, layout)
+            at = rows if k >= 1 else None
+            hidden = self.midlayer(self.embed(nxt), hidden, positions + k, cache, layout, at)
             logits.append(self.lm_head(rms_norm(self.norm, hidden)))
         return logits
 
 
-def train_flops_per_token(cfg: DrafterConfig, ttt_steps: int, mean_window: float) -> dict[str, float]:
+def train_flops_per_token(
+    cfg: DrafterConfig, ttt_steps: int, mean_window: float, later_share: float = 1.0
+) -> dict[str, float]:
     """Model FLOPs per trained token of one TTT unroll, forward and backward (the MFU numerator).
 
     Matmuls (2 FLOPs per multiply-add): forward fc 3H_t x H, then per TTT step q/k/v on 2H, o, the
@@ -404,14 +534,16 @@ def train_flops_per_token(cfg: DrafterConfig, ttt_steps: int, mean_window: float
     gradients) except fc, whose input (the target's states) needs no gradient. Attention per step k,
     useful work only: a query averages (L + 1) / 2 causal keys in a window of L tokens plus k chain keys,
     4 x heads x head_dim FLOPs per query-key pair forward (QK^T and PV), 2.5x that backward (FlashAttention's
-    convention). Not counted: the frozen embedding, norms, elementwise work, the teacher (the target's
+    convention). Steps >= 1 run over `later_share` of the positions (`loss_rows`; 1: every one), each counted as an
+    average query. Not counted: the frozen embedding, norms, elementwise work, the teacher (the target's
     head) and padding. Returns {"linear", "attention", "total"}.
     """
     H, Ht, inter, V = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_step = 2 * H * (qd + 2 * kvd) + qd * H + 3 * H * inter + H * V  # multiply-adds
     fc = 3 * Ht * H
-    linear = 2 * (fc + ttt_steps * per_step) + 2 * 2 * (ttt_steps * per_step) + 2 * fc
-    pairs = sum((mean_window + 1) / 2 + k for k in range(ttt_steps))
+    steps_run = min(1, ttt_steps) + max(0, ttt_steps - 1) * later_share  # step 0 everywhere, the rest on the share
+    linear = 2 * (fc + steps_run * per_step) + 2 * 2 * (steps_run * per_step) + 2 * fc
+    pairs = sum(((mean_window + 1) / 2 + k) * (1.0 if k == 0 else later_share) for k in range(ttt_steps))
     attention = 4 * qd * pairs * (1 + 2.5)
     return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}

@@ -244,7 +244,7 @@ class SpoolWindows:
         aux_dtype = torch.bfloat16 if cuda else torch.float32
         windows = [Window(w.sample_id, w.start, w.end) for w in step.windows]
         share = [Window(w.sample_id, w.start, w.end) for w in mine]
-        batch = pack_windows(source, share, aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
+        batch = pack_windows(source, share, aux_dtype, cuda, 2.0 if cuda else 1.1, self.settings.ttt_steps)
         # The trainer trains this step before it asks for the next one or checkpoints: the position is the step's end
         # from here on.
         self.current, self.position, self.steps_done = step, step.after, self.steps_done + 1

@@ -106,7 +106,8 @@ class TrainHistory:
     world_size: int = 1
     tokens: int = 0  # trained tokens (all ranks)
     tokens_per_s: float = 0.0  # all ranks' tokens over this process's training time (evaluation excluded)
-    flops_per_token: float = 0.0  # `model.train_flops_per_token` at the mean window length
+    flops_per_token: float = 0.0  # `model.train_flops_per_token` at the mean window length and `later_steps_share`
+    later_steps_share: float = 1.0  # of this process's positions, those TTT steps >= 1 ran over (`model.loss_rows`)
     compiled: bool = False  # the MLP ran under torch.compile
     mfu: float | None = (
         None  # per device: tokens_per_s / world_size x flops_per_token / the device's bf16 peak (known CUDA devices)
@@ -143,19 +144,20 @@ def packed_loss(
     its completion tokens, divided by its completion tokens (at least 1) and by the step's window count, summed.
     `run` is the module to call (the drafter, or its DDP wrapper, whose call syncs gradients). Device tensors only.
     """
-    logits = run(batch.aux, batch.tokens, batch.positions, settings.ttt_steps, batch.layout)
+    logits = run(batch.aux, batch.tokens, batch.positions, settings.ttt_steps, batch.layout, batch.rows)
     T = batch.tokens.shape[0]
     layout, mask = batch.layout, batch.mask
-    t = torch.arange(T, device=mask.device)
+    every = torch.arange(T, device=mask.device)
     per_doc = torch.zeros(len(layout.lengths), device=mask.device).index_add_(0, layout.doc_id, mask.float())
     per_token = 1.0 / (per_doc.clamp(min=1)[layout.doc_id] * windows_in_step)
     total = torch.zeros((), device=mask.device)
     per_step = []
     for k, lg in enumerate(logits):
+        t = batch.rows.index if k >= 1 and batch.rows is not None else every  # the rows step k ran over
         target_tok = t + 2 + k  # step k at t predicts token t+2+k against the target's distribution at t+1+k
         j = (t + 1 + k).clamp(max=T - 1)
-        w = (target_tok < layout.end) & (mask[target_tok.clamp(max=T - 1)] == 1) & model.t2d[teacher_argmax[j]]
-        loss_k = soft_cross_entropy(lg, teacher_p, j, w * per_token)
+        w = (target_tok < layout.end[t]) & (mask[target_tok.clamp(max=T - 1)] == 1) & model.t2d[teacher_argmax[j]]
+        loss_k = soft_cross_entropy(lg, teacher_p, j, w * per_token[t])
         per_step.append(loss_k)
         total = total + settings.step_decay**k * loss_k
     return total, torch.stack(per_step).detach()
@@ -400,7 +402,8 @@ class FixedWindows:
         cuda = self.device.type == "cuda"
         mine = windows[self.dist.rank :: self.dist.world_size]
         aux_dtype = torch.bfloat16 if cuda else torch.float32
-        return pack_windows(self.source, mine or windows[:1], aux_dtype, pin=cuda, waste=2.0 if cuda else 1.1)
+        waste = 2.0 if cuda else 1.1
+        return pack_windows(self.source, mine or windows[:1], aux_dtype, cuda, waste, self.settings.ttt_steps)
 
 
 def prefetched(make: Callable[[T], R], items: Sequence[T], depth: int) -> Generator[R, None, None]:
@@ -557,6 +560,10 @@ class Trainer:
         self.tokens_done = 0  # this process's run (a resumed run counts from its resume)
         self.tokens_counted = 0  # of tokens_done, those already added to history.tokens (which a resume carries over)
         self.flops_per_token = 0.0
+        self.rows = [
+            0,
+            0,
+        ]  # this process's (positions, of them those TTT steps >= 1 ran over), from the batches' shapes
         self.peak = peak_tflops(self.device)
         self.clock = Clock(self.device)
         self.first_step, self.last_log = 0, 0.0  # for the progress log's rate
@@ -596,8 +603,11 @@ class Trainer:
             self.history.compiled = compile_mlp(self.model, self.device, self.log)
         if self.dist.world_size > 1:
             self.module = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+        self.flops_per_token = self.flops_at(1.0)
+
+    def flops_at(self, later_share: float) -> float:
         mean_window = self.data.mean_window_tokens()
-        self.flops_per_token = train_flops_per_token(self.model.cfg, self.settings.ttt_steps, mean_window)["total"]
+        return train_flops_per_token(self.model.cfg, self.settings.ttt_steps, mean_window, later_share)["total"]
 
     def resume(self) -> None:
         """Weights, optimizer, scheduler, RNG, position and record from the checkpoint, when it is of this data
@@ -625,6 +635,9 @@ class Trainer:
         device, in `pending` (nothing here reads a device value on the host)."""
         mine = bool(windows[self.dist.rank :: self.dist.world_size])  # a rank without a window joins with weight 0
         self.tokens_done += sum(w.tokens for w in windows)
+        positions = batch.tokens.shape[0]
+        self.rows[0] += positions
+        self.rows[1] += len(batch.rows) if batch.rows is not None else positions
         batch = batch.to(self.device)
         self.opt.zero_grad(set_to_none=True)
         with autocast(self.device):
@@ -682,6 +695,9 @@ class Trainer:
         if self.clock.training > 0:
             rate = self.tokens_done / self.clock.training
             history.tokens_per_s = round(rate, 1)
+            if self.rows[0]:
+                history.later_steps_share = round(self.rows[1] / self.rows[0], 4)
+                self.flops_per_token = self.flops_at(history.later_steps_share)
             history.flops_per_token = self.flops_per_token
             peak, world = self.peak, self.dist.world_size
             history.mfu = round(rate / world * self.flops_per_token / (peak * 1e12), 4) if peak else None
