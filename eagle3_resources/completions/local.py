@@ -8,7 +8,8 @@ Sampling: transformers draws with `torch.multinomial`, which on a CPU costs ~60 
 over a 163,840-id vocabulary at batch 16, about 30x an inverse-CDF draw and more than the stand-in
 model's whole forward pass. So `generate` runs its greedy search behind `InverseCdfSampler`, a
 logits processor that draws the token itself (temperature, top-k, exact top-p) and leaves only
-that token finite.
+that token finite; it widens each row's top-k only as far as that row's nucleus and skips rows
+already finished.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from eagle3_resources.completions.types import (
@@ -33,42 +34,81 @@ from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, PAD, THINK_EN
 
 
 class InverseCdfSampler:
-    """A transformers logits processor that samples, so greedy search returns the sampled token."""
+    """A transformers logits processor that samples, so greedy search returns the sampled token.
 
-    def __init__(self, temperature: float, top_p: float | None, top_k: int | None, seed: int):
+    Exact top-p without a full sort: each row's sorted top-k is widened (`WIDTHS`, then the cap) only until it holds
+    that row's nucleus, so a peaked row costs a top-64. Rows already finished (a stop id among the tokens after
+    `prompt_width`) are not sampled: greedy search replaces their token with padding, and their flat distributions
+    would widen every row's top-k. One uniform draw per row per step whatever the rows' state, so a row's tokens
+    depend only on the seed and the step."""
+
+    WIDTHS = (64, 4096, 32768)
+
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int,
+        stops: Sequence[int] = (),
+        prompt_width: int | None = None,
+    ):
         import torch
 
         self.temperature = temperature
         self.top_p = top_p if top_p is not None and top_p < 1.0 else None
         self.top_k = top_k if top_k and top_k > 0 else None
         self.generator = torch.Generator().manual_seed(seed)
+        self.stops = torch.tensor(list(stops), dtype=torch.long)
+        self.prompt_width = prompt_width
 
     def __call__(self, input_ids, scores):
         import torch
 
         logits = scores.float() / self.temperature
-        vocab = logits.shape[-1]
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        if self.top_p is None and self.top_k is None:
-            idx = None
-            probs = (logits - lse).exp()
-        else:
-            # Widen a sorted top-k until it holds the whole nucleus (exact top-p without a full sort
-            # in the usual case of a peaked distribution).
-            cap = min(vocab, self.top_k or vocab)
-            for width in (min(cap, 4096), min(cap, 32768), cap):
-                vals, idx = logits.topk(width, dim=-1)  # sorted, descending
-                probs = (vals - lse).exp()
-                if self.top_p is None or width == cap or bool((probs.sum(-1) >= self.top_p).all()):
-                    break
-            if self.top_p is not None:  # the smallest prefix whose mass reaches top_p
-                probs = probs.masked_fill(probs.cumsum(-1) - probs >= self.top_p, 0.0)
-        cum = probs.cumsum(-1)
-        u = torch.rand((logits.shape[0], 1), generator=self.generator) * cum[:, -1:]
-        pick = torch.searchsorted(cum, u).clamp(max=cum.shape[-1] - 1)
-        token = pick if idx is None else idx.gather(-1, pick)
+        u = torch.rand((logits.shape[0], 1), generator=self.generator)
+        token = torch.zeros((logits.shape[0], 1), dtype=torch.long)
+        live = self.live_rows(input_ids, logits.shape[0])
+        if len(live):
+            token[live] = self.draw(logits[live], u[live])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, token.to(scores.device), 0.0)
+
+    def live_rows(self, input_ids, rows: int):
+        """The rows still generating (all of them when the stops or the prompt width are not known)."""
+        import torch
+
+        if input_ids is None or self.prompt_width is None or not len(self.stops):
+            return torch.arange(rows)
+        done = torch.isin(input_ids[:, self.prompt_width :].cpu(), self.stops).any(-1)
+        return (~done).nonzero().squeeze(1)
+
+    def draw(self, logits, u):
+        """One token per row of `logits` [n, vocab] (fp32, tempered), from the uniform draws `u` [n, 1]."""
+        import torch
+
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        if self.top_p is None and self.top_k is None:
+            cum = (logits - lse).exp().cumsum(-1)
+            return torch.searchsorted(cum, u * cum[:, -1:]).clamp(max=cum.shape[-1] - 1)
+        cap = min(logits.shape[-1], self.top_k or logits.shape[-1])
+        widths = [w for w in self.WIDTHS if w < cap and self.top_p is not None] + [cap]
+        token = torch.zeros_like(u, dtype=torch.long)
+        todo = torch.arange(logits.shape[0])
+        for width in widths:
+            vals, idx = logits[todo].topk(width, dim=-1)  # sorted, descending
+            probs = (vals - lse[todo]).exp()
+            held = probs.sum(-1) >= self.top_p if self.top_p is not None and width < cap else torch.ones_like(todo) > 0
+            vals, idx, probs, rows = vals[held], idx[held], probs[held], todo[held]
+            if self.top_p is not None:  # the smallest prefix whose mass reaches top_p
+                probs = probs.masked_fill(probs.cumsum(-1) - probs >= self.top_p, 0.0)
+            cum = probs.cumsum(-1)
+            pick = torch.searchsorted(cum, u[rows] * cum[:, -1:]).clamp(max=cum.shape[-1] - 1)
+            token[rows] = idx.gather(-1, pick)
+            todo = todo[~held]
+            if not len(todo):
+                break
+        return token
 
 
 def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[int], **fields) -> CompletionResult:
@@ -126,9 +166,12 @@ class TransformersBackend:
             mask[row, width - len(r.prompt_ids) :] = 1
         from transformers import LogitsProcessorList
 
+        stops = [self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)]
         processors = LogitsProcessorList()
         if settings.temperature > 0:
-            processors.append(InverseCdfSampler(settings.temperature, settings.top_p, settings.top_k, seed))
+            processors.append(
+                InverseCdfSampler(settings.temperature, settings.top_p, settings.top_k, seed, stops, prompt_width=width)
+            )
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids.to(self.model.device),
@@ -136,7 +179,7 @@ class TransformersBackend:
                 max_new_tokens=settings.max_tokens,
                 do_sample=False,
                 logits_processor=processors,
-                eos_token_id=[self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)],
+                eos_token_id=stops,
                 pad_token_id=pad,
             )
         return [row[width:].tolist() for row in out.cpu()]
