@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from eagle3_resources.completions.prompt_groups import prompt_groups
 from eagle3_resources.completions.types import (
     Attempt,
     CompletionRequest,
@@ -40,7 +41,7 @@ class InverseCdfSampler:
     that row's nucleus, so a peaked row costs a top-64. Rows already finished (a stop id among the tokens after
     `prompt_width`) are not sampled: greedy search replaces their token with padding, and their flat distributions
     would widen every row's top-k. One uniform draw per row per step whatever the rows' state, so a row's tokens
-    depend only on the seed and the step."""
+    depend only on its seed and the step (with one generator per row, not on the rows beside it)."""
 
     WIDTHS = (64, 4096, 32768)
 
@@ -49,7 +50,7 @@ class InverseCdfSampler:
         temperature: float,
         top_p: float | None,
         top_k: int | None,
-        seed: int,
+        seed: int | Sequence[int],
         stops: Sequence[int] = (),
         prompt_width: int | None = None,
     ):
@@ -58,7 +59,10 @@ class InverseCdfSampler:
         self.temperature = temperature
         self.top_p = top_p if top_p is not None and top_p < 1.0 else None
         self.top_k = top_k if top_k and top_k > 0 else None
-        self.generator = torch.Generator().manual_seed(seed)
+        # one generator for every row, or one per row (`seed` a sequence: row i's draws depend on seed[i] alone)
+        seeds = [seed] if isinstance(seed, int) else list(seed)
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.per_row = not isinstance(seed, int)
         self.stops = torch.tensor(list(stops), dtype=torch.long)
         self.prompt_width = prompt_width
 
@@ -66,7 +70,10 @@ class InverseCdfSampler:
         import torch
 
         logits = scores.float() / self.temperature
-        u = torch.rand((logits.shape[0], 1), generator=self.generator)
+        if self.per_row:
+            u = torch.cat([torch.rand((1, 1), generator=g) for g in self.generators])
+        else:
+            u = torch.rand((logits.shape[0], 1), generator=self.generators[0])
         token = torch.zeros((logits.shape[0], 1), dtype=torch.long)
         live = self.live_rows(input_ids, logits.shape[0])
         if len(live):
@@ -109,6 +116,11 @@ class InverseCdfSampler:
             if not len(todo):
                 break
         return token
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a batch seeded `seed` (distinct for every batch and row)."""
+    return (seed * 1_000_003 + row) % (1 << 63)
 
 
 def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[int], **fields) -> CompletionResult:
@@ -154,9 +166,21 @@ class TransformersBackend:
         return {"backend": self.name, "model_type": self.model.config.model_type, "batch_size": self.batch_size}
 
     def _generate(self, batch: list[CompletionRequest], settings: SamplingSettings, seed: int) -> list[list[int]]:
+        """Each prompt's generated ids, the batch generated in groups of similar prompt lengths (`prompt_groups`);
+        row i samples from its own generator (seed `row_seed(seed, i)`), so its tokens do not depend on the groups."""
+        use_torch_threads()  # generation runs in asyncio.to_thread's workers: torch's count is per thread
+        out: list[list[int]] = [[] for _ in batch]
+        for rows in prompt_groups([len(r.prompt_ids) for r in batch], settings.max_tokens):
+            generated = self._generate_padded([batch[i] for i in rows], settings, [row_seed(seed, i) for i in rows])
+            for i, ids in zip(rows, generated, strict=True):
+                out[i] = ids
+        return out
+
+    def _generate_padded(
+        self, batch: list[CompletionRequest], settings: SamplingSettings, seeds: list[int]
+    ) -> list[list[int]]:
         import torch
 
-        use_torch_threads()  # generation runs in asyncio.to_thread's workers: torch's count is per thread
         pad = self.tokenizer.token_id(PAD)
         width = max(len(r.prompt_ids) for r in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -170,7 +194,9 @@ class TransformersBackend:
         processors = LogitsProcessorList()
         if settings.temperature > 0:
             processors.append(
-                InverseCdfSampler(settings.temperature, settings.top_p, settings.top_k, seed, stops, prompt_width=width)
+                InverseCdfSampler(
+                    settings.temperature, settings.top_p, settings.top_k, seeds, stops, prompt_width=width
+                )
             )
         with torch.no_grad():
             out = self.model.generate(
