@@ -21,6 +21,10 @@ gain (1.45x idle), a thread too many 7-20x, hence the rule:
 
 `EAGLE3_TORCH_THREADS=N` (a positive integer) overrides it; `auto` or unset keeps the rule.
 
+Work that runs in rounds (the local completions backend's batches) chooses again before each round from the load seen
+since the last one (`LoadWatch`, no waiting): a count chosen while idle and kept while other work arrives made a
+partition's batches take 88 s instead of 7 on the shared 2-core machine.
+
 torch's thread count belongs to the thread that sets it (OpenMP keeps it per thread, and a thread
 that has already run a parallel op keeps its count when another thread changes it), so
 `apply_torch_threads` sets it in the calling thread and `use_torch_threads` repeats the choice in
@@ -242,6 +246,60 @@ def apply_torch_threads(stage: str, log: Callable[[str], None] = print, sample_s
             except RuntimeError:  # inter-op work already started (or set elsewhere): torch refuses
                 interop = f"; inter-op threads stay {torch.get_num_interop_threads()}"
     log(f"torch threads for {stage}: {choice.threads} ({choice.reason}{interop})")
+    return choice.threads
+
+
+class LoadWatch:
+    """CPUs kept busy by other processes since the last look, without waiting: the interval between two looks is
+    the sample (`others_busy`'s rule otherwise: this process's own CPU time taken out, niced processes not counted).
+    """
+
+    MIN_INTERVAL_S = 0.25  # shorter looks are noise at /proc/stat's 10 ms resolution: the interval goes on
+
+    def __init__(self) -> None:
+        self.cpus = affinity_cpus()
+        try:
+            self.count_nice = os.nice(0) > 0
+        except OSError:
+            self.count_nice = True
+        self.quota = cgroup_quota()
+        self.mark = self._now()
+
+    def _now(self) -> tuple[tuple[int, int] | None, float, float]:
+        return _proc_stat(self.cpus, self.count_nice), time.process_time(), time.monotonic()
+
+    def others_busy(self) -> float | None:
+        """Since the last look (None: too soon to tell, or no /proc/stat)."""
+        (stat0, own0, wall0), now = self.mark, self._now()
+        if now[2] - wall0 < self.MIN_INTERVAL_S:
+            return None
+        self.mark = now
+        if stat0 is None or now[0] is None or now[0][1] <= stat0[1]:
+            return None
+        busy = (now[0][0] - stat0[0]) / (now[0][1] - stat0[1]) * len(self.cpus)
+        own = (now[1] - own0) / max(1e-6, now[2] - wall0)
+        return max(0.0, busy - own)
+
+
+def rechoose_torch_threads(watch: LoadWatch, stage: str, log: Callable[[str], None] = print) -> int:
+    """In the thread about to run a round of work: the count for the load since `watch`'s last look, set (and
+    logged) when it differs from this thread's; kept when the look is too short to tell or the count is fixed."""
+    global _chosen
+    import torch
+
+    current = torch.get_num_threads()
+    if parse_override(os.environ.get(ENV)) is not None:
+        return current
+    busy = watch.others_busy()
+    if busy is None:
+        return current
+    picture = CpuPicture(len(watch.cpus), watch.quota, busy, "since the last batch", local_processes())
+    choice = choose_threads(picture)
+    if choice.threads != current:
+        torch.set_num_threads(choice.threads)
+        with _lock:
+            _chosen = choice.threads
+        log(f"torch threads for {stage}: {current} -> {choice.threads} ({choice.reason})")
     return choice.threads
 
 

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -165,24 +167,20 @@ def test_bad_override_fails_a_real_process():
     assert "EAGLE3_TORCH_THREADS='many' is not valid" in out.stderr
 
 
-@pytest.mark.slow
-def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
-    cpus = cpu.affinity_cpus()
-    if len(cpus) < 2:
-        pytest.skip("one usable CPU: nothing fewer to choose")
-    idle = choose_threads(CpuPicture(len(cpus), cpu.cgroup_quota(), 0.0)).threads
-    # Each loop says when it spins: on a loaded machine an interpreter takes longer than any fixed wait to start.
+@contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """`n` Python processes spinning, started (each says when it spins: on a loaded machine an interpreter takes
+    longer than any fixed wait to start) and killed with their process group."""
     busy = [sys.executable, "-c", "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"]
     first = subprocess.Popen(busy, process_group=0, stdout=subprocess.PIPE)  # a process group of its own
     try:
         loops = [first] + [
-            subprocess.Popen(busy, process_group=first.pid, stdout=subprocess.PIPE) for _ in range(2 * len(cpus) - 1)
+            subprocess.Popen(busy, process_group=first.pid, stdout=subprocess.PIPE) for _ in range(n - 1)
         ]
         for loop in loops:
             assert loop.stdout is not None
             assert loop.stdout.read(1) == b"x"
-        time.sleep(0.2)
-        got = probe()
+        yield
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         try:
@@ -190,6 +188,17 @@ def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
                 pass
         except ChildProcessError:
             pass
+
+
+@pytest.mark.slow
+def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
+    cpus = cpu.affinity_cpus()
+    if len(cpus) < 2:
+        pytest.skip("one usable CPU: nothing fewer to choose")
+    idle = choose_threads(CpuPicture(len(cpus), cpu.cgroup_quota(), 0.0)).threads
+    with busy_loops(2 * len(cpus)):
+        time.sleep(0.2)
+        got = probe()
     # The busy loops (inheriting this process's affinity) fill every CPU the probe may use, so it takes one thread.
     # How busy it saw the CPUs is not this test's to say (other processes on a shared machine add to it, and the
     # probe's own share of the CPUs it competes for is taken out): only that the rule, applied to what it logged,
@@ -198,6 +207,28 @@ def test_a_loaded_machine_gets_fewer_threads_than_an_idle_one():
     seen = re.search(r"(\d+\.\d) busy with other processes \(/proc/stat", got["log"][0])
     assert seen, got["log"]
     assert choose_threads(CpuPicture(len(cpus), cpu.cgroup_quota(), float(seen[1]))).threads == 1, got
+
+
+def test_work_in_rounds_takes_fewer_threads_once_other_processes_fill_the_cpus():
+    """`rechoose_torch_threads` between rounds: the load since the last look, without waiting for a sample."""
+    import torch
+
+    cpus = cpu.affinity_cpus()
+    if len(cpus) < 2:
+        pytest.skip("one usable CPU: nothing fewer to choose")
+    before = torch.get_num_threads()
+    logged: list[str] = []
+    try:
+        torch.set_num_threads(2)
+        watch = cpu.LoadWatch()
+        with busy_loops(2 * len(cpus)):
+            watch.mark = watch._now()  # the interval starts with every CPU busy
+            time.sleep(1.0)
+            assert cpu.rechoose_torch_threads(watch, "rounds", logged.append) == torch.get_num_threads() == 1
+        assert logged and logged[0].startswith("torch threads for rounds: 2 -> 1 ("), logged
+        assert cpu.rechoose_torch_threads(watch, "rounds", logged.append) == 1  # a look too soon keeps the count
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_worker_threads_take_the_chosen_count():

@@ -29,7 +29,7 @@ from eagle3_resources.completions.types import (
     RequestFeed,
     SamplingSettings,
 )
-from eagle3_resources.cpu import apply_torch_threads, use_torch_threads
+from eagle3_resources.cpu import LoadWatch, apply_torch_threads, rechoose_torch_threads, use_torch_threads
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, PAD, THINK_END
 
@@ -161,6 +161,7 @@ class TransformersBackend:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.log = log or logging.getLogger(__name__).info
+        self.watch: LoadWatch | None = None  # set by `run`, after the partition's first choice of threads
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "model_type": self.model.config.model_type, "batch_size": self.batch_size}
@@ -169,6 +170,8 @@ class TransformersBackend:
         """Each prompt's generated ids, the batch generated in groups of similar prompt lengths (`prompt_groups`);
         row i samples from its own generator (seed `row_seed(seed, i)`), so its tokens do not depend on the groups."""
         use_torch_threads()  # generation runs in asyncio.to_thread's workers: torch's count is per thread
+        if self.watch is not None:  # the load since the last batch, not only at the partition's start
+            rechoose_torch_threads(self.watch, "local completions", self.log)
         out: list[list[int]] = [[] for _ in batch]
         for rows in prompt_groups([len(r.prompt_ids) for r in batch], settings.max_tokens):
             generated = self._generate_padded([batch[i] for i in rows], settings, [row_seed(seed, i) for i in rows])
@@ -213,6 +216,7 @@ class TransformersBackend:
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
         await asyncio.to_thread(apply_torch_threads, "local completions", self.log)  # the load now, not at start-up
+        self.watch = LoadWatch()
         batch_no = 0
         while True:
             batch: list[Attempt] = []
