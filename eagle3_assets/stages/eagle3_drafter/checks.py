@@ -12,7 +12,7 @@ MIN_ACCEPT_LENGTH = 1.5
 
 
 def drafter_keys(checkpoint: Path) -> CheckOutcome:
-    """The checkpoint's keys, shapes and dtypes are exactly what SGLang's `LlamaForCausalLMEagle3` loads. When it fails:
+    """The checkpoint's keys, shapes and dtypes are exactly what SGLang loads for its kind. When it fails:
     do not serve it (SGLang would load it with random weights and accept nothing); the metadata lists the keys."""
     problems = check_checkpoint(checkpoint)
     return CheckOutcome(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_assets.stages.eagle3_drafter.model import DocLayout, rms_norm, ttt_attention
+from eagle3_assets.stages.eagle3_drafter.model import DocLayout, QueryRows, rms_norm, ttt_attention
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -263,14 +263,19 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(s.kv_lora_rank, h * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * s.v_head_dim, hidden_size, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]],
-        layout: DocLayout | None = None,
-    ) -> torch.Tensor:
-        """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's."""
+    @property
+    def scale(self) -> float:
+        return self.shape.softmax_scale
+
+    @property
+    def cache_dims(self) -> tuple[int, int]:
+        """(key, value) channels per head of what `project` returns (the incremental decoder caches them)."""
+        return self.shape.qk_head_dim, self.shape.v_head_dim
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k [h, L, nope + rope] (rope applied to the last rope channels; one rope key shared by every head) and
+        v [h, L, v_head_dim] of the rows x [L, 2H] at `positions` [L]: the decompressed form of SGLang's latent cache
+        (c and the rope key per token), whose scores and outputs are the same."""
         s = self.shape
         L, h = x.shape[0], s.num_attention_heads
         nope, rot, vd = s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim
@@ -286,7 +291,21 @@ class MLAAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin, s.rope_interleave)], -1)  # [h, L, nope + rope]
         k_rot = apply_rope(k_rot, cos, sin, s.rope_interleave)  # [L, rope]: one rope key shared by every head
         k = torch.cat([k_nope, k_rot[None].expand(h, L, rot)], -1)
+        return q, k, v
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: DocLayout | None = None,
+        rows: QueryRows | None = None,
+    ) -> torch.Tensor:
+        """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's. At a step >= 1
+        given `rows`, x and positions are those rows' ([K, 2H], [K]); step 0's cache entry covers every position."""
+        s = self.shape
+        L, h, vd = x.shape[0], s.num_attention_heads, s.v_head_dim
+        q, k, v = self.project(x, positions)
         # ttt_attention takes q, k and v of one width: zero channels added to v (or to q and k, when values are the
         # wider) change neither the scores nor the kept part of the output, sliced back below.
         width = max(s.qk_head_dim, vd)
@@ -294,5 +313,5 @@ class MLAAttention(nn.Module):
         cache.append((k, v))
         k0, v0 = cache[0]
         chain_k, chain_v = [e[0] for e in cache[1:]], [e[1] for e in cache[1:]]
-        out = ttt_attention(q, k0, v0, chain_k, chain_v, s.softmax_scale, layout)[..., :vd]
+        out = ttt_attention(q, k0, v0, chain_k, chain_v, s.softmax_scale, layout, rows)[..., :vd]
         return self.o_proj(out.transpose(0, 1).reshape(L, h * vd))

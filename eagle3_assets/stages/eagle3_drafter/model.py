@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter, written to match SGLang's `LlamaForCausalLMEagle3` weight for weight.
+"""The EAGLE-3 drafter, written to match SGLang's `LlamaForCausalLMEagle3` weight for weight (kind `eagle3_llama`),
+or its Kimi-K2.x MLA draft `Eagle3DeepseekV2ForCausalLM` (kinds `eagle3_mla`, `eagle3_1_mla`: see DRAFTER_KINDS).
 
     fc:        [3H_t] -> [H]           the target's three auxiliary hidden states, fused
     midlayer:  one Llama decoder layer whose attention reads cat[input_layernorm(embed(token)),
@@ -7,7 +8,8 @@
                which target ids are in the draft vocabulary
 The token embedding is the target's, frozen, and not part of the checkpoint (SGLang shares the
 target's). The hidden state handed to the next draft step is the pre-norm residual sum, as in
-SGLang's draft decode.
+SGLang's draft decode (EAGLE 3.1's `norm_output`: the normed one). The MLA kinds replace the attention by
+`mla.MLAAttention` (q and kv LoRA projections, one rope key shared by the heads); EAGLE 3.1 adds `fc_norm`.
 
 Training-time test (TTT) unrolls k draft steps. Step k at position t drafts the token k+2 places
 ahead of t: its query sits at rope position t+k and attends to every step-0 key at positions
@@ -25,11 +27,25 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from eagle3_assets.stages.eagle3_drafter.mla import MLAAttention, MLAShape
+
+
+# The drafter kinds (`DrafterConfig.drafter_kind`), each the checkpoint layout of one SGLang 0.5.23 draft model:
+#   eagle3_llama  LlamaForCausalLMEagle3: a Llama decoder layer (GQA attention); for Llama/Qwen-style targets
+#   eagle3_mla    Eagle3DeepseekV2ForCausalLM (models/kimi_k25_eagle3.py): the same layer with DeepSeek-V2
+#                 multi-latent attention (`mla.MLAAttention`), the draft KV cache as small as an MLA target's
+#   eagle3_1_mla  the same with EAGLE 3.1's two flags: `fc_norm` (an RMSNorm per aux state before fc) and
+#                 `norm_output` (the post-norm hidden, not the pre-norm residual sum, goes to the next draft step)
+DRAFTER_KINDS = ("eagle3_llama", "eagle3_mla", "eagle3_1_mla")
+MLA_KINDS = ("eagle3_mla", "eagle3_1_mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass
@@ -38,16 +54,72 @@ class DrafterConfig:
     target_hidden_size: int
     intermediate_size: int
     num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    num_key_value_heads: int  # MLA kinds: the heads (each has its own decompressed key)
+    head_dim: int  # MLA kinds: qk_nope_head_dim + qk_rope_head_dim
     vocab_size: int  # the target's
     draft_vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    drafter_kind: str = "eagle3_llama"  # one of DRAFTER_KINDS
+    # MLA kinds only (None otherwise): `mla.MLAShape`'s fields, named as in config.json
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_scaling: dict[str, Any] | None = None  # `YarnScaling.to_config()`'s form (MLA kinds; None: no scaling)
+    rope_interleave: bool = True  # DeepSeek's rope pairs (2i, 2i+1); False: rotate-half
+
+    def __post_init__(self) -> None:
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter_kind {self.drafter_kind!r} is not one of {list(DRAFTER_KINDS)}")
+        missing = [f for f in MLA_FIELDS if getattr(self, f) is None]
+        if self.is_mla and missing:
+            raise ValueError(f"a {self.drafter_kind} drafter needs its MLA shape: {missing} unset")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.drafter_kind in MLA_KINDS
+
+    @property
+    def fc_norm(self) -> bool:
+        """EAGLE 3.1: an RMSNorm over each aux state before fc."""
+        return self.drafter_kind == "eagle3_1_mla"
+
+    @property
+    def norm_output(self) -> bool:
+        """EAGLE 3.1: the next draft step (and TTT step) gets the post-norm hidden, not the pre-norm residual sum."""
+        return self.drafter_kind == "eagle3_1_mla"
+
+    def mla_shape(self) -> MLAShape:
+        from eagle3_assets.stages.eagle3_drafter.mla import MLAShape, YarnScaling
+
+        if not self.is_mla:
+            raise ValueError(f"a {self.drafter_kind} drafter has no MLA shape")
+        return MLAShape(
+            num_attention_heads=self.num_attention_heads,
+            q_lora_rank=int(self.q_lora_rank or 0),
+            kv_lora_rank=int(self.kv_lora_rank or 0),
+            qk_nope_head_dim=int(self.qk_nope_head_dim or 0),
+            qk_rope_head_dim=int(self.qk_rope_head_dim or 0),
+            v_head_dim=int(self.v_head_dim or 0),
+            rope_theta=self.rope_theta,
+            rope_scaling=YarnScaling.from_config(self.rope_scaling, self.max_position_embeddings),
+            rope_interleave=self.rope_interleave,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """The draft's KV cache per token in the server (one layer): MLA's latent and rope key, or GQA's keys and
+        values."""
+        from eagle3_assets.stages.eagle3_drafter.mla import llama_kv_bytes_per_token
+
+        if self.is_mla:
+            return self.mla_shape().kv_bytes_per_token(dtype_bytes)
+        return llama_kv_bytes_per_token(self.num_key_value_heads, self.head_dim, dtype_bytes)
 
     @classmethod
     def of_width(cls, hidden_size: int, **fields: Any) -> DrafterConfig:
@@ -59,6 +131,27 @@ class DrafterConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
+            **fields,
+        )
+
+    @classmethod
+    def mla_of(cls, kind: str, hidden_size: int, shape: MLAShape, **fields: Any) -> DrafterConfig:
+        """An MLA-kind drafter (`kind` in MLA_KINDS) `hidden_size` wide with attention `shape`; `fields`: the rest."""
+        return cls(
+            hidden_size=hidden_size,
+            target_hidden_size=fields.pop("target_hidden_size", hidden_size),
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_attention_heads,
+            head_dim=shape.qk_head_dim,
+            drafter_kind=kind,
+            q_lora_rank=shape.q_lora_rank,
+            kv_lora_rank=shape.kv_lora_rank,
+            qk_nope_head_dim=shape.qk_nope_head_dim,
+            qk_rope_head_dim=shape.qk_rope_head_dim,
+            v_head_dim=shape.v_head_dim,
+            rope_theta=shape.rope_theta,
+            rope_scaling=shape.rope_scaling.to_config() if shape.rope_scaling else None,
+            rope_interleave=shape.rope_interleave,
             **fields,
         )
 
@@ -84,6 +177,14 @@ def loads_at_tp(num_attention_heads: int, num_key_value_heads: int, tp: int) -> 
     if num_attention_heads % tp:
         return False
     return num_key_value_heads % tp == 0 if num_key_value_heads >= tp else tp % num_key_value_heads == 0
+
+
+def mla_loads_at_tp(num_attention_heads: int, hidden_size: int, intermediate_size: int, tp: int) -> bool:
+    """SGLang's rule for the EAGLE-3 MLA draft (models/kimi_k25_eagle3.py): DeepseekV2AttentionMLA asserts the heads
+    split evenly over the attention TP ranks (q_b_proj, kv_b_proj and o_proj are split by head; the fused down
+    projection is replicated); the dense MLP's intermediate size and the fc's output (the hidden size, a
+    ColumnParallelLinear) split evenly too."""
+    return num_attention_heads % tp == 0 and intermediate_size % tp == 0 and hidden_size % tp == 0
 
 
 def default_learning_rate(hidden_size: int) -> float:
@@ -396,6 +497,28 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.cfg.head_dim)
+
+    @property
+    def cache_dims(self) -> tuple[int, int]:
+        """(key, value) channels per head of what `project` returns (the incremental decoder caches them)."""
+        return self.cfg.head_dim, self.cfg.head_dim
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [h, L, d] of the rows x [L, 2H] at `positions` [L]: rope on q and k, the KV heads repeated."""
+        cfg = self.cfg
+        L = x.shape[0]
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cos_sin = rope_angles(positions, d, cfg.rope_theta)
+        q = rope(self.q_proj(x).view(L, h, d).transpose(0, 1), positions, cfg.rope_theta, cos_sin)  # [h, L, d]
+        k = rope(self.k_proj(x).view(L, kv, d).transpose(0, 1), positions, cfg.rope_theta, cos_sin)
+        v = self.v_proj(x).view(L, kv, d).transpose(0, 1)
+        if kv != h:
+            k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -406,20 +529,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [L, 2H] at one TTT step; `cache` holds (k, v) of earlier steps and receives this one's. At a step >= 1
         given `rows`, x and positions are those rows' ([K, 2H], [K]); step 0's cache entry covers every position."""
-        cfg = self.cfg
         L = x.shape[0]
-        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos_sin = rope_angles(positions, d, cfg.rope_theta)
-        q = rope(self.q_proj(x).view(L, h, d).transpose(0, 1), positions, cfg.rope_theta, cos_sin)  # [h, L, d]
-        k = rope(self.k_proj(x).view(L, kv, d).transpose(0, 1), positions, cfg.rope_theta, cos_sin)
-        v = self.v_proj(x).view(L, kv, d).transpose(0, 1)
-        if kv != h:
-            k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
+        q, k, v = self.project(x, positions)
         cache.append((k, v))
         k0, v0 = cache[0]
         chain_k, chain_v = [c[0] for c in cache[1:]], [c[1] for c in cache[1:]]
-        out = ttt_attention(q, k0, v0, chain_k, chain_v, 1.0 / math.sqrt(d), layout, rows)
-        return self.o_proj(out.transpose(0, 1).reshape(L, h * d))
+        out = ttt_attention(q, k0, v0, chain_k, chain_v, self.scale, layout, rows)
+        return self.o_proj(out.transpose(0, 1).reshape(L, -1))
 
 
 class MLP(nn.Module):
@@ -439,7 +555,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn: Attention | MLAAttention
+        if cfg.is_mla:
+            from eagle3_assets.stages.eagle3_drafter.mla import MLAAttention
+
+            self.self_attn = MLAAttention(cfg.hidden_size, cfg.mla_shape(), cfg.rms_norm_eps)
+        else:
+            self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, embeds, hidden, positions, cache, layout: DocLayout | None = None, rows: QueryRows | None = None):
@@ -459,6 +581,12 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # EAGLE 3.1: one RMSNorm per aux state, before fc (SGLang's `fc_norm.{i}.weight`)
+        self.fc_norm = (
+            nn.ModuleList(nn.RMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps) for _ in range(3))
+            if cfg.fc_norm
+            else None
+        )
         self.midlayer = DecoderLayer(cfg)
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -477,6 +605,19 @@ class Eagle3Drafter(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Step 0's hidden [L, H] from the target's aux states [L, 3H_t]: fc, after each state's norm (EAGLE 3.1)."""
+        if self.fc_norm is not None:
+            norms = [n for n in self.fc_norm if isinstance(n, nn.RMSNorm)]
+            aux = torch.cat([rms_norm(n, a) for n, a in zip(norms, aux.chunk(len(norms), -1), strict=True)], -1)
+        return self.fc(aux)
+
+    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the draft vocabulary, the hidden handed to the next draft step) of the layer's output `out`
+        (the pre-norm residual sum): that sum itself, or under `norm_output` (EAGLE 3.1) its normed form."""
+        normed = rms_norm(self.norm, out)
+        return self.lm_head(normed), normed if self.cfg.norm_output else out
 
     def forward(
         self,
@@ -508,7 +649,7 @@ class Eagle3Drafter(nn.Module):
         rows only and their logits are [K, V] in the rows' order (step 0's stay [L, V]).
         """
         L = tokens.shape[0]
-        hidden = self.fc(aux)
+        hidden = self.project(aux)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []
         t = torch.arange(L, device=tokens.device)
@@ -519,8 +660,8 @@ class Eagle3Drafter(nn.Module):
             src = t + 1 + k
             nxt = torch.where(src < end, tokens[src.clamp(max=L - 1)], 0) if L else tokens
             at = rows if k >= 1 else None
-            hidden = self.midlayer(self.embed(nxt), hidden, positions + k, cache, layout, at)
-            logits.append(self.lm_head(rms_norm(self.norm, hidden)))
+            step_logits, hidden = self.head(self.midlayer(self.embed(nxt), hidden, positions + k, cache, layout, at))
+            logits.append(step_logits)
         return logits
 
 
@@ -529,21 +670,41 @@ def train_flops_per_token(
 ) -> dict[str, float]:
     """Model FLOPs per trained token of one TTT unroll, forward and backward (the MFU numerator).
 
-    Matmuls (2 FLOPs per multiply-add): forward fc 3H_t x H, then per TTT step q/k/v on 2H, o, the
-    gated MLP (3 x H x I) and lm_head H x V_draft; backward twice each forward matmul (input and weight
-    gradients) except fc, whose input (the target's states) needs no gradient. Attention per step k,
-    useful work only: a query averages (L + 1) / 2 causal keys in a window of L tokens plus k chain keys,
-    4 x heads x head_dim FLOPs per query-key pair forward (QK^T and PV), 2.5x that backward (FlashAttention's
-    convention). Steps >= 1 run over `later_share` of the positions (`loss_rows`; 1: every one), each counted as an
-    average query. Not counted: the frozen embedding, norms, elementwise work, the teacher (the target's
-    head) and padding. Returns {"linear", "attention", "total"}.
+    Matmuls (2 FLOPs per multiply-add): forward fc 3H_t x H, then per TTT step the attention's projections
+    (`attention_projection_macs`: q/k/v on 2H and o; MLA kinds their LoRA down and up projections and o), the gated
+    MLP (3 x H x I) and lm_head H x V_draft; backward twice each forward matmul (input and weight gradients) except
+    fc, whose input (the target's states) needs no gradient unless EAGLE 3.1's fc_norm weights come before it.
+    Attention per step k, useful work only: a query averages (L + 1) / 2 causal keys in a window of L tokens plus k
+    chain keys, 2 x heads x (key dim + value dim) FLOPs per query-key pair forward (QK^T and PV; MLA: nope + rope key
+    channels, v_head_dim value channels), 2.5x that backward (FlashAttention's convention). Steps >= 1 run over
+    `later_share` of the positions (`loss_rows`; 1: every one), each counted as an average query. Not counted: the
+    frozen embedding, norms, elementwise work, the teacher (the target's head), the channels padded for the fused
+    kernel, and padding. Returns {"linear", "attention", "total"}.
     """
     H, Ht, inter, V = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
-    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_step = 2 * H * (qd + 2 * kvd) + qd * H + 3 * H * inter + H * V  # multiply-adds
+    per_step = attention_projection_macs(cfg) + 3 * H * inter + H * V  # multiply-adds
     fc = 3 * Ht * H
     steps_run = min(1, ttt_steps) + max(0, ttt_steps - 1) * later_share  # step 0 everywhere, the rest on the share
-    linear = 2 * (fc + steps_run * per_step) + 2 * 2 * (steps_run * per_step) + 2 * fc
+    fc_backward = 2 if cfg.fc_norm else 1  # its weight's gradient; its input's too when fc_norm's weights train
+    linear = 2 * (fc + steps_run * per_step) + 2 * 2 * (steps_run * per_step) + 2 * fc_backward * fc
     pairs = sum(((mean_window + 1) / 2 + k) * (1.0 if k == 0 else later_share) for k in range(ttt_steps))
-    attention = 4 * qd * pairs * (1 + 2.5)
+    if cfg.is_mla:
+        s = cfg.mla_shape()
+        key_dim, value_dim = s.qk_head_dim, s.v_head_dim
+    else:
+        key_dim = value_dim = cfg.head_dim
+    attention = 2 * cfg.num_attention_heads * (key_dim + value_dim) * pairs * (1 + 2.5)
     return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+def attention_projection_macs(cfg: DrafterConfig) -> int:
+    """Multiply-adds per token of the attention's projections at one TTT step (its input is 2H wide)."""
+    H = cfg.hidden_size
+    if cfg.is_mla:
+        s = cfg.mla_shape()
+        h = s.num_attention_heads
+        down = 2 * H * (s.q_lora_rank + s.kv_lora_rank + s.qk_rope_head_dim)  # q_a_proj and kv_a_proj_with_mqa
+        up = s.q_lora_rank * h * s.qk_head_dim + s.kv_lora_rank * h * (s.qk_nope_head_dim + s.v_head_dim)
+        return down + up + h * s.v_head_dim * H  # and o_proj
+    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return 2 * H * (qd + 2 * kvd) + qd * H

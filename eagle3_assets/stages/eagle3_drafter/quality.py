@@ -3,7 +3,6 @@ speculative decoding with the target on the eval split's prompts, checked lossle
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +52,9 @@ def eval_prompts(merged: pl.DataFrame, n: int, max_prompt_tokens: int = 1024) ->
 
 
 def drafter_from_checkpoint(folder: Path, embed: torch.Tensor) -> tuple[Eagle3Drafter, DrafterConfig]:
-    cfg_json = json.loads((Path(folder) / "config.json").read_text())
-    cfg = DrafterConfig(**{f: cfg_json[f] for f in DrafterConfig.__dataclass_fields__ if f in cfg_json})
+    """The drafter a checkpoint folder holds, of its kind (read from its config.json), its weights loaded."""
     ckpt = read_checkpoint(Path(folder))
+    cfg = ckpt.drafter_config
     model = Eagle3Drafter(cfg, embed, ckpt.draft_ids)
     ckpt.load_into(model)
     return model.eval(), cfg

@@ -8,7 +8,8 @@ Hugging Face target with a KV cache, and checks the output is the target's own g
 One round, verified context = positions 0..t, the target's next token x[t+1] (the "bonus") known:
 1. draft: the drafter proposes d1..dk in a chain (top-1). Step 0 at position t reads
    fc(aux[t]) and embed(x[t+1]) -> d1 (this step-0 row was already computed when position t was
-   verified, see 3); step i >= 1 reads the previous step's pre-norm hidden state and embed(d_i),
+   verified, see 3); step i >= 1 reads the previous step's hidden state (pre-norm; EAGLE 3.1's
+   `norm_output`: post-norm) and embed(d_i),
    rope position t+i, and attends to the step-0 keys of positions 0..t plus its own chain's keys
    -- exactly what `Eagle3Drafter.unroll` (TTT) trains step i at position t on.
 2. verify: ONE target forward over [x[t+1], d1..dk] (positions t+1..t+k+1) with the KV cache and
@@ -46,7 +47,6 @@ its tokens/s say little about a GPU-served Kimi, whose decode steps are memory-b
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +55,8 @@ from typing import Any, Literal, Protocol, overload
 import torch
 from transformers import GenerationConfig
 
-from eagle3_assets.stages.eagle3_drafter.model import Attention, DecoderLayer, Eagle3Drafter, rope
+from eagle3_assets.stages.eagle3_drafter.mla import MLAAttention
+from eagle3_assets.stages.eagle3_drafter.model import Attention, DecoderLayer, Eagle3Drafter
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 from eagle3_resources.hidden_states.transformers_backend import text_causal_lm
 
@@ -79,33 +80,28 @@ class ChainDrafter(Protocol):
 
 @dataclass
 class _DraftState:
-    keys: torch.Tensor  # [heads, T, head_dim] step-0 keys of verified positions 0..T-1 (roped)
-    values: torch.Tensor
-    root: torch.Tensor | None = None  # [H] pre-norm step-0 hidden state at position T-1
+    keys: torch.Tensor  # [heads, T, key dim] step-0 keys of verified positions 0..T-1 (roped)
+    values: torch.Tensor  # [heads, T, value dim]
+    root: torch.Tensor | None = None  # [H] the layer's step-0 output (pre-norm) at position T-1
 
 
 def _attend(
-    attn: Attention, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    attn: Attention | MLAAttention, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of new rows x [n, 2H] over past keys (all visible) and each other (causal).
 
-    Same arithmetic as `Attention.forward` (rope, repeated kv heads, float softmax), but with a
-    prefix cache, so inference computes what TTT trained. Returns (out [n, H], k, v) of the rows.
+    The layer's own projections (`project`: rope, repeated KV heads; for MLA the decompressed per-head keys and
+    values of SGLang's latent cache) and a float softmax over a prefix cache, so inference computes what TTT trained
+    through another attention path. Returns (out [n, H], k, v) of the rows.
     """
-    cfg = attn.cfg
     n = x.shape[0]
-    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = rope(attn.q_proj(x).view(n, h, d).transpose(0, 1), positions, cfg.rope_theta)
-    k = rope(attn.k_proj(x).view(n, kv, d).transpose(0, 1), positions, cfg.rope_theta)
-    v = attn.v_proj(x).view(n, kv, d).transpose(0, 1)
-    if kv != h:
-        k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
+    q, k, v = attn.project(x, positions)
     keys, values = torch.cat([past_k, k], 1), torch.cat([past_v, v], 1)
     past = past_k.shape[1]
     visible = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
-    scores = (q @ keys.transpose(1, 2) / math.sqrt(d)).masked_fill(~visible, float("-inf"))
+    scores = (q @ keys.transpose(1, 2) * attn.scale).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores.float(), -1).to(q.dtype)
-    out = attn.o_proj((probs @ values).transpose(0, 1).reshape(n, h * d))
+    out = attn.o_proj((probs @ values).transpose(0, 1).reshape(n, -1))
     return out, k, v
 
 
@@ -141,11 +137,11 @@ class Eagle3ChainDrafter:
         return self.state
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        cfg = self.drafter.cfg
-        empty = torch.zeros(
-            cfg.num_attention_heads, 0, cfg.head_dim, dtype=self._param.dtype, device=self._param.device
-        )
-        self.state = _DraftState(keys=empty, values=empty.clone())
+        heads = self.drafter.cfg.num_attention_heads
+        key_dim, value_dim = self.drafter.midlayer.self_attn.cache_dims
+        p = self._param
+        keys = torch.zeros(heads, 0, key_dim, dtype=p.dtype, device=p.device)
+        self.state = _DraftState(keys=keys, values=torch.zeros(heads, 0, value_dim, dtype=p.dtype, device=p.device))
 
     @torch.inference_mode()
     def extend(self, aux: torch.Tensor, next_tokens: Sequence[int]) -> None:
@@ -155,7 +151,7 @@ class Eagle3ChainDrafter:
         start = s.keys.shape[1]
         positions = torch.arange(start, start + aux.shape[0], device=aux.device)
         tokens = torch.as_tensor(list(next_tokens), dtype=torch.long, device=aux.device)
-        out, k, v = _layer(m.midlayer, m.embed(tokens), m.fc(aux), positions, s.keys, s.values)
+        out, k, v = _layer(m.midlayer, m.embed(tokens), m.project(aux), positions, s.keys, s.values)
         s.keys, s.values, s.root = torch.cat([s.keys, k], 1), torch.cat([s.values, v], 1), out[-1]
 
     @torch.inference_mode()
@@ -168,18 +164,20 @@ class Eagle3ChainDrafter:
         s, m = self._current(), self.drafter
         if s.root is None:
             raise RuntimeError("extend() the sequence with its prompt before drafting")
-        logits = [m.lm_head(m.norm(s.root))]
+        root_logits, handed = m.head(s.root[None])  # handed on: the root itself, or its normed form (norm_output)
+        logits = [root_logits[0]]
         picks = [int(m.draft_ids[logits[0].argmax()])]
-        hidden, root_pos = s.root, s.keys.shape[1] - 1
+        hidden, root_pos = handed[0], s.keys.shape[1] - 1
         past_k, past_v = s.keys, s.values
         for i in range(1, k):
             token = forced[i - 1] if forced is not None else picks[-1]
             embeds = m.embed(torch.tensor([token], device=hidden.device))
             pos = torch.tensor([root_pos + i], device=hidden.device)
             out, kk, vv = _layer(m.midlayer, embeds, hidden[None], pos, past_k, past_v)
-            hidden = out[0]
+            step_logits, handed = m.head(out)
+            hidden = handed[0]
             past_k, past_v = torch.cat([past_k, kk], 1), torch.cat([past_v, vv], 1)  # chain keys: this round only
-            logits.append(m.lm_head(m.norm(hidden)))
+            logits.append(step_logits[0])
             picks.append(int(m.draft_ids[logits[-1].argmax()]))
         return picks, logits
 
