@@ -13,7 +13,8 @@ import torch
 
 from eagle3_assets.stages.eagle3_drafter import speculative
 from eagle3_assets.stages.eagle3_drafter.checks import drafter_beats_floor
-from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.mla import MLAShape
+from eagle3_assets.stages.eagle3_drafter.model import DRAFTER_KINDS, MLA_KINDS, DrafterConfig, Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config
 from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality
 from eagle3_assets.stages.eagle3_drafter.speculative import (
@@ -53,18 +54,23 @@ def references(target_model, prompts) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): greedy_generate(target_model, p, 40, NO_EOS)[0] for p in prompts}
 
 
-@pytest.fixture(scope="module")
-def untrained(target_resource, tokenizer_resource, target_model, references) -> Eagle3Drafter:
-    """A random drafter for the stand-in, built as pipeline.py builds one."""
+def standin_drafter(target_resource, tokenizer_resource, references, kind: str = "auto") -> Eagle3Drafter:
+    """A random drafter of `kind` for the stand-in, built as pipeline.py builds one."""
     folder = target_resource.folder(tokenizer_resource, log=lambda m: None)
     target_config = json.loads((folder / "config.json").read_text())
     embed, _ = load_embed_and_head(folder)
     counts = Counter(t for ref in references.values() for t in ref)
     size = effective_draft_vocab_size(256, len(counts))
     draft_ids = build_draft_vocab(counts, size, embed.shape[0])
-    cfg = drafter_config(target_config, target_config["hidden_size"], size, embed.shape[0])
+    cfg = drafter_config(target_config, target_config["hidden_size"], size, embed.shape[0], kind)
     torch.manual_seed(0)
     return Eagle3Drafter(cfg, embed, draft_ids)
+
+
+@pytest.fixture(scope="module")
+def untrained(target_resource, tokenizer_resource, target_model, references) -> Eagle3Drafter:
+    """A random drafter of the stand-in's default kind."""
+    return standin_drafter(target_resource, tokenizer_resource, references)
 
 
 class ScriptedDrafter:
@@ -241,20 +247,27 @@ def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, u
     torch.testing.assert_close(fed, expected[: fed.shape[0]], rtol=1e-4, atol=1e-4)
 
 
-def test_incremental_chain_computes_what_ttt_trains():
-    """Teacher-forced, the incremental drafter's chain logits equal `unroll`'s at the chain's root."""
-    cfg = DrafterConfig(
-        hidden_size=32,
-        target_hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=500,
-        draft_vocab_size=64,
+def chain_test_config(kind: str) -> DrafterConfig:
+    common = {"intermediate_size": 64, "vocab_size": 500, "draft_vocab_size": 64}
+    if kind in MLA_KINDS:  # 8 heads of 8 nope + 4 rope key channels, values 8 wide, LoRA ranks 16
+        return DrafterConfig.mla_of(kind, 32, MLAShape.of_width(32), **common)
+    return DrafterConfig(
+        hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **common
     )
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_incremental_chain_computes_what_ttt_trains(kind):
+    """Teacher-forced, the incremental drafter's chain logits (its own prefix-cache attention: MLA's decompressed
+    keys and values for the MLA kinds, the post-norm hidden handed on for EAGLE 3.1) equal `unroll`'s at the chain's
+    root, and so do its proposals and the unroll's argmax."""
+    cfg = chain_test_config(kind)
     torch.manual_seed(1)
     model = Eagle3Drafter(cfg, torch.randn(500, 32), torch.arange(0, 128, 2)).eval()
+    with torch.no_grad():  # norms not all ones: fc_norm and a norm applied once too often show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn_like(p))
     L, steps = 20, 4
     aux, tokens = torch.randn(L, 96), torch.randint(0, 500, (L,))
     with torch.no_grad():
@@ -266,9 +279,42 @@ def test_incremental_chain_computes_what_ttt_trains():
         chain.extend(aux[:cut], tokens[1 : cut + 1].tolist())
         if cut <= root:
             chain.extend(aux[cut : root + 1], tokens[cut + 1 : root + 2].tolist())
-        _, logits = chain.chain(steps, forced=tokens[root + 2 : root + 1 + steps].tolist())
+        picks, logits = chain.chain(steps, forced=tokens[root + 2 : root + 1 + steps].tolist())
         for i in range(steps):
             torch.testing.assert_close(logits[i], trained[i][root], rtol=1e-5, atol=1e-5)
+        assert picks == [int(model.draft_ids[trained[i][root].argmax()]) for i in range(steps)]
+
+
+class Steered(SpyChain):
+    """A real drafter (its cache checked by SpyChain) whose first two proposals of a round are the target's greedy
+    tokens, so rounds accept several drafts and the drafter's cache grows by several verified positions at once."""
+
+    def __init__(self, drafter, reference: list[int]):
+        super().__init__(drafter)
+        self.reference = reference
+
+    def propose(self, k):
+        picks = super().propose(k)  # the drafter's own chain runs every round
+        known = self.cached[-1] - self.prompt_len + 1  # greedy tokens verified beyond the prompt, the bonus included
+        return self.reference[known : known + 2] + picks[2:]
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_each_kind_decodes_as_the_target_greedily_does(
+    kind, target_resource, tokenizer_resource, target_model, prompts, references
+):
+    """Each kind's incremental decode (its own KV cache: GQA keys, or MLA's decompressed keys and values; the
+    pre- or post-norm hidden handed on) inside the lossless loop: the output is the target's greedy decoding, with
+    rounds rejecting at once (a random drafter) and rounds accepting two drafts (steered)."""
+    drafter = standin_drafter(target_resource, tokenizer_resource, references, kind).eval()
+    assert drafter.cfg.drafter_kind == kind
+    for p in prompts[:2]:
+        want = references[tuple(p)][:20]
+        assert speculative_generate(target_model, Eagle3ChainDrafter(drafter), p, K, 20, NO_EOS).output_ids == want
+        spy = Steered(drafter, references[tuple(p)])
+        run = speculative_generate(target_model, spy, p, K, 20, NO_EOS)
+        assert run.output_ids == want and min(run.accepted[:-1]) >= 2
+        assert all(b - a == n + 1 for a, b, n in zip(spy.cached, spy.cached[1:], run.accepted, strict=False))
 
 
 def test_eos_stops_both_decoders_at_the_same_token(target_model, untrained, prompts, references):

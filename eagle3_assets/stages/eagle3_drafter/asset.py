@@ -1,4 +1,5 @@
-"""`eagle3_drafter`: a trained EAGLE-3 drafter in SGLang's `LlamaForCausalLMEagle3` format."""
+"""`eagle3_drafter`: a trained EAGLE-3 drafter in the format SGLang serves for its kind (`LlamaForCausalLMEagle3`, or
+the Kimi-K2.x MLA draft `Eagle3DeepseekV2ForCausalLM`)."""
 
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from eagle3_assets.stages.eagle3_drafter.checks import (
     drafter_beats_floor,
     drafter_keys,
 )
-from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
+from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, drafter_config_from_json, trained_layer_ids
 from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
 from eagle3_assets.stages.eagle3_drafter.figures import best_checkpoint_plot
 from eagle3_assets.stages.eagle3_drafter.launch import run_torchrun
@@ -44,6 +45,15 @@ from eagle3_resources.tokenizer.resource import TokenizerResource
 class DrafterTrainConfig(dg.Config):
     draft_vocab_size: int = Field(
         default=32000, description="draft vocabulary; capped at the distinct loss tokens seen"
+    )
+    drafter_kind: str = Field(
+        default="auto",
+        description="the drafter trained and exported: `eagle3_llama` (SGLang's LlamaForCausalLMEagle3, a Llama "
+        "decoder layer with GQA attention), `eagle3_mla` (SGLang's Eagle3DeepseekV2ForCausalLM, the Kimi-K2.x draft "
+        "with the target's multi-latent attention: a draft KV cache of 1,152 bytes per token at Kimi width against "
+        "the Llama draft's 4,096), `eagle3_1_mla` (the same with EAGLE 3.1's fc_norm and norm_output); `auto` = "
+        "eagle3_mla for a target with MLA (its config has kv_lora_rank: DeepSeek-V3, Kimi-K2.5, the stand-in), "
+        "eagle3_llama for any other, a warm start's own kind with `init_from`",
     )
     ttt_steps: int = Field(default=7, description="training-time-test unroll length (SpecForge/EAGLE: 7)")
     step_decay: float = Field(default=0.8, description="loss weight of TTT step k is decay**k")
@@ -193,6 +203,7 @@ class DrafterTrainConfig(dg.Config):
             max_len=self.max_len,
             seed=self.seed,
             checkpoint_every=self.checkpoint_every,
+            drafter_kind=self.drafter_kind,
         )
 
 
@@ -480,7 +491,8 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
     op_tags={K8S_CONFIG_TAG: gpu_node_config()},  # a whole GPU node under the k8s executor
     kinds={"pytorch", "safetensors"},
     description="One-layer EAGLE-3 drafter trained with training-time test on the stored hidden states; exported "
-    "as config.json + bf16 safetensors with exactly the keys SGLang's LlamaForCausalLMEagle3 loads (checked). Not "
+    "as config.json + bf16 safetensors with exactly the keys SGLang loads for its kind (`drafter_kind`: "
+    "LlamaForCausalLMEagle3, or the MLA draft Eagle3DeepseekV2ForCausalLM, EAGLE 3 or 3.1; checked). Not "
     'partitioned: a backfill dialog\'s preview lists it under "No partitions available to materialize", yet a run '
     "over datasets builds it once, after their `token_ids`.",
 )
@@ -788,7 +800,10 @@ def decoding_metadata(report: DrafterReport, quality: SpeculativeQuality | None)
 def training_metadata(report: DrafterReport) -> dict:
     """What was trained, where, and how fast."""
     h = report.history
+    kind = drafter_config_from_json(report.config)
     return {
+        "drafter_kind": kind.drafter_kind,  # model.DRAFTER_KINDS
+        "draft_kv_bytes_per_token": kind.kv_bytes_per_token(),  # the served draft's KV cache, bf16, one layer
         "train_tokens": report.train_tokens,
         "samples_cut_into_windows": report.split_samples,
         "train_windows": report.windows,

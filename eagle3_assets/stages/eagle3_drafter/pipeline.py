@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,7 +27,8 @@ from eagle3_assets.stages.eagle3_drafter.data import (
     plan_windows,
 )
 from eagle3_assets.stages.eagle3_drafter.export import DrafterCheckpoint, export_checkpoint, read_checkpoint
-from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.mla import MLAShape
+from eagle3_assets.stages.eagle3_drafter.model import MLA_KINDS, DrafterConfig, Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head
 from eagle3_assets.stages.eagle3_drafter.train import (
@@ -76,19 +79,53 @@ class DrafterReport:
     best_checkpoint: dict[str, Any] | None = None  # the keeper's curve and best (None: the last step is exported)
 
 
+def has_mla(target_config: dict[str, Any]) -> bool:
+    """A DeepSeek-V3-family target with multi-latent attention (DeepSeek-V3, Kimi-K2.x's text config, the stand-in)."""
+    return target_config.get("kv_lora_rank") is not None
+
+
+def default_drafter_kind(target_config: dict[str, Any]) -> str:
+    """The kind `auto` trains: SGLang's MLA draft for an MLA target (what Kimi-K2.5 is served with), the Llama draft
+    for every other."""
+    return "eagle3_mla" if has_mla(target_config) else "eagle3_llama"
+
+
+def drafter_mla_shape(target_config: dict[str, Any], hidden_size: int) -> MLAShape:
+    """An MLA drafter's attention: the target's own (ranks, head dims, rope and its scaling), its heads raised to a
+    multiple of 8 so that the drafter loads at every TP size (`mla_loads_at_tp`; Kimi's 64 stay 64, the stand-in's 4
+    become 8) and a q_lora_rank where the target has none (SGLang's draft requires one); for a target without MLA,
+    `MLAShape.of_width`'s Kimi proportions at the target's rope theta."""
+    if not has_mla(target_config):
+        theta = target_config.get("rope_theta") or (target_config.get("rope_parameters") or {}).get("rope_theta")
+        return MLAShape.of_width(hidden_size, rope_theta=float(theta or 10000.0))
+    own = MLAShape.from_config(
+        {**target_config, "q_lora_rank": target_config.get("q_lora_rank") or MLAShape.of_width(hidden_size).q_lora_rank}
+    )
+    return dataclasses.replace(own, num_attention_heads=8 * math.ceil(own.num_attention_heads / 8))
+
+
 def drafter_config(
-    target_config: dict[str, Any], hidden_size: int, draft_vocab_size: int, vocab_size: int
+    target_config: dict[str, Any], hidden_size: int, draft_vocab_size: int, vocab_size: int, kind: str = "auto"
 ) -> DrafterConfig:
+    """The drafter of `kind` (`model.DRAFTER_KINDS`; "auto": `default_drafter_kind`) for a target of this (text)
+    config, `hidden_size` wide."""
+    kind = default_drafter_kind(target_config) if kind == "auto" else kind
+    common: dict[str, Any] = {
+        "intermediate_size": int(target_config.get("intermediate_size") or 4 * hidden_size),
+        "vocab_size": vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "rms_norm_eps": float(target_config.get("rms_norm_eps") or 1e-6),
+        "max_position_embeddings": int(target_config.get("max_position_embeddings") or 4096),
+    }
+    if kind in MLA_KINDS:
+        return DrafterConfig.mla_of(kind, hidden_size, drafter_mla_shape(target_config, hidden_size), **common)
     return DrafterConfig.of_width(
         hidden_size,
-        intermediate_size=int(target_config.get("intermediate_size") or 4 * hidden_size),
-        vocab_size=vocab_size,
-        draft_vocab_size=draft_vocab_size,
-        rms_norm_eps=float(target_config.get("rms_norm_eps") or 1e-6),
         rope_theta=float(
             target_config.get("rope_theta") or (target_config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         ),
-        max_position_embeddings=int(target_config.get("max_position_embeddings") or 4096),
+        drafter_kind=kind,
+        **common,
     )
 
 
@@ -229,7 +266,14 @@ def build_drafter(job: DrafterJob, hidden_size: int, train_ids: list[str], dev: 
     target_config = target_config.get("text_config", target_config)
     embed, head = load_embed_and_head(Path(job.target_folder))
     vocab = draft_vocabulary(job, train_ids, embed.shape[0])
-    cfg = drafter_config(target_config, hidden_size, vocab.size, embed.shape[0])
+    kind = job.settings.drafter_kind
+    if kind == "auto" and vocab.warm is not None:
+        kind = vocab.warm.drafter_kind  # a warm start goes on with its own kind
+    cfg = drafter_config(target_config, hidden_size, vocab.size, embed.shape[0], kind)
+    job.log(
+        f"drafter kind {cfg.drafter_kind} ({'chosen' if job.settings.drafter_kind != 'auto' else 'auto'}): "
+        f"{cfg.num_attention_heads} heads, draft KV cache {cfg.kv_bytes_per_token()} bytes per token (bf16)"
+    )
     torch.manual_seed(job.settings.seed)
     model = Eagle3Drafter(cfg, embed, vocab.draft_ids)
     if vocab.warm is not None:
@@ -268,6 +312,7 @@ def export_report(
                     steps=job.settings.ttt_steps, ceiling=job.settings.ttt_steps + 1
                 ),
                 "target": Path(job.target_folder).name,  # a name, not this machine's path
+                "drafter_kind": built.model.cfg.drafter_kind,
             }
             | outcome.extra
         },

@@ -66,7 +66,12 @@ from eagle3_assets.stages.eagle3_drafter.data import (
     plan_steps,
 )
 from eagle3_assets.stages.eagle3_drafter.loss import soft_cross_entropy
-from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter, default_learning_rate, train_flops_per_token
+from eagle3_assets.stages.eagle3_drafter.model import (
+    DRAFTER_KINDS,
+    Eagle3Drafter,
+    default_learning_rate,
+    train_flops_per_token,
+)
 from eagle3_assets.stages.eagle3_drafter.rank_zero import RankZeroWord
 from eagle3_resources.atomic_files import fsync_dir
 from eagle3_resources.errors import DrafterError
@@ -91,6 +96,12 @@ class TrainSettings:
     seed: int = 0
     checkpoint_every: int = 50  # optimizer steps between training checkpoints (and one at the end)
     compile: bool | None = None  # torch.compile the MLP block; None: on CUDA only (never needed for correctness)
+    # `model.DRAFTER_KINDS`, or "auto": by the target (`pipeline.default_drafter_kind`; a warm start's own kind)
+    drafter_kind: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.drafter_kind != "auto" and self.drafter_kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter_kind {self.drafter_kind!r} is not 'auto' or one of {list(DRAFTER_KINDS)}")
 
 
 @dataclass
@@ -617,6 +628,9 @@ class Trainer:
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
         if state["fingerprint"] != self.fingerprint:
             self.log("drafter: the training checkpoint is of other data or settings; starting afresh")
+            return
+        if set(state["model"]) != set(self.model.state_dict()):  # `auto` resolved to another kind since
+            self.log("drafter: the training checkpoint is of another drafter kind or shape; starting afresh")
             return
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
