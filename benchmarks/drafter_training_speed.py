@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -170,7 +171,7 @@ def timed_training(o: SpeedOptions, p: Prepared, dev: torch.device, log) -> Time
     to the end of step `warmup + steps`; the set-up before it is `to_first_timed_step_s`. With `budget_s`, the run
     ends early after the first timed step whose successor (taking as long as it did) would end past the budget: the
     figures are from the timed steps done."""
-    extra = {} if o.compile is None else {"compile": o.compile}
+    extra: dict[str, Any] = {} if o.compile is None else {"compile": o.compile}
     settings = TrainSettings(
         ttt_steps=7,
         epochs=1,

@@ -26,7 +26,7 @@ import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -136,7 +136,7 @@ def test_kinds_have_their_own_layouts():
 
 
 def test_auto_picks_mla_for_mla_targets_and_the_shape_is_the_targets_own():
-    standin = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "q_lora_rank": 32}
+    standin: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "q_lora_rank": 32}
     standin |= {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}
     standin |= {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "max_position_embeddings": 16384}
     qwen = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8}
@@ -342,7 +342,7 @@ class SGLangDraftModel(SGLangMLADraft):
         interpreter = DraftInterpreter(self.constructors, names, tp)
         scope = {"config": Config(**copy.deepcopy(config)), "quant_config": None, "prefix": ""}
         interpreter.run([ast.parse("model = Eagle3DeepseekV2ForCausalLM(config, quant_config, prefix)").body[0]], scope)
-        return scope["model"]
+        return cast(SimpleNamespace, scope["model"])
 
     @staticmethod
     def params(module: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:

@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import pytest
 import torch
@@ -248,7 +249,7 @@ def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, u
 
 
 def chain_test_config(kind: str) -> DrafterConfig:
-    common = {"intermediate_size": 64, "vocab_size": 500, "draft_vocab_size": 64}
+    common: dict[str, Any] = {"intermediate_size": 64, "vocab_size": 500, "draft_vocab_size": 64}
     if kind in MLA_KINDS:  # 8 heads of 8 nope + 4 rope key channels, values 8 wide, LoRA ranks 16
         return DrafterConfig.mla_of(kind, 32, MLAShape.of_width(32), **common)
     return DrafterConfig(
