@@ -41,8 +41,15 @@ PROCESS_HOOKS = REPO / "tests" / "process_hooks"  # its sitecustomize slows each
 DELAY_ENV = "EAGLE3_TEST_BEST_EVAL_DELAY_S"
 LOAD_DELAY_ENV = "EAGLE3_TEST_TARGET_LOAD_DELAY_S"  # its sitecustomize slows rank 0's target load as much
 # 12 optimizer steps over 3 epochs; evaluated at 4, 8 and 12, where step 8 decodes best (the curve is checked)
-SETTINGS = TrainSettings(
-    ttt_steps=3, epochs=3, batch_tokens=256, max_len=64, seed=1, checkpoint_every=4, warmup_steps=2
+SETTINGS = TrainSettings(  # the Llama kind: the curve below (step 8 decodes best) is this kind's on this data
+    ttt_steps=3,
+    epochs=3,
+    batch_tokens=256,
+    max_len=64,
+    seed=1,
+    checkpoint_every=4,
+    warmup_steps=2,
+    drafter_kind="eagle3_llama",
 )
 CONFIG = DrafterTrainConfig(best_every=4, best_prompts_per_kind=1, spec_eval_new_tokens=16, spec_draft_steps=3)
 TIMEOUT_S = 6.0  # the collective timeout of the test's process group: well above the waits a step has on its own

@@ -77,8 +77,15 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
     assert isinstance(plot, str) and plot.startswith("![plot](data:image/png;base64,")
     ckpt = data_dir_with_standin / "eagle3_drafter"
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
-        assert len(set(f.keys())) == 15
+        keys = set(f.keys())
     cfg = json.loads((ckpt / "config.json").read_text())
+    # the stand-in target has MLA, so `auto` trains the MLA draft: 18 tensors as SGLang lays it out
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and len(keys) == 18
+    assert {
+        "layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "layers.0.self_attn.kv_b_proj.weight",
+        "lm_head.weight",
+    } <= keys
     assert cfg["vocab_size"] == 163840 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's key: inputs of the next layers
     assert str(data_dir_with_standin) not in json.dumps(cfg)  # no machine path in a checkpoint that travels

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_assets.stages.eagle3_drafter.model import DocLayout, QueryRows, rms_norm, ttt_attention
+from eagle3_assets.stages.eagle3_drafter.attention import DocLayout, QueryRows, rms_norm, ttt_attention
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
