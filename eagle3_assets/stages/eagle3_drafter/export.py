@@ -149,6 +149,24 @@ def trained_layer_ids(config: dict[str, Any]) -> list[int]:
     return [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
 
 
+def vocabulary_and_eagle_fields(cfg: DrafterConfig, aux_layer_ids: list[int]) -> dict[str, Any]:
+    """The fields every kind's config.json ends with: the vocabularies, untied head, the aux layer ids (SGLang's under
+    `eagle_config`, vLLM's at the top level, each in its own convention) and the dtype."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids),
+        "torch_dtype": "bfloat16",
+    }
+
+
 def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """SGLang reads the ids under `eagle_config`, vLLM at the top level, each in its own convention."""
     if cfg.is_mla:
@@ -167,17 +185,7 @@ def config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[str, A
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux_layer_ids),
-            "use_aux_hidden_state": True,
-        },
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids),
-        "torch_dtype": "bfloat16",
+        **vocabulary_and_eagle_fields(cfg, aux_layer_ids),
         **(extra or {}),
     }
 
@@ -197,19 +205,9 @@ def mla_config_json(cfg: DrafterConfig, aux_layer_ids: list[int], extra: dict[st
         "num_key_value_heads": shape.num_attention_heads,
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
         "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux_layer_ids),
-            "use_aux_hidden_state": True,
-        },
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layer_ids),
-        "torch_dtype": "bfloat16",
+        **vocabulary_and_eagle_fields(cfg, aux_layer_ids),
         **(extra or {}),
     }
 
