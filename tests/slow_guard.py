@@ -4,7 +4,10 @@ Contributors run `pytest -m "not slow"` as their fast loop; a test that grows pa
 unmarked would quietly make that loop slow, so the full run (CI's) fails and names it.
 
 A test's time is its setup, call and teardown, less the setup of session-scoped fixtures (the
-stand-ins, a PostgreSQL server: built once per run and charged to whichever test asks first).
+stand-ins, a PostgreSQL server: built once per run and charged to whichever test asks first). Under
+pytest-xdist the fixtures are set up in a worker and the reports judged in the controller, so the
+worker writes each setup's session-fixture seconds into the report (`user_properties`), which
+xdist carries across.
 On a machine busier than its cores (the 1-minute load average above the CPU count) the limit
 grows in proportion, so other work slowing every test down does not fail the run; an idle or
 normally loaded machine keeps the minute. `EAGLE3_SLOW_TEST_S` sets the limit (default 60).
@@ -14,10 +17,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import pytest
 
 LIMIT_ENV = "EAGLE3_SLOW_TEST_S"
+SESSION_FIXTURE_S = "slow_guard_session_fixture_s"
 DEFAULT_LIMIT_S = 60.0
 
 
@@ -53,11 +58,22 @@ class SlowGuard:
         if fixturedef.scope == "session":
             self.session_fixture_s += time.monotonic() - started
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
+        """Runs where the test ran (an xdist worker, or the only process): the session fixtures set up since the
+        last setup report go into this one."""
+        outcome = yield
+        if call.when == "setup":
+            outcome.get_result().user_properties.append((SESSION_FIXTURE_S, self.session_fixture_s - self.charged))
+            self.charged = self.session_fixture_s
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Runs where the run is judged (xdist's controller, or the only process)."""
         seconds = report.duration
         if report.when == "setup":
-            seconds -= self.session_fixture_s - self.charged
-            self.charged = self.session_fixture_s
+            for key, value in report.user_properties:
+                if key == SESSION_FIXTURE_S and isinstance(value, float):
+                    seconds -= value
             if "slow" in report.keywords:
                 self.slow.add(report.nodeid)
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + max(0.0, seconds)
