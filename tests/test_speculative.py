@@ -425,7 +425,7 @@ def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
             )
             for drafter in (ScriptedDrafter(references, [True, True, False]), untrained)
         ]
-    outcome = drafter_beats_floor(SpeculativeQuality(*reports).figures(), margin=-math.inf)
+    outcome = drafter_beats_floor(SpeculativeQuality(reports[0], reports[1]).figures(), margin=-math.inf)
     print(corruption, outcome.description)
     if corruption == "none":
         assert outcome.passed and outcome.metadata["lossless"] is True
@@ -486,7 +486,7 @@ def test_a_flip_at_a_tie_the_dtype_cannot_resolve_is_told_from_a_loop_that_is_no
             assert d.logit_gap == pytest.approx(1.0, abs=1e-5)
         assert d.tie is (kind == "tie") and result.lossless_up_to_ties is (kind == "tie")
         assert report.totals()["mismatched_at_ties"] == (1 if kind == "tie" else 0)
-    outcome = drafter_beats_floor(SpeculativeQuality(*reports).figures(), margin=-math.inf)
+    outcome = drafter_beats_floor(SpeculativeQuality(reports[0], reports[1]).figures(), margin=-math.inf)
     if kind == "tie":
         assert outcome.passed and "lossless up to 2 tie(s)" in outcome.description
     else:

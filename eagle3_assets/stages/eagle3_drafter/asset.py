@@ -1,6 +1,7 @@
 """`eagle3_drafter`: a trained EAGLE-3 drafter in the format SGLang serves for its kind (`LlamaForCausalLMEagle3`, or
 the Kimi-K2.x MLA draft `Eagle3DeepseekV2ForCausalLM`)."""
 
+import json
 from pathlib import Path
 
 import dagster as dg
@@ -10,13 +11,14 @@ from pydantic import Field
 from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
-from eagle3_assets.common.outcome import check_specs, to_results
+from eagle3_assets.common.outcome import CheckOutcome, check_specs, to_results
 from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointPlan
 from eagle3_assets.stages.eagle3_drafter.checks import (
     DRAFTER_CHECKS,
     drafter_accept_length,
     drafter_beats_floor,
     drafter_keys,
+    drafter_matches_capture,
 )
 from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, drafter_config_from_json, trained_layer_ids
 from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
@@ -37,6 +39,7 @@ from eagle3_assets.stages.hidden_states.asset import hidden_states
 from eagle3_assets.stages.hidden_states.selection import target_identity
 from eagle3_resources.errors import DrafterError
 from eagle3_resources.hidden_states.resource import HiddenStatesBackendKind, HiddenStatesResource
+from eagle3_resources.hidden_states.store import MANIFEST
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -484,7 +487,11 @@ def accept_length_metadata(report: DrafterReport, real: dict | None, previous: d
 
 
 @dg.asset(
-    check_specs=check_specs("eagle3_drafter", DRAFTER_CHECKS, blocking={"sglang_keys"}),
+    # the release gate: a drafter SGLang cannot load, that reads other layers or ids than it was trained on, or that
+    # decodes no better than an untrained one blocks everything downstream of it
+    check_specs=check_specs(
+        "eagle3_drafter", DRAFTER_CHECKS, blocking={"sglang_keys", "matches_capture", "speculative_gain"}
+    ),
     deps=[hidden_states],
     group_name="training",
     pool="gpu",
@@ -520,13 +527,19 @@ def eagle3_drafter(
         report = train_in_this_process(context, config, store, folder, target, tokenizer, merged)
     problems = check_checkpoint(report.checkpoint)
     quality = None
-    if config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9:
+    # an export that does not load is not decoded: the gate fails on it (sglang_keys says why)
+    if (
+        not problems
+        and config.spec_eval_prompts > 0
+        and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9
+    ):
         how = DecodeEval(
             prompts=config.spec_eval_prompts,
             max_new_tokens=config.spec_eval_new_tokens,
             draft_steps=config.spec_draft_steps,
             seed=config.seed,
-            aux_layer_ids=trained_layer_ids(report.config),
+            # re-read from the exported files, as a server reads them, not the report's copy
+            aux_layer_ids=trained_layer_ids(json.loads((report.checkpoint / "config.json").read_text())),
             proxy=target.path is None,
         )
         model = target.load_model(tokenizer, context.log.info)
@@ -534,10 +547,15 @@ def eagle3_drafter(
     real = quality.figures() if quality else None
     outcomes = {
         "sglang_keys": drafter_keys(report.checkpoint),
+        "matches_capture": drafter_matches_capture(
+            report.checkpoint, captured_layer_ids(store, config), report.draft_ids
+        ),
         "accept_length": drafter_accept_length(
             report.trained["accept_length"], report.untrained["accept_length"], config.min_accept_length
         ),
-        "speculative_gain": drafter_beats_floor(real, config.min_accept_gain),
+        "speculative_gain": drafter_beats_floor(real, config.min_accept_gain)
+        if not problems
+        else CheckOutcome(False, f"not decoded: the exported checkpoint does not load ({problems[0]})", {}),
     }
     history = drafter_history(context.instance, context.assets_def.key)
     previous = history[-1] if history else None
@@ -555,6 +573,15 @@ def eagle3_drafter(
             "path": path_value(report.checkpoint),
         },
     )
+
+
+def captured_layer_ids(store: DataStore, config: DrafterTrainConfig) -> list[int] | None:
+    """The target layers the training data was captured from: the hidden-state store's manifest (None when it was
+    streamed through a spool instead)."""
+    if config.streaming_spool_gb is not None:
+        return None
+    manifest = store.layout.hidden_states() / MANIFEST
+    return list(json.loads(manifest.read_text())["aux_layer_ids"]) if manifest.is_file() else None
 
 
 def train_in_this_process(

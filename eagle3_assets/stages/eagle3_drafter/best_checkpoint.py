@@ -46,9 +46,10 @@ from typing import Any
 
 import polars as pl
 
-from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.eagle3_drafter.export import export_checkpoint, read_checkpoint
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
+from eagle3_assets.stages.eagle3_drafter.quality import UNREGISTERED as UNREGISTERED
+from eagle3_assets.stages.eagle3_drafter.quality import dataset_kind as dataset_kind
 from eagle3_assets.stages.eagle3_drafter.quality import drafter_from_checkpoint
 from eagle3_assets.stages.eagle3_drafter.rank_zero import Ranks, RankZeroWord
 from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative
@@ -57,7 +58,6 @@ from eagle3_resources.atomic_files import write_json_atomic
 from eagle3_resources.errors import DrafterError
 
 CURVE_FILE = "curve.json"
-UNREGISTERED = "unregistered"  # the kind of a dataset the registry does not name
 
 
 @dataclass(frozen=True)
@@ -104,12 +104,6 @@ def plan_from_spec(
         max_new_tokens=int(best["max_new_tokens"]),
         draft_steps=int(best["draft_steps"]),
     )
-
-
-def dataset_kind(dataset: str, registry: Mapping[str, Any] = DATASETS) -> str:
-    """The prompt kind (chat, reasoning, function-calling, code) the dataset registry gives a dataset."""
-    spec = registry.get(dataset)
-    return str(spec.kind) if spec is not None else UNREGISTERED
 
 
 def prompts_by_kind(

@@ -77,6 +77,9 @@ class DrafterReport:
     split_samples: int = 0  # samples longer than max_len, trained as several windows
     windows: int = 0
     best_checkpoint: dict[str, Any] | None = None  # the keeper's curve and best (None: the last step is exported)
+    # the target ids of the draft vocabulary the trainer built (empty: not recorded): the release gate checks the
+    # exported d2t against them
+    draft_ids: list[int] = field(default_factory=list)
 
 
 def has_mla(target_config: dict[str, Any]) -> bool:
@@ -332,6 +335,7 @@ def export_report(
         split_samples=splits.train.split_samples,
         windows=len(splits.train.windows),
         best_checkpoint=outcome.best,
+        draft_ids=built.model.draft_ids.cpu().tolist(),
     )
 
 

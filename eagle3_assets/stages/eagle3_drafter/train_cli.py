@@ -130,6 +130,7 @@ def report_json(report: DrafterReport) -> dict[str, Any]:
         "split_samples": report.split_samples,
         "windows": report.windows,
         "best_checkpoint": report.best_checkpoint,
+        "draft_ids": report.draft_ids,
     }
 
 
@@ -149,6 +150,7 @@ def report_from_json(d: dict[str, Any]) -> DrafterReport:
         split_samples=d["split_samples"],
         windows=d["windows"],
         best_checkpoint=d.get("best_checkpoint"),
+        draft_ids=d.get("draft_ids", []),
     )
 
 
