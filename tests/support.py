@@ -127,6 +127,12 @@ def build_source_tree(dest: Path) -> Path:
     return dest
 
 
+# One or two datasets of the shipped samples train a drafter that accepts almost nothing (real accept length 1.09-1.10
+# against the untrained 1.02, measured on B6 and on B6+B7): the release gate rightly blocks it. Runs that small, whose
+# test is about something else, measure the gain without requiring it (`eagle3 run --config`).
+GAIN_NOT_REQUIRED = "ops:\n  eagle3_drafter:\n    config:\n      min_accept_gain: null\n"
+
+
 def extract_merged(merged, target_model, root: Path) -> None:
     """A merged set's hidden states in a store at `root`, extracted by the transformers backend (no disk check)."""
     from eagle3_resources.hidden_states.extract import StoreSettings, extract_to_store

@@ -10,6 +10,7 @@ import dagster as dg
 import polars as pl
 import pytest
 from safetensors import safe_open
+from support import GAIN_NOT_REQUIRED
 from test_descriptions import unquoted_special_tokens
 
 from eagle3_assets.common.registry import DatasetSpec
@@ -36,8 +37,10 @@ def env_for(tmp_path, data_dir):
 @pytest.mark.timeout(1800)
 def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_dir_with_standin):
     env = env_for(tmp_path, data_dir_with_standin)
+    config = tmp_path / "run_config.yaml"
+    config.write_text(GAIN_NOT_REQUIRED)
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6,B7"],
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6,B7", "--config", str(config)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -54,6 +57,10 @@ def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_
             assert [r.job_name for r in runs] == ["eagle3_pipeline"] and runs[0].status == dg.DagsterRunStatus.SUCCESS
             # the origin a launched run has, so the UI's landing page (the timeline) shows it (test_run_origin.py)
             assert runs[0].remote_job_origin == workspace_job_origin("eagle3_pipeline")
+            # `--config` reached the drafter: the gate measured the gain and said it was not required
+            checked = instance.all_logs(runs[0].run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+            [gain] = [e.message for e in checked if "'speculative_gain'" in e.message]
+            assert "passed" in gain and "gain not required" in gain, gain
             for key in ASSETS:
                 assert instance.get_latest_materialization_event(dg.AssetKey(key)) is not None, key
             for ds in ("B6", "B7"):

@@ -141,7 +141,7 @@ def _execute(
         return result, run
 
 
-def run_pipeline(datasets: list[str] | None) -> int:
+def run_pipeline(datasets: list[str] | None, config_file: str | None = None) -> int:
     home = dagster_home()
     span = _dataset_range(datasets)
     if span is None:
@@ -149,7 +149,10 @@ def run_pipeline(datasets: list[str] | None) -> int:
     start, end = span
     print(f"DAGSTER_HOME={home}\nEAGLE3_DATA_DIR={default_data_dir()}\nrunning eagle3_pipeline for {start}...{end}")
     started = time.monotonic()
-    result, run = _execute(_pipeline_job, start, end)
+    import yaml
+
+    run_config = yaml.safe_load(Path(config_file).read_text()) if config_file else None
+    result, run = _execute(_pipeline_job, start, end, run_config)
     minutes = (time.monotonic() - started) / 60
     drafter = default_data_dir() / "eagle3_drafter"
     print(f"run {result.run_id}: {run.status.value} in {minutes:.1f} min")
@@ -386,6 +389,11 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     p_run.add_argument(
         "--real-prompts", action="store_true", help="import each dataset's real source (EAGLE3_PROMPTS=real)"
     )
+    p_run.add_argument(
+        "--config",
+        help="a Dagster run config YAML for the run (as `dagster job launch --config` takes), e.g. "
+        "ops: {eagle3_drafter: {config: {epochs: 6}}}",
+    )
     p_prompts = sub.add_parser("prompts", help="build raw_prompts only and report the import (nothing is spent)")
     p_prompts.add_argument("--datasets", help="contiguous datasets: A1,A2 or B1...B6 (default: all)")
     p_prompts.add_argument("--real", action="store_true", help="import the real sources named in data/datasets.yaml")
@@ -494,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if args.real_prompts:
             os.environ["EAGLE3_PROMPTS"] = "real"
-        return run_pipeline(args.datasets.split(",") if args.datasets else None)
+        return run_pipeline(args.datasets.split(",") if args.datasets else None, args.config)
     if args.command == "prompts":
         return prompts_command(
             args.datasets.split(",") if args.datasets else None, "real" if args.real else "sample", args.sources

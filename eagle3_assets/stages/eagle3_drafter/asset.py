@@ -101,10 +101,12 @@ class DrafterTrainConfig(dg.Config):
         "benchmarks/sglang_engine_speculative.py, then "
         "`python -m eagle3_assets.operations.record_figures` records it here)",
     )
-    min_accept_gain: float = Field(
+    min_accept_gain: float | None = Field(
         default=0.1,
-        description="the speculative_gain check fails unless the trained "
-        "drafter's real accept length beats the untrained one's by this much",
+        description="the speculative_gain check (blocking) fails unless the trained drafter's real accept length "
+        "beats the untrained one's by this much (and by twice the per-prompt gain's standard error); null: the gain "
+        "is measured and reported but not required (a run too small to train a useful drafter, such as one dataset "
+        "of the shipped samples)",
     )
     checkpoint_every: int = Field(
         default=50,
