@@ -15,7 +15,12 @@ import torch
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.eagle3_drafter.export import read_checkpoint
 from eagle3_assets.stages.eagle3_drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.stages.eagle3_drafter.speculative import PromptResult, SpecDecodeReport, evaluate_speculative
+from eagle3_assets.stages.eagle3_drafter.speculative import (
+    PromptResult,
+    SpecDecodeReport,
+    accept_lengths,
+    evaluate_speculative,
+)
 
 UNREGISTERED = "unregistered"  # the kind of a dataset the registry does not name
 
@@ -27,8 +32,8 @@ def dataset_kind(dataset: str, registry: Mapping[str, Any] = DATASETS) -> str:
 
 
 def prompt_accept_length(p: PromptResult) -> float:
-    """One prompt's accept length, SGLang's definition: generated tokens / verify passes."""
-    return p.spec.tokens / max(1, len(p.spec.accepted))
+    """One prompt's accept length, SGLang's definition (`accept_lengths`); its token count when no verify ran."""
+    return accept_lengths(p.spec.tokens, p.spec.accepted)["accept_length_sglang"] or float(p.spec.tokens)
 
 
 @dataclass
