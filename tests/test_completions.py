@@ -14,7 +14,8 @@ from eagle3_assets.stages.completions.run import (
 )
 from eagle3_assets.stages.raw_prompts.prompts import prompts_frame, read_prompts
 from eagle3_assets.stages.token_ids.reconstruct import build_token_ids
-from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend
+from eagle3_resources.completions.local import TransformersBackend
+from eagle3_resources.completions.local_generate import InverseCdfSampler
 from eagle3_resources.completions.openrouter import OpenRouterBackend, request_body
 from eagle3_resources.completions.sglang import SGLangBackend
 from eagle3_resources.completions.types import SamplingSettings

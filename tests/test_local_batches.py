@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import torch
 
-from eagle3_resources.completions import local
-from eagle3_resources.completions.local import InverseCdfSampler, TransformersBackend, row_seed
+from eagle3_resources.completions import local_generate
+from eagle3_resources.completions.local import TransformersBackend
+from eagle3_resources.completions.local_generate import (
+    Decoding,
+    InverseCdfSampler,
+    generate_padded,
+    generate_rows,
+    prompt_seed,
+)
 from eagle3_resources.completions.prompt_groups import GenerationCost, prompt_groups
 from eagle3_resources.completions.types import CompletionRequest, SamplingSettings
 
@@ -61,12 +69,11 @@ def answer(ids: list[int]) -> list[int]:
 
 def test_a_prompt_generates_the_same_tokens_in_a_mixed_batch_and_alone(tok, target_model):
     prompts = [list(range(1000, 1000 + n)) for n in (12, 1200, 40, 9, 1100, 30)]  # two groups of very different lengths
-    batch = [CompletionRequest(f"p{i}", [], None, ids) for i, ids in enumerate(prompts)]
-    backend = TransformersBackend(target_model, tok, batch_size=len(batch))
-    settings = SamplingSettings(max_tokens=32, temperature=1.0, top_p=0.95, seed=0)
-    assert len(prompt_groups([len(p) for p in prompts], settings.max_tokens)) > 1
-    together = [answer(ids) for ids in backend._generate(batch, settings, seed=7)]
-    alone = [answer(backend._generate_padded([r], settings, [row_seed(7, i)])[0]) for i, r in enumerate(batch)]
+    decoding = Decoding.of(SamplingSettings(max_tokens=32, temperature=1.0, top_p=0.95, seed=0), tok)
+    seeds = [prompt_seed(7, f"p{i}") for i in range(len(prompts))]
+    assert len(prompt_groups([len(p) for p in prompts], decoding.max_tokens)) > 1
+    together = [answer(ids) for ids in generate_rows(target_model, prompts, decoding, seeds)]
+    alone = [answer(generate_padded(target_model, [p], decoding, [s])[0]) for p, s in zip(prompts, seeds, strict=True)]
     assert together == alone
     assert len({tuple(ids) for ids in together}) > 1  # not every row the same text
 
@@ -87,7 +94,7 @@ def test_a_rows_draws_depend_on_its_own_seed_alone():
     assert differs > 50
 
 
-def test_each_row_of_a_batch_is_seeded_by_its_place_in_the_batch(tok, target_model, monkeypatch):
+def test_each_row_of_a_batch_is_seeded_by_its_prompt(tok, target_model, monkeypatch):
     seen: list[list[int]] = []
 
     class Spy(InverseCdfSampler):
@@ -95,9 +102,11 @@ def test_each_row_of_a_batch_is_seeded_by_its_place_in_the_batch(tok, target_mod
             seen.append(list(args[3]))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(local, "InverseCdfSampler", Spy)
+    monkeypatch.setattr(local_generate, "InverseCdfSampler", Spy)
     lengths = [12, 1200, 40, 9, 1100, 30]
     batch = [CompletionRequest(f"p{i}", [], None, list(range(1000, 1000 + n))) for i, n in enumerate(lengths)]
-    TransformersBackend(target_model, tok, batch_size=6)._generate(batch, SamplingSettings(max_tokens=32), seed=5)
-    assert sorted(seen) == sorted([[row_seed(5, i) for i in g] for g in prompt_groups(lengths, 32)])
+    backend = TransformersBackend(target_model, tok, batch_size=6, lanes=1)
+    asyncio.run(backend._generate(batch, Decoding.of(SamplingSettings(max_tokens=32), tok), 5, 1))
+    want = [[prompt_seed(5, f"p{i}") for i in g] for g in prompt_groups(lengths, 32)]
+    assert sorted(seen) == sorted(want)
     assert len(seen) == 2

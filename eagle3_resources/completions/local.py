@@ -1,15 +1,10 @@
-"""In-process generation with transformers: the CPU default, on the stand-in target.
+"""The local completions backend: the target generates in-process with transformers (the CPU default, on the
+stand-in target), on one lane or several (`local_lanes`).
 
 The prompt ids come from our own chat format and the target's own output ids are kept, exactly
 as the SGLang backend does; the text split into reasoning and content mirrors what an API
-returns (reasoning before `</think>`, content after, `<|im_end|>` not shown).
-
-Sampling: transformers draws with `torch.multinomial`, which on a CPU costs ~60 ms per step
-over a 163,840-id vocabulary at batch 16, about 30x an inverse-CDF draw and more than the stand-in
-model's whole forward pass. So `generate` runs its greedy search behind `InverseCdfSampler`, a
-logits processor that draws the token itself (temperature, top-k, exact top-p) and leaves only
-that token finite; it widens each row's top-k only as far as that row's nucleus and skips rows
-already finished.
+returns (reasoning before `</think>`, content after, `<|im_end|>` not shown). How a batch is
+decoded and sampled: `local_generate`.
 """
 
 from __future__ import annotations
@@ -17,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from eagle3_resources.completions.prompt_groups import prompt_groups
+from eagle3_resources.completions.local_generate import Decoding, generate_rows, prompt_seed
+from eagle3_resources.completions.local_lanes import LaneModel, LaneProcesses, lane_shares
 from eagle3_resources.completions.types import (
     Attempt,
     CompletionRequest,
@@ -31,96 +27,7 @@ from eagle3_resources.completions.types import (
 )
 from eagle3_resources.cpu import LoadWatch, apply_torch_threads, rechoose_torch_threads, use_torch_threads
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
-from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, PAD, THINK_END
-
-
-class InverseCdfSampler:
-    """A transformers logits processor that samples, so greedy search returns the sampled token.
-
-    Exact top-p without a full sort: each row's sorted top-k is widened (`WIDTHS`, then the cap) only until it holds
-    that row's nucleus, so a peaked row costs a top-64. Rows already finished (a stop id among the tokens after
-    `prompt_width`) are not sampled: greedy search replaces their token with padding, and their flat distributions
-    would widen every row's top-k. One uniform draw per row per step whatever the rows' state, so a row's tokens
-    depend only on its seed and the step (with one generator per row, not on the rows beside it)."""
-
-    WIDTHS = (64, 4096, 32768)
-
-    def __init__(
-        self,
-        temperature: float,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | Sequence[int],
-        stops: Sequence[int] = (),
-        prompt_width: int | None = None,
-    ):
-        import torch
-
-        self.temperature = temperature
-        self.top_p = top_p if top_p is not None and top_p < 1.0 else None
-        self.top_k = top_k if top_k and top_k > 0 else None
-        # one generator for every row, or one per row (`seed` a sequence: row i's draws depend on seed[i] alone)
-        seeds = [seed] if isinstance(seed, int) else list(seed)
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
-        self.per_row = not isinstance(seed, int)
-        self.stops = torch.tensor(list(stops), dtype=torch.long)
-        self.prompt_width = prompt_width
-
-    def __call__(self, input_ids, scores):
-        import torch
-
-        logits = scores.float() / self.temperature
-        if self.per_row:
-            u = torch.cat([torch.rand((1, 1), generator=g) for g in self.generators])
-        else:
-            u = torch.rand((logits.shape[0], 1), generator=self.generators[0])
-        token = torch.zeros((logits.shape[0], 1), dtype=torch.long)
-        live = self.live_rows(input_ids, logits.shape[0])
-        if len(live):
-            token[live] = self.draw(logits[live], u[live])
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(-1, token.to(scores.device), 0.0)
-
-    def live_rows(self, input_ids, rows: int):
-        """The rows still generating (all of them when the stops or the prompt width are not known)."""
-        import torch
-
-        if input_ids is None or self.prompt_width is None or not len(self.stops):
-            return torch.arange(rows)
-        done = torch.isin(input_ids[:, self.prompt_width :].cpu(), self.stops).any(-1)
-        return (~done).nonzero().squeeze(1)
-
-    def draw(self, logits, u):
-        """One token per row of `logits` [n, vocab] (fp32, tempered), from the uniform draws `u` [n, 1]."""
-        import torch
-
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        if self.top_p is None and self.top_k is None:
-            cum = (logits - lse).exp().cumsum(-1)
-            return torch.searchsorted(cum, u * cum[:, -1:]).clamp(max=cum.shape[-1] - 1)
-        cap = min(logits.shape[-1], self.top_k or logits.shape[-1])
-        widths = [w for w in self.WIDTHS if w < cap and self.top_p is not None] + [cap]
-        token = torch.zeros_like(u, dtype=torch.long)
-        todo = torch.arange(logits.shape[0])
-        for width in widths:
-            vals, idx = logits[todo].topk(width, dim=-1)  # sorted, descending
-            probs = (vals - lse[todo]).exp()
-            held = probs.sum(-1) >= self.top_p if self.top_p is not None and width < cap else torch.ones_like(todo) > 0
-            vals, idx, probs, rows = vals[held], idx[held], probs[held], todo[held]
-            if self.top_p is not None:  # the smallest prefix whose mass reaches top_p
-                probs = probs.masked_fill(probs.cumsum(-1) - probs >= self.top_p, 0.0)
-            cum = probs.cumsum(-1)
-            pick = torch.searchsorted(cum, u[rows] * cum[:, -1:]).clamp(max=cum.shape[-1] - 1)
-            token[rows] = idx.gather(-1, pick)
-            todo = todo[~held]
-            if not len(todo):
-                break
-        return token
-
-
-def row_seed(seed: int, row: int) -> int:
-    """The sampling seed of row `row` of a batch seeded `seed` (distinct for every batch and row)."""
-    return (seed * 1_000_003 + row) % (1 << 63)
+from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, THINK_END
 
 
 def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[int], **fields) -> CompletionResult:
@@ -154,73 +61,111 @@ def result_from_ids(tokenizer: KimiTokenizer, prompt_id: str, generated: list[in
 
 
 class TransformersBackend:
+    """Generates with `model` in this process, and on machines with free CPUs in lane processes beside it: each
+    round takes up to `batch_size` prompts per lane from the feed and deals them out by their work (`lane_shares`).
+
+    `lanes`: None chooses at the start of each run, from the CPUs free then (`apply_torch_threads`' rule: a lane per
+    free CPU, one torch thread each; one lane keeps today's single process, its thread count re-chosen each round);
+    a number fixes it. Lanes need the model on the CPU, loaded from a local folder (`LaneModel.of`)."""
+
     name = "local"
 
-    def __init__(self, model, tokenizer: KimiTokenizer, batch_size: int = 8, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer: KimiTokenizer,
+        batch_size: int = 8,
+        log: Callable[[str], None] | None = None,
+        lanes: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.log = log or logging.getLogger(__name__).info
+        self.lanes = lanes
+        self.lane_model = LaneModel.of(model)
+        self.processes: LaneProcesses | None = None
         self.watch: LoadWatch | None = None  # set by `run`, after the partition's first choice of threads
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "model_type": self.model.config.model_type, "batch_size": self.batch_size}
+        return {
+            "backend": self.name,
+            "model_type": self.model.config.model_type,
+            "batch_size": self.batch_size,
+            "lanes": "auto" if self.lanes is None else self.lanes,
+        }
 
-    def _generate(self, batch: list[CompletionRequest], settings: SamplingSettings, seed: int) -> list[list[int]]:
-        """Each prompt's generated ids, the batch generated in groups of similar prompt lengths (`prompt_groups`);
-        row i samples from its own generator (seed `row_seed(seed, i)`), so its tokens do not depend on the groups."""
-        use_torch_threads()  # generation runs in asyncio.to_thread's workers: torch's count is per thread
-        if self.watch is not None:  # the load since the last batch, not only at the partition's start
-            rechoose_torch_threads(self.watch, "local completions", self.log)
+    def close(self) -> None:
+        """Stop the lane processes (the backend's owner calls it when its work is done)."""
+        if self.processes is not None:
+            self.processes.close()
+            self.processes = None
+
+    def _lane_count(self, threads: int) -> int:
+        wanted = threads if self.lanes is None else self.lanes
+        if wanted > 1 and self.lane_model is None:
+            return 1
+        return max(1, wanted)
+
+    def _ensure_processes(self, workers: int) -> LaneProcesses:
+        if self.processes is not None and self.processes.workers != workers:
+            self.close()
+        if self.processes is None:
+            assert self.lane_model is not None
+            self.processes = LaneProcesses(self.lane_model, workers)
+        return self.processes
+
+    def _generate_here(self, prompts: list[list[int]], decoding: Decoding, seeds: list[int], single: bool):
+        """Lane 0, in asyncio.to_thread's worker: torch's thread count is per thread."""
+        if single:
+            import torch
+
+            torch.set_num_threads(1)
+        else:
+            use_torch_threads()
+            if self.watch is not None:  # the load since the last batch, not only at the partition's start
+                rechoose_torch_threads(self.watch, "local completions", self.log)
+        return generate_rows(self.model, prompts, decoding, seeds)
+
+    async def _generate(self, batch: list[CompletionRequest], decoding: Decoding, seed: int | None, lanes: int):
+        """Each request's generated ids: the batch dealt out to `lanes` lanes, lane 0 in this process."""
+        prompts = [r.prompt_ids for r in batch]
+        seeds = [prompt_seed(seed, r.prompt_id) for r in batch]
+        shares = lane_shares([len(p) for p in prompts], lanes, decoding.max_tokens)
+        processes = self._ensure_processes(lanes - 1) if len(shares) > 1 else None
+        jobs = []
+        for k, rows in enumerate(shares):
+            args = ([prompts[i] for i in rows], decoding, [seeds[i] for i in rows])
+            if k == 0:
+                jobs.append(asyncio.to_thread(self._generate_here, *args, lanes > 1))
+            else:
+                assert processes is not None
+                jobs.append(processes.generate(*args))
+        try:
+            results = await asyncio.gather(*jobs)
+        except BaseException:
+            if self.processes is not None:  # a stop or a failed lane: what the lanes are generating is dropped
+                self.processes.close(kill=True)
+                self.processes = None
+            raise
         out: list[list[int]] = [[] for _ in batch]
-        for rows in prompt_groups([len(r.prompt_ids) for r in batch], settings.max_tokens):
-            generated = self._generate_padded([batch[i] for i in rows], settings, [row_seed(seed, i) for i in rows])
+        for rows, generated in zip(shares, results, strict=True):
             for i, ids in zip(rows, generated, strict=True):
                 out[i] = ids
         return out
 
-    def _generate_padded(
-        self, batch: list[CompletionRequest], settings: SamplingSettings, seeds: list[int]
-    ) -> list[list[int]]:
-        import torch
-
-        pad = self.tokenizer.token_id(PAD)
-        width = max(len(r.prompt_ids) for r in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, r in enumerate(batch):  # left padding: generation continues every row at its end
-            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids) :] = 1
-        from transformers import LogitsProcessorList
-
-        stops = [self.tokenizer.token_id(IM_END), self.tokenizer.token_id(EOS)]
-        processors = LogitsProcessorList()
-        if settings.temperature > 0:
-            processors.append(
-                InverseCdfSampler(
-                    settings.temperature, settings.top_p, settings.top_k, seeds, stops, prompt_width=width
-                )
-            )
-        with torch.no_grad():
-            out = self.model.generate(
-                input_ids=ids.to(self.model.device),
-                attention_mask=mask.to(self.model.device),
-                max_new_tokens=settings.max_tokens,
-                do_sample=False,
-                logits_processor=processors,
-                eos_token_id=stops,
-                pad_token_id=pad,
-            )
-        return [row[width:].tolist() for row in out.cpu()]
-
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
-        await asyncio.to_thread(apply_torch_threads, "local completions", self.log)  # the load now, not at start-up
+        # the load now, not at start-up
+        threads = await asyncio.to_thread(apply_torch_threads, "local completions", self.log)
+        lanes = self._lane_count(threads)
+        if lanes > 1:
+            self.log(f"local completions on {lanes} lanes (this process and {lanes - 1} more), one torch thread each")
         self.watch = LoadWatch()
-        batch_no = 0
+        decoding = Decoding.of(settings, self.tokenizer)
         while True:
             batch: list[Attempt] = []
-            while len(batch) < self.batch_size and (attempt := await feed.take(wait=not batch)) is not None:
+            while len(batch) < self.batch_size * lanes and (attempt := await feed.take(wait=not batch)) is not None:
                 req = attempt.request
                 if max_len and len(req.prompt_ids) + settings.max_tokens > max_len:
                     feed.unbilled(attempt, generated=False, why="context length")
@@ -239,11 +184,10 @@ class TransformersBackend:
             if not batch:
                 return
             started = time.monotonic()
-            seed = (settings.seed or 0) + batch_no
             for attempt in batch:
                 attempt.sent = True
             try:
-                outputs = await asyncio.to_thread(self._generate, [a.request for a in batch], settings, seed)
+                outputs = await self._generate([a.request for a in batch], decoding, settings.seed, lanes)
             except asyncio.CancelledError:
                 for attempt in batch:
                     feed.unbilled(attempt, generated=False, why="cancelled in flight")
@@ -258,7 +202,6 @@ class TransformersBackend:
                     )
                 raise
             latency = time.monotonic() - started
-            batch_no += 1
             for attempt, out in zip(batch, outputs, strict=True):  # one output row per prompt
                 req = attempt.request
                 result = result_from_ids(

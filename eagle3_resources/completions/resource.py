@@ -54,6 +54,11 @@ class CompletionsResource(dg.ConfigurableResource):
         "to the next materialization",
     )
     local_batch_size: int = Field(default=8, description="prompts per generate() call (local backend)")
+    local_lanes: int | None = Field(
+        default=None,
+        description="local backend on a CPU: processes generating side by side, one torch thread each (unset: one "
+        "per CPU free at the start of each run; 1: this process only)",
+    )
 
     def backend_kind(self) -> BackendKind:
         return BackendKind(setting(self.backend, "EAGLE3_COMPLETIONS_BACKEND", BackendKind.LOCAL, BackendKind))
@@ -71,7 +76,9 @@ class CompletionsResource(dg.ConfigurableResource):
     ) -> CompletionBackend:
         kind = self.backend_kind()
         if kind is BackendKind.LOCAL:
-            return TransformersBackend(load_model(), tokenizer, batch_size=self.local_batch_size, log=log)
+            return TransformersBackend(
+                load_model(), tokenizer, batch_size=self.local_batch_size, log=log, lanes=self.local_lanes
+            )
         if kind is BackendKind.OPENROUTER:
             url, key = self._openrouter_endpoint()
             return OpenRouterBackend(

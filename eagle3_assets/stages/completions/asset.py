@@ -176,38 +176,43 @@ def completions(
     )
     environment = spend_policy.limits()
     metadata, outcomes = {}, {}
-    for key in context.partition_keys:
-        spec = dataset_spec(key)
-        prompts = read_prompts(store.layout, key, spec.sample_cap, context.log.info)
-        requests = build_requests(
-            prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools
-        )
-        options = RunOptions(
-            caps=config.caps(spec.token_budget, environment),
-            pricing=pricing,
-            run_id=context.run_id,
-            halt=lambda: cancelling(context.instance, context.run_id),
-            hold_mode=spend_policy.hold_action,
-            on_terminate=config.on_terminate,
-            resend_unsettled=config.resend_unsettled,
-            unsettled_wait_s=config.unsettled_wait_s,
-            horizon_s=spend_policy.horizon_s,
-            on_progress=live_progress(context, key),
-        )
-        journal = store.layout.completions_journal(key)
-        pilot = PartitionPilot(Partition(key, prompts, requests, journal, options), means, config.pilot_rules())
-        with dataset_lock(journal, context.run_id):
-            try:
-                pilot.run()
-            except RunFatalError as e:
-                raise operator_failure(
-                    e,
-                    before=f"{key}: ",
-                    after=f". Every finished response is in {journal}; fix the cause and re-materialize to resume.",
-                ) from e
-        metadata[key], outcomes[key] = partition_results(
-            store.layout, pilot, completions_backend, kind, standin=is_standin_target(completions_backend, target)
-        )
+    try:
+        for key in context.partition_keys:
+            spec = dataset_spec(key)
+            prompts = read_prompts(store.layout, key, spec.sample_cap, context.log.info)
+            requests = build_requests(
+                prompts, tok, tokenizer.template_version, tokenizer.thinking, send_tools=config.send_tools
+            )
+            options = RunOptions(
+                caps=config.caps(spec.token_budget, environment),
+                pricing=pricing,
+                run_id=context.run_id,
+                halt=lambda: cancelling(context.instance, context.run_id),
+                hold_mode=spend_policy.hold_action,
+                on_terminate=config.on_terminate,
+                resend_unsettled=config.resend_unsettled,
+                unsettled_wait_s=config.unsettled_wait_s,
+                horizon_s=spend_policy.horizon_s,
+                on_progress=live_progress(context, key),
+            )
+            journal = store.layout.completions_journal(key)
+            pilot = PartitionPilot(Partition(key, prompts, requests, journal, options), means, config.pilot_rules())
+            with dataset_lock(journal, context.run_id):
+                try:
+                    pilot.run()
+                except RunFatalError as e:
+                    raise operator_failure(
+                        e,
+                        before=f"{key}: ",
+                        after=f". Every finished response is in {journal}; fix the cause and re-materialize to resume.",
+                    ) from e
+            metadata[key], outcomes[key] = partition_results(
+                store.layout, pilot, completions_backend, kind, standin=is_standin_target(completions_backend, target)
+            )
+    finally:
+        close = getattr(backend, "close", None)  # the local backend's lane processes
+        if close is not None:
+            close()
     yield from per_dataset_results(context, metadata, CHECKS, outcomes)
 
 
