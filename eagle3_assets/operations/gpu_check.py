@@ -1155,7 +1155,7 @@ def run_checks(
 
         host = HostPlan(data_dir=default_data_dir())
     disk_asked = sglang_asked or host.tokens is not None
-    from eagle3_resources.hidden_states.sglang_backend import DEFAULT_HANDOFF_SLABS, DEFAULT_MAX_FORWARD_TOKENS
+    from eagle3_resources.hidden_states.sglang_sizes import DEFAULT_HANDOFF_SLABS, DEFAULT_MAX_FORWARD_TOKENS
 
     forward_tokens = host.max_forward_tokens or int(
         os.environ.get("EAGLE3_SGLANG_MAX_FORWARD_TOKENS") or DEFAULT_MAX_FORWARD_TOKENS

@@ -60,12 +60,8 @@ import torch
 from eagle3_resources.errors import HandoffMemoryError, KVPoolExhausted, RankError, SGLangUnavailable, SlabsHeld
 from eagle3_resources.hidden_states import sglang_api
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
+from eagle3_resources.hidden_states.sglang_sizes import DEFAULT_HANDOFF_SLABS, DEFAULT_MAX_FORWARD_TOKENS
 
-# Tokens in one forward (one extend). SGLang's own scheduler caps a prefill at chunked_prefill_size
-# (8-16K, by GPU) so that decode keeps its KV room; capture keeps no KV between forwards, so the pool
-# is only this big and a forward may be twice that. At Kimi-K2.5 size the aux output alone is
-# 32768 x 3 x 7168 x 2 B = 1.4 GB per rank. It must be at least max_length (a sample is never split).
-DEFAULT_MAX_FORWARD_TOKENS = 32768
 # Sequences in one forward (SGLang's max_running_requests): the request-to-token table is this
 # many rows of context_length int32 (64 MB at 32K), and short samples still fill a forward.
 DEFAULT_MAX_FORWARD_REQUESTS = 512
@@ -207,11 +203,6 @@ def split_rows(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------- the hand-off ring (rank 0 -> parent)
 
-# Slabs in the ring. One is enough for a serial caller (each batch is read out before the next is asked
-# for); two let rank 0 copy a batch in while the parent reads the one before (extract_batch submits
-# every sub-batch of a call at once). At Kimi-K2.5 size a slab of DEFAULT_MAX_FORWARD_TOKENS rows is
-# 32768 x (3 + 1) x 7168 x 2 B = 1.88 GB of /dev/shm, page-locked in rank 0.
-DEFAULT_HANDOFF_SLABS = 2
 HANDOFF_SLABS_KNOB = "sglang_handoff_slabs"
 SHM_DIR = Path("/dev/shm")
 
