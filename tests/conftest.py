@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+import file_seconds
 import pytest
 from fakes.openrouter import ServerThread
 from support import Webhook
@@ -27,13 +28,17 @@ pytest_plugins = ["slow_guard", "pytester"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with the most `slow` tests first, the rest after in their own order: the two workers (`--dist
-    loadfile` hands out whole files in this order) then end on short files together, not one of them on a
-    minute-long file that started last while the other waits."""
+    """The longest files first (their measured seconds, `file_seconds.json`; a file not measured yet counts 30 s a
+    `slow` test), the rest after in their own order: the workers (`--dist loadfile` hands out whole files in this
+    order) then end on short files together, not one of them on a minute-long file that started last while the
+    others wait (at ceb724b the 3-minute streaming-quality file, ordered by its one slow test, ran alone for the
+    last 4 minutes)."""
+    measured = file_seconds.load()
     slow: dict[Path, int] = {}
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
+    weight = {path: measured.get(path.name, 30.0 * n) for path, n in slow.items()}
+    items.sort(key=lambda item: -weight[item.path])  # stable: a file's tests keep their order
 
 
 @pytest.fixture
