@@ -231,10 +231,14 @@ def decide(sample_s: float = SAMPLE_S) -> ThreadChoice:
 def apply_torch_threads(stage: str, log: Callable[[str], None] = print, sample_s: float = SAMPLE_S) -> int:
     """Decide torch's CPU thread count now (the load changes between stages), set it in this thread
     and log the choice; inter-op threads are set once per process, while torch still allows it."""
+    return set_torch_threads(decide(sample_s), stage, log)
+
+
+def set_torch_threads(choice: ThreadChoice, stage: str, log: Callable[[str], None] = print) -> int:
+    """Apply a choice in this thread (and inter-op threads once per process, while torch allows it) and log it."""
     global _chosen, _interop_done
     import torch
 
-    choice = decide(sample_s)
     with _lock:
         torch.set_num_threads(choice.threads)
         _chosen = choice.threads
@@ -256,7 +260,10 @@ class LoadWatch:
 
     MIN_INTERVAL_S = 0.25  # shorter looks are noise at /proc/stat's 10 ms resolution: the interval goes on
 
-    def __init__(self) -> None:
+    def __init__(self, helpers_cpu_s: Callable[[], float] | None = None) -> None:
+        """`helpers_cpu_s`: the CPU seconds so far of this job's own helper processes (the local backend's lanes),
+        counted with this process's own time rather than as other work."""
+        self.helpers_cpu_s = helpers_cpu_s or (lambda: 0.0)
         self.cpus = affinity_cpus()
         try:
             self.count_nice = os.nice(0) > 0
@@ -266,7 +273,7 @@ class LoadWatch:
         self.mark = self._now()
 
     def _now(self) -> tuple[tuple[int, int] | None, float, float]:
-        return _proc_stat(self.cpus, self.count_nice), time.process_time(), time.monotonic()
+        return _proc_stat(self.cpus, self.count_nice), time.process_time() + self.helpers_cpu_s(), time.monotonic()
 
     def others_busy(self) -> float | None:
         """Since the last look (None: too soon to tell, or no /proc/stat)."""
@@ -281,6 +288,17 @@ class LoadWatch:
         return max(0.0, busy - own)
 
 
+def choose_since(watch: LoadWatch) -> ThreadChoice | None:
+    """The count for the load since `watch`'s last look, without waiting (None: too soon to tell, unmeasured, or
+    `EAGLE3_TORCH_THREADS` set: `decide` then)."""
+    if parse_override(os.environ.get(ENV)) is not None:
+        return None
+    busy = watch.others_busy()
+    if busy is None:
+        return None
+    return choose_threads(CpuPicture(len(watch.cpus), watch.quota, busy, "since the last look", local_processes()))
+
+
 def rechoose_torch_threads(watch: LoadWatch, stage: str, log: Callable[[str], None] = print) -> int:
     """In the thread about to run a round of work: the count for the load since `watch`'s last look, set (and
     logged) when it differs from this thread's; kept when the look is too short to tell or the count is fixed."""
@@ -288,13 +306,9 @@ def rechoose_torch_threads(watch: LoadWatch, stage: str, log: Callable[[str], No
     import torch
 
     current = torch.get_num_threads()
-    if parse_override(os.environ.get(ENV)) is not None:
+    choice = choose_since(watch)
+    if choice is None:
         return current
-    busy = watch.others_busy()
-    if busy is None:
-        return current
-    picture = CpuPicture(len(watch.cpus), watch.quota, busy, "since the last batch", local_processes())
-    choice = choose_threads(picture)
     if choice.threads != current:
         torch.set_num_threads(choice.threads)
         with _lock:

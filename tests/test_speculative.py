@@ -162,6 +162,40 @@ def test_perfect_oracle_accepts_every_draft_with_one_verify_forward_per_round(ta
     assert run.output_ids == references[tuple(prompts[0])][:23] and run.accepted == [K] * 6
 
 
+def test_a_second_drafter_takes_the_first_ones_greedy_decodes_and_decodes_no_more(target_model, prompts, references):
+    """The asset measures the trained and the untrained drafter on the same prompts: the target's own decodes are
+    made once. With them handed on, the second evaluation runs exactly the forwards of its speculative decodes."""
+
+    def evaluate(drafter, tokens=12, greedy=None, compare_greedy=True):
+        return evaluate_speculative(
+            target_model,
+            drafter,
+            prompts[:2],
+            draft_steps=K,
+            max_new_tokens=tokens,
+            proxy=True,
+            eos_token_ids=NO_EOS,
+            greedy=greedy,
+            compare_greedy=compare_greedy,
+        )
+
+    first = evaluate(oracle(references))
+    counts = {}
+    for name in ("reused", "spec only"):
+        log, handle = forward_log(target_model)
+        try:
+            second = evaluate(adversary(references), greedy=first, compare_greedy=name == "reused")
+        finally:
+            handle.remove()
+        counts[name] = len(log)
+        if name == "reused":
+            assert [r.greedy_ids for r in second.prompts] == [r.greedy_ids for r in first.prompts]
+            assert second.lossless is True
+    assert counts["reused"] == counts["spec only"]
+    with pytest.raises(ValueError, match="other prompts or another token count"):
+        evaluate(adversary(references), tokens=8, greedy=first)
+
+
 def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, references):
     report = evaluate_speculative(
         target_model,

@@ -25,7 +25,14 @@ from eagle3_resources.completions.types import (
     RequestFeed,
     SamplingSettings,
 )
-from eagle3_resources.cpu import LoadWatch, apply_torch_threads, rechoose_torch_threads, use_torch_threads
+from eagle3_resources.cpu import (
+    LoadWatch,
+    apply_torch_threads,
+    choose_since,
+    rechoose_torch_threads,
+    set_torch_threads,
+    use_torch_threads,
+)
 from eagle3_resources.tokenizer.kimi import KimiTokenizer
 from eagle3_resources.tokenizer.special_tokens import EOS, IM_END, THINK_END
 
@@ -101,6 +108,9 @@ class TransformersBackend:
             self.processes.close()
             self.processes = None
 
+    def _lanes_cpu_s(self) -> float:
+        return self.processes.cpu_seconds() if self.processes is not None else 0.0
+
     def _lane_count(self, threads: int) -> int:
         wanted = threads if self.lanes is None else self.lanes
         if wanted > 1 and self.lane_model is None:
@@ -156,12 +166,17 @@ class TransformersBackend:
 
     async def run(self, feed: RequestFeed, settings: SamplingSettings, emit: Emit) -> None:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
-        # the load now, not at start-up
-        threads = await asyncio.to_thread(apply_torch_threads, "local completions", self.log)
+        # The load now, not at start-up: after an earlier run of this backend, the load since then (no waiting).
+        since = choose_since(self.watch) if self.watch is not None else None
+        stage = "local completions"
+        if since is None:
+            threads = await asyncio.to_thread(apply_torch_threads, stage, self.log)
+        else:
+            threads = await asyncio.to_thread(set_torch_threads, since, stage, self.log)
         lanes = self._lane_count(threads)
         if lanes > 1:
             self.log(f"local completions on {lanes} lanes (this process and {lanes - 1} more), one torch thread each")
-        self.watch = LoadWatch()
+        self.watch = LoadWatch(self._lanes_cpu_s)
         decoding = Decoding.of(settings, self.tokenizer)
         while True:
             batch: list[Attempt] = []

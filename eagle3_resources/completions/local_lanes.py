@@ -21,12 +21,14 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from eagle3_resources.completions.local_generate import Decoding, generate_rows
 from eagle3_resources.completions.prompt_groups import GenerationCost
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,6 @@ class LaneModel:
     def of(cls, model: Any) -> LaneModel | None:
         """The folder `model` was loaded from, when a worker can load it the same way: on the CPU, from a local
         folder (None otherwise: on a GPU one process generates)."""
-        from pathlib import Path
-
         folder = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
         if str(model.device) != "cpu" or not folder or not (Path(folder) / "config.json").exists():
             return None
@@ -88,6 +88,17 @@ class LaneProcesses:
 
     async def generate(self, prompts: list[list[int]], decoding: Decoding, seeds: list[int]) -> list[list[int]]:
         return await asyncio.wrap_future(self.pool.submit(_generate, prompts, decoding, seeds))
+
+    def cpu_seconds(self) -> float:
+        """CPU time the running lane processes have used (/proc/PID/stat), for the load watch's own share."""
+        total = 0.0
+        for pid in list((getattr(self.pool, "_processes", None) or {}).keys()):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
+        return total
 
     def close(self, kill: bool = False) -> None:
         """Stop the lanes; `kill`: now, whatever they are generating (a stop, a cancelled round)."""

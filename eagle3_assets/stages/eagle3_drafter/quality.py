@@ -145,7 +145,7 @@ def measure_speculative(
     device = target_model.get_input_embeddings().weight.device
     chosen_and_kinds = eval_prompts_and_kinds(merged, how.prompts)
     chosen = [ids for ids, _ in chosen_and_kinds]
-    reports = {}
+    reports: dict[str, SpecDecodeReport] = {}
     for name, drafter in (("trained", trained), ("untrained", untrained)):
         reports[name] = evaluate_speculative(
             target_model,
@@ -155,6 +155,7 @@ def measure_speculative(
             max_new_tokens=how.max_new_tokens,
             proxy=how.proxy,
             aux_layer_ids=how.aux_layer_ids,
+            greedy=reports.get("trained"),  # the target's own decodes of the same prompts, once
         )
         t = reports[name].totals()
         log(

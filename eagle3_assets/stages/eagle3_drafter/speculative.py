@@ -580,20 +580,28 @@ def evaluate_speculative(
     eos_token_ids: Iterable[int] | int | None = None,
     aux_layer_ids: Sequence[int] | None = None,
     compare_greedy: bool = True,
+    greedy: SpecDecodeReport | None = None,
 ) -> SpecDecodeReport:
     """Decode every prompt speculatively (and, with compare_greedy, with the target alone).
 
     Run it once with the trained drafter and once with an untrained one (the floor). Greedy runs
-    after spec on each prompt; both include their prefill in the seconds.
+    after spec on each prompt; both include their prefill in the seconds. `greedy`: a report of the same target,
+    prompts, token count and stop ids whose greedy decodes are taken instead of decoding them again.
     """
     chain = Eagle3ChainDrafter(drafter) if isinstance(drafter, Eagle3Drafter) else drafter
     eos = _eos_ids(target, eos_token_ids)
     report = SpecDecodeReport(proxy=proxy, draft_steps=draft_steps, max_new_tokens=max_new_tokens)
-    for ids in prompts:
+    if greedy is not None and (len(greedy.prompts) != len(prompts) or greedy.max_new_tokens != max_new_tokens):
+        raise ValueError("the greedy decodes to reuse are of other prompts or another token count")
+    for n, ids in enumerate(prompts):
         spec = speculative_generate(target, chain, ids, draft_steps, max_new_tokens, eos, aux_layer_ids)
         result = PromptResult(prompt_tokens=len(ids), spec=spec)
         if compare_greedy:
-            result.greedy_ids, result.greedy_seconds = greedy_generate(target, ids, max_new_tokens, eos)
+            known = greedy.prompts[n] if greedy is not None else None
+            if known is not None and known.greedy_ids is not None and known.prompt_tokens == len(ids):
+                result.greedy_ids, result.greedy_seconds = known.greedy_ids, known.greedy_seconds
+            else:
+                result.greedy_ids, result.greedy_seconds = greedy_generate(target, ids, max_new_tokens, eos)
             result.divergence = divergence(target, ids, spec.output_ids, result.greedy_ids)
         report.prompts.append(result)
     return report
