@@ -92,6 +92,7 @@ class TransformersBackend:
         self.lanes = lanes
         self.lane_model = LaneModel.of(model)
         self.processes: LaneProcesses | None = None
+        self.last_lanes: int | None = None
         self.watch: LoadWatch | None = None  # set by `run`, after the partition's first choice of threads
 
     def describe(self) -> dict[str, Any]:
@@ -174,8 +175,13 @@ class TransformersBackend:
         else:
             threads = await asyncio.to_thread(set_torch_threads, since, stage, self.log)
         lanes = self._lane_count(threads)
-        if lanes > 1:
-            self.log(f"local completions on {lanes} lanes (this process and {lanes - 1} more), one torch thread each")
+        if lanes != self.last_lanes:  # said when it changes, not before each of a run's phases
+            self.log(
+                f"local completions on {lanes} lanes (this process and {lanes - 1} more), one torch thread each"
+                if lanes > 1
+                else "local completions in this process only"
+            )
+            self.last_lanes = lanes
         self.watch = LoadWatch(self._lanes_cpu_s)
         decoding = Decoding.of(settings, self.tokenizer)
         while True:
