@@ -33,6 +33,15 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not reaped by its parent, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def wait_for(predicate, timeout: float, what: str, every: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -12,9 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from support import alive
 
 from eagle3_assets.common.registry import DATASETS
 from eagle3_assets.stages.completions.run import build_requests, completions_frame, run_completions
@@ -26,15 +26,6 @@ from eagle3_resources.completions.types import CompletionRequest, SamplingSettin
 from eagle3_resources.tokenizer.chat_format import TemplateVersion
 
 B8_PILOT = [269, 4435, 1205, 198, 1756, 232, 1011, 1280]  # the first command's B8 pilot, prompt tokens
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for its parent to reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:

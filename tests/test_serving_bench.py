@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support import free_port
+from support import alive, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "serving_speculative.py"
@@ -461,14 +461,6 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
 def test_launch_mode_starts_and_stops_each_server_as_a_process_group(tmp_path):
     """No --url: both commands run one after the other (here with a stand-in for `python -m sglang.launch_server`
     via --python), each waited for on /health, benchmarked, and stopped with every process of its group: within
@@ -521,7 +513,7 @@ def test_launch_mode_starts_and_stops_each_server_as_a_process_group(tmp_path):
     ]
     for r in runs:
         assert r["pgid"] == r["pids"][0]  # its own process group
-        assert not any(running(pid) for pid in r["pids"])  # the launcher and its "rank" are gone
+        assert not any(alive(pid) for pid in r["pids"])  # the launcher and its "rank" are gone
     res = json.loads(out.read_text())["results"]
     for bs in ("1", "4"):
         assert res["baseline"][bs]["accept_length"] is None

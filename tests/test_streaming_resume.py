@@ -20,6 +20,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from support import alive
 from test_spool import Sampler
 from test_streaming_drafter import PASSES, SHARD_BYTES, materialize, run_config, streaming_folder, write_merged
 
@@ -39,15 +40,6 @@ REPO = Path(__file__).resolve().parents[1]
 ORPHAN_AFTER_S = 3.0  # the heartbeat every 0.75 s
 # a generous bound on a test that would otherwise hang (the capture-failure mutation hangs the step)
 pytestmark = pytest.mark.timeout(int(os.environ.get("STREAMING_RESUME_TIMEOUT_S", "1800")))
-
-
-def alive(pid: int) -> bool:
-    """The process runs (a zombie, ended but not reaped by a parent that is gone, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def pending_signals(pid: int) -> set[signal.Signals]:
