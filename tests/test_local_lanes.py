@@ -91,9 +91,11 @@ def test_a_cancelled_round_kills_what_the_lanes_generate(tok, target_model):
         pids = list(backend.processes.pool._processes)
         await asyncio.sleep(8)  # the lane has loaded the model and is generating its 4,000 tokens
         assert task.done() is False
+        cancelled = time.monotonic()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert time.monotonic() - cancelled < 10  # killed, not waited out (its 4,000 tokens take a minute or more)
         return pids
 
     pids = asyncio.run(cancel_midway())

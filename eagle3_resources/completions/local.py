@@ -103,10 +103,10 @@ class TransformersBackend:
             "lanes": "auto" if self.lanes is None else self.lanes,
         }
 
-    def close(self) -> None:
-        """Stop the lane processes (the backend's owner calls it when its work is done)."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the lane processes (the backend's owner calls it when its work is done; `kill`: mid-generation)."""
         if self.processes is not None:
-            self.processes.close()
+            self.processes.close(kill)
             self.processes = None
 
     def _lanes_cpu_s(self) -> float:
@@ -155,9 +155,7 @@ class TransformersBackend:
         try:
             results = await asyncio.gather(*jobs)
         except BaseException:
-            if self.processes is not None:  # a stop or a failed lane: what the lanes are generating is dropped
-                self.processes.close(kill=True)
-                self.processes = None
+            self.close(kill=True)  # a stop or a failed lane: what the lanes are generating is dropped
             raise
         out: list[list[int]] = [[] for _ in batch]
         for rows, generated in zip(shares, results, strict=True):

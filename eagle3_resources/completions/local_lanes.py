@@ -89,10 +89,14 @@ class LaneProcesses:
     async def generate(self, prompts: list[list[int]], decoding: Decoding, seeds: list[int]) -> list[list[int]]:
         return await asyncio.wrap_future(self.pool.submit(_generate, prompts, decoding, seeds))
 
+    def _processes(self) -> dict[int, Any]:
+        # ProcessPoolExecutor has no public handle on its processes: a running call cannot be cancelled otherwise
+        return dict(getattr(self.pool, "_processes", None) or {})
+
     def cpu_seconds(self) -> float:
         """CPU time the running lane processes have used (/proc/PID/stat), for the load watch's own share."""
         total = 0.0
-        for pid in list((getattr(self.pool, "_processes", None) or {}).keys()):
+        for pid in self._processes():
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
@@ -103,8 +107,7 @@ class LaneProcesses:
     def close(self, kill: bool = False) -> None:
         """Stop the lanes; `kill`: now, whatever they are generating (a stop, a cancelled round)."""
         if kill:
-            # ProcessPoolExecutor cannot cancel a running call; its processes are the only handle on it
-            for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
+            for proc in self._processes().values():
                 proc.kill()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
