@@ -29,16 +29,27 @@ pytest_plugins = ["slow_guard", "pytester"]
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first (their measured seconds, `file_seconds.json`; a file not measured yet counts 30 s a
-    `slow` test), the rest after in their own order: the workers (`--dist loadfile` hands out whole files in this
-    order) then end on short files together, not one of them on a minute-long file that started last while the
-    others wait (at ceb724b the 3-minute streaming-quality file, ordered by its one slow test, ran alone for the
-    last 4 minutes)."""
+    `slow` test), the rest after in their own order: the workers (`--dist loadfile --no-loadscope-reorder` hands out
+    whole files in this order; xdist's own reorder, by test count, ran the one-test 3-minute files last, one worker
+    alone for minutes) then end on short files together. The longest file that needs no stand-in goes second, so
+    while the first worker builds the stand-ins (a minute, on one core) the second runs tests instead of waiting on
+    the build's lock."""
     measured = file_seconds.load()
     slow: dict[Path, int] = {}
+    standin: set[Path] = set()
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+        if "standin_dir" in getattr(item, "fixturenames", ()):
+            standin.add(item.path)
     weight = {path: measured.get(path.name, 30.0 * n) for path, n in slow.items()}
-    items.sort(key=lambda item: -weight[item.path])  # stable: a file's tests keep their order
+    order = sorted(weight, key=lambda path: -weight[path])
+    if order and order[0] in standin:
+        without = next((path for path in order if path not in standin), None)
+        if without is not None:
+            order.remove(without)
+            order.insert(1, without)
+    rank = {path: i for i, path in enumerate(order)}
+    items.sort(key=lambda item: rank[item.path])  # stable: a file's tests keep their order
 
 
 @pytest.fixture

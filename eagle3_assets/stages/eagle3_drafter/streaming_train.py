@@ -75,7 +75,7 @@ from eagle3_assets.stages.eagle3_drafter.train import (
     evaluate,
     training_device,
 )
-from eagle3_assets.stages.eagle3_drafter.train_cli import join_process_group, report_json
+from eagle3_assets.stages.eagle3_drafter.train_cli import join_process_group, leave_process_group, report_json
 from eagle3_resources.atomic_files import write_json_atomic
 from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.errors import StreamingTrainingFailed
@@ -341,8 +341,7 @@ def training_main(spec_path: Path) -> None:
             train_side(spec, dist, device, log)
     finally:
         watch.close()
-        if dist.world_size > 1:
-            torch.distributed.destroy_process_group()
+        leave_process_group(dist)
     log("training side: done")
 
 

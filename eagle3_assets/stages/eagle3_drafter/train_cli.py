@@ -15,6 +15,7 @@ torch's default unless `EAGLE3_COLLECTIVE_TIMEOUT_S` sets it (`rank_zero.collect
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from collections.abc import Callable
@@ -168,6 +169,19 @@ def join_process_group(device: str) -> tuple[Distributed, str]:
     return Distributed(rank, world), device if cuda else "cpu"
 
 
+def leave_process_group(dist: Distributed) -> None:
+    """Leave the process group: let go of what still holds it (a DDP reducer kept alive by a reference cycle holds
+    the gloo group, which `destroy_process_group` then only unregisters), then destroy it, so that the group's worker
+    threads are joined here and not at interpreter finalization, where work they still own (tensors with Python
+    references) aborts the rank: "terminate called without an active exception" after a run that trained to the
+    end. No barrier: rank 0 alone still exports and decodes after the last collective, and a failed rank may be
+    gone. A lone process has nothing to leave."""
+    if dist.world_size == 1:
+        return
+    gc.collect()
+    torch.distributed.destroy_process_group()
+
+
 def run(
     spec: dict[str, Any], log: Callable[[str], None] = print, stop_after_steps: int | None = None
 ) -> DrafterReport | None:
@@ -198,8 +212,7 @@ def run(
             write_json_atomic(Path(train_spec.report_path), report_json(report), indent=None)
         return report
     finally:
-        if dist.world_size > 1:
-            torch.distributed.destroy_process_group()
+        leave_process_group(dist)
 
 
 def online_target(folder: Path, device: str) -> Any:
