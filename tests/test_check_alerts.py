@@ -145,6 +145,7 @@ def alerts_in_run_log(instance: dg.DagsterInstance, run_id: str) -> list[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("home", ["sqlite", "postgres"], indirect=True)
 def test_every_failed_evaluation_of_every_partition_is_alerted_once(home, webhook):
     runs: dict[str, list[tuple]] = {}

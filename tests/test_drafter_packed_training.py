@@ -354,6 +354,7 @@ def test_the_first_steps_gradient_is_the_documented_loss_gradient():
     assert history.grad_norm[0] == pytest.approx(want, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_compiled_mlp_trains_as_the_eager_one() -> None:
     """`compile` (on CUDA by default) really compiles the MLP, and the compiled run takes the eager run's steps: a
     compiler failure falls back to eager by design, so only `history.compiled` shows that the path ran."""

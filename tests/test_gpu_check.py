@@ -676,6 +676,7 @@ def toolchain(tmp_path: Path, env: dict, *args: str) -> tuple[int, dict]:
     return code, rows["cuda toolchain"]
 
 
+@pytest.mark.slow
 def test_toolchain_finds_nvcc_under_cuda_home_and_flags_the_venv_one(tmp_path):
     """SGLang and FlashInfer take nvcc from $CUDA_HOME/bin alone when CUDA_HOME is set; pip's nvcc inside the
     venv (site-packages/nvidia/cu13/bin) is where neither looks, and the row says so."""
@@ -706,6 +707,7 @@ def test_toolchain_finds_nvcc_under_cuda_home_and_flags_the_venv_one(tmp_path):
     assert row["data"]["nvcc"] == str(wheel_nvcc) and "(pip's nvidia wheel, without lib64/stubs)" in row["detail"]
 
 
+@pytest.mark.slow
 def test_toolchain_cuda_home_without_nvcc_hides_the_one_on_path(tmp_path):
     """A CUDA_HOME with no bin/nvcc is not fallen back from: the fix points CUDA_HOME at the nvcc on PATH."""
     bin_dir, toolkit = tmp_path / "bin", tmp_path / "cuda-13"
@@ -720,6 +722,7 @@ def test_toolchain_cuda_home_without_nvcc_hides_the_one_on_path(tmp_path):
     assert row["status"] == "ok" and row["data"]["nvcc_via"] == "$CUDA_HOME", row
 
 
+@pytest.mark.slow
 def test_toolchain_nvcc_major_against_torch_cuda(tmp_path):
     bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
     stand_in(bin_dir, "c++", "exit 0\n")
@@ -737,6 +740,7 @@ def test_toolchain_nvcc_major_against_torch_cuda(tmp_path):
     assert row["status"] == "ok" and row["data"]["nvcc_version"] == f"{major}.9", row
 
 
+@pytest.mark.slow
 def test_toolchain_needs_a_cxx_compiler(tmp_path):
     """nvcc hands host code to $CXX, else `c++` (SGLang's toolchain.py): gcc alone is not enough."""
     bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
@@ -913,6 +917,7 @@ def test_memory_row_plans_kimi_without_a_folder(tmp_path):
     assert rows["gpu memory"]["status"] == "ok", rows["gpu memory"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
 def test_memory_row_fix_is_the_fraction_or_the_tp_to_set(tmp_path):
     """A target that fits an H100 with a higher sglang_mem_fraction is told the fraction, and passes once it is

@@ -86,6 +86,7 @@ def mutated(trained, tmp_path: Path, config=None, tensors=None) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_the_trained_export_passes_every_gate_check(trained, target_model):
     outcomes = gate(trained["report"].checkpoint, trained, target_model)
     assert all(o.passed for o in outcomes.values()), {k: o.description for k, o in outcomes.items()}
@@ -104,11 +105,13 @@ def test_the_gate_blocks_the_assets_downstream():
     }
 
 
+@pytest.mark.slow
 def test_a_missing_lm_head_fails_the_gate(trained, target_model, tmp_path):
     outcomes = gate(mutated(trained, tmp_path, tensors=lambda w: w.pop("lm_head.weight")), trained, target_model)
     assert not outcomes["sglang_keys"].passed and "lm_head.weight" in str(outcomes["sglang_keys"].metadata)
 
 
+@pytest.mark.slow
 def test_aux_layer_ids_shifted_by_one_fail_the_gate(trained, target_model, tmp_path):
     def shift(cfg):  # both servers' keys name the next layers, so the two still agree with each other
         shifted = [i + 1 for i in trained["captured"]]
@@ -121,6 +124,7 @@ def test_aux_layer_ids_shifted_by_one_fail_the_gate(trained, target_model, tmp_p
     assert "trained on" in outcomes["matches_capture"].description
 
 
+@pytest.mark.slow
 def test_d2t_off_by_one_fails_the_gate(trained, target_model, tmp_path):
     def off_by_one(w):
         w["d2t"] = w["d2t"] + 1
@@ -129,6 +133,7 @@ def test_d2t_off_by_one_fails_the_gate(trained, target_model, tmp_path):
     assert not outcomes["matches_capture"].passed and "d2t" in outcomes["matches_capture"].description
 
 
+@pytest.mark.slow
 def test_a_wrong_mla_rank_fails_the_gate(trained, target_model, tmp_path):
     def rank(cfg):
         cfg["kv_lora_rank"] = cfg["kv_lora_rank"] // 2
@@ -137,6 +142,7 @@ def test_a_wrong_mla_rank_fails_the_gate(trained, target_model, tmp_path):
     assert not outcomes["sglang_keys"].passed
 
 
+@pytest.mark.slow
 def test_a_drafter_trained_on_shuffled_targets_fails_the_gate(trained, tmp_path, target_model, monkeypatch):
     # EAGLE-3 learns the target's own next-token distribution (the teacher, from the stored final hidden states), not
     # the data's tokens: every teacher distribution's draft ids rolled by one teaches a well-formed drafter to propose,

@@ -43,6 +43,7 @@ def run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, mark: str, *
 IN_ONE_PROCESS_AND_UNDER_XDIST = pytest.mark.parametrize("args", [(), ("-n", "2")], ids=["one process", "xdist"])
 
 
+@pytest.mark.slow
 @IN_ONE_PROCESS_AND_UNDER_XDIST
 def test_an_unmarked_slow_test_fails_the_run(pytester, monkeypatch, args):
     result = run(pytester, monkeypatch, "", *args)

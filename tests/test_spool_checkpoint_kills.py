@@ -133,6 +133,7 @@ def spool_ahead_of_the_checkpoint(run: Run, point: str) -> list[str]:
     return wrong
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_a_trainer_killed_at_each_step_of_its_checkpoint_write_resumes_to_the_uninterrupted_result(
     point: str, uninterrupted: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

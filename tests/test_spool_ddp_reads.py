@@ -52,6 +52,7 @@ def first_needs(steps: list[list[list]], rank: int) -> list[tuple[int, int, int]
     return out
 
 
+@pytest.mark.slow
 def test_each_rank_reads_each_shard_once_at_the_first_step_that_needs_it(tmp_path: Path):
     run = SmallDdpRun(tmp_path / "ddp")
     try:

@@ -268,6 +268,7 @@ def test_token_ids_and_status_say_which_failures_are_the_stand_ins(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("configured", [False, True], ids=["stand-in", "its folder as a configured target"])
 def test_completions_truncated_share_names_the_stand_in_only_for_the_stand_in(
