@@ -53,7 +53,11 @@ class CompletionsResource(dg.ConfigurableResource):
         description="attempts per request for retryable errors; then the prompt is deferred "
         "to the next materialization",
     )
-    local_batch_size: int = Field(default=8, description="prompts per generate() call (local backend)")
+    local_batch_size: int = Field(
+        default=16,
+        description="prompts per generate() call and lane (local backend); the stand-in on one thread decoded 16 "
+        "prompts 17-29 % faster in one call than in two of 8 (A1, B4), 5 % slower for B8's thousand-token prompts",
+    )
     local_lanes: int | None = Field(
         default=None,
         description="local backend on a CPU: processes generating side by side, one torch thread each (unset: one "
