@@ -9,7 +9,6 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from eagle3_resources.target.standin import ensure_standin_target
 from eagle3_resources.tokenizer.resource import TokenizerResource, standin_corpus_files
 from eagle3_resources.tokenizer.standin import corpus_strings
 
@@ -60,6 +59,9 @@ class TargetModelResource(dg.ConfigurableResource):
     def folder(self, tokenizer: TokenizerResource, log: Callable[[str], None] = print) -> Path:
         if self.path:
             return Path(self.path)
+        # torch-using: imported when the stand-in is built, so loading the definitions stays torch-free
+        from eagle3_resources.target.standin import ensure_standin_target
+
         tok = tokenizer.load()
         return ensure_standin_target(
             Path(self.standin_dir), tok, lambda: corpus_strings(standin_corpus_files(tokenizer.standin_corpus)), log=log

@@ -3,6 +3,7 @@ the Kimi-K2.x MLA draft `Eagle3DeepseekV2ForCausalLM`)."""
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 import polars as pl
@@ -12,7 +13,6 @@ from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
 from eagle3_assets.common.outcome import CheckOutcome, check_specs, to_results
-from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointPlan
 from eagle3_assets.stages.eagle3_drafter.checks import (
     DRAFTER_CHECKS,
     drafter_accept_length,
@@ -20,29 +20,23 @@ from eagle3_assets.stages.eagle3_drafter.checks import (
     drafter_keys,
     drafter_matches_capture,
 )
-from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, drafter_config_from_json, trained_layer_ids
 from eagle3_assets.stages.eagle3_drafter.figures import SOURCES as FIGURE_SOURCES
 from eagle3_assets.stages.eagle3_drafter.figures import best_checkpoint_plot
 from eagle3_assets.stages.eagle3_drafter.launch import run_torchrun
-from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
-from eagle3_assets.stages.eagle3_drafter.quality import (
-    DecodeEval,
-    SpeculativeQuality,
-    measure_speculative,
-    target_weight_bytes,
-)
-from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, StreamingRequest, stream_drafter
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import LocalSides, SidesLauncher
-from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
-from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
 from eagle3_assets.stages.hidden_states.asset import hidden_states
 from eagle3_assets.stages.hidden_states.selection import target_identity
 from eagle3_resources.errors import DrafterError
 from eagle3_resources.hidden_states.resource import HiddenStatesBackendKind, HiddenStatesResource
-from eagle3_resources.hidden_states.store import MANIFEST
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
+
+if TYPE_CHECKING:
+    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
+    from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality
+    from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, StreamingRequest
+    from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 
 
 class DrafterTrainConfig(dg.Config):
@@ -198,7 +192,10 @@ class DrafterTrainConfig(dg.Config):
         "yours: local NVMe several, NFS often under 1)",
     )
 
-    def settings(self) -> TrainSettings:
+    def settings(self) -> "TrainSettings":
+        # torch-using: imported when the asset runs, so loading the definitions stays torch-free
+        from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
+
         return TrainSettings(
             ttt_steps=self.ttt_steps,
             step_decay=self.step_decay,
@@ -218,9 +215,11 @@ def train_in_processes(
     store: DataStore,
     folder: Path,
     best: dict | None = None,
-) -> DrafterReport:
+) -> "DrafterReport":
     """torchrun with `config.processes` ranks; the step's stop stops them all. `best`: the keeper's section of the
     spec (`best_section`; rank 0 loads the target and decodes)."""
+    from eagle3_assets.stages.eagle3_drafter.train_cli import TrainSpec, report_from_json
+
     out = store.layout.drafter()
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = TrainSpec(
@@ -239,7 +238,7 @@ def train_in_processes(
     return report_from_json(run_torchrun(spec, config.processes, context.log.info))
 
 
-def training_plot(report: DrafterReport):
+def training_plot(report: "DrafterReport"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,7 +294,7 @@ def drafter_history(instance: dg.DagsterInstance, key: dg.AssetKey, limit: int =
     return out
 
 
-def history_plot(history: list[dict], report: DrafterReport, real: dict | None = None):
+def history_plot(history: list[dict], report: "DrafterReport", real: dict | None = None):
     """Accept length over materializations, the real one (decoded, where measured) and the simulated one, each with
     its draft steps and ceiling; and this drafter's simulated per-step acceptance against the previous one's."""
     import matplotlib
@@ -361,7 +360,7 @@ def ttt_loss_plot(by_ttt: list[list[float]]):
     return fig
 
 
-def acceptance_plot(report: DrafterReport, quality: SpeculativeQuality):
+def acceptance_plot(report: "DrafterReport", quality: "SpeculativeQuality"):
     """Per-position acceptance in real decoding, trained vs untrained; accept lengths real and simulated."""
     import matplotlib
 
@@ -431,13 +430,13 @@ def accept_scale(draft_steps: int) -> str:
     return f"{draft_steps} draft steps, ceiling {ceiling(draft_steps)}"
 
 
-def simulated_steps(report: DrafterReport) -> int:
+def simulated_steps(report: "DrafterReport") -> int:
     """The simulated figure's draft steps: the trainer's eval pass scores every step of the TTT unroll (0: not
     known, a report without its per-step acceptance)."""
     return len(report.trained.get("acc") or ())
 
 
-def accept_length_metadata(report: DrafterReport, real: dict | None, previous: dict | None) -> dict:
+def accept_length_metadata(report: "DrafterReport", real: dict | None, previous: dict | None) -> dict:
     """The accept lengths, the real one first: measured by lossless speculative decoding with the target (when the
     target is small enough to run here), then the simulated one (teacher-forced on the eval split), named so; each
     with a `_source` saying what produced it. SGLang's own figures come later, as observations of this asset
@@ -514,6 +513,10 @@ def eagle3_drafter(
     target: TargetModelResource,
     hidden_states_backend: HiddenStatesResource,
 ) -> dg.MaterializeResult:
+    from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
+    from eagle3_assets.stages.eagle3_drafter.quality import DecodeEval, measure_speculative, target_weight_bytes
+    from eagle3_assets.stages.eagle3_drafter.streaming import stream_drafter
+
     merged = pl.read_parquet(store.layout.merged_dataset())
     folder = target.folder(tokenizer, context.log.info)
     refuse_best_checkpoint(config, folder)
@@ -582,6 +585,8 @@ def captured_layer_ids(store: DataStore, config: DrafterTrainConfig) -> list[int
     streamed through a spool instead)."""
     if config.streaming_spool_gb is not None:
         return None
+    from eagle3_resources.hidden_states.store import MANIFEST
+
     manifest = store.layout.hidden_states() / MANIFEST
     return list(json.loads(manifest.read_text())["aux_layer_ids"]) if manifest.is_file() else None
 
@@ -594,8 +599,11 @@ def train_in_this_process(
     target: TargetModelResource,
     tokenizer: TokenizerResource,
     merged: pl.DataFrame,
-) -> DrafterReport:
+) -> "DrafterReport":
     """`run_drafter_job` here, on the store's states, or online on the target loaded here."""
+    from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointPlan
+    from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, run_drafter_job
+
     backend = None
     if config.online:
         from eagle3_resources.hidden_states.transformers_backend import (
@@ -650,9 +658,11 @@ def refuse_streaming_shape(config: DrafterTrainConfig) -> None:
 
 def streaming_request(
     context: dg.AssetExecutionContext, config: DrafterTrainConfig, backend: HiddenStatesResource
-) -> StreamingRequest:
+) -> "StreamingRequest":
     """The spool and the plan's rates: each rate declared in the config, else the last materialization's measured
     figure (refused when there is none)."""
+    from eagle3_assets.stages.eagle3_drafter.streaming import StreamingRequest
+
     rates, source = {}, {}
     for name, value, asset_key, key in (
         ("capture_tok_s", config.streaming_capture_tok_s, "hidden_states", "tokens_per_s"),
@@ -688,9 +698,11 @@ def streaming_job(
     folder: Path,
     merged: pl.DataFrame,
     resources: tuple[TargetModelResource, TokenizerResource, HiddenStatesResource],
-) -> StreamingJob:
+) -> "StreamingJob":
     """The streaming run the config asks for: its rates declared or measured (the last materializations'), the
     capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
+    from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob
+
     refuse_streaming_shape(config)
     target, tokenizer, backend = resources
     request = streaming_request(context, config, backend)
@@ -762,6 +774,8 @@ def refuse_best_checkpoint(config: DrafterTrainConfig, folder: Path) -> None:
     the size limit."""
     if config.best_every <= 0:
         return
+    from eagle3_assets.stages.eagle3_drafter.quality import target_weight_bytes
+
     weights_gb = target_weight_bytes(folder) / 1e9
     if weights_gb > config.spec_eval_max_target_gb:
         raise DrafterError(
@@ -770,7 +784,7 @@ def refuse_best_checkpoint(config: DrafterTrainConfig, folder: Path) -> None:
         )
 
 
-def best_checkpoint_metadata(report: DrafterReport) -> dict:
+def best_checkpoint_metadata(report: "DrafterReport") -> dict:
     """The best-checkpoint keeper's curve (real accept length per kind at each evaluated step), its picture, and
     which step was exported (nothing when the keeper was off)."""
     summary = report.best_checkpoint
@@ -788,7 +802,7 @@ def best_checkpoint_metadata(report: DrafterReport) -> dict:
     }
 
 
-def evaluation_metadata(report: DrafterReport, history: list[dict], real: dict | None = None) -> dict:
+def evaluation_metadata(report: "DrafterReport", history: list[dict], real: dict | None = None) -> dict:
     """The trained drafter's simulated per-step acceptance, its loss curves, and the quality over
     materializations."""
     per_step = pl.DataFrame(
@@ -814,7 +828,7 @@ def evaluation_metadata(report: DrafterReport, history: list[dict], real: dict |
     }
 
 
-def decoding_metadata(report: DrafterReport, quality: SpeculativeQuality | None) -> dict:
+def decoding_metadata(report: "DrafterReport", quality: "SpeculativeQuality | None") -> dict:
     """Real speculative decoding's reports, trained and untrained, and its picture against the simulated figures
     (nothing when it did not run)."""
     if quality is None:
@@ -826,8 +840,10 @@ def decoding_metadata(report: DrafterReport, quality: SpeculativeQuality | None)
     }
 
 
-def training_metadata(report: DrafterReport) -> dict:
+def training_metadata(report: "DrafterReport") -> dict:
     """What was trained, where, and how fast."""
+    from eagle3_assets.stages.eagle3_drafter.export import drafter_config_from_json
+
     h = report.history
     kind = drafter_config_from_json(report.config)
     return {

@@ -9,16 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from safetensors import safe_open
-
 from eagle3_assets.common.outcome import CheckOutcome, Checks
-from eagle3_assets.stages.eagle3_drafter.export import (
-    WEIGHTS_FILE,
-    check_checkpoint,
-    sglang_layer_ids,
-    trained_layer_ids,
-    vllm_layer_ids,
-)
 
 MIN_ACCEPT_LENGTH = 1.5
 
@@ -26,6 +17,9 @@ MIN_ACCEPT_LENGTH = 1.5
 def drafter_keys(checkpoint: Path) -> CheckOutcome:
     """The checkpoint's keys, shapes and dtypes are exactly what SGLang loads for its kind. When it fails:
     do not serve it (SGLang would load it with random weights and accept nothing); the metadata lists the keys."""
+    # torch-using: imported when the check runs, so loading the definitions stays torch-free
+    from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint
+
     problems = check_checkpoint(checkpoint)
     return CheckOutcome(
         not problems,
@@ -48,6 +42,15 @@ def drafter_accept_length(trained: float, untrained: float, threshold: float = M
 def export_problems(checkpoint: Path, captured_layer_ids: Sequence[int] | None, draft_ids: Sequence[int]) -> list[str]:
     """How the exported files disagree with what training used: the aux layer ids (both servers' keys) against the
     layers the hidden-state store captured, d2t against the trainer's draft vocabulary, t2d against d2t."""
+    from safetensors import safe_open
+
+    from eagle3_assets.stages.eagle3_drafter.export import (
+        WEIGHTS_FILE,
+        sglang_layer_ids,
+        trained_layer_ids,
+        vllm_layer_ids,
+    )
+
     folder = Path(checkpoint)
     try:
         cfg = json.loads((folder / "config.json").read_text())

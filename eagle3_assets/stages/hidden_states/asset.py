@@ -2,7 +2,7 @@
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import polars as pl
@@ -23,22 +23,13 @@ from eagle3_assets.stages.hidden_states.selection import (
 )
 from eagle3_assets.stages.merged_dataset.asset import merged_dataset
 from eagle3_resources.cpu import apply_torch_threads
-from eagle3_resources.hidden_states.extract import (
-    ExtractionOptions,
-    ExtractionReport,
-    StoreSettings,
-    extract_to_store,
-    store_figures,
-)
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
-from eagle3_resources.hidden_states.store import (
-    HiddenStateStore,
-    read_manifest,
-    token_bytes,
-)
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
+
+if TYPE_CHECKING:
+    from eagle3_resources.hidden_states.extract import ExtractionReport, StoreSettings
 
 
 class HiddenStatesConfig(dg.Config):
@@ -110,6 +101,9 @@ def hidden_states(
     target: TargetModelResource,
     hidden_states_backend: HiddenStatesResource,
 ) -> dg.MaterializeResult:
+    # torch-using: imported when the asset runs, so loading the definitions stays torch-free
+    from eagle3_resources.hidden_states.extract import ExtractionOptions, extract_to_store
+
     merged = pl.read_parquet(store.layout.merged_dataset())
     selected = select_samples(merged, config.max_tokens, config.dataset_weights)
     context.log.info(
@@ -139,8 +133,10 @@ def hidden_states(
     )
 
 
-def store_settings(config: HiddenStatesConfig, batch_tokens: int) -> StoreSettings:
+def store_settings(config: HiddenStatesConfig, batch_tokens: int) -> "StoreSettings":
     """The store's figures from the asset's config (GB to bytes) and the backend's batch budget."""
+    from eagle3_resources.hidden_states.extract import StoreSettings
+
     return StoreSettings(
         shard_bytes=int(config.shard_gb * 1e9),
         batch_tokens=batch_tokens,
@@ -169,9 +165,12 @@ def progress_observer(context: dg.AssetExecutionContext) -> Callable[[dict[str, 
 
 
 def store_metadata(
-    root: Path, report: ExtractionReport, selected: pl.DataFrame, merged: pl.DataFrame
+    root: Path, report: "ExtractionReport", selected: pl.DataFrame, merged: pl.DataFrame
 ) -> dict[str, Any]:
     """The materialization's metadata: the store's totals from its manifest, what this run wrote, a preview."""
+    from eagle3_resources.hidden_states.extract import store_figures
+    from eagle3_resources.hidden_states.store import HiddenStateStore, read_manifest, token_bytes
+
     manifest, figures = read_manifest(root), store_figures(root)
     by_dataset = tokens_by_dataset(selected, merged)
     reader = HiddenStateStore(root)

@@ -9,13 +9,15 @@ import polars as pl
 
 from eagle3_assets.common.outcome import CheckOutcome, Checks
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
-from eagle3_resources.hidden_states.store import KEYS, HiddenStateStore, read_manifest
 
 
 def hidden_state_shapes(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     """Every shard holds ids [T], mask [T], aux [T, 3H] and final [T, H] with offsets ending at T, and every stored
     sample has as many rows as the merged set has tokens for it. When it fails: delete the named shards and
     re-materialize `hidden_states` (only they are redone); a mismatch of H means the target changed."""
+    # torch-using: imported when the check runs, so loading the definitions stays torch-free
+    from eagle3_resources.hidden_states.store import KEYS, HiddenStateStore
+
     store = HiddenStateStore(root, tolerate_damage=True)
     H = store.hidden_size
     bad: list[dict[str, Any]] = [{"shard": name, "error": why} for name, why in store.damaged.items()]
@@ -51,6 +53,8 @@ def hidden_state_shapes(root: Path, selected: pl.DataFrame) -> CheckOutcome:
 def hidden_state_layers(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     """The recorded layers are the EAGLE-3 rule [1, N//2-1, N-4] of the target, in its stated convention. When it fails:
     the store was written by another target or backend; delete it and re-materialize `hidden_states`."""
+    from eagle3_resources.hidden_states.store import read_manifest
+
     m = read_manifest(root)
     want = eagle3_aux_layers(m["num_target_layers"])
     return CheckOutcome(
@@ -64,6 +68,8 @@ def hidden_state_count(root: Path, selected: pl.DataFrame) -> CheckOutcome:
     """Every selected sample is stored, and nothing else is; every committed shard's file is readable and of its
     recorded size. When it fails: re-materialize `hidden_states` (it writes what is missing and redoes a damaged
     shard); extra samples are from an older selection."""
+    from eagle3_resources.hidden_states.store import HiddenStateStore
+
     store = HiddenStateStore(root, tolerate_damage=True)
     wanted = set(selected["sample_id"].to_list())
     missing = [sid for sid in selected["sample_id"].to_list() if sid not in store]

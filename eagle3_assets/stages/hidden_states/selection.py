@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from eagle3_resources.hidden_states.store import HiddenStateStore, StoredSample
+if TYPE_CHECKING:
+    from eagle3_resources.hidden_states.store import HiddenStateStore, StoredSample
 
 
 def select_samples(
@@ -52,6 +53,9 @@ def select_samples(
 
 def stored_samples(selected: pl.DataFrame) -> list[StoredSample]:
     """The rows as the store takes them, each dataset its own shard group."""
+    # torch-using: imported when the asset runs, so loading the definitions stays torch-free
+    from eagle3_resources.hidden_states.store import StoredSample
+
     return [
         StoredSample(sid, split, ids, mask, dataset)
         for sid, split, ids, mask, dataset in selected.select(
