@@ -1,6 +1,6 @@
 """The `slow` marker's guard: a run fails when a test took over a minute and is not marked `slow`.
 
-Contributors run `pytest -m "not slow"` as their fast loop; a test that grows past a minute
+Contributors run `pytest -m "not slow" -n 2` as their fast loop; a test that grows past a minute
 unmarked would quietly make that loop slow, so the full run (CI's) fails and names it.
 
 A test's time is its setup, call and teardown, less the setup of session-scoped fixtures (the
