@@ -9,6 +9,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from eagle3_resources.storage import PROJECT_ROOT
 from eagle3_resources.tokenizer.resource import TokenizerResource, standin_corpus_files
 from eagle3_resources.tokenizer.standin import corpus_strings
 
@@ -20,12 +21,19 @@ class TargetModelResource(dg.ConfigurableResource):
     """Where the target model's weights are, and how the CPU (transformers) backends load them.
 
     `path` is a local Hugging Face model folder (config.json + safetensors). Unset, the stand-in
-    tiny DeepseekV3 is built (once) under `standin_dir`, fitted to the stand-in tokenizer.
+    tiny DeepseekV3 is made (once) under `standin_dir`: unpacked from the weights the project ships
+    (`standin_weights`) when they were fitted for this stand-in tokenizer, else fitted to it there.
     The SGLang backends do not load weights here: they talk to a server that has them.
     """
 
     path: str | None = Field(default=None, description="HF model folder; unset = stand-in")
     standin_dir: str = Field(description="where the stand-in target is built and cached")
+    standin_weights: str = Field(
+        default="data/standin/target.safetensors",
+        description="the stand-in's fitted weights as shipped (eagle3_resources/target/standin_weights.py; relative: "
+        "to the project root); used when fitted for the stand-in tokenizer in use, else the stand-in is fitted (a "
+        "minute or more, one thread)",
+    )
     device: str = Field(
         default="auto",
         description="torch device for the transformers backends: `auto` = CUDA when "
@@ -63,8 +71,13 @@ class TargetModelResource(dg.ConfigurableResource):
         from eagle3_resources.target.standin import ensure_standin_target
 
         tok = tokenizer.load()
+        shipped = Path(self.standin_weights)
         return ensure_standin_target(
-            Path(self.standin_dir), tok, lambda: corpus_strings(standin_corpus_files(tokenizer.standin_corpus)), log=log
+            Path(self.standin_dir),
+            tok,
+            lambda: corpus_strings(standin_corpus_files(tokenizer.standin_corpus)),
+            log=log,
+            shipped=shipped if shipped.is_absolute() else PROJECT_ROOT / shipped,
         )
 
     def load_model(self, tokenizer: TokenizerResource, log: Callable[[str], None] = print):

@@ -4,9 +4,9 @@ Transformers' built-in `DeepseekV3ForCausalLM` with Kimi's vocabulary (163,840) 
 8 layers (the fewest for which the EAGLE-3 rule `[1, N//2-1, N-4]` gives three distinct layers),
 hidden size 64, MLA attention and a small MoE. A randomly initialised model never emits
 `</think>` or `<|im_end|>`, so every completion would be cut at `max_tokens` and the merge stage
-would drop them all; it is therefore fitted for a couple of minutes on the shipped prompts,
-each answered in Kimi's format by a fixed rule, until it writes reasoning, `</think>`, an answer
-and `<|im_end|>` by itself. The result is saved with `save_pretrained` and loaded like any
+would drop them all; it is therefore fitted on the shipped prompts, each answered in Kimi's format
+by a fixed rule, until it writes reasoning, `</think>`, an answer and `<|im_end|>` by itself. The
+fit runs once, where the weights the project ships are made (`standin_weights`). The result is saved with `save_pretrained` and loaded like any
 Hugging Face model folder, which is how a real target is loaded.
 
 Rows of `lm_head` for tokens the fitting text never uses share one trained vector `u`, so all
@@ -37,7 +37,11 @@ from eagle3_resources.tokenizer.special_tokens import BOS, EOS, IM_END, PAD, THI
 
 BUILDER_VERSION = "5"
 SEED = 0
-FIT_STEPS = 220
+# 1,000 steps (~7 min on one AVX2 core), paid once where the shipped weights are made (`standin_weights`), not on
+# a first run. At 220 the fit ended at loss ~1.7 and greedy decodes looped on one token right after "Let me think
+# about" ("} } } }", "the the the"): the drafter's real accept length then measured how it predicts a loop (2.06 on
+# one CPU, 3.88 on another). At 1,000 (loss ~0.2) greedy decodes copy the topic and finish the template.
+FIT_STEPS = 1000
 FIT_BATCH = 16
 FIT_PROMPT_TOKENS = 48
 # Every FIT_LONG_EVERY-th step fits FIT_LONG_BATCH texts whose prompt is longer than FIT_LONG_MIN tokens,
@@ -113,6 +117,18 @@ def fitting_sequences(
         prompt = prompt[-prompt_tokens:]
         seqs.append((prompt + completion, len(prompt)))
     return seqs
+
+
+def long_fitting_sequences(tokenizer: KimiTokenizer, texts: Iterable[str]) -> list[tuple[list[int], int]]:
+    """The long-prompt texts every FIT_LONG_EVERY-th step fits."""
+    return [s for s in fitting_sequences(tokenizer, texts, FIT_LONG_PROMPT_TOKENS) if s[1] > FIT_LONG_MIN]
+
+
+def fitting_token_ids(tokenizer: KimiTokenizer, texts: Iterable[str]) -> torch.Tensor:
+    """The ids the fit trains rows of (`UsedRows`), ascending: every token of its short and long sequences."""
+    texts = list(texts)
+    seqs = [*fitting_sequences(tokenizer, texts), *long_fitting_sequences(tokenizer, texts)]
+    return torch.tensor(sorted({t for s, _ in seqs for t in s}), dtype=torch.long)
 
 
 @contextmanager
@@ -224,12 +240,55 @@ def fit(
     return losses
 
 
-def fingerprint(tokenizer_folder: Path) -> str:
+def fingerprint(tokenizer_folder: Path, steps: int = FIT_STEPS) -> str:
+    """What a fit's weights are a function of (the CPU aside): builder, tokenizer (and so the corpus), settings."""
     h = hashlib.sha256(BUILDER_VERSION.encode())
     h.update((Path(tokenizer_folder) / "tiktoken.model").read_bytes())
-    h.update(f"{FIT_STEPS}/{FIT_BATCH}/{FIT_PROMPT_TOKENS}/{FIT_LR}/{BACKGROUND_MARGIN}/{FIT_THREADS}".encode())
+    h.update(f"{steps}/{FIT_BATCH}/{FIT_PROMPT_TOKENS}/{FIT_LR}/{BACKGROUND_MARGIN}/{FIT_THREADS}".encode())
     h.update(f"{FIT_LONG_EVERY}/{FIT_LONG_BATCH}/{FIT_LONG_MIN}/{FIT_LONG_PROMPT_TOKENS}".encode())
     return h.hexdigest()[:12]
+
+
+def new_standin_model(tokenizer: KimiTokenizer) -> Any:
+    """The stand-in as the fit starts from it: transformers' initialisation under the fixed seed."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(SEED)
+    return DeepseekV3ForCausalLM(standin_config(tokenizer))
+
+
+def publish_standin(
+    model: Any,
+    tokenizer: KimiTokenizer,
+    out_dir: Path,
+    info: dict[str, Any],
+    tensors: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> Path:
+    """`model` saved as a Hugging Face folder at `out_dir` (with Kimi's stop ids), `info` in its standin.json;
+    `tensors` edits the saved state (the file's names and layout, which transformers may convert) before it lands."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.token_id(BOS),
+        eos_token_id=[tokenizer.token_id(IM_END), tokenizer.token_id(EOS)],
+        pad_token_id=tokenizer.token_id(PAD),
+    )
+    out_dir = Path(out_dir)
+    with published_folder(out_dir, replace=False, marker="config.json") as tmp:  # a concurrent build may win
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tensors is not None:
+            weights = tmp / "model.safetensors"
+            with safe_open(str(weights), "pt") as f:
+                metadata = f.metadata()
+            state = load_file(str(weights))
+            tensors(state)
+            save_file(state, str(weights), metadata=metadata)
+        info = {"seed": SEED, **info, "tokenizer": str(tokenizer.folder)}
+        (tmp / "standin.json").write_text(json.dumps(info, indent=2))
+    return out_dir
 
 
 def build_standin_target(
@@ -240,48 +299,43 @@ def build_standin_target(
     steps: int = FIT_STEPS,
     log: Callable[[str], None] = print,
 ) -> Path:
-    from transformers import DeepseekV3ForCausalLM, GenerationConfig
-
     texts = list(texts)
     seqs = fitting_sequences(tokenizer, texts)
-    long_seqs = [s for s in fitting_sequences(tokenizer, texts, FIT_LONG_PROMPT_TOKENS) if s[1] > FIT_LONG_MIN]
+    long_seqs = long_fitting_sequences(tokenizer, texts)
     with fixed_torch_threads(FIT_THREADS):
         log(
             f"torch threads for the stand-in target's fit: {FIT_THREADS} "
             "(fixed: the fitted weights must not depend on the load)"
         )
-        torch.manual_seed(SEED)
-        model = DeepseekV3ForCausalLM(standin_config(tokenizer))
+        model = new_standin_model(tokenizer)
         losses = fit(model, seqs, tokenizer.token_id(PAD), steps=steps, log=log, long_seqs=long_seqs)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.token_id(BOS),
-        eos_token_id=[tokenizer.token_id(IM_END), tokenizer.token_id(EOS)],
-        pad_token_id=tokenizer.token_id(PAD),
-    )
-    out_dir = Path(out_dir)
-    with published_folder(out_dir, replace=False, marker="config.json") as tmp:  # a concurrent build may win
-        model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "standin.json").write_text(
-            json.dumps(
-                {
-                    "seed": SEED,
-                    "fit_steps": steps,
-                    "fit_sequences": len(seqs),
-                    "first_loss": losses[0],
-                    "final_loss": losses[-1],
-                    "tokenizer": str(tokenizer.folder),
-                },
-                indent=2,
-            )
-        )
-    return out_dir
+    fitted = {"fit_steps": steps, "fit_sequences": len(seqs), "first_loss": losses[0], "final_loss": losses[-1]}
+    return publish_standin(model, tokenizer, out_dir, fitted)
 
 
 def ensure_standin_target(
-    cache_root: Path, tokenizer: KimiTokenizer, texts: Callable[[], Iterable[str]], log: Callable[[str], None] = print
+    cache_root: Path,
+    tokenizer: KimiTokenizer,
+    texts: Callable[[], Iterable[str]],
+    log: Callable[[str], None] = print,
+    shipped: Path | None = None,
+    steps: int = FIT_STEPS,
 ) -> Path:
-    folder = Path(cache_root) / f"target-{fingerprint(tokenizer.folder)}"
-    if not (folder / "config.json").is_file():
-        log(f"building the stand-in target at {folder} (once; cached afterwards)")
-        build_standin_target(folder, tokenizer, texts(), log=log)
-    return folder
+    """The stand-in's folder under `cache_root`, made once: unpacked from the `shipped` weights when they were fitted
+    for this tokenizer and these settings (`standin_weights`), else fitted here."""
+    key = fingerprint(tokenizer.folder, steps)
+    folder = Path(cache_root) / f"target-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    if shipped is not None and Path(shipped).is_file():
+        from eagle3_resources.target.standin_weights import shipped_fingerprint, unpack
+
+        if shipped_fingerprint(Path(shipped)) == key:
+            log(f"unpacking the stand-in target's shipped weights ({shipped}) to {folder}")
+            return unpack(Path(shipped), tokenizer, folder, expect=key)
+        log(
+            f"the shipped stand-in weights ({shipped}) were fitted for another tokenizer or builder "
+            f"({shipped_fingerprint(Path(shipped)) or 'unknown'}, this one is {key}): fitting here"
+        )
+    log(f"building the stand-in target at {folder} (once; cached afterwards; {steps} fit steps)")
+    return build_standin_target(folder, tokenizer, texts(), steps=steps, log=log)
