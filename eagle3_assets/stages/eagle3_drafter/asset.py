@@ -1,6 +1,7 @@
 """`eagle3_drafter`: a trained EAGLE-3 drafter in the format SGLang serves for its kind (`LlamaForCausalLMEagle3`, or
 the Kimi-K2.x MLA draft `Eagle3DeepseekV2ForCausalLM`)."""
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
 
 if TYPE_CHECKING:
+    from eagle3_assets.stages.eagle3_drafter.kind_contest import KindResult
     from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
     from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality
     from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, StreamingRequest
@@ -51,6 +53,13 @@ class DrafterTrainConfig(dg.Config):
         "the Llama draft's 4,096), `eagle3_1_mla` (the same with EAGLE 3.1's fc_norm and norm_output); `auto` = "
         "eagle3_mla for a target with MLA (its config has kv_lora_rank: DeepSeek-V3, Kimi-K2.5, the stand-in), "
         "eagle3_llama for any other, a warm start's own kind with `init_from`",
+    )
+    drafter_kinds: list[str] = Field(
+        default=[],
+        description="train each of these kinds (`drafter_kind`'s names) in turn on the same states, windows, draft "
+        "vocabulary, seed and budget, decode each with the target through its exported files, and export the one "
+        "with the highest real accept length; every kind's figures are in the metadata (`kinds_compared`). Empty: "
+        "`drafter_kind` alone. One process (offline or online), no warm start, no streaming",
     )
     ttt_steps: int = Field(default=7, description="training-time-test unroll length (SpecForge/EAGLE: 7)")
     step_decay: float = Field(default=0.8, description="loss weight of TTT step k is decay**k")
@@ -520,8 +529,12 @@ def eagle3_drafter(
     merged = pl.read_parquet(store.layout.merged_dataset())
     folder = target.folder(tokenizer, context.log.info)
     refuse_best_checkpoint(config, folder)
+    refuse_kinds_contest(config)
     streaming: dict = {}
-    if config.streaming_spool_gb is not None:
+    contest: dict = {}
+    if config.drafter_kinds:
+        report, contest = train_kinds(context, config, store, folder, target, tokenizer, merged)
+    elif config.streaming_spool_gb is not None:
         report, figures = stream_drafter(
             streaming_job(context, config, store, folder, merged, (target, tokenizer, hidden_states_backend))
         )
@@ -572,6 +585,7 @@ def eagle3_drafter(
         | training_metadata(report)
         | best_checkpoint_metadata(report)
         | streaming
+        | contest
         | {
             "sglang_key_check": "ok" if not problems else "; ".join(problems),
             "config": json_value(report.config),
@@ -591,6 +605,107 @@ def captured_layer_ids(store: DataStore, config: DrafterTrainConfig) -> list[int
     return list(json.loads(manifest.read_text())["aux_layer_ids"]) if manifest.is_file() else None
 
 
+def refuse_kinds_contest(config: DrafterTrainConfig) -> None:
+    """`drafter_kinds` trains its kinds one after another in this process: names it knows, nothing that needs
+    another process or decides the kind itself."""
+    if not config.drafter_kinds:
+        return
+    from eagle3_assets.stages.eagle3_drafter.model import DRAFTER_KINDS
+
+    unknown = [k for k in config.drafter_kinds if k not in DRAFTER_KINDS]
+    if unknown or len(set(config.drafter_kinds)) != len(config.drafter_kinds):
+        raise DrafterError(f"drafter_kinds {config.drafter_kinds}: each once, of {list(DRAFTER_KINDS)}")
+    clashes = [
+        name
+        for name, on in (
+            ("processes > 1", config.processes > 1),
+            ("streaming_spool_gb", config.streaming_spool_gb is not None),
+            ("init_from (a warm start has its own kind)", config.init_from is not None),
+        )
+        if on
+    ]
+    if clashes:
+        raise DrafterError(f"drafter_kinds trains its kinds in this process, one after another: unset {clashes}")
+
+
+def train_kinds(
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    store: DataStore,
+    folder: Path,
+    target: TargetModelResource,
+    tokenizer: TokenizerResource,
+    merged: pl.DataFrame,
+) -> tuple["DrafterReport", dict]:
+    """Each of `drafter_kinds` trained and decoded (`kind_contest`), the best copied to the export folder; its report
+    (pointing at the export) and the contest's metadata."""
+    from eagle3_assets.stages.eagle3_drafter.kind_contest import candidate_dir, choose, contest_frame, publish
+    from eagle3_assets.stages.eagle3_drafter.quality import target_weight_bytes
+
+    decodable = config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9
+    results: list[KindResult] = []
+    reports: dict[str, DrafterReport] = {}
+    for kind in config.drafter_kinds:
+        context.log.info(f"drafter kinds: training {kind} ({len(reports) + 1} of {len(config.drafter_kinds)})")
+        one = config.model_copy(update={"drafter_kind": kind, "drafter_kinds": []})
+        reports[kind] = train_in_this_process(
+            context, one, store, folder, target, tokenizer, merged, out_dir=candidate_dir(store.layout.drafter(), kind)
+        )
+        results.append(kind_result(context, config, reports[kind], merged, (target, tokenizer) if decodable else None))
+    chosen, why = choose(results)
+    publish(chosen, store.layout.drafter())
+    table = contest_frame(results, chosen)
+    context.log.info(f"drafter kinds: exporting {chosen.kind}, {why}\n{table}")
+    report = dataclasses.replace(reports[chosen.kind], checkpoint=store.layout.drafter())
+    metadata = {
+        "kinds_compared": markdown_table(table, rows=table.height),
+        "kinds_exported": chosen.kind,
+        "kinds_chosen_by": why,
+        "kinds_results": json_value([r.to_metadata() for r in results]),
+    }
+    return report, metadata
+
+
+def kind_result(
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    report: "DrafterReport",
+    merged: pl.DataFrame,
+    decode_with: tuple[TargetModelResource, TokenizerResource] | None,
+) -> "KindResult":
+    """One trained kind's figures; decoded through its exported files with the target unless `decode_with` is None."""
+    from eagle3_assets.stages.eagle3_drafter.export import drafter_config_from_json, trained_layer_ids
+    from eagle3_assets.stages.eagle3_drafter.kind_contest import KindResult
+    from eagle3_assets.stages.eagle3_drafter.quality import DecodeEval, measure_speculative
+
+    figures, by_prompt_kind = None, {}
+    if decode_with is not None:
+        target, tokenizer = decode_with
+        how = DecodeEval(
+            prompts=config.spec_eval_prompts,
+            max_new_tokens=config.spec_eval_new_tokens,
+            draft_steps=config.spec_draft_steps,
+            seed=config.seed,
+            aux_layer_ids=trained_layer_ids(json.loads((report.checkpoint / "config.json").read_text())),
+            proxy=target.path is None,
+        )
+        model = target.load_model(tokenizer, context.log.info)
+        quality = measure_speculative(model, report.checkpoint, merged, how, context.log.info)
+        figures = quality.figures()
+        by_prompt_kind = {k: v["trained"] for k, v in quality.by_kind().items()}
+    return KindResult(
+        kind=drafter_config_from_json(report.config).drafter_kind,
+        checkpoint=report.checkpoint,
+        real=figures["accept_length_real"] if figures else None,
+        real_untrained=figures["accept_length_real_untrained"] if figures else None,
+        by_prompt_kind=by_prompt_kind,
+        simulated=report.trained["accept_length"],
+        tokens_per_s=report.history.tokens_per_s,
+        train_seconds=round(report.history.seconds, 1),
+        kv_bytes_per_token=drafter_config_from_json(report.config).kv_bytes_per_token(),
+    )
+
+
 def train_in_this_process(
     context: dg.AssetExecutionContext,
     config: DrafterTrainConfig,
@@ -599,8 +714,10 @@ def train_in_this_process(
     target: TargetModelResource,
     tokenizer: TokenizerResource,
     merged: pl.DataFrame,
+    out_dir: Path | None = None,
 ) -> "DrafterReport":
-    """`run_drafter_job` here, on the store's states, or online on the target loaded here."""
+    """`run_drafter_job` here, on the store's states, or online on the target loaded here; exported to `out_dir`
+    (default: the store's drafter folder)."""
     from eagle3_assets.stages.eagle3_drafter.best_checkpoint import BestCheckpointPlan
     from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, run_drafter_job
 
@@ -625,7 +742,7 @@ def train_in_this_process(
             None if config.online else store.layout.hidden_states(),
             merged,
             folder,
-            store.layout.drafter(),
+            out_dir or store.layout.drafter(),
             config.settings(),
             config.draft_vocab_size,
             context.log.info,
