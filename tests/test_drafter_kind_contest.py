@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -103,7 +104,7 @@ def test_eagle3_run_trains_each_kind_and_exports_the_best(tmp_path, data_dir_wit
         with dg.DagsterInstance.get() as instance:
             event = instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter"))
             assert event is not None and event.asset_materialization is not None
-            meta = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+            meta: dict[str, Any] = {k: v.value for k, v in event.asset_materialization.metadata.items()}
     finally:
         os.environ.pop("DAGSTER_HOME", None)
     results = meta["kinds_results"]

@@ -6,8 +6,9 @@ hidden size 64, MLA attention and a small MoE. A randomly initialised model neve
 `</think>` or `<|im_end|>`, so every completion would be cut at `max_tokens` and the merge stage
 would drop them all; it is therefore fitted on the shipped prompts, each answered in Kimi's format
 by a fixed rule, until it writes reasoning, `</think>`, an answer and `<|im_end|>` by itself. The
-fit runs once, where the weights the project ships are made (`standin_weights`). The result is saved with `save_pretrained` and loaded like any
-Hugging Face model folder, which is how a real target is loaded.
+fit runs once, where the weights the project ships are made (`standin_weights`). The result is
+saved with `save_pretrained` and loaded like any Hugging Face model folder, which is how a real
+target is loaded.
 
 Rows of `lm_head` for tokens the fitting text never uses share one trained vector `u`, so all
 their logits equal `h.u` and the full-vocabulary cross-entropy is computed exactly over the used
