@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,24 @@ def build_source_tree(dest: Path) -> Path:
 # against the untrained 1.02, measured on B6 and on B6+B7): the release gate rightly blocks it. Runs that small, whose
 # test is about something else, measure the gain without requiring it (`eagle3 run --config`).
 GAIN_NOT_REQUIRED = "ops:\n  eagle3_drafter:\n    config:\n      min_accept_gain: null\n"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def eagle3_run(datasets: str, run_config: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """`eagle3 run --datasets <datasets> --config <run_config as a file>` from the repository, as a user runs it, in
+    `env`; fails the test (with the output's tail) unless it succeeds."""
+    config = tmp_path / "run_config.yaml"
+    config.write_text(run_config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", datasets, "--config", str(config)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
 
 
 def extract_merged(merged, target_model, root: Path) -> None:

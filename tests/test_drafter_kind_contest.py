@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pytest
+from support import eagle3_run
 
 from eagle3_assets.stages.eagle3_drafter.asset import DrafterTrainConfig, refuse_kinds_contest
 from eagle3_assets.stages.eagle3_drafter.kind_contest import KindResult, candidate_dir, choose, contest_frame, publish
@@ -88,17 +87,7 @@ def test_eagle3_run_trains_each_kind_and_exports_the_best(tmp_path, data_dir_wit
     env = dict(os.environ, DAGSTER_HOME=str(tmp_path / "home"), EAGLE3_DATA_DIR=str(data_dir_with_standin))
     for var in ("EAGLE3_COMPLETIONS_BACKEND", "EAGLE3_TOKENIZER_DIR", "EAGLE3_TARGET_DIR", "OPENROUTER_API_KEY"):
         env.pop(var, None)
-    config = tmp_path / "run_config.yaml"
-    config.write_text(CONTEST)
-    proc = subprocess.run(
-        [sys.executable, "-m", "eagle3_assets.operations.cli", "run", "--datasets", "B6", "--config", str(config)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1700,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    eagle3_run("B6", CONTEST, env, tmp_path)
     os.environ["DAGSTER_HOME"] = env["DAGSTER_HOME"]
     try:
         with dg.DagsterInstance.get() as instance:

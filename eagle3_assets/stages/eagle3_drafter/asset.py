@@ -522,8 +522,7 @@ def eagle3_drafter(
     target: TargetModelResource,
     hidden_states_backend: HiddenStatesResource,
 ) -> dg.MaterializeResult:
-    from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint, trained_layer_ids
-    from eagle3_assets.stages.eagle3_drafter.quality import DecodeEval, measure_speculative, target_weight_bytes
+    from eagle3_assets.stages.eagle3_drafter.export import check_checkpoint
     from eagle3_assets.stages.eagle3_drafter.streaming import stream_drafter
 
     merged = pl.read_parquet(store.layout.merged_dataset())
@@ -546,22 +545,8 @@ def eagle3_drafter(
     problems = check_checkpoint(report.checkpoint)
     quality = None
     # an export that does not load is not decoded: the gate fails on it (sglang_keys says why)
-    if (
-        not problems
-        and config.spec_eval_prompts > 0
-        and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9
-    ):
-        how = DecodeEval(
-            prompts=config.spec_eval_prompts,
-            max_new_tokens=config.spec_eval_new_tokens,
-            draft_steps=config.spec_draft_steps,
-            seed=config.seed,
-            # re-read from the exported files, as a server reads them, not the report's copy
-            aux_layer_ids=trained_layer_ids(json.loads((report.checkpoint / "config.json").read_text())),
-            proxy=target.path is None,
-        )
-        model = target.load_model(tokenizer, context.log.info)
-        quality = measure_speculative(model, report.checkpoint, merged, how, context.log.info)
+    if not problems and decodable(config, folder):
+        quality = decode_export(context, config, report.checkpoint, merged, target, tokenizer)
     real = quality.figures() if quality else None
     outcomes = {
         "sglang_keys": drafter_keys(report.checkpoint),
@@ -640,9 +625,8 @@ def train_kinds(
     """Each of `drafter_kinds` trained and decoded (`kind_contest`), the best copied to the export folder; its report
     (pointing at the export) and the contest's metadata."""
     from eagle3_assets.stages.eagle3_drafter.kind_contest import candidate_dir, choose, contest_frame, publish
-    from eagle3_assets.stages.eagle3_drafter.quality import target_weight_bytes
 
-    decodable = config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9
+    decode = decodable(config, folder)
     results: list[KindResult] = []
     reports: dict[str, DrafterReport] = {}
     for kind in config.drafter_kinds:
@@ -651,7 +635,9 @@ def train_kinds(
         reports[kind] = train_in_this_process(
             context, one, store, folder, target, tokenizer, merged, out_dir=candidate_dir(store.layout.drafter(), kind)
         )
-        results.append(kind_result(context, config, reports[kind], merged, (target, tokenizer) if decodable else None))
+        exported = reports[kind].checkpoint
+        quality = decode_export(context, config, exported, merged, target, tokenizer) if decode else None
+        results.append(kind_result(reports[kind], quality))
     chosen, why = choose(results)
     publish(chosen, store.layout.drafter())
     table = contest_frame(results, chosen)
@@ -666,43 +652,55 @@ def train_kinds(
     return report, metadata
 
 
-def kind_result(
+def decodable(config: DrafterTrainConfig, folder: Path) -> bool:
+    """Whether drafters are decoded with the target here: asked for, and a target within the size limit."""
+    from eagle3_assets.stages.eagle3_drafter.quality import target_weight_bytes
+
+    return config.spec_eval_prompts > 0 and target_weight_bytes(folder) <= config.spec_eval_max_target_gb * 1e9
+
+
+def decode_export(
     context: dg.AssetExecutionContext,
     config: DrafterTrainConfig,
-    report: "DrafterReport",
+    checkpoint: Path,
     merged: pl.DataFrame,
-    decode_with: tuple[TargetModelResource, TokenizerResource] | None,
-) -> "KindResult":
-    """One trained kind's figures; decoded through its exported files with the target unless `decode_with` is None."""
-    from eagle3_assets.stages.eagle3_drafter.export import drafter_config_from_json, trained_layer_ids
-    from eagle3_assets.stages.eagle3_drafter.kind_contest import KindResult
+    target: TargetModelResource,
+    tokenizer: TokenizerResource,
+) -> "SpeculativeQuality":
+    """The exported drafter at `checkpoint` and an untrained one decoded with the target (the lossless loop)."""
+    from eagle3_assets.stages.eagle3_drafter.export import trained_layer_ids
     from eagle3_assets.stages.eagle3_drafter.quality import DecodeEval, measure_speculative
 
-    figures, by_prompt_kind = None, {}
-    if decode_with is not None:
-        target, tokenizer = decode_with
-        how = DecodeEval(
-            prompts=config.spec_eval_prompts,
-            max_new_tokens=config.spec_eval_new_tokens,
-            draft_steps=config.spec_draft_steps,
-            seed=config.seed,
-            aux_layer_ids=trained_layer_ids(json.loads((report.checkpoint / "config.json").read_text())),
-            proxy=target.path is None,
-        )
-        model = target.load_model(tokenizer, context.log.info)
-        quality = measure_speculative(model, report.checkpoint, merged, how, context.log.info)
-        figures = quality.figures()
-        by_prompt_kind = {k: v["trained"] for k, v in quality.by_kind().items()}
+    how = DecodeEval(
+        prompts=config.spec_eval_prompts,
+        max_new_tokens=config.spec_eval_new_tokens,
+        draft_steps=config.spec_draft_steps,
+        seed=config.seed,
+        # re-read from the exported files, as a server reads them, not the report's copy
+        aux_layer_ids=trained_layer_ids(json.loads((checkpoint / "config.json").read_text())),
+        proxy=target.path is None,
+    )
+    model = target.load_model(tokenizer, context.log.info)
+    return measure_speculative(model, checkpoint, merged, how, context.log.info)
+
+
+def kind_result(report: "DrafterReport", quality: "SpeculativeQuality | None") -> "KindResult":
+    """One trained kind's figures (`quality`: its export decoded; None: not decoded)."""
+    from eagle3_assets.stages.eagle3_drafter.export import drafter_config_from_json
+    from eagle3_assets.stages.eagle3_drafter.kind_contest import KindResult
+
+    figures = quality.figures() if quality is not None else None
+    kind = drafter_config_from_json(report.config)
     return KindResult(
-        kind=drafter_config_from_json(report.config).drafter_kind,
+        kind=kind.drafter_kind,
         checkpoint=report.checkpoint,
         real=figures["accept_length_real"] if figures else None,
         real_untrained=figures["accept_length_real_untrained"] if figures else None,
-        by_prompt_kind=by_prompt_kind,
+        by_prompt_kind={k: v["trained"] for k, v in quality.by_kind().items()} if quality is not None else {},
         simulated=report.trained["accept_length"],
         tokens_per_s=report.history.tokens_per_s,
         train_seconds=round(report.history.seconds, 1),
-        kv_bytes_per_token=drafter_config_from_json(report.config).kv_bytes_per_token(),
+        kv_bytes_per_token=kind.kv_bytes_per_token(),
     )
 
 
