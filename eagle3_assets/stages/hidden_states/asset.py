@@ -11,8 +11,8 @@ from pydantic import Field
 from eagle3_assets.common.failures import failure_for_operator
 from eagle3_assets.common.k8s import K8S_CONFIG_TAG, gpu_node_config
 from eagle3_assets.common.metadata import json_value, markdown_table, path_value, png_markdown
-from eagle3_assets.common.outcome import check_specs, to_results
-from eagle3_assets.stages.hidden_states.checks import HIDDEN_STATE_CHECKS, hidden_state_finite
+from eagle3_assets.common.outcome import CheckOutcome, check_specs, to_results
+from eagle3_assets.stages.hidden_states.checks import HIDDEN_STATE_CHECKS, RUN_CHECKS, hidden_state_finite
 from eagle3_assets.stages.hidden_states.selection import (
     sample_preview,
     select_samples,
@@ -23,7 +23,7 @@ from eagle3_assets.stages.hidden_states.selection import (
 )
 from eagle3_assets.stages.merged_dataset.asset import merged_dataset
 from eagle3_resources.cpu import apply_torch_threads
-from eagle3_resources.hidden_states.resource import HiddenStatesResource
+from eagle3_resources.hidden_states.resource import HiddenStatesBackendKind, HiddenStatesResource
 from eagle3_resources.storage import DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -61,6 +61,11 @@ class HiddenStatesConfig(dg.Config):
         description="re-hash every committed shard against its recorded checksum "
         "(xxh3_128; sha256 in older stores) before trusting it (reads the whole store); off, a shard is "
         "trusted by its manifest entry and size",
+    )
+    capture_check_samples: int = Field(
+        default=2,
+        description="stored samples whose first 32 tokens the `matches_forward` check runs through a plain forward "
+        "of the target and compares with what was stored (blocking; the transformers backend; 0 = off)",
     )
     free_bytes: int | None = Field(
         default=None,
@@ -125,12 +130,39 @@ def hidden_states(
         report = extract_to_store(stored_samples(selected), backend, root, settings, options)
     finally:
         backend.close()
-    outcomes = {name: fn(root, selected) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name != "finite"}
+    outcomes = {name: fn(root, selected) for name, (fn, _) in HIDDEN_STATE_CHECKS.items() if name not in RUN_CHECKS}
     outcomes["finite"] = hidden_state_finite(report.nan_samples)
+    resources = (hidden_states_backend, target, tokenizer)
+    outcomes["matches_forward"] = capture_against_forward(context, config, root, resources)
     return dg.MaterializeResult(
         check_results=to_results(HIDDEN_STATE_CHECKS, outcomes),
         metadata=store_metadata(root, report, selected, merged),
     )
+
+
+def capture_against_forward(
+    context: dg.AssetExecutionContext,
+    config: HiddenStatesConfig,
+    root: Path,
+    resources: tuple[HiddenStatesResource, TargetModelResource, TokenizerResource],
+) -> CheckOutcome:
+    """`capture_check.capture_matches_forward` where the target is already loaded here (the transformers backend);
+    an SGLang capture, whose target this process does not hold, is not checked yet, and the outcome says so."""
+    from eagle3_assets.stages.hidden_states.capture_check import capture_matches_forward
+
+    backend, target, tokenizer = resources
+    if config.capture_check_samples <= 0:
+        return CheckOutcome(True, "not run: capture_check_samples is 0", {"ran": False})
+    if backend.backend != HiddenStatesBackendKind.TRANSFORMERS:
+        return CheckOutcome(
+            True,
+            f"not run: the {backend.backend.value} backend's capture needs a plain forward on the GPU host, which this "
+            "check does not run yet",
+            {"ran": False},
+        )
+    model = target.load_model(tokenizer, context.log.info)
+    outcome = capture_matches_forward(model, root, config.capture_check_samples)
+    return CheckOutcome(outcome.passed, outcome.description, outcome.metadata | {"ran": True})
 
 
 def store_settings(config: HiddenStatesConfig, batch_tokens: int) -> "StoreSettings":

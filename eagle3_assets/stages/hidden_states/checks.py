@@ -8,6 +8,7 @@ from typing import Any
 import polars as pl
 
 from eagle3_assets.common.outcome import CheckOutcome, Checks
+from eagle3_assets.stages.hidden_states.capture_check import capture_matches_forward
 from eagle3_resources.hidden_states.layers import eagle3_aux_layers
 
 
@@ -102,4 +103,7 @@ HIDDEN_STATE_CHECKS: Checks = {
     "layer_ids": (hidden_state_layers, "ERROR"),
     "record_count": (hidden_state_count, "ERROR"),
     "finite": (hidden_state_finite, "ERROR"),
+    "matches_forward": (capture_matches_forward, "ERROR"),
 }
+# computed by the asset from what it ran (the extraction's report, the target it loaded), not from (root, selected)
+RUN_CHECKS = ("finite", "matches_forward")
