@@ -69,6 +69,7 @@ from eagle3_assets.stages.eagle3_drafter.model import (
     DrafterConfig,
     Eagle3Drafter,
     QueryRows,
+    loss_rows,
     train_flops_per_token,
 )
 from eagle3_assets.stages.eagle3_drafter.pipeline import default_drafter_kind, drafter_config
@@ -616,3 +617,22 @@ def test_each_mutation_of_an_export_fails_the_check(kind, tmp_path):
         assert any("missing key 'fc_norm.0.weight'" in p for p in mutate(out, drop="fc_norm.0.weight"))
     else:
         assert any("missing key 'fc_norm" in p for p in mutate(out, {**cfg, "fc_norm": True, "norm_output": True}))
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_a_step_of_prompt_only_windows_has_no_later_rows_and_trains(kind):
+    """A step whose windows hold no completion token (a long prompt cut into windows, the first command's data) gives
+    `loss_rows` no row for TTT steps >= 1: each kind runs them on zero rows (the Llama attention's reshape could not
+    infer its width from 0 elements) and the loss still back-propagates through step 0."""
+    model = tiny_drafter(kind)
+    lengths = [12, 9]
+    mask = torch.zeros(sum(lengths), dtype=torch.long)
+    rows = loss_rows(lengths, mask, 3)
+    assert rows is not None and rows.index.numel() == 0
+    L, H = sum(lengths), model.cfg.target_hidden_size
+    aux = torch.randn(L, 3 * H)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    logits = model.unroll(aux, torch.randint(0, 300, (L,)), positions, 3, DocLayout(lengths), rows)
+    assert [x.shape[0] for x in logits] == [L, 0, 0]
+    sum(x.sum() for x in logits).backward()
+    assert model.fc.weight.grad is not None

@@ -274,7 +274,8 @@ class Attention(nn.Module):
         k0, v0 = cache[0]
         chain_k, chain_v = [c[0] for c in cache[1:]], [c[1] for c in cache[1:]]
         out = ttt_attention(q, k0, v0, chain_k, chain_v, self.scale, layout, rows)
-        return self.o_proj(out.transpose(0, 1).reshape(L, -1))
+        # the width written out: a step with no loss rows (L = 0, `loss_rows` of prompt-only windows) cannot infer -1
+        return self.o_proj(out.transpose(0, 1).reshape(L, self.cfg.num_attention_heads * self.cfg.head_dim))
 
 
 class MLP(nn.Module):
