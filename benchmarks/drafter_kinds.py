@@ -503,12 +503,13 @@ def table(sums: dict[str, dict[str, Any]]) -> str:
     """The Markdown table: one row per drafter."""
     kinds = sorted({k for s in sums.values() for k in s["by_kind"]})
     counts = next(iter(sums.values()))["prompts_by_kind"] if sums else {}
-    head = ["drafter", "real accept length", *[f"{k} ({counts.get(k, 0)})" for k in kinds], "untrained"]
+    head = ["drafter", "seeds", "real accept length", *[f"{k} ({counts.get(k, 0)})" for k in kinds], "untrained"]
     head += ["training tokens/s", "last-epoch loss", "KV B/token stand-in", "KV B/token Kimi"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in sums.items():
         row = [
             f"`{name}`",
+            str(len(s["seeds"])),
             cell(s["accept_length"]),
             *[cell(s["by_kind"][k]) if k in s["by_kind"] else "-" for k in kinds],
         ]
@@ -562,6 +563,17 @@ def compare(
     }
 
 
+def runs_from_log(text: str) -> list[Run]:
+    """The runs a run's log (its stderr) recorded, one `<drafter> seed <s>: {json}` line each: the table of a run
+    stopped before its end (`--from-log`)."""
+    runs = []
+    for line in text.splitlines():
+        head, sep, body = line.partition(": {")
+        if sep and " seed " in head and body.endswith("}"):
+            runs.append(Run(**json.loads("{" + body)))
+    return runs
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--data", type=Path, default=REPO / "var" / "data", help="the data store (default: the project's)")
@@ -576,6 +588,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", type=Path, default=None, help="checkpoints and the peer's files (default: temporary)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--from-log", type=Path, default=None, help="print the summary and table of a run's stderr log")
     return p.parse_args(argv)
 
 
@@ -592,6 +605,11 @@ def peer_python_or_reason(a: argparse.Namespace) -> tuple[Path | None, str | Non
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    if a.from_log is not None:
+        sums = summary(runs_from_log(a.from_log.read_text()))
+        print(json.dumps({"summary": sums}))
+        print(table(sums))
+        return {"summary": sums, "table": table(sums)}
     os.environ["EAGLE3_TORCH_THREADS"] = str(a.threads)  # the trainer's own thread choice reads it
     torch.set_num_threads(a.threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -138,9 +138,9 @@ def cpu_patches() -> None:
     """Speculators' Trainer on the CPU (docstring): the model and batches to "cpu", the step timer's sync a no-op."""
     import speculators.train.trainer as trainer_module
 
-    trainer_module.get_local_rank = lambda: "cpu"  # type: ignore[assignment]
+    trainer_module.get_local_rank = lambda: "cpu"
     if torch.accelerator.current_accelerator() is None:
-        torch.accelerator.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        torch.accelerator.synchronize = lambda *a, **k: None
 
 
 class LossLog(logging.Handler):
