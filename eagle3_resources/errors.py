@@ -11,7 +11,8 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── InvalidPrompt              (ValueError) one prompt is not in the project's format
     │   ├── ToolSchemaError            (ValueError) a tool's JSON schema cannot be declared the way Kimi does
     │   ├── SourceError                (ValueError) a public source cannot be read at all (no files, a column missing)
-    │   └── TokenizerFolderError       (ValueError) a tokenizer folder is missing, malformed or off in its ids
+    │   ├── TokenizerFolderError       (ValueError) a tokenizer folder is missing, malformed or off in its ids
+    │   └── StandinWeightsMismatch     (ValueError) the shipped stand-in weights were fitted for another tokenizer
     ├── CompletionsError               a completions run and the provider it pays
     │   ├── DatasetBusy                (RuntimeError) another run holds the dataset's lock
     │   ├── RunFatalError              (RuntimeError) the whole run must stop: bad key, no credits, no endpoint
@@ -123,6 +124,16 @@ class TokenizerFolderError(InputError, ValueError):
     what_to_do: ClassVar[str] = (
         "point the tokenizer resource at a complete Kimi-K2.5 tokenizer folder "
         "(tiktoken.model and tokenizer_config.json of the pinned revision)"
+    )
+
+
+class StandinWeightsMismatch(InputError, ValueError):
+    """The stand-in target's shipped weights were fitted for another tokenizer, builder or fit settings, or their
+    tensors do not fit the stand-in's shape."""
+
+    what_to_do: ClassVar[str] = (
+        "regenerate data/standin/target.safetensors (python -m eagle3_resources.target.standin_weights) after "
+        "changing the stand-in's builder, its settings or the prompt corpus"
     )
 
 

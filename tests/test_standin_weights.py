@@ -12,15 +12,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_resources.errors import StandinWeightsMismatch
 from eagle3_resources.storage import PROJECT_ROOT
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.target.standin import (
     build_standin_target,
-    ensure_standin_target,
     fingerprint,
     fitting_token_ids,
 )
-from eagle3_resources.target.standin_weights import SHIPPED, ShippedMismatch, main, pack, shipped_fingerprint, unpack
+from eagle3_resources.target.standin_weights import (
+    SHIPPED,
+    ensure_standin_target,
+    main,
+    pack,
+    shipped_fingerprint,
+    unpack,
+)
 from eagle3_resources.tokenizer.resource import standin_corpus_files
 from eagle3_resources.tokenizer.standin import corpus_strings
 
@@ -83,7 +90,7 @@ def test_weights_fitted_for_another_tokenizer_or_builder_are_not_used(tok, texts
     wrong = tmp_path / "target.safetensors"
     packed = pack(load_file(str(fitted / "model.safetensors")), fitting_token_ids(tok, texts))
     save_file(packed, str(wrong), metadata={"fingerprint": "another-tokenizer", "fit": "{}"})
-    with pytest.raises(ShippedMismatch, match="regenerate"):
+    with pytest.raises(StandinWeightsMismatch, match="regenerate"):
         unpack(wrong, tok, tmp_path / "refused", expect=fingerprint(tok.folder))
     logs: list[str] = []
     folder = ensure_standin_target(tmp_path / "cache", tok, lambda: texts, log=logs.append, shipped=wrong, steps=STEPS)

@@ -68,7 +68,7 @@ class TargetModelResource(dg.ConfigurableResource):
         if self.path:
             return Path(self.path)
         # torch-using: imported when the stand-in is built, so loading the definitions stays torch-free
-        from eagle3_resources.target.standin import ensure_standin_target
+        from eagle3_resources.target.standin_weights import ensure_standin_target
 
         tok = tokenizer.load()
         shipped = Path(self.standin_weights)

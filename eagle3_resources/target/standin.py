@@ -312,31 +312,3 @@ def build_standin_target(
         losses = fit(model, seqs, tokenizer.token_id(PAD), steps=steps, log=log, long_seqs=long_seqs)
     fitted = {"fit_steps": steps, "fit_sequences": len(seqs), "first_loss": losses[0], "final_loss": losses[-1]}
     return publish_standin(model, tokenizer, out_dir, fitted)
-
-
-def ensure_standin_target(
-    cache_root: Path,
-    tokenizer: KimiTokenizer,
-    texts: Callable[[], Iterable[str]],
-    log: Callable[[str], None] = print,
-    shipped: Path | None = None,
-    steps: int = FIT_STEPS,
-) -> Path:
-    """The stand-in's folder under `cache_root`, made once: unpacked from the `shipped` weights when they were fitted
-    for this tokenizer and these settings (`standin_weights`), else fitted here."""
-    key = fingerprint(tokenizer.folder, steps)
-    folder = Path(cache_root) / f"target-{key}"
-    if (folder / "config.json").is_file():
-        return folder
-    if shipped is not None and Path(shipped).is_file():
-        from eagle3_resources.target.standin_weights import shipped_fingerprint, unpack
-
-        if shipped_fingerprint(Path(shipped)) == key:
-            log(f"unpacking the stand-in target's shipped weights ({shipped}) to {folder}")
-            return unpack(Path(shipped), tokenizer, folder, expect=key)
-        log(
-            f"the shipped stand-in weights ({shipped}) were fitted for another tokenizer or builder "
-            f"({shipped_fingerprint(Path(shipped)) or 'unknown'}, this one is {key}): fitting here"
-        )
-    log(f"building the stand-in target at {folder} (once; cached afterwards; {steps} fit steps)")
-    return build_standin_target(folder, tokenizer, texts(), steps=steps, log=log)

@@ -4,7 +4,8 @@ The fit (`standin.fit`) runs on one thread for a minute or more, and what it giv
 same seed, data and code fitted on an AVX-512 machine and on an AVX2 one made stand-ins whose trained drafters decoded
 at a real accept length of 3.88 and 2.06. So the fit runs once, here, and its result ships; a first run unpacks it
 into the Hugging Face folder everything else loads (a second or two). A tokenizer or fit settings other than those it
-was fitted for (another prompt corpus, a changed builder) fit on the spot, as before.
+was fitted for (another prompt corpus, a changed builder) fit on the spot, as before (`ensure_standin_target`
+decides, for the target resource).
 
 Only what the fit trains is stored: every parameter except the two vocabulary-wide matrices, and of those the rows
 of the tokens the fitting text uses, plus the one row all unused tokens' head rows share (`standin.UsedRows`). The
@@ -27,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3_resources.errors import StandinWeightsMismatch
 from eagle3_resources.storage import PROJECT_ROOT
 from eagle3_resources.target.standin import (
     FIT_STEPS,
@@ -42,10 +44,6 @@ from eagle3_resources.tokenizer.kimi import KimiTokenizer
 SHIPPED = Path("data/standin/target.safetensors")
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 USED_IDS, HEAD_USED, HEAD_UNUSED, EMBED_USED = "used_ids", "lm_head.used_rows", "lm_head.unused_row", "embed.used_rows"
-
-
-class ShippedMismatch(ValueError):
-    """The shipped weights were fitted for another tokenizer or other fit settings."""
 
 
 def pack(state: dict[str, torch.Tensor], used: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -73,7 +71,7 @@ def unpack(path: Path, tokenizer: KimiTokenizer, out_dir: Path, *, expect: str) 
     with safe_open(str(path), "pt") as f:
         info = dict(f.metadata() or {})
     if info.get("fingerprint") != expect:
-        raise ShippedMismatch(
+        raise StandinWeightsMismatch(
             f"{path} was fitted for stand-in fingerprint {info.get('fingerprint')!r}, this tokenizer and builder are "
             f"{expect!r}; regenerate it: python -m eagle3_resources.target.standin_weights"
         )
@@ -87,14 +85,42 @@ def unpack(path: Path, tokenizer: KimiTokenizer, out_dir: Path, *, expect: str) 
         embed[used] = shipped.pop(EMBED_USED)
         missing, unknown = set(state) - {HEAD, EMBED} - set(shipped), set(shipped) - set(state)
         if missing or unknown:
-            raise ShippedMismatch(f"{path}: tensors missing {sorted(missing)}, unknown {sorted(unknown)}")
+            raise StandinWeightsMismatch(f"{path}: tensors missing {sorted(missing)}, unknown {sorted(unknown)}")
         for name, value in shipped.items():
             if state[name].shape != value.shape:
-                raise ShippedMismatch(f"{path}: {name} is {list(value.shape)}, the model's {list(state[name].shape)}")
+                raise StandinWeightsMismatch(
+                    f"{path}: {name} is {list(value.shape)}, the model's {list(state[name].shape)}"
+                )
             state[name] = value
 
     fit = {**json.loads(info.get("fit", "{}")), "shipped": str(path)}
     return publish_standin(new_standin_model(tokenizer), tokenizer, out_dir, fit, tensors=fill)
+
+
+def ensure_standin_target(
+    cache_root: Path,
+    tokenizer: KimiTokenizer,
+    texts: Callable[[], Iterable[str]],
+    log: Callable[[str], None] = print,
+    shipped: Path | None = None,
+    steps: int = FIT_STEPS,
+) -> Path:
+    """The stand-in's folder under `cache_root`, made once: unpacked from the `shipped` weights when they were fitted
+    for this tokenizer and these settings, else fitted here."""
+    key = fingerprint(tokenizer.folder, steps)
+    folder = Path(cache_root) / f"target-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    if shipped is not None and Path(shipped).is_file():
+        if shipped_fingerprint(Path(shipped)) == key:
+            log(f"unpacking the stand-in target's shipped weights ({shipped}) to {folder}")
+            return unpack(Path(shipped), tokenizer, folder, expect=key)
+        log(
+            f"the shipped stand-in weights ({shipped}) were fitted for another tokenizer or builder "
+            f"({shipped_fingerprint(Path(shipped)) or 'unknown'}, this one is {key}): fitting here"
+        )
+    log(f"building the stand-in target at {folder} (once; cached afterwards; {steps} fit steps)")
+    return build_standin_target(folder, tokenizer, texts(), steps=steps, log=log)
 
 
 def write_shipped(
