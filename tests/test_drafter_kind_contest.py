@@ -77,7 +77,8 @@ CONTEST = """ops:
     config:
       drafter_kinds: [eagle3_llama, eagle3_mla]
       epochs: 1
-      spec_eval_prompts: 4
+      spec_eval_prompts: 2
+      spec_eval_new_tokens: 24
       min_accept_gain: null
 """
 
