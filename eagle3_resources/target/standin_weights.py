@@ -112,12 +112,13 @@ def ensure_standin_target(
     if (folder / "config.json").is_file():
         return folder
     if shipped is not None and Path(shipped).is_file():
-        if shipped_fingerprint(Path(shipped)) == key:
+        fitted_for = shipped_fingerprint(Path(shipped))
+        if fitted_for == key:
             log(f"unpacking the stand-in target's shipped weights ({shipped}) to {folder}")
             return unpack(Path(shipped), tokenizer, folder, expect=key)
         log(
             f"the shipped stand-in weights ({shipped}) were fitted for another tokenizer or builder "
-            f"({shipped_fingerprint(Path(shipped)) or 'unknown'}, this one is {key}): fitting here"
+            f"({fitted_for or 'unknown'}, this one is {key}): fitting here"
         )
     log(f"building the stand-in target at {folder} (once; cached afterwards; {steps} fit steps)")
     return build_standin_target(folder, tokenizer, texts(), steps=steps, log=log)

@@ -531,8 +531,9 @@ def eagle3_drafter(
     refuse_kinds_contest(config)
     streaming: dict = {}
     contest: dict = {}
+    decoded: SpeculativeQuality | None = None  # the contest's decode of the winner, whose files the export copies
     if config.drafter_kinds:
-        report, contest = train_kinds(context, config, store, folder, target, tokenizer, merged)
+        report, contest, decoded = train_kinds(context, config, store, folder, target, tokenizer, merged)
     elif config.streaming_spool_gb is not None:
         report, figures = stream_drafter(
             streaming_job(context, config, store, folder, merged, (target, tokenizer, hidden_states_backend))
@@ -546,7 +547,7 @@ def eagle3_drafter(
     quality = None
     # an export that does not load is not decoded: the gate fails on it (sglang_keys says why)
     if not problems and decodable(config, folder):
-        quality = decode_export(context, config, report.checkpoint, merged, target, tokenizer)
+        quality = decoded or decode_export(context, config, report.checkpoint, merged, target, tokenizer)
     real = quality.figures() if quality else None
     outcomes = {
         "sglang_keys": drafter_keys(report.checkpoint),
@@ -621,14 +622,15 @@ def train_kinds(
     target: TargetModelResource,
     tokenizer: TokenizerResource,
     merged: pl.DataFrame,
-) -> tuple["DrafterReport", dict]:
+) -> tuple["DrafterReport", dict, "SpeculativeQuality | None"]:
     """Each of `drafter_kinds` trained and decoded (`kind_contest`), the best copied to the export folder; its report
-    (pointing at the export) and the contest's metadata."""
+    (pointing at the export), the contest's metadata and the winner's decode (None: not decoded)."""
     from eagle3_assets.stages.eagle3_drafter.kind_contest import candidate_dir, choose, contest_frame, publish
 
     decode = decodable(config, folder)
     results: list[KindResult] = []
     reports: dict[str, DrafterReport] = {}
+    qualities: dict[str, SpeculativeQuality | None] = {}
     for kind in config.drafter_kinds:
         context.log.info(f"drafter kinds: training {kind} ({len(reports) + 1} of {len(config.drafter_kinds)})")
         one = config.model_copy(update={"drafter_kind": kind, "drafter_kinds": []})
@@ -636,8 +638,8 @@ def train_kinds(
             context, one, store, folder, target, tokenizer, merged, out_dir=candidate_dir(store.layout.drafter(), kind)
         )
         exported = reports[kind].checkpoint
-        quality = decode_export(context, config, exported, merged, target, tokenizer) if decode else None
-        results.append(kind_result(reports[kind], quality))
+        qualities[kind] = decode_export(context, config, exported, merged, target, tokenizer) if decode else None
+        results.append(kind_result(reports[kind], qualities[kind]))
     chosen, why = choose(results)
     publish(chosen, store.layout.drafter())
     table = contest_frame(results, chosen)
@@ -649,7 +651,7 @@ def train_kinds(
         "kinds_chosen_by": why,
         "kinds_results": json_value([r.to_metadata() for r in results]),
     }
-    return report, metadata
+    return report, metadata, qualities[chosen.kind]
 
 
 def decodable(config: DrafterTrainConfig, folder: Path) -> bool:
