@@ -24,7 +24,8 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── SpoolTooSmall              (ValueError) the streaming spool's budget cannot hold its working set
     │   ├── SpoolStateError            (RuntimeError) the spool's files disagree with this run, or a shard is damaged
     │   ├── CaptureFailed              (RuntimeError) streaming: the capture process ended while the trainer waited
-    │   └── SpoolBusy                  (RuntimeError) streaming: a lane's writer lock or the trainer lock is held
+    │   ├── SpoolBusy                  (RuntimeError) streaming: a lane's writer lock or the trainer lock is held
+    │   └── SharedFileUnreadable       (OSError) streaming: ESTALE or EIO on every retried read of a shared file
     ├── BackendError                   the SGLang hidden-state backend
     │   ├── SGLangUnavailable          (RuntimeError) this host cannot run it
     │   ├── RankError                  (RuntimeError) a rank process failed or died
@@ -251,6 +252,16 @@ class SpoolBusy(StoreError, RuntimeError):
         "the message names the holder (host and pid): a side of an earlier run that has not ended yet exits by itself "
         "once its orchestrator's heartbeat stops (orphan_after_s); if it is another live run, wait for it or stop it, "
         "then materialize again"
+    )
+
+
+class SharedFileUnreadable(StoreError, OSError):
+    """Streaming mode: a file the sides share (the spool's, the run folder's) failed with ESTALE or EIO on every try
+    of a short backoff (shared_fs.py): not a blip of the shared file system. An OSError with that errno and file."""
+
+    what_to_do: ClassVar[str] = (
+        "check the shared file system under the file the message names (its mount, the server's health, this host's "
+        "kernel log); once it reads again, materialize again: both sides resume where they stopped"
     )
 
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3_resources.errors import SpoolBusy
+from eagle3_resources.hidden_states.shared_fs import read_text
 from eagle3_resources.hidden_states.spool import LANES
 
 WRITER_LOCK = "writer.lock"
@@ -45,7 +46,7 @@ def trainer_lock_path(spool: Path) -> Path:
 def holder(path: Path) -> str:
     """Who holds (or last held) the lock, as the holder wrote it."""
     try:
-        text = Path(path).read_text().strip()
+        text = read_text(path).strip()
     except FileNotFoundError:
         return "nobody yet"
     return text or "a process that has not written its name yet"

@@ -20,7 +20,9 @@ Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMan
 
 Every file has ONE writer: a lane's folder its capture worker, order.log and consumer.json the trainer (its rank
 0 when it is several processes; a follower rank writes nothing under `root`).
-Nothing relies on a lock across hosts. What is assumed of the file system: a rename over a file is atomic
+Nothing relies on a lock across hosts. Every read of a file the other side writes retries ESTALE and EIO
+(shared_fs.py), as NFS and Lustre give them for a moment. What is assumed of the file system: a rename over a file is
+atomic
 for readers (they see the old file or the new, as NFS's close-to-open consistency gives a reader that
 opens the file after the rename), fsync of a file and of a directory makes a write and a rename durable,
 and an append by the single writer followed by fsync is durable. A reader that sees an older version of a
@@ -88,6 +90,7 @@ import torch
 
 from eagle3_resources.atomic_files import fsync_dir, write_json_atomic
 from eagle3_resources.errors import SpoolStateError, SpoolTooSmall
+from eagle3_resources.hidden_states.shared_fs import read_bytes, read_json, read_text
 from eagle3_resources.hidden_states.store import (
     CHECKSUMS,
     MANIFEST,
@@ -121,8 +124,9 @@ def min_lane_bytes(passes: int, shard_file_bytes: int) -> int:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The file's JSON, None while it does not exist; ESTALE and EIO retried (shared_fs.py)."""
     try:
-        return json.loads(path.read_text())
+        return dict(read_json(path))
     except FileNotFoundError:
         return None
 
@@ -204,7 +208,7 @@ def read_order(root: Path) -> list[tuple[str, str, str]]:
     """The adopted shards, (lane, name, key), in adoption order; a torn last line (a kill mid-append, never
     fsynced, so never used) is not an adoption."""
     try:
-        text = (Path(root) / ORDER).read_text()
+        text = read_text(Path(root) / ORDER)
     except FileNotFoundError:
         return []
     lines = text.split("\n")[:-1]  # the part after the last newline is torn or empty
@@ -250,9 +254,7 @@ class _ConsumerWatch:
 
     def _read_new_lines(self) -> None:
         try:
-            with open(self.root / ORDER, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
+            data = read_bytes(self.root / ORDER, self.offset)
         except FileNotFoundError:
             return
         whole = data.rfind(b"\n") + 1  # the part after the last newline is torn or empty
@@ -579,7 +581,7 @@ class SpoolReader:
         path = self.root / ORDER
         if not path.exists():
             return
-        data = path.read_bytes()
+        data = read_bytes(path)
         keep = data.rfind(b"\n") + 1
         if keep != len(data):
             with open(path, "r+b") as f:

@@ -61,6 +61,7 @@ from typing import Any, overload
 import torch
 
 from eagle3_resources.atomic_files import fsync_dir, write_json_atomic, write_text_atomic
+from eagle3_resources.hidden_states.shared_fs import read_json
 
 try:
     import xxhash
@@ -425,7 +426,7 @@ def _address(view: memoryview) -> int:
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
-    return json.loads((Path(root) / MANIFEST).read_text())
+    return dict(read_json(Path(root) / MANIFEST))  # ESTALE and EIO retried: a spool's trainer polls it (shared_fs.py)
 
 
 def file_checksum(path: Path, checksum: str = CHECKSUM) -> str:

@@ -72,6 +72,7 @@ from eagle3_assets.stages.eagle3_drafter.train import (
     TrainSettings,
 )
 from eagle3_resources.errors import SpoolStateError
+from eagle3_resources.hidden_states.shared_fs import read_json
 from eagle3_resources.hidden_states.spool import (
     LANES,
     PLAN,
@@ -95,7 +96,7 @@ def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | 
     plans = {}
     for lane in sorted(lanes):
         try:
-            plans[lane] = json.loads((Path(root) / LANES / lane / PLAN).read_text())
+            plans[lane] = dict(read_json(Path(root) / LANES / lane / PLAN))  # ESTALE and EIO retried (shared_fs.py)
         except FileNotFoundError:
             return None
     return plans
@@ -188,7 +189,7 @@ class SpoolWindows:
             json.dumps(
                 {
                     "train": {k: v for k, v in asdict(self.settings).items() if k != "checkpoint_every"},
-                    "spool": json.loads((self.root / SETTINGS).read_text()),
+                    "spool": read_json(self.root / SETTINGS),
                     "plans": self.plans,
                 },
                 sort_keys=True,

@@ -59,6 +59,7 @@ from eagle3_assets.stages.eagle3_drafter.streaming_sides import (
 from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json
 from eagle3_resources.errors import CaptureFailed, StreamingTrainingFailed
+from eagle3_resources.hidden_states.shared_fs import ReportingThread, read_json
 from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool, spool_status
 from eagle3_resources.hidden_states.store import StoredSample, plan_shards, shard_layout, token_bytes
 
@@ -217,13 +218,15 @@ def plan_for(
 
 
 class FillSampler:
-    """The spool's bytes on disk, sampled from a thread of its own; `peak` the largest seen."""
+    """The spool's bytes on disk, sampled from a thread of its own; `peak` the largest seen. A sample that fails (its
+    reads of the spool's files retried first: shared_fs.py) ends the thread, and the orchestrator raises its error
+    (`raise_if_failed`) instead of reading figures that stopped."""
 
     def __init__(self, root: Path, every_s: float = 0.05):
         self.root, self.every_s = root, every_s
         self.peak, self.samples, self.last = 0, 0, 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = ReportingThread("spool-fill-sampler", self._run)
         self._thread.start()
 
     def _run(self) -> None:
@@ -235,6 +238,9 @@ class FillSampler:
         self.last = int(spool_status(self.root)["bytes_on_disk"])
         self.peak, self.samples = max(self.peak, self.last), self.samples + 1
         return self.last
+
+    def raise_if_failed(self) -> None:
+        self._thread.raise_if_failed()
 
     def close(self) -> None:
         self._stop.set()
@@ -374,7 +380,8 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
         stale.unlink(missing_ok=True)  # the sides write them afresh; the record is kept (a resume writes after it)
     launcher: SidesLauncher = job.launcher if job.launcher is not None else LocalSides()
     sampler = FillSampler(files.spool)
-    watch = Watch(files, sampler, figures)  # its clock: the run's seconds (the GB/s), from the sides' start to the end
+    # its clock: the run's seconds (the GB/s), from the sides' start to the end
+    watch = Watch(files, sampler, figures, heartbeat)
     sides: list[SideHandle] = []
     try:
         sides.append(launcher.start_capture(files.capture_spec, files.capture_log))
@@ -402,12 +409,20 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
 
 @dataclass
 class Watch:
-    """What the orchestrator reads while the sides run: their progress files and the spool's fill."""
+    """What the orchestrator reads while the sides run: their progress files and the spool's fill; and its own
+    threads (the spool's sampler, the heartbeat), whose failure fails the step (`raise_if_failed`)."""
 
     files: RunFiles
     sampler: FillSampler
     figures: StreamingFigures
+    heartbeat: Heartbeat | None = None
     started: float = field(default_factory=time.monotonic)
+
+    def raise_if_failed(self) -> None:
+        """Raise the error that ended the sampler's or the heartbeat's thread, if one did."""
+        self.sampler.raise_if_failed()
+        if self.heartbeat is not None:
+            self.heartbeat.raise_if_failed()
 
     def update(self) -> dict[str, Any]:
         """The figures as of now, from the sides' progress files and the sampler; the observation of them."""
@@ -433,6 +448,7 @@ def follow(job: StreamingJob, capture: SideHandle, training: SideHandle, watch: 
     `job.progress_every_s`; a side that fails stops the other and fails the run with its log's tail."""
     last = time.monotonic()
     while True:
+        watch.raise_if_failed()  # a thread of this step that failed fails it (the caller stops both sides)
         done_capture, done_training = capture.poll(), training.poll()
         if done_capture not in (None, 0):
             training.stop()
@@ -477,7 +493,7 @@ def finish(job: StreamingJob, watch: Watch) -> DrafterReport:
     files, figures, sampler = watch.files, watch.figures, watch.sampler
     if not files.training_report.exists():
         raise StreamingTrainingFailed(f"the training side exited 0 without its report ({files.training_report})")
-    d = json.loads(files.training_report.read_text())
+    d = read_json(files.training_report)
     report = replace(report_from_json(d), best_checkpoint=d.get("best_checkpoint"))
     watch.update()
     s = d["streaming"]

@@ -24,12 +24,14 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from eagle3_assets.stages.eagle3_drafter.launch import stop_group
+from eagle3_resources.hidden_states.shared_fs import ReportingThread, read_json, read_text, retrying
 
 CAPTURE_MODULE = "eagle3_assets.stages.eagle3_drafter.streaming_capture"
 TRAINING_MODULE = "eagle3_assets.stages.eagle3_drafter.streaming_train"
@@ -72,30 +74,40 @@ HEARTBEAT_EVERY_S = 2.0
 ORPHAN_AFTER_S = 60.0  # a side's default `orphan_after_s`
 EXIT_ORPHANED = 75  # a side's exit code when its orchestrator is gone (or another took over)
 EXIT_STOPPED = 143  # a side's exit code when asked to stop (SIGTERM), as a shell reports a SIGTERM'd process
+EXIT_WATCH_FAILED = 76  # a side's exit code when its watch of the heartbeat failed (the error is in its log)
 
 
 class Heartbeat:
     """The orchestrator's sign of life: `<folder>/orchestrator.json` = {"run_id", "beat"}, the beat a counter rewritten
     (atomically) every `every_s` from a thread of its own. The sides compare the counter with itself over time on
-    their own clock, never a clock of this host with one of theirs."""
+    their own clock, never a clock of this host with one of theirs. A write failing with ESTALE or EIO is tried again
+    (shared_fs.py); one that keeps failing ends the thread, and the orchestrator raises it (`raise_if_failed`) rather
+    than let the sides find the beat stopped and leave as orphans."""
 
     def __init__(self, folder: Path, run_id: str, every_s: float = HEARTBEAT_EVERY_S):
         self.path, self.run_id, self.every_s = Path(folder) / HEARTBEAT_FILE, run_id, every_s
         self.beat = 0
         self._stop = threading.Event()
         self.write()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread = ReportingThread("heartbeat", self._run)
         self._thread.start()
 
     def write(self) -> None:
         self.beat += 1
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        retrying(self.path, self._write_once)
+
+    def _write_once(self, path: Path) -> None:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"run_id": self.run_id, "beat": self.beat, "host": socket.gethostname()}))
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.write()
+
+    def raise_if_failed(self) -> None:
+        """Raise the error that ended the heartbeat's thread, if one did."""
+        self._thread.raise_if_failed()
 
     def close(self) -> None:
         self._stop.set()
@@ -103,16 +115,19 @@ class Heartbeat:
 
 
 def read_heartbeat(folder: Path) -> dict[str, Any] | None:
+    """The orchestrator's heartbeat, None before it is written. ESTALE and EIO are retried (shared_fs.py); text that
+    does not parse counts as no beat: not a read mid-replace (a rename never shows one), but a file cut by a crash of
+    the orchestrator's host (its heartbeat is not fsynced), which a retry would not mend."""
     try:
-        return dict(json.loads((Path(folder) / HEARTBEAT_FILE).read_text()))
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or read mid-replace on a shared file system
+        return dict(read_json(Path(folder) / HEARTBEAT_FILE))
+    except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
 def last_line(path: Path) -> dict[str, Any]:
-    """The last complete JSON line of a progress file ({} when it has none yet)."""
+    """The last complete JSON line of a progress file ({} when it has none yet); ESTALE and EIO retried."""
     try:
-        lines = path.read_text().splitlines()
+        lines = read_text(path).splitlines()
     except FileNotFoundError:
         return {}
     for line in reversed(lines):
@@ -129,16 +144,21 @@ class OrphanWatch:
     handler raises `SystemExit(EXIT_ORPHANED)`; the process is ended for good `grace_s` later if it has not exited)
     when the beat has not changed for `orphan_after_s` on this process's monotonic clock, or when the heartbeat is
     another run's (a new orchestrator took over the folder). `install()` also turns a SIGTERM from outside (the
-    launcher's stop) into `SystemExit(EXIT_STOPPED)`, so the side's `finally` blocks run."""
+    launcher's stop) into `SystemExit(EXIT_STOPPED)`, so the side's `finally` blocks run.
+
+    Its reads retry ESTALE and EIO (`read_heartbeat`); a read that fails for good, or any other error of the watch,
+    stops the side the same way with `EXIT_WATCH_FAILED`, the error in its log: a side that ran on unwatched would
+    never notice its orchestrator gone."""
 
     def __init__(
         self, folder: Path, run_id: str, orphan_after_s: float, log: Callable[[str], None], grace_s: float = 30.0
     ):
         self.folder, self.run_id, self.orphan_after_s, self.log = Path(folder), run_id, orphan_after_s, log
         self.grace_s = grace_s
-        self.reason: str | None = None
+        self.reason: str | None = None  # why the side leaves on its own: orphaned, or its watch failed
+        self.exit_code = EXIT_ORPHANED
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="orphan-watch", daemon=True)
+        self._thread = ReportingThread("orphan-watch", self._run, on_error=self._failed)
 
     def install(self) -> OrphanWatch:
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -149,8 +169,8 @@ class OrphanWatch:
         if self.reason is None:
             self.log("stopped (SIGTERM): leaving; what is committed stays, and a next run resumes from it")
             raise SystemExit(EXIT_STOPPED)
-        self.log(f"orphaned: {self.reason}; leaving (exit {EXIT_ORPHANED})")
-        raise SystemExit(EXIT_ORPHANED)
+        self.log(f"{self.reason}; leaving (exit {self.exit_code})")
+        raise SystemExit(self.exit_code)
 
     def check(self, beat: dict[str, Any] | None, last: tuple[Any, float], now: float) -> tuple[tuple[Any, float], str]:
         """(the last beat seen and when it changed, why this side is orphaned or "")."""
@@ -176,12 +196,23 @@ class OrphanWatch:
         while not self._stop.wait(poll):
             last, why = self.check(read_heartbeat(self.folder), last, time.monotonic())
             if why:
-                self.reason = why
-                os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler raises SystemExit
-                if not self._stop.wait(self.grace_s):
-                    self.log(f"orphaned: {why}; the main thread did not leave within {self.grace_s:.0f} s: ending now")
-                    os._exit(EXIT_ORPHANED)
+                self._leave(f"orphaned: {why}", EXIT_ORPHANED)
                 return
+
+    def _failed(self, error: Exception) -> None:
+        """The watch's thread ended by `error` (a read of the heartbeat failing for good, as shared_fs gives up)."""
+        self.log("".join(traceback.format_exception(error)).rstrip())
+        why = f"the watch of the orchestrator's heartbeat failed: {type(error).__name__}: {error}"
+        self._leave(why, EXIT_WATCH_FAILED)
+
+    def _leave(self, reason: str, exit_code: int) -> None:
+        """Stop the side: SIGTERM to this process, whose handler raises `SystemExit(exit_code)` in the main thread;
+        ended for good `grace_s` later if it has not left by then."""
+        self.reason, self.exit_code = reason, exit_code
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not self._stop.wait(self.grace_s):
+            self.log(f"{reason}; the main thread did not leave within {self.grace_s:.0f} s: ending now")
+            os._exit(exit_code)
 
     def close(self) -> None:
         self._stop.set()
