@@ -25,6 +25,7 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── SpoolStateError            (RuntimeError) the spool's files disagree with this run, or a shard is damaged
     │   ├── CaptureFailed              (RuntimeError) streaming: the capture process ended while the trainer waited
     │   ├── SpoolBusy                  (RuntimeError) streaming: a lane's writer lock or the trainer lock is held
+    │   ├── SpoolFenced                (RuntimeError) streaming: a later side took this side's lease; it must not write
     │   └── SharedFileUnreadable       (OSError) streaming: ESTALE or EIO on every retried read of a shared file
     ├── BackendError                   the SGLang hidden-state backend
     │   ├── SGLangUnavailable          (RuntimeError) this host cannot run it
@@ -252,6 +253,18 @@ class SpoolBusy(StoreError, RuntimeError):
         "the message names the holder (host and pid): a side of an earlier run that has not ended yet exits by itself "
         "once its orchestrator's heartbeat stops (orphan_after_s); if it is another live run, wait for it or stop it, "
         "then materialize again"
+    )
+
+
+class SpoolFenced(StoreError, RuntimeError):
+    """Streaming mode: this side's lease on its lane (or the trainer's on the spool) is no longer the newest: another
+    side took it since (this one stalled past its lock, or the file system's lock was not exclusive), so this side
+    refuses to publish a shard or write the trainer's ledger beside it (lease.py)."""
+
+    what_to_do: ClassVar[str] = (
+        "nothing to repair: the side that took the lease later goes on, and this one has written nothing since; if no "
+        "other side should be running, look for a second orchestrator or a side of an earlier run on the host the "
+        "message names"
     )
 
 

@@ -38,6 +38,7 @@ import torch
 
 from eagle3_resources.errors import DiskSpaceError, SpoolStateError, StaleShardsError
 from eagle3_resources.hidden_states.layers import FINAL_CONVENTION, LAYER_CONVENTION
+from eagle3_resources.hidden_states.lease import Lease
 from eagle3_resources.hidden_states.spool import SpoolWriter, open_settings
 from eagle3_resources.hidden_states.store import (
     FORMAT,
@@ -763,11 +764,12 @@ class SpoolCapture(Extraction):
         *,
         stop: Callable[[], bool] | None = None,
         poll_s: float = 0.2,
+        lease: Lease | None = None,
     ):
         if options.null_sink:
             raise ValueError("null_sink is for benchmarks of the store's capture; a spool lane always writes")
         super().__init__(samples, backend, root, settings, options)
-        self.lane, self.poll_s = lane, poll_s
+        self.lane, self.poll_s, self.lease = lane, poll_s, lease
         self.stop: Callable[[], bool] = stop or (lambda: False)
         self.pauses, self.waited_s, self.stopped = 0, 0.0, False
         self._waiting_since: float | None = None
@@ -788,6 +790,7 @@ class SpoolCapture(Extraction):
             self.new_manifest(shards),
             verify_on_resume=self.settings.verify_on_resume,
             poll_s=self.poll_s,
+            lease=self.lease,
         )
         todo = {p.name for p in self.writer.todo}
         done = {p.name for p in shards if p.name not in todo}
@@ -874,6 +877,7 @@ def capture_to_spool(
     *,
     stop: Callable[[], bool] | None = None,
     poll_s: float = 0.2,
+    lease: Lease | None = None,
     **fields: Any,
 ) -> SpoolCaptureReport:
     """Capture the lane's `samples` through `backend` into lane `lane` of the spool at `spool_root` (`create_spool`
@@ -883,8 +887,10 @@ def capture_to_spool(
     `settings`: the store's (shard_bytes, batch_tokens, writers, direct_io, verify_on_resume; the free-space fields are
     not used). `options`, or its fields by name, as `extract_to_store`'s; `on_progress` gets the lane's figures too
     (lane_bytes, lane_share_bytes, waiting, pauses, waited_s, bytes_per_s, busy_bytes_per_s). `poll_s`: how often a
-    full lane looks for room.
+    full lane looks for room. `lease`: the lane's lease the capture side took with its lock (`SpoolWriter`'s).
     """
     options = ExtractionOptions(**fields) if options is None else replace(options, **fields)
-    capture = SpoolCapture(samples, backend, Path(spool_root), lane, settings, options, stop=stop, poll_s=poll_s)
+    capture = SpoolCapture(
+        samples, backend, Path(spool_root), lane, settings, options, stop=stop, poll_s=poll_s, lease=lease
+    )
     return capture.run_lane()

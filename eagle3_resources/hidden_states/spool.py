@@ -20,9 +20,11 @@ Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMan
 
 Every file has ONE writer: a lane's folder its capture worker, order.log and consumer.json the trainer (its rank
 0 when it is several processes; a follower rank writes nothing under `root`).
-Nothing relies on a lock across hosts. Every read of a file the other side writes retries ESTALE and EIO
-(shared_fs.py), as NFS and Lustre give them for a moment. What is assumed of the file system: a rename over a file is
-atomic
+Nothing relies on a lock across hosts: each writer holds a lease (lease.py: a generation number in
+`lanes/<lane>/writer.lease`, `trainer.lease`) and checks it before every commit, so a second writer (a stalled one
+resuming, or one beside it where the file system's lock lies) is refused (`SpoolFenced`) instead of writing beside the
+newest. Every read of a file the other side writes retries ESTALE and EIO (shared_fs.py), as NFS and Lustre give them
+for a moment. What is assumed of the file system: a rename over a file is atomic
 for readers (they see the old file or the new, as NFS's close-to-open consistency gives a reader that
 opens the file after the rename), fsync of a file and of a directory makes a write and a rename durable,
 and an append by the single writer followed by fsync is durable. A reader that sees an older version of a
@@ -89,7 +91,8 @@ from typing import Any
 import torch
 
 from eagle3_resources.atomic_files import fsync_dir, write_json_atomic
-from eagle3_resources.errors import SpoolStateError, SpoolTooSmall
+from eagle3_resources.errors import SpoolFenced, SpoolStateError, SpoolTooSmall
+from eagle3_resources.hidden_states.lease import TRAINER_LEASE, WRITER_LEASE, Lease, take_lease
 from eagle3_resources.hidden_states.shared_fs import read_bytes, read_json, read_text
 from eagle3_resources.hidden_states.store import (
     CHECKSUMS,
@@ -294,6 +297,10 @@ class SpoolWriter:
     (or `write` then `record`, as the store's writer threads do: the image's buffer is free after `write`);
     `release(plan)` if a reserved shard will not be written. Several writer threads may share one SpoolWriter.
     `extract.capture_to_spool` runs a hidden-states backend's capture into a lane this way.
+
+    `lease`: the lane's lease its capture side took with the lane's lock (lane_lock.exclusive); without one the writer
+    takes one of its own. It is checked before the writer's first write to the lane and before each shard's file is
+    opened, renamed into its name and listed in the manifest: a writer a later one has replaced raises `SpoolFenced`.
     """
 
     def __init__(
@@ -306,6 +313,7 @@ class SpoolWriter:
         *,
         verify_on_resume: bool = False,
         poll_s: float = 0.2,
+        lease: Lease | None = None,
     ):
         self.root, self.lane = Path(root), lane
         self.settings = open_settings(self.root)
@@ -327,6 +335,8 @@ class SpoolWriter:
                 f"({self.settings.passes} passes + 1 of its largest shard, {largest:,} bytes)"
             )
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.lease = lease or take_lease(self.dir / WRITER_LEASE, f"the capture of lane {lane}")
+        self.lease.check()  # a side that stalled since it took its lock writes nothing, not even its plan
         self._write_plan()
         old = read_manifest(self.dir) if (self.dir / MANIFEST).exists() else {"shards": {}}
         intact = trusted_shards(self.dir, old, self.plans, verify_on_resume)
@@ -353,7 +363,7 @@ class SpoolWriter:
             and not (view.adopted.get(p.name) == p.key and p.name not in present)
         ]
         manifest = {**manifest_settings, "hidden_size": hidden, "planned_shards": list(keys), "shards": kept}
-        self.committer = ShardCommitter(self.dir, manifest)
+        self.committer = ShardCommitter(self.dir, manifest, fence=self.lease.check)
         self.committer.save_manifest()
         self.removed = remove_untrusted(self.dir, manifest)  # .tmp of a write cut short, a shard never listed
         self._lock = threading.Lock()
@@ -422,7 +432,13 @@ class SpoolWriter:
         plan = image.plan
         assert plan is not None and plan.name in self._reserved, "reserve() the shard before writing it"
         try:
+            self.lease.check()  # before the file is opened: a replaced writer never truncates the newer one's .tmp
             return self.committer.write(image, direct=direct)
+        except SpoolFenced:
+            # a replaced writer touches nothing more in the lane, not even its own .tmp: by now that name may be the
+            # newer writer's file (the newer one removes the leftovers it does not list when it starts)
+            self.release(plan)
+            raise
         except BaseException:
             (self.dir / (plan.name + ".tmp")).unlink(missing_ok=True)
             self.release(plan)
@@ -547,10 +563,16 @@ class SpoolReader:
     for any window of the steps handed out and not yet past, as the store does (a `SampleSource`).
     """
 
-    def __init__(self, root: Path, *, position: Position | None = None, poll_s: float = 0.2):
+    def __init__(
+        self, root: Path, *, position: Position | None = None, poll_s: float = 0.2, lease: Lease | None = None
+    ):
+        """`lease`: the spool's trainer lease the training side took with its lock (lane_lock.exclusive); without one
+        the reader takes one of its own. It is checked before each write under `root` (order.log, consumer.json, a
+        deletion): a reader a later one has replaced raises `SpoolFenced`."""
         self.root = Path(root)
         self.settings = open_settings(self.root)
         self.poll_s = poll_s
+        self.lease = lease or take_lease(self.root / TRAINER_LEASE, "the spool's trainer")
         self._truncate_torn_order()
         self.order = read_order(self.root)
         ledger = read_ledger(self.root)
@@ -584,11 +606,13 @@ class SpoolReader:
         data = read_bytes(path)
         keep = data.rfind(b"\n") + 1
         if keep != len(data):
+            self.lease.check()
             with open(path, "r+b") as f:
                 f.truncate(keep)
                 os.fsync(f.fileno())
 
     def _append_order(self, ref: tuple[str, str, str]) -> None:
+        self.lease.check()
         path = self.root / ORDER
         new = not path.exists()
         with open(path, "a") as f:
@@ -600,6 +624,7 @@ class SpoolReader:
         self.order.append(ref)
 
     def _write_ledger(self) -> None:
+        self.lease.check()  # a replaced trainer's position must never reach consumer.json
         p = self.settings.passes
         done = min(len(self.order), trained_out(self.committed, p))
         in_progress = range(done, min(len(self.order), self.committed.slot + 1))
@@ -622,6 +647,7 @@ class SpoolReader:
         done = min(len(self.order), trained_out(self.committed, self.settings.passes))
         if done <= self.deleted:
             return
+        self.lease.check()
         lanes = set()
         for lane, name, _ in self.order[self.deleted : done]:
             (self.root / LANES / lane / name).unlink(missing_ok=True)

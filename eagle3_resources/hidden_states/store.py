@@ -462,11 +462,15 @@ class ShardCommitter:
     atomically, and each writer returns once a manifest that lists its shard is on disk. So a listed
     shard is always a whole, durable file, as with one manifest write per shard, for 3 fsyncs per
     group instead of 3 per shard.
+
+    `fence`, when given, is called right before each step that publishes (a shard's rename into its name, each
+    manifest write) and raises to refuse it: a spool lane's lease check (lease.py).
     """
 
-    def __init__(self, root: Path, manifest: dict[str, Any]):
+    def __init__(self, root: Path, manifest: dict[str, Any], fence: Callable[[], None] = lambda: None):
         self.root = Path(root)
         self.manifest = manifest
+        self.fence = fence
         self._cond = threading.Condition()
         self._changes = 0  # entries added to self.manifest
         self._saved = 0  # of which this many are in the manifest on disk
@@ -474,6 +478,7 @@ class ShardCommitter:
 
     def save_manifest(self) -> None:
         with self._cond:
+            self.fence()
             write_json_atomic(self.root / MANIFEST, self.manifest)
 
     def write(self, image: ShardImage, *, direct: bool = True) -> dict[str, Any]:
@@ -484,6 +489,7 @@ class ShardCommitter:
         path = self.root / plan.name
         tmp = path.with_name(path.name + ".tmp")
         digest, _ = write_file(tmp, image.memory(), layout.size, direct=direct, checksum=CHECKSUM)
+        self.fence()
         os.replace(tmp, path)
         return {
             "key": plan.key,
@@ -517,6 +523,7 @@ class ShardCommitter:
                 self._cond.release()
                 try:
                     fsync_dir(self.root)  # the renames of every shard listed in `text` are durable first
+                    self.fence()  # as late as can be: the window a stalled writer could slip through is this gap
                     write_text_atomic(self.root / MANIFEST, text)
                 finally:  # on an error the waiting writers try again themselves
                     self._cond.acquire()

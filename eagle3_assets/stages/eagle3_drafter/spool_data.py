@@ -72,6 +72,7 @@ from eagle3_assets.stages.eagle3_drafter.train import (
     TrainSettings,
 )
 from eagle3_resources.errors import SpoolStateError
+from eagle3_resources.hidden_states.lease import Lease
 from eagle3_resources.hidden_states.shared_fs import read_json
 from eagle3_resources.hidden_states.spool import (
     LANES,
@@ -129,10 +130,12 @@ class SpoolWindows:
         dist: Distributed | None = None,
         stop: Callable[[], bool] | None = None,
         heartbeat_s: float | None = None,
+        lease: Lease | None = None,
     ):
         """`dist`: this rank under torchrun (None: one process); `stop()`: ends the steps while waiting for capture;
-        `heartbeat_s`: rank 0's "still waiting" while it waits (None: `rank_zero.heartbeat_interval()`)."""
-        self.root, self.device, self.poll_s = Path(root), device, poll_s
+        `heartbeat_s`: rank 0's "still waiting" while it waits (None: `rank_zero.heartbeat_interval()`); `lease`: rank
+        0's trainer lease, taken with the trainer lock (its reader's commits check it; None: the reader takes one)."""
+        self.root, self.device, self.poll_s, self.lease = Path(root), device, poll_s, lease
         self.dist = dist or Distributed()
         self.stop = stop or (lambda: False)
         self.spool = open_settings(self.root)
@@ -234,7 +237,7 @@ class SpoolWindows:
     def _open_reader(self) -> SpoolReader:
         if self.reader is None:
             # at the checkpoint's position, or at the start (refused if the spool has recorded progress)
-            self.reader = SpoolReader(self.root, position=self.position, poll_s=self.poll_s)
+            self.reader = SpoolReader(self.root, position=self.position, poll_s=self.poll_s, lease=self.lease)
         return self.reader
 
     def _handed_out(
@@ -357,14 +360,15 @@ def train_from_spool(
     *,
     stop: Callable[[], bool] | None = None,
     heartbeat_s: float | None = None,
+    lease: Lease | None = None,
 ) -> tuple[Trainer, SpoolWindows]:
     """Train in place from the spool at `root`, resuming from `options.checkpoint_dir` when it holds a checkpoint
     of this run; the trainer checkpoints whenever it has to wait for capture. `hooks` may be a function of the data
     (to read `SpoolWindows.current`, the step just trained). Under torchrun (`options.dist`, the process group
     joined) every rank calls it alike; rank 0 reads the spool, the others follow (the module's docstring). `stop()`
-    ends the run while it waits for capture; `heartbeat_s`: see `SpoolWindows`. Returns the trainer once it is done
-    (its record: `trainer.history`; its position: `global_step`, also where a resume found every step trained) and
-    the data (its figures, this rank's)."""
+    ends the run while it waits for capture; `heartbeat_s`, `lease`: see `SpoolWindows`. Returns the trainer once it
+    is done (its record: `trainer.history`; its position: `global_step`, also where a resume found every step
+    trained) and the data (its figures, this rank's)."""
     if options.checkpoint_dir is None:
         raise ValueError("training from a spool needs a checkpoint folder: a shard is deleted only once checkpointed")
     data = SpoolWindows(
@@ -376,6 +380,7 @@ def train_from_spool(
         dist=options.dist,
         stop=stop,
         heartbeat_s=heartbeat_s,
+        lease=lease,
     )
     trainer = Trainer(model, data, settings, options, teacher, held_out, hooks(data) if callable(hooks) else hooks)
     data.on_wait = trainer.checkpoint

@@ -7,7 +7,8 @@ after the spool's shards are gone) and touches `eval_done`, then captures the tr
 (`capture_to_spool`), writing its progress figures as JSON lines to `progress`.
 
 It holds the lane's writer lock (`lane_lock`) for its whole life, so a capture of an earlier run that has not ended
-yet is never written beside, and it watches the orchestrator's heartbeat (`OrphanWatch`): a side whose orchestrator
+yet is never written beside, and the lane's lease with it (lease.py: where the lock lies, the later capture's lease
+fences the earlier's commits), and it watches the orchestrator's heartbeat (`OrphanWatch`): a side whose orchestrator
 is gone (kill -9 of the step) or replaced leaves by itself within `orphan_after_s`.
 """
 
@@ -42,7 +43,7 @@ def capture_main(spec_path: Path) -> None:
     log(f"capture side of run {spec['run_id']} on {socket.gethostname()}")
     spool, lane = Path(spec["spool"]), spec["lane"]
     wait_s = float(spec.get("lock_wait_s", 3 * orphan_after_s + 60))
-    with exclusive(lane_lock_path(spool, lane), f"capture of lane {lane}", wait_s=wait_s, log=log):
+    with exclusive(lane_lock_path(spool, lane), f"capture of lane {lane}", wait_s=wait_s, log=log) as lease:
         r = spec["resources"]
         target, tokenizer = TargetModelResource(**r["target"]), TokenizerResource(**r["tokenizer"])
         resource = HiddenStatesResource(**r["hidden_states_backend"])
@@ -72,6 +73,7 @@ def capture_main(spec_path: Path) -> None:
                     progress_every_s=float(spec["progress_every_s"]),
                     on_progress=on_progress,
                     poll_s=0.05,
+                    lease=lease,  # every shard's commit checks it: a capture a later one replaced commits nothing
                 )
                 final = {"bytes_per_s": report.bytes_per_s, "busy_bytes_per_s": report.busy_bytes_per_s}
                 on_progress({**last_line(Path(spec["progress"])), **final, "done": True})

@@ -28,7 +28,9 @@ What it writes as it goes, in the run's shared folder (the main rank):
   to the last, its LAST line (`trained_steps`); `coverage` counts from it how many times each training token was
   trained.
 
-Only one trainer may read a spool: the main rank holds `<spool>/trainer.lock` for its life (`lane_lock`). Every rank
+Only one trainer may read a spool: the main rank holds `<spool>/trainer.lock` for its life (`lane_lock`), and the
+trainer's lease with it (lease.py), which its reader checks before writing order.log, consumer.json or a deletion, so
+a trainer a later one replaced (its lock lied, or it stalled past it) writes none of them. Every rank
 watches the orchestrator's heartbeat (`OrphanWatch`) and leaves when it is gone.
 """
 
@@ -80,6 +82,7 @@ from eagle3_resources.atomic_files import write_json_atomic
 from eagle3_resources.cpu import apply_torch_threads
 from eagle3_resources.errors import StreamingTrainingFailed
 from eagle3_resources.hidden_states.lane_lock import exclusive, trainer_lock_path
+from eagle3_resources.hidden_states.lease import Lease
 from eagle3_resources.hidden_states.store import HiddenStateStore
 
 
@@ -219,8 +222,11 @@ def prepare(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[
     return Prepared(job, built, store, splits, held_out, untrained)
 
 
-def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callable[[str], None]) -> None:
-    """One rank's training from the spool; the main rank scores, exports and writes the report."""
+def train_side(
+    spec: dict[str, Any], dist: Distributed, device: str, log: Callable[[str], None], lease: Lease | None = None
+) -> None:
+    """One rank's training from the spool; the main rank scores, exports and writes the report. `lease`: the main
+    rank's trainer lease (None on the other ranks, which write nothing under the spool)."""
     ready = prepare(spec, dist, device, log)
     job, built, store, splits, held_out = ready.job, ready.built, ready.store, ready.splits, ready.held_out
     model, teacher, settings, merged = built.model, built.teacher, job.settings, job.merged
@@ -238,7 +244,15 @@ def train_side(spec: dict[str, Any], dist: Distributed, device: str, log: Callab
         progress = SideProgress(None, record, progress_file, float(spec["progress_every_s"]))  # type: ignore[arg-type]  # its data is set below, before the first step
         options = RunOptions(dev, log, Path(spec["checkpoints"]), dist)
         trainer, data = train_from_spool(
-            model, Path(spec["spool"]), settings, options, teacher, held_out, lambda d: hooks(bind(progress, d)), 0.05
+            model,
+            Path(spec["spool"]),
+            settings,
+            options,
+            teacher,
+            held_out,
+            lambda d: hooks(bind(progress, d)),
+            0.05,
+            lease=lease,
         )
         # a resume may train no step (a run that died after its last checkpoint, before its report: the orphan
         # that finished its steps): its checkpoint's position says what was trained; none at all is a plan of none
@@ -337,8 +351,8 @@ def training_main(spec_path: Path) -> None:
             if dist.main
             else nullcontext()
         )
-        with lock:
-            train_side(spec, dist, device, log)
+        with lock as lease:
+            train_side(spec, dist, device, log, lease)
     finally:
         watch.close()
         leave_process_group(dist)
