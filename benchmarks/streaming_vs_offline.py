@@ -74,7 +74,11 @@ from eagle3_assets.common.registry import DEFAULT_REGISTRY, load_registry  # noq
 from eagle3_assets.stages.eagle3_drafter.data import Teacher, plan_windows  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.speculative import evaluate_speculative, greedy_generate  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.speculative import (  # noqa: E402
+    SpecDecodeReport,
+    evaluate_speculative,
+    greedy_generate,
+)
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.train import (  # noqa: E402
@@ -171,6 +175,9 @@ class Data:
     train: list[StoredSample]  # grouped by dataset
     held_out: list[StoredSample]
     prompts: list[list[int]]  # the held-out samples' prompts
+    # the target's greedy decodes of `prompts`, the lossless check's reference: the same for every drafter, so decoded
+    # by the first `measure` and taken by the others (60 % of each measure's time)
+    greedy: SpecDecodeReport | None = None
 
     @property
     def train_tokens(self) -> int:
@@ -305,7 +312,10 @@ def measure(
         proxy=True,
         aux_layer_ids=store.manifest["aux_layer_ids"],
         compare_greedy=c.compare_greedy,
+        greedy=data.greedy,
     )
+    if c.compare_greedy and data.greedy is None:
+        data.greedy = report
     t = report.totals()
     windows = plan_windows([(s.sample_id, len(s.input_ids)) for s in data.held_out], c.max_len).windows
     proxy = evaluate(model, eval_samples(store, windows, built.teacher, torch.device("cpu")), c.ttt_steps)

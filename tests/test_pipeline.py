@@ -10,7 +10,7 @@ import dagster as dg
 import polars as pl
 import pytest
 from safetensors import safe_open
-from support import GAIN_NOT_REQUIRED, eagle3_run
+from support import QUICK_UNGATED_DRAFTER, eagle3_run
 from test_descriptions import unquoted_special_tokens
 
 from eagle3_assets.common.registry import DatasetSpec
@@ -37,7 +37,7 @@ def env_for(tmp_path, data_dir):
 @pytest.mark.timeout(1800)
 def test_eagle3_run_leaves_a_finished_run_and_a_loadable_drafter(tmp_path, data_dir_with_standin):
     env = env_for(tmp_path, data_dir_with_standin)
-    proc = eagle3_run("B6,B7", GAIN_NOT_REQUIRED, env, tmp_path)
+    proc = eagle3_run("B6,B7", QUICK_UNGATED_DRAFTER, env, tmp_path)
     assert "SUCCESS" in proc.stdout
 
     os.environ["DAGSTER_HOME"] = env["DAGSTER_HOME"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import dagster as dg
 import psycopg2
 import pytest
-from support import GAIN_NOT_REQUIRED, eagle3_run, free_port, port_open, stop_group, wait_for
+from support import QUICK_UNGATED_DRAFTER, eagle3_run, free_port, port_open, stop_group, wait_for
 
 from eagle3_assets.operations.instance import INSTANCE_YAML, POSTGRES_INSTANCE_YAML, dagster_home
 
@@ -106,7 +106,7 @@ def test_a_home_that_disagrees_with_the_variable_is_refused(tmp_path, postgres_u
 @pytest.mark.timeout(1800)
 def test_eagle3_run_on_postgres_records_its_run_and_assets_there(tmp_path, data_dir_with_standin, postgres_url):
     env = clean_env(tmp_path / "dagster_home", postgres_url) | {"EAGLE3_DATA_DIR": str(data_dir_with_standin)}
-    proc = eagle3_run("B6", GAIN_NOT_REQUIRED, env, tmp_path)
+    proc = eagle3_run("B6", QUICK_UNGATED_DRAFTER, env, tmp_path)
     [(run_id, status)] = query(postgres_url, "select run_id, status from runs")
     assert status == "SUCCESS" and run_id in proc.stdout
     stored = query(postgres_url, "select asset_key from asset_keys")

@@ -57,14 +57,20 @@ class InverseCdfSampler:
     def __call__(self, input_ids, scores):
         import torch
 
-        logits = scores.float() / self.temperature
+        # No copy of the [rows, 163,840] scores where it would hold the same values (x / 1.0 is x; every row live is
+        # the whole matrix): each copy is milliseconds a step on a CPU (27 -> 16 ms a call at batch 8).
+        logits = scores.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         if self.per_row:
             u = torch.cat([torch.rand((1, 1), generator=g) for g in self.generators])
         else:
             u = torch.rand((logits.shape[0], 1), generator=self.generators[0])
         token = torch.zeros((logits.shape[0], 1), dtype=torch.long)
         live = self.live_rows(input_ids, logits.shape[0])
-        if len(live):
+        if len(live) == logits.shape[0]:
+            token = self.draw(logits, u)
+        elif len(live):
             token[live] = self.draw(logits[live], u[live])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, token.to(scores.device), 0.0)
@@ -91,7 +97,8 @@ class InverseCdfSampler:
         token = torch.zeros_like(u, dtype=torch.long)
         todo = torch.arange(logits.shape[0])
         for width in widths:
-            vals, idx = logits[todo].topk(width, dim=-1)  # sorted, descending
+            rows_left = logits if len(todo) == logits.shape[0] else logits[todo]
+            vals, idx = rows_left.topk(width, dim=-1)  # sorted, descending
             probs = (vals - lse[todo]).exp()
             held = probs.sum(-1) >= self.top_p if self.top_p is not None and width < cap else torch.ones_like(todo) > 0
             vals, idx, probs, rows = vals[held], idx[held], probs[held], todo[held]
