@@ -4,7 +4,8 @@ Layout under `root`:
     manifest.json               settings (H, layer ids and their convention, target) and every
                                 committed shard: its content key, checksum, bytes, samples, tokens
     <group>-00000.safetensors   one shard of one group (a dataset): its samples' rows concatenated
-                                along the token axis
+                                along the token axis (a spool lane's are mixed-00000, ...: each holds
+                                every dataset, `plan_mixed_shards`)
         input_ids           [T] int32
         loss_mask           [T] int8
         aux_hidden_states   [T, 3H] bf16   (the EAGLE-3 layers, low -> high)
@@ -48,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import struct
 import threading
@@ -106,7 +108,9 @@ class StoredSample:
     split: str
     input_ids: Sequence[int]
     loss_mask: Sequence[int]
-    group: str = "all"  # shards never mix groups: a dataset added or changed leaves the others' shards alone
+    # the dataset: a store's shards never mix groups (a dataset added or changed leaves the others' shards alone); a
+    # spool's interleave them (`plan_mixed_shards`: its trainer takes shards in order)
+    group: str = "all"
 
 
 @dataclass(frozen=True)
@@ -120,33 +124,105 @@ class ShardPlan:
 def plan_shards(
     samples: Sequence[StoredSample], hidden_size: int, shard_bytes: int, identity: dict[str, Any]
 ) -> list[ShardPlan]:
-    """Cut each group's samples, in order, into shards of about `shard_bytes` (a sample is never split).
+    """Cut each group's samples, in order, into shards of about `shard_bytes` (a sample is never split): the offline
+    store's plan, where a dataset added or changed leaves the other datasets' shards alone.
 
     Deterministic in its inputs, so a resumed run plans the same shards; `identity` (target, layer
     ids, ...) enters every key, so a changed target or layer rule never reuses an old shard.
     """
-    per_token = token_bytes(hidden_size)
-    prefix = json.dumps({"format": FORMAT, "hidden_size": hidden_size, **identity}, sort_keys=True).encode()
     groups: dict[str, list[int]] = {}
     for i, s in enumerate(samples):
         groups.setdefault(s.group, []).append(i)
     plans: list[ShardPlan] = []
     for group, members in groups.items():
-        current: list[int] = []
-        tokens = count = 0
-        for at in [*members, None]:  # None: the group's end
-            if current and (at is None or (tokens + len(samples[at].input_ids)) * per_token > shard_bytes):
-                h = hashlib.sha256(prefix)
-                for j in current:
-                    s = samples[j]
-                    h.update(f"\0{s.sample_id}\0{s.split}\0".encode())
-                    h.update(torch.tensor(list(s.input_ids), dtype=torch.int32).numpy().tobytes())
-                    h.update(torch.tensor(list(s.loss_mask), dtype=torch.int8).numpy().tobytes())
-                plans.append(ShardPlan(shard_name(group, count), tuple(current), tokens, h.hexdigest()))
-                current, tokens, count = [], 0, count + 1
-            if at is not None:
-                current.append(at)
-                tokens += len(samples[at].input_ids)
+        plans.extend(cut_shards(samples, members, hidden_size, shard_bytes, identity, group))
+    return plans
+
+
+MIXED = "mixed"  # the name of a spool's shards (`plan_mixed_shards`): each holds every group, none is a group's
+# How a spool lane's samples become shards: (samples, hidden size, shard bytes, identity, seed) -> the plan.
+ShardPlanner = Callable[[Sequence[StoredSample], int, int, dict[str, Any], int], list[ShardPlan]]
+
+
+def plan_mixed_shards(
+    samples: Sequence[StoredSample], hidden_size: int, shard_bytes: int, identity: dict[str, Any], seed: int
+) -> list[ShardPlan]:
+    """The spool's plan: every group's samples interleaved in the proportions the groups have (`interleave_groups`),
+    then cut in that order into shards of about `shard_bytes`, named `mixed-NNNNN`. A trainer that takes shards in
+    order then trains every dataset throughout the run, as offline training's shuffle does, not one after another.
+
+    Deterministic in its inputs and `seed` (a resumed capture plans the same shards); keys as `plan_shards`'.
+    """
+    order = interleave_groups(samples, seed)
+    return cut_shards(samples, order, hidden_size, shard_bytes, identity, MIXED)
+
+
+def interleave_groups(samples: Sequence[StoredSample], seed: int) -> list[int]:
+    """Every position of `samples` once, the groups interleaved so that after any number t of them each group g has
+    had floor or ceil of t x n_g / N (its share of the samples so far, n_g of the N samples being g's): so every run
+    of consecutive samples, a shard or several, holds each group's share of it to within less than two samples.
+
+    Each group's samples are shuffled by `seed` first (a dataset's own order, by source or by length, is not kept:
+    offline training shuffles it too). Then, at each place, among the groups whose next sample may come (it keeps
+    the group at or below the ceiling of its share) the one whose next sample is due soonest (the last place that
+    keeps the group at or above the floor of its share) comes; ties in a seeded order of the groups. This earliest-
+    deadline rule finds such a sequence whenever one exists, and one always does (Tijdeman's chairman assignment).
+    """
+    rng = random.Random(f"interleave:{seed}")
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group, []).append(i)
+    members = [groups[g] for g in sorted(groups)]
+    for m in members:
+        rng.shuffle(m)
+    tie = list(range(len(members)))
+    rng.shuffle(tie)
+    n = len(samples)
+    taken = [0] * len(members)
+    order: list[int] = []
+    for t in range(1, n + 1):
+        best: tuple[int, int] | None = None  # (deadline, tie rank) of the group chosen so far
+        chosen = -1
+        for g, m in enumerate(members):
+            j = taken[g]
+            if j == len(m) or (j * n) // len(m) + 1 > t:  # the group is done, or its next sample is not due yet
+                continue
+            due = (-(-(j + 1) * n // len(m)), tie[g])
+            if best is None or due < best:
+                best, chosen = due, g
+        order.append(members[chosen][taken[chosen]])
+        taken[chosen] += 1
+    return order
+
+
+def cut_shards(
+    samples: Sequence[StoredSample],
+    order: Sequence[int],
+    hidden_size: int,
+    shard_bytes: int,
+    identity: dict[str, Any],
+    prefix: str,
+) -> list[ShardPlan]:
+    """The samples at `order`, in that order, cut into shards of about `shard_bytes` (a sample is never split), named
+    `<prefix>-NNNNN`; each shard's key hashes `identity` and its samples (ids, splits, tokens, masks)."""
+    per_token = token_bytes(hidden_size)
+    head = json.dumps({"format": FORMAT, "hidden_size": hidden_size, **identity}, sort_keys=True).encode()
+    plans: list[ShardPlan] = []
+    current: list[int] = []
+    tokens = 0
+    for at in [*order, None]:  # None: the end
+        if current and (at is None or (tokens + len(samples[at].input_ids)) * per_token > shard_bytes):
+            h = hashlib.sha256(head)
+            for j in current:
+                s = samples[j]
+                h.update(f"\0{s.sample_id}\0{s.split}\0".encode())
+                h.update(torch.tensor(list(s.input_ids), dtype=torch.int32).numpy().tobytes())
+                h.update(torch.tensor(list(s.loss_mask), dtype=torch.int8).numpy().tobytes())
+            plans.append(ShardPlan(shard_name(prefix, len(plans)), tuple(current), tokens, h.hexdigest()))
+            current, tokens = [], 0
+        if at is not None:
+            current.append(at)
+            tokens += len(samples[at].input_ids)
     return plans
 
 
