@@ -4,7 +4,8 @@
     python tests/spool_capture_worker.py store MODEL_FOLDER ROOT
 
 `spool` captures the samples into lane LANE of the spool at SPOOL (`capture_to_spool`), `store` into an offline
-store (`extract_to_store`), with the same samples, shard size and batches, so the two write the same shards.
+store (an `Extraction`), with the same samples, shard size, shards (the spool's interleave of the datasets, by its
+seed: `SpoolShards`) and so batches, so the two write the same shards.
 The samples are tests/hidden_states_worker.py's (seeded), and torch runs on one thread, so every process computes
 bit-identical states. `--slow` sleeps after each batch (a kill then lands in the middle of the capture).
 `--progress` gets every progress report's figures, one JSON line each (a report at every batch, and at every poll
@@ -23,23 +24,35 @@ from hidden_states_worker import samples as worker_samples
 from transformers import AutoModelForCausalLM
 
 from eagle3_resources.hidden_states.extract import (
+    Extraction,
+    ExtractionOptions,
     HiddenStatesBackend,
     StoreSettings,
     capture_to_spool,
-    extract_to_store,
 )
-from eagle3_resources.hidden_states.store import StoredSample
+from eagle3_resources.hidden_states.store import ShardPlan, StoredSample, plan_mixed_shards
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 
 SAMPLES = 64
 SHARD_BYTES = 16_000  # one or two samples a shard at H = 64: 56 shards
 BATCH_TOKENS = 48
 IDENTITY = {"target": "spool-capture-worker"}
+SEED = 3  # the test spool's, which seeds the capture's interleave of the datasets
 SETTINGS = StoreSettings(shard_bytes=SHARD_BYTES, batch_tokens=BATCH_TOKENS, free_bytes=10**12, reserve_bytes=0)
 
 
 def samples(vocab: int) -> list[StoredSample]:
     return worker_samples(vocab, SAMPLES, seed=7)
+
+
+class SpoolShards(Extraction):
+    """An offline extraction into the spool lane's shards (`plan_mixed_shards` by the spool's seed, as
+    `SpoolCapture.shard_plans`): a sample is batched with the same others, so its states are the same bits (a batch of
+    other lengths pads differently, and the CPU's sums then round differently)."""
+
+    def shard_plans(self) -> list[ShardPlan]:
+        identity = {**self.options.identity, "aux_layer_ids": self.layer_ids}
+        return plan_mixed_shards(self.samples, self.hidden_size, self.settings.shard_bytes, identity, SEED)
 
 
 def main() -> None:
@@ -61,7 +74,7 @@ def main() -> None:
     backend: HiddenStatesBackend = TransformersHiddenStates(model)
     data = samples(model.config.vocab_size)
     if args.mode == "store":
-        extract_to_store(data, backend, args.root, SETTINGS, identity=IDENTITY, progress_every_s=3600)
+        SpoolShards(data, backend, args.root, SETTINGS, ExtractionOptions(IDENTITY, progress_every_s=3600)).run()
         return
     if args.slow:
         backend = Slow(backend, args.slow)

@@ -37,7 +37,13 @@ from eagle3_resources.hidden_states.spool import (
     read_ledger,
     read_order,
 )
-from eagle3_resources.hidden_states.store import MANIFEST, HiddenStateStore, ShardPlan, plan_shards, shard_layout
+from eagle3_resources.hidden_states.store import (
+    MANIFEST,
+    HiddenStateStore,
+    ShardPlan,
+    plan_mixed_shards,
+    shard_layout,
+)
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -46,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 HIDDEN = 64  # the stand-in target's
 PASSES = 2
 LANE = "gpu0"
+SEED = worker.SEED  # the spool's, which seeds the capture's interleave of the datasets
 KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,11 +75,11 @@ def offline(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def make_spool(root: Path, vocab: int) -> tuple[SpoolSettings, int, list[ShardPlan]]:
     """A one-lane spool whose budget is a tenth of the data's bytes; (its settings, the data's bytes, the plan)."""
     samples = worker.samples(vocab)
-    plans = plan_shards(samples, HIDDEN, worker.SHARD_BYTES, worker.IDENTITY)
+    plans = plan_mixed_shards(samples, HIDDEN, worker.SHARD_BYTES, worker.IDENTITY, SEED)  # as the capture plans them
     sizes = [shard_layout(p, [samples[i] for i in p.samples], HIDDEN).size for p in plans]
     budget = sum(sizes) // 10
     assert budget >= min_lane_bytes(PASSES, max(sizes)), "the tenth must still hold the lane's working set"
-    settings = SpoolSettings({LANE: budget}, PASSES, max_len=16, batch_tokens=64, seed=3, hidden_size=HIDDEN)
+    settings = SpoolSettings({LANE: budget}, PASSES, max_len=16, batch_tokens=64, seed=SEED, hidden_size=HIDDEN)
     return create_spool(root, settings), sum(sizes), plans
 
 

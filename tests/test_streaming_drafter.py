@@ -17,13 +17,13 @@ import pytest
 from test_drafter_training import corpus
 from test_spool import Sampler
 
-from eagle3_assets.stages.eagle3_drafter.asset import eagle3_drafter
+from eagle3_assets.stages.eagle3_drafter.asset import DrafterTrainConfig, eagle3_drafter
 from eagle3_assets.stages.eagle3_drafter.streaming import LANE, split_samples
 from eagle3_resources.errors import SpoolTooSmall
 from eagle3_resources.hidden_states.lane_lock import lane_lock_path, trainer_lock_path
 from eagle3_resources.hidden_states.resource import HiddenStatesResource
 from eagle3_resources.hidden_states.spool import min_lane_bytes
-from eagle3_resources.hidden_states.store import plan_shards, shard_layout
+from eagle3_resources.hidden_states.store import plan_mixed_shards, shard_layout
 from eagle3_resources.storage import DataLayout, DataStore
 from eagle3_resources.target.resource import TargetModelResource
 from eagle3_resources.tokenizer.resource import TokenizerResource
@@ -36,9 +36,10 @@ pytestmark = pytest.mark.timeout(1200)
 
 def training_shards(merged: pl.DataFrame) -> dict[str, tuple[int, int]]:
     """Sample id -> (its shard's number, that shard's bytes), the training split cut into shards as the capture cuts
-    it (the store's own plan and file layout)."""
+    it (the spool's own plan, its datasets interleaved by the training seed, and file layout)."""
     train, _, _ = split_samples(merged)
-    plans = plan_shards(train, HIDDEN, SHARD_BYTES, {})  # the identity names the shards, their sizes are its own
+    seed = DrafterTrainConfig().seed  # the runs' (run_config leaves it)
+    plans = plan_mixed_shards(train, HIDDEN, SHARD_BYTES, {}, seed)  # the identity enters keys, not names or sizes
     return {
         train[i].sample_id: (k, shard_layout(p, [train[j] for j in p.samples], HIDDEN).size)
         for k, p in enumerate(plans)

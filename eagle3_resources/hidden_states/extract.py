@@ -46,10 +46,12 @@ from eagle3_resources.hidden_states.store import (
     ShardCommitter,
     ShardImage,
     ShardPlan,
+    ShardPlanner,
     StoredSample,
     host_buffer,
     min_bytes_per_token,
     padded_size,
+    plan_mixed_shards,
     plan_shards,
     read_manifest,
     remove_untrusted,
@@ -471,7 +473,8 @@ class Extraction:
     # ------------------------------------------------------------ before the first byte
 
     def shard_plans(self) -> list[ShardPlan]:
-        """Every shard of the samples (deterministic: a resumed run, or the spool's capture, plans the same ones)."""
+        """Every shard of the samples, by dataset (deterministic: a resumed run plans the same ones; a spool lane's
+        interleave the datasets: `SpoolCapture.shard_plans`)."""
         identity = {**self.options.identity, "aux_layer_ids": self.layer_ids}
         return plan_shards(self.samples, self.hidden_size, self.settings.shard_bytes, identity)
 
@@ -742,8 +745,9 @@ class SpoolCaptureReport:
 class SpoolCapture(Extraction):
     """An `Extraction` whose shards go to the spool lane `lane` under `root` instead of a store. Its phases:
 
-    plan        the lane's `SpoolWriter` (its plan.json, manifest and resume): `todo` is the pending list; the spool's
-                hidden size must be the backend's; a share that cannot hold the working set is `SpoolTooSmall`
+    plan        the lane's shards interleave its datasets (`planner`: store.plan_mixed_shards, seeded by the spool's
+                seed), then its `SpoolWriter` (its plan.json, manifest and resume): `todo` is the pending list; the
+                spool's hidden size must be the backend's; a share that cannot hold the working set is `SpoolTooSmall`
     check_disk  not applied: the lane's share of the spool's byte budget is the bound (`reserve` enforces it)
     open_store  the writer has rewritten the lane's manifest and removed the files it does not list; said in the log
     capture     as the store's, each shard's bytes reserved first (`admit`: waits while the lane is full; `stop()`
@@ -765,14 +769,22 @@ class SpoolCapture(Extraction):
         stop: Callable[[], bool] | None = None,
         poll_s: float = 0.2,
         lease: Lease | None = None,
+        planner: ShardPlanner = plan_mixed_shards,
     ):
         if options.null_sink:
             raise ValueError("null_sink is for benchmarks of the store's capture; a spool lane always writes")
         super().__init__(samples, backend, root, settings, options)
-        self.lane, self.poll_s, self.lease = lane, poll_s, lease
+        self.lane, self.poll_s, self.lease, self.planner = lane, poll_s, lease, planner
         self.stop: Callable[[], bool] = stop or (lambda: False)
         self.pauses, self.waited_s, self.stopped = 0, 0.0, False
         self._waiting_since: float | None = None
+
+    def shard_plans(self) -> list[ShardPlan]:
+        """The lane's shards, each holding every dataset in its share (the trainer takes them in order: a shard of
+        one dataset at a time would train the datasets one after another); the same ones after a resume."""
+        identity = {**self.options.identity, "aux_layer_ids": self.layer_ids}
+        seed = open_settings(self.root).seed
+        return self.planner(self.samples, self.hidden_size, self.settings.shard_bytes, identity, seed)
 
     def plan(self) -> ResumePlan:
         spool = open_settings(self.root)
@@ -878,6 +890,7 @@ def capture_to_spool(
     stop: Callable[[], bool] | None = None,
     poll_s: float = 0.2,
     lease: Lease | None = None,
+    planner: ShardPlanner = plan_mixed_shards,
     **fields: Any,
 ) -> SpoolCaptureReport:
     """Capture the lane's `samples` through `backend` into lane `lane` of the spool at `spool_root` (`create_spool`
@@ -888,9 +901,20 @@ def capture_to_spool(
     not used). `options`, or its fields by name, as `extract_to_store`'s; `on_progress` gets the lane's figures too
     (lane_bytes, lane_share_bytes, waiting, pauses, waited_s, bytes_per_s, busy_bytes_per_s). `poll_s`: how often a
     full lane looks for room. `lease`: the lane's lease the capture side took with its lock (`SpoolWriter`'s).
+    `planner`: how the samples become shards (`plan_mixed_shards`, every dataset in every shard; a benchmark passes
+    another to show the order it replaced).
     """
     options = ExtractionOptions(**fields) if options is None else replace(options, **fields)
     capture = SpoolCapture(
-        samples, backend, Path(spool_root), lane, settings, options, stop=stop, poll_s=poll_s, lease=lease
+        samples,
+        backend,
+        Path(spool_root),
+        lane,
+        settings,
+        options,
+        stop=stop,
+        poll_s=poll_s,
+        lease=lease,
+        planner=planner,
     )
     return capture.run_lane()

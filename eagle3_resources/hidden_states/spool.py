@@ -13,7 +13,8 @@ Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMan
     spool.json                  settings, written once: byte budget, each lane's share of it, passes,
                                 window length, step tokens, seed, hidden size
     lanes/<lane>/               one store per capture worker (manifest.json, shards, as store.py)
-        plan.json               the lane's capture plan: every shard's name, key, tokens and file bytes
+        plan.json               the lane's capture plan: every shard's name, key, tokens, file bytes,
+                                windows and samples of each dataset (PLAN_FORMAT)
     order.log                   the trainer's adoption log: one JSON line per shard taken, appended and
                                 fsynced before any of its rows is handed out
     consumer.json               the trainer's ledger: its durable position, shards deleted, passes done
@@ -119,6 +120,7 @@ ORDER = "order.log"
 LANES = "lanes"
 PLAN = "plan.json"
 SPOOL_FORMAT = "eagle3-spool/1"
+PLAN_FORMAT = "eagle3-spool-plan/2"  # 2: shards that interleave the datasets (store.plan_mixed_shards), named mixed-N
 
 
 def min_lane_bytes(passes: int, shard_file_bytes: int) -> int:
@@ -337,7 +339,7 @@ class SpoolWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.lease = lease or take_lease(self.dir / WRITER_LEASE, f"the capture of lane {lane}")
         self.lease.check()  # a side that stalled since it took its lock writes nothing, not even its plan
-        self._write_plan()
+        self._write_plan(samples)
         old = read_manifest(self.dir) if (self.dir / MANIFEST).exists() else {"shards": {}}
         intact = trusted_shards(self.dir, old, self.plans, verify_on_resume)
         present = {p.name for p in self.plans if (self.dir / p.name).exists()}
@@ -372,16 +374,29 @@ class SpoolWriter:
         self.waits = 0  # reservations that had to wait
         self.waited_s = 0.0
 
-    def _write_plan(self) -> None:
-        plan = {
-            "shards": [
-                {"name": p.name, "key": p.key, "tokens": p.tokens, "bytes": self.layouts[p.name].size}
-                for p in self.plans
-            ]
-        }
+    def _write_plan(self, samples: Sequence[StoredSample]) -> None:
+        """plan.json: every shard's name, key, tokens, file bytes, training windows (of the spool's max_len, for the
+        trainer's step estimate) and samples of each dataset (what the mix is, for a reader of the file)."""
+        max_len = self.settings.max_len
+        shards = []
+        for p in self.plans:
+            rows = [samples[i] for i in p.samples]
+            datasets: dict[str, int] = {}
+            for r in rows:
+                datasets[r.group] = datasets.get(r.group, 0) + 1
+            windows = sum(-(-len(r.input_ids) // max_len) for r in rows)
+            entry = {"name": p.name, "key": p.key, "tokens": p.tokens, "bytes": self.layouts[p.name].size}
+            shards.append(entry | {"windows": windows, "datasets": dict(sorted(datasets.items()))})
+        plan = {"format": PLAN_FORMAT, "shards": shards}
         old = _read_json(self.dir / PLAN)
         if old is None:
             write_json_atomic(self.dir / PLAN, plan)
+        elif old.get("format") != PLAN_FORMAT:
+            raise SpoolStateError(
+                f"{self.dir / PLAN} is of the format {old.get('format', 'eagle3-spool-plan/1')} (shards planned "
+                f"dataset by dataset), this version writes {PLAN_FORMAT}: finish that run with the version that "
+                "started it, or delete the spool to start afresh"
+            )
         elif old != plan:
             raise SpoolStateError(
                 f"{self.dir / PLAN} records another capture plan than this run's ({len(old['shards'])} shards "

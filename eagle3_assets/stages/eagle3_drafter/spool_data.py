@@ -19,9 +19,11 @@ deleted, and capture, which may be waiting for that room, goes on. Without it bo
 (`train_from_spool` wires it).
 
 The step count for the learning-rate schedule is an estimate from the capture plan (the plan records each shard's
-tokens, not its samples' lengths, and the adoption order across lanes is the order of their commits):
+tokens and windows, not its samples' lengths, and the adoption order across lanes is the order of their commits):
 `estimate_steps`. The run may take a few steps more or fewer (packing); past the estimate the schedule holds its
-last factor (`warmup_cosine`). The mean window length (for the FLOPs per token) is likewise an estimate.
+last factor (`warmup_cosine`). An estimate of tokens / `batch_tokens` alone would be far too long where a step
+holds one window (`batch_tokens` below a window's length): the schedule would then never decay as offline
+training's does. The mean window length (for the FLOPs per token) is the plan's tokens per window.
 
 Several ranks (torchrun DDP: gloo on CPU, NCCL on GPUs; `dist` is the trainer's `Distributed`). The spool has one
 reader: rank 0's `SpoolReader` adopts, commits and deletes (one writer per file); the other ranks are
@@ -106,14 +108,30 @@ def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | 
 def estimate_steps(plans: dict[str, dict[str, Any]], passes: int, batch_tokens: int) -> int:
     """The run's optimizer steps, estimated from the capture plans: the shards in the order the reader adopts them
     when every lane keeps up (one from each lane in turn, each lane's in its plan's order), slot i holding pass p of
-    shard i - p, each slot `ceil(its tokens / batch_tokens)` steps (a slot's last step is a partial one)."""
-    queues = [[int(shard["tokens"]) for shard in plans[lane]["shards"]] for lane in sorted(plans)]
-    order: list[int] = []
+    shard i - p, each slot's steps as `slot_steps` packs its windows."""
+    queues = [
+        [(int(shard["tokens"]), int(shard.get("windows", 0))) for shard in plans[lane]["shards"]]
+        for lane in sorted(plans)
+    ]
+    order: list[tuple[int, int]] = []
     for k in range(max((len(q) for q in queues), default=0)):
         order.extend(q[k] for q in queues if k < len(q))
     n = len(order)
-    slots = (sum(order[i - p] for p in range(passes) if 0 <= i - p < n) for i in range(n + passes - 1))
-    return sum(math.ceil(tokens / batch_tokens) for tokens in slots)
+    steps = 0
+    for i in range(n + passes - 1):
+        parts = [order[i - p] for p in range(passes) if 0 <= i - p < n]
+        steps += slot_steps(sum(t for t, _ in parts), sum(w for _, w in parts), batch_tokens)
+    return steps
+
+
+def slot_steps(tokens: int, windows: int, batch_tokens: int) -> int:
+    """A slot's steps, estimated: as many of its mean windows a step as `batch_tokens` holds, at least one (a window
+    longer than a step is a step of its own: with `batch_tokens` 1, a step per window). A plan that does not count
+    windows (format 1): `ceil(tokens / batch_tokens)`, which is that when windows are short."""
+    if windows <= 0 or tokens <= 0:
+        return math.ceil(tokens / batch_tokens)
+    per_step = max(1, batch_tokens * windows // tokens)
+    return math.ceil(windows / per_step)
 
 
 class SpoolWindows:
@@ -167,8 +185,11 @@ class SpoolWindows:
         if not self.planned_tokens:
             raise ValueError(f"the spool {self.root}: its capture plans hold no token")
         self.estimated_steps = estimate_steps(plans, s.passes, s.batch_tokens)
-        # a shard's samples are at most max_len-token windows each; their lengths are not in the plan
-        self.mean_window = float(min(s.max_len, self.planned_tokens / len(shards)))
+        windows = sum(int(shard.get("windows", 0)) for shard in shards)
+        # a plan of format 1 counts no windows: a shard's samples are at most max_len-token windows each
+        self.mean_window = float(
+            self.planned_tokens / windows if windows else min(s.max_len, self.planned_tokens / len(shards))
+        )
         self.position = Position()  # after the last step handed out (= trained, when the trainer asks)
         self.steps_done = 0  # steps handed out, with the position
         self.reader: SpoolReader | None = None

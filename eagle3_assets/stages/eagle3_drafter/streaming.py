@@ -61,7 +61,7 @@ from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json
 from eagle3_resources.errors import CaptureFailed, StreamingTrainingFailed
 from eagle3_resources.hidden_states.shared_fs import ReportingThread, read_json
 from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool, spool_status
-from eagle3_resources.hidden_states.store import StoredSample, plan_shards, shard_layout, token_bytes
+from eagle3_resources.hidden_states.store import StoredSample, plan_mixed_shards, shard_layout, token_bytes
 
 LANE = "capture"
 EVAL_FALLBACK = 8  # training samples held out for the scores when the eval split is empty
@@ -200,8 +200,8 @@ def plan_for(
 ) -> tuple[StreamingInputs, StreamingPlan]:
     """The plan of streaming `train` (refused with `SpoolTooSmall` when the spool cannot hold its working set) on
     `training_nodes` = (nodes, ranks per node), each node training at `request.train_tok_s`; the largest shard is
-    measured on the capture's own shard plan."""
-    plans = plan_shards(train, hidden, request.shard_bytes, identity)
+    measured on the capture's own shard plan (its datasets interleaved, seeded by the training seed as the spool's)."""
+    plans = plan_mixed_shards(train, hidden, request.shard_bytes, identity, settings.seed)
     sizes = [shard_layout(p, [train[i] for i in p.samples], hidden).size for p in plans]
     inputs = StreamingInputs(
         tokens=sum(len(s.input_ids) for s in train),
