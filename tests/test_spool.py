@@ -31,6 +31,7 @@ from eagle3_resources.hidden_states.spool import (
     SpoolSettings,
     SpoolWriter,
     create_spool,
+    default_mix_shards,
     min_lane_bytes,
     read_ledger,
     read_order,
@@ -63,14 +64,23 @@ def lane_bytes(n_lanes: int) -> tuple[list[int], list[int]]:
 
 
 def make_spool(root: Path, lanes: list[str]) -> tuple[SpoolSettings, int]:
-    """A spool whose budget is a tenth of the data's bytes; (its settings, the data's bytes)."""
+    """A spool whose budget is a tenth of the data's bytes, its mix the largest that budget allows (2 shards for one
+    lane, 1 for two); (its settings, the data's bytes)."""
     data, largest = lane_bytes(len(lanes))
     budget = sum(data) // 10
     share = budget // len(lanes)
+    mix = default_mix_shards(share, max(largest), PASSES)
+    assert mix == (2 if len(lanes) == 1 else 1), mix
     for lane_max in largest:  # the budget is a tenth of the data and still holds each lane's working set
-        assert share >= min_lane_bytes(PASSES, lane_max), (share, lane_max)
+        assert share >= min_lane_bytes(PASSES, lane_max, mix), (share, lane_max)
     settings = SpoolSettings(
-        {lane: share for lane in lanes}, passes=PASSES, max_len=64, batch_tokens=256, seed=5, hidden_size=worker.HIDDEN
+        {lane: share for lane in lanes},
+        passes=PASSES,
+        max_len=64,
+        batch_tokens=256,
+        seed=5,
+        hidden_size=worker.HIDDEN,
+        mix_shards=mix,
     )
     return create_spool(root, settings), sum(data)
 
@@ -234,18 +244,21 @@ def wait_for_slot(root: Path, slot: int, producer: subprocess.Popen, trainer: su
 def test_kill_9_of_capture_then_of_training_resumes_without_losing_or_repeating_a_window(procs, tmp_path):
     root = tmp_path / "spool"
     settings, _ = make_spool(root, ["a"])
+    shards = len(plan_shards(worker.dataset(SAMPLES), worker.HIDDEN, worker.SHARD_BYTES, {"target": "synthetic"}))
+    slots = -(-shards // settings.mix_shards) + PASSES - 1  # mixes of 2 shards: 65 slots
+    at = [round(slots * f) for f in (0.08, 0.23, 0.28, 0.4, 0.5, 0.65, 0.7, 0.82)]
     rng = random.Random(2027)
     sampler = Sampler(root)
     producer = procs.produce(root, "a", 0, 1, slow=0.01)
     trainer = procs.consume(root, slow=0.03)
-    for lo in (10, 70):  # twice each side, capture first, at random moments of their work
-        wait_for_slot(root, rng.randint(lo, lo + 20), producer, trainer)
+    for k in (0, 4):  # twice each side, capture first, at random moments of their work (capture is ahead by 4 mixes)
+        wait_for_slot(root, rng.randint(at[k], at[k + 1]), producer, trainer)
         time.sleep(rng.uniform(0.0, 0.5))
         assert producer.poll() is None, "capture had finished before its kill"
         os.killpg(producer.pid, signal.SIGKILL)
         producer.wait()
         producer = procs.produce(root, "a", 0, 1, slow=0.01)
-        wait_for_slot(root, rng.randint(lo + 30, lo + 50), producer, trainer)
+        wait_for_slot(root, rng.randint(at[k + 2], at[k + 3]), producer, trainer)
         time.sleep(rng.uniform(0.0, 0.5))
         assert trainer.poll() is None, "training had finished before its kill"
         os.killpg(trainer.pid, signal.SIGKILL)
@@ -306,8 +319,9 @@ def fill(root: Path, lane: str = "a", samples: int = 24) -> SpoolWriter:
     return writer
 
 
-def small_spool(root: Path, share: int = 10**7, passes: int = 1) -> SpoolSettings:
-    return create_spool(root, SpoolSettings({"a": share}, passes, max_len=64, batch_tokens=256, seed=1, hidden_size=32))
+def small_spool(root: Path, share: int = 10**7, passes: int = 1, mix: int = 1) -> SpoolSettings:
+    settings = SpoolSettings({"a": share}, passes, max_len=64, batch_tokens=256, seed=1, hidden_size=32, mix_shards=mix)
+    return create_spool(root, settings)
 
 
 def test_a_lane_whose_share_cannot_hold_its_working_set_is_refused(tmp_path):
@@ -321,6 +335,13 @@ def test_a_lane_whose_share_cannot_hold_its_working_set_is_refused(tmp_path):
     with pytest.raises(SpoolTooSmall, match="needs") as e:
         SpoolWriter(tmp_path / "no", "a", data, plans, {"format": FORMAT})
     assert "budget" in e.value.what_to_do
+    # mixes of 3 shards: the trainer may hold 2 of them, 6 shards, and one is being written
+    mixed = 7 * padded_size(largest)
+    small_spool(tmp_path / "mix", share=mixed, passes=2, mix=3)
+    SpoolWriter(tmp_path / "mix", "a", data, plans, {"format": FORMAT})
+    small_spool(tmp_path / "mix-no", share=mixed - 1, passes=2, mix=3)
+    with pytest.raises(SpoolTooSmall, match="a mix of 3 shard"):
+        SpoolWriter(tmp_path / "mix-no", "a", data, plans, {"format": FORMAT})
 
 
 def test_a_shard_whose_bytes_are_not_its_checksums_is_refused(tmp_path):

@@ -24,9 +24,10 @@ def plans(draw: st.DrawFn) -> StreamingInputs:
     per_token = token_bytes(hidden)
     shard = draw(st.integers(per_token, 8 * 10**9))
     passes = draw(st.integers(1, 4))
+    mix = draw(st.integers(1, 8))
     capture = Hosts(draw(st.integers(1, 8)), draw(rates), draw(st.integers(1, 8)))
     training = Hosts(draw(st.integers(1, 8)), draw(rates), draw(st.integers(1, 8)))
-    minimum = capture.count * min_lane_bytes(passes, shard)
+    minimum = capture.count * min_lane_bytes(passes, shard, mix)
     return StreamingInputs(
         tokens=draw(st.integers(1, 10**10)),
         bytes_per_token=per_token,
@@ -37,6 +38,7 @@ def plans(draw: st.DrawFn) -> StreamingInputs:
         passes=passes,
         shard_bytes=shard,
         checkpoint_every_tokens=draw(st.integers(0, 10**9)),
+        mix_shards=mix,
     )
 
 
@@ -48,9 +50,10 @@ def test_the_run_is_never_shorter_than_any_sides_own_work(i):
     training = i.training.count * i.training.tokens_per_s  # token-passes a second
     spool = i.spool_bytes_per_s / (2 * i.bytes_per_token)
     first = min(i.tokens, i.shard_bytes // i.bytes_per_token or 1)  # tokens of the first (and of the last) shard
+    mix = min(i.tokens, (i.shard_bytes // i.bytes_per_token or 1) * i.mix_shards)  # of the first mix
     slack = 1 + 1e-9
-    # training cannot start before a capture host has committed its first shard, then owes every pass
-    assert p.duration_s * slack >= first / i.capture.tokens_per_s + i.tokens * i.passes / training
+    # training cannot start before a capture host has committed its first mix, then owes every pass
+    assert p.duration_s * slack >= mix / i.capture.tokens_per_s + i.tokens * i.passes / training
     # the trainer owes at least the last shard's passes after capture ends
     assert p.duration_s * slack >= i.tokens / capture + first * i.passes / training
     assert p.duration_s * slack >= i.tokens / spool
@@ -99,7 +102,7 @@ def test_the_peak_disk_fits_the_budget_and_the_data_and_holds_the_working_set(i)
 @settings(max_examples=200, deadline=None)
 @given(plans())
 def test_a_spool_below_its_working_set_is_refused_at_exactly_the_spools_own_minimum(i):
-    minimum = i.capture.count * min_lane_bytes(i.passes, i.shard_bytes)
+    minimum = i.capture.count * min_lane_bytes(i.passes, i.shard_bytes, i.mix_shards)
     assert plan_streaming(dataclasses.replace(i, spool_budget_bytes=minimum)).min_budget_bytes == minimum
     with pytest.raises(SpoolTooSmall) as e:
         plan_streaming(dataclasses.replace(i, spool_budget_bytes=minimum - 1))
@@ -141,4 +144,5 @@ def test_the_worked_kimi_plan_the_streaming_doc_quotes(capsys):
     assert "6,000,000,000 tokens x 57,349 B = 344.1 TB offline" in out
     assert "bottleneck: capture at 60,000 tok/s" in out
     assert "duration: 27.8 h; GPUs: 32 (889 GPU-hours)" in out
-    assert "peak on disk 1.74 TB" in out
+    # a lane of 1 TB holds 250 shards, a rank's 16 GiB (passes + 1) x 2 of them: the default mix is 2 shards
+    assert "minimum 0.024 TB, stall-free 1.75 TB, peak on disk 1.75 TB; shuffled 2 shard(s) at a time" in out

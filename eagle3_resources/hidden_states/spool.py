@@ -11,7 +11,7 @@ every other rank is a `SpoolFollower`, which only reads the shard files rank 0 n
 Layout under `root` (a directory both sides see: local disk, NFS, a ReadWriteMany volume):
 
     spool.json                  settings, written once: byte budget, each lane's share of it, passes,
-                                window length, step tokens, seed, hidden size
+                                window length, step tokens, seed, hidden size, shards per mix
     lanes/<lane>/               one store per capture worker (manifest.json, shards, as store.py)
         plan.json               the lane's capture plan: every shard's name, key, tokens, file bytes,
                                 windows and samples of each dataset (PLAN_FORMAT)
@@ -33,14 +33,19 @@ file than the newest (NFS attribute caching) only sees less progress: the traine
 (it waits a little longer), a capture worker fewer deletions (it counts more bytes than are on disk, and
 waits). Every stale view errs on the safe side, so the budget is never exceeded and nothing is lost.
 
-The schedule. Shards are numbered in the order the trainer adopts them (order.log); the trainer's work
-is cut into slots: slot i trains pass p of shard i - p for every p < passes (the shards that exist),
-its windows shuffled by (seed, i) and packed into steps of at most `batch_tokens` tokens. So each shard
-is trained `passes` times, in `passes` consecutive slots, mixed with its neighbours' other passes, and is
-done (deletable) once slot `i + passes - 1` is; the trainer holds at most `passes` shards on disk (and in
-memory: a shard is read whole once, its checksum verified on those bytes, and served from memory for all
-its passes, so the spool carries each byte once in and once out). A slot is a function of the adopted
-order, so it is the same in every process and after every restart.
+The schedule. Shards are numbered in the order the trainer adopts them (order.log) and that order is cut into
+mixes of `mix_shards` consecutive shards (the last may be short); the trainer's work is cut into slots: slot i
+trains pass p of every shard of mix i - p for every p < passes (the mixes that exist), its windows shuffled
+together by (seed, i) and packed into steps of at most `batch_tokens` tokens. So each shard is trained `passes`
+times, in `passes` consecutive slots, shuffled with the other shards of its mix and its neighbours' other passes,
+and is done (deletable) once slot `m + passes - 1` is (m its mix); the trainer holds at most `passes` mixes on
+disk (and in memory: a shard is read whole once, its checksum verified on those bytes, and served from memory for
+all its passes, so the spool carries each byte once in and once out; with the slot before's, kept for a trainer
+that prefetches, `passes + 1` mixes). A slot is a function of the adopted order, so it is the same in every
+process and after every restart. Why mixes: capture plans shards that interleave the datasets
+(store.plan_mixed_shards), but a shard holds a few samples (~7 of Kimi-K2.5 at 4 GB); a mix of several is the
+shuffle window offline training has over the whole set, as wide as the budget and memory allow
+(`default_mix_shards`). `mix_shards` 1 is the schedule of spools of format 1.
 
 The position. `Position(slot, step)`: every step before it is trained. The trainer records the position
 after a step in its own checkpoint (written atomically with the weights) and only then calls
@@ -57,9 +62,12 @@ the shards the trainer's ledger says are deleted: deletions are recorded only af
 shards reserved by its writers (their padded size: an O_DIRECT write lays down the padded tail before
 truncating it). A writer reserves before writing a shard and waits while reservation would exceed the
 lane's share. So the bytes of shard files under `root` (including `.tmp` files of writes in flight) never
-exceed the budget. A lane's share must hold `passes + 1` of its largest shards (`min_lane_bytes`): the
-`passes` shards the trainer may be holding from it and the one being written. Below that, capture and
-training could wait for each other forever; `SpoolTooSmall` refuses it before anything starts.
+exceed the budget. A lane's share must hold `passes x mix_shards + 1` of its largest shards (`min_lane_bytes`):
+the `passes` mixes the trainer may be holding from it and the one being written. Below that, capture and
+training could wait for each other forever; `SpoolTooSmall` refuses it before anything starts. (At the minimum,
+when the trainer waits for mix i + 1 its checkpoint deletes mix i - passes + 1, which leaves room for all of
+mix i + 1: capture and training take turns inside a mix. `default_mix_shards` leaves room for a whole mix more,
+so capture writes the next mix while the trainer trains this one.)
 
 Several ranks. Under torchrun the trainer's data parallel ranks share one schedule: rank 0's `SpoolReader` decides
 every step (`try_next_step`, which never waits) and hands it to the others with the references of its shards
@@ -119,13 +127,27 @@ LEDGER = "consumer.json"
 ORDER = "order.log"
 LANES = "lanes"
 PLAN = "plan.json"
-SPOOL_FORMAT = "eagle3-spool/1"
+SPOOL_FORMAT = "eagle3-spool/2"  # 2: the shuffle span (`mix_shards`); a spool.json without it mixes 1 shard
 PLAN_FORMAT = "eagle3-spool-plan/2"  # 2: shards that interleave the datasets (store.plan_mixed_shards), named mixed-N
+# The default mix's ceiling on the shards one training rank holds in memory: (passes + 1) mixes of them, each shard
+# read whole (see "The schedule"). Every rank of a node holds its own, so 8 ranks hold 8 times this.
+MIX_MEMORY_BYTES = 16 * 2**30
 
 
-def min_lane_bytes(passes: int, shard_file_bytes: int) -> int:
-    """The least share a lane can run with: the `passes` shards the trainer may hold from it, plus one being written."""
-    return (passes + 1) * padded_size(shard_file_bytes)
+def min_lane_bytes(passes: int, shard_file_bytes: int, mix_shards: int = 1) -> int:
+    """The least share a lane can run with: the `passes` mixes of `mix_shards` shards the trainer may hold from it,
+    plus one shard being written."""
+    return (passes * mix_shards + 1) * padded_size(shard_file_bytes)
+
+
+def default_mix_shards(
+    share_bytes: int, shard_file_bytes: int, passes: int, memory_bytes: int = MIX_MEMORY_BYTES
+) -> int:
+    """The most shards a mix can span (at least 1) within a lane's share and a rank's memory: `passes + 1` mixes fit
+    the share (the trainer holds `passes` of them while capture writes the next one whole, so neither waits for the
+    other inside a mix) and the `passes + 1` mixes a rank holds in memory fit `memory_bytes`."""
+    per_mix = (passes + 1) * padded_size(shard_file_bytes)
+    return max(1, min(share_bytes, memory_bytes) // per_mix)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -146,6 +168,7 @@ class SpoolSettings:
     batch_tokens: int  # tokens per step at most (a longer window is a step of its own)
     seed: int
     hidden_size: int
+    mix_shards: int = 1  # consecutive adopted shards whose windows are shuffled together (`default_mix_shards`)
 
     @property
     def budget_bytes(self) -> int:
@@ -163,12 +186,19 @@ class SpoolSettings:
             batch_tokens=int(d["batch_tokens"]),
             seed=int(d["seed"]),
             hidden_size=int(d["hidden_size"]),
+            mix_shards=int(d.get("mix_shards", 1)),  # a spool of format 1 mixed one shard's passes
         )
 
 
 def create_spool(root: Path, settings: SpoolSettings) -> SpoolSettings:
     """Write spool.json once; a spool that exists must have these settings (else `SpoolStateError`)."""
-    if settings.passes < 1 or settings.max_len < 4 or settings.batch_tokens < 1 or not settings.lanes:
+    if (
+        settings.passes < 1
+        or settings.max_len < 4
+        or settings.batch_tokens < 1
+        or settings.mix_shards < 1
+        or not settings.lanes
+    ):
         raise ValueError(f"spool settings out of range: {settings}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -228,9 +258,10 @@ def read_ledger(root: Path) -> dict[str, Any]:
     return _read_json(Path(root) / LEDGER) or {"position": Position().to_json(), "deleted": 0}
 
 
-def trained_out(position: Position, passes: int) -> int:
-    """How many adopted shards (a prefix of the order) have had all their passes at `position`."""
-    return max(0, position.slot - passes + 1)
+def trained_out(position: Position, passes: int, mix_shards: int = 1) -> int:
+    """How many adopted shards (a prefix of the order) have had all their passes at `position`: those of the mixes
+    whose last slot is before it (the last mix may hold fewer shards: callers cap this at the shards adopted)."""
+    return mix_shards * max(0, position.slot - passes + 1)
 
 
 @dataclass
@@ -249,8 +280,8 @@ class _ConsumerWatch:
     parsing it whole on every reservation poll would hold the GIL the capture's GPU thread needs. Several writer
     threads share one watch (a lock); the returned view is the watch's own, for reading."""
 
-    def __init__(self, root: Path, lane: str, passes: int):
-        self.root, self.lane, self.passes = Path(root), lane, passes
+    def __init__(self, root: Path, lane: str, passes: int, mix_shards: int):
+        self.root, self.lane, self.passes, self.mix = Path(root), lane, passes, mix_shards
         self.offset = 0
         self.order: list[tuple[str, str, str]] = []
         self.current = _ConsumerView()
@@ -275,7 +306,8 @@ class _ConsumerWatch:
             ledger = read_ledger(self.root)  # the ledger first: order.log only grows, so it holds what it counts
             self._read_new_lines()
             deleted = min(len(self.order), int(ledger["deleted"]))
-            done = min(len(self.order), trained_out(Position.from_json(ledger["position"]), self.passes))
+            position = Position.from_json(ledger["position"])
+            done = min(len(self.order), trained_out(position, self.passes, self.mix))
             for ln, name, key in self.order[self.trained_upto : max(done, deleted)]:
                 if ln == self.lane:
                     self.current.trained[name] = key
@@ -330,11 +362,13 @@ class SpoolWriter:
         }
         self.plans = list(plans)
         largest = max((lay.size for lay in self.layouts.values()), default=0)
-        need = min_lane_bytes(self.settings.passes, largest)
+        mix = self.settings.mix_shards
+        need = min_lane_bytes(self.settings.passes, largest, mix)
         if need > self.share:
             raise SpoolTooSmall(
                 f"lane {lane!r}: its share of the spool is {self.share:,} bytes; it needs {need:,} "
-                f"({self.settings.passes} passes + 1 of its largest shard, {largest:,} bytes)"
+                f"({self.settings.passes} passes x a mix of {mix} shard(s) + 1 of its largest shard, "
+                f"{largest:,} bytes)"
             )
         self.dir.mkdir(parents=True, exist_ok=True)
         self.lease = lease or take_lease(self.dir / WRITER_LEASE, f"the capture of lane {lane}")
@@ -345,7 +379,7 @@ class SpoolWriter:
         present = {p.name for p in self.plans if (self.dir / p.name).exists()}
         # The trainer's records are read after the files are looked at: it records a shard as trained before it
         # deletes the file, so a file found missing above is one these records already account for.
-        self.consumer = _ConsumerWatch(self.root, lane, self.settings.passes)
+        self.consumer = _ConsumerWatch(self.root, lane, self.settings.passes, mix)
         view = self.consumer.view()
         keys = {p.name: p.key for p in self.plans}
         # Kept listed: intact shards, and shards fully trained but not yet deleted (still on disk, still counted).
@@ -640,9 +674,9 @@ class SpoolReader:
 
     def _write_ledger(self) -> None:
         self.lease.check()  # a replaced trainer's position must never reach consumer.json
-        p = self.settings.passes
-        done = min(len(self.order), trained_out(self.committed, p))
-        in_progress = range(done, min(len(self.order), self.committed.slot + 1))
+        p, w = self.settings.passes, self.settings.mix_shards
+        done = min(len(self.order), trained_out(self.committed, p, w))
+        in_progress = range(done, min(len(self.order), (self.committed.slot + 1) * w))
         write_json_atomic(
             self.root / LEDGER,
             {
@@ -651,15 +685,19 @@ class SpoolReader:
                 "trained_out": done,
                 "adopted": len(self.order),
                 "passes": p,
+                "mix_shards": w,
                 # passes finished of the shards still being trained (each earlier one has all `passes`)
-                "passes_done": {f"{self.order[k][0]}/{self.order[k][1]}": self.committed.slot - k for k in in_progress},
+                "passes_done": {
+                    f"{self.order[k][0]}/{self.order[k][1]}": self.committed.slot - k // w for k in in_progress
+                },
             },
         )
 
     def _commit_pending_deletions(self) -> None:
         """Delete the shards the durable position has finished, then record the deletion (in that order: a
         capture worker counts a shard's bytes until the ledger says its file is gone)."""
-        done = min(len(self.order), trained_out(self.committed, self.settings.passes))
+        s = self.settings
+        done = min(len(self.order), trained_out(self.committed, s.passes, s.mix_shards))
         if done <= self.deleted:
             return
         self.lease.check()
@@ -739,10 +777,22 @@ class SpoolReader:
 
     # -- steps
 
-    def _slot_parts(self, slot: int) -> list[tuple[int, int]]:
-        """(shard index, pass) of slot `slot`."""
+    @property
+    def mixes(self) -> int:
+        """Mixes in every lane's plan: the adopted order cut into runs of `mix_shards` shards (the last may be
+        short)."""
         assert self.total is not None
-        return [(slot - p, p) for p in range(self.settings.passes) if 0 <= slot - p < self.total]
+        return -(-self.total // self.settings.mix_shards)
+
+    def _mix(self, mix: int) -> range:
+        """The adoption indices of mix `mix`'s shards."""
+        assert self.total is not None
+        m = self.settings.mix_shards
+        return range(mix * m, min((mix + 1) * m, self.total))
+
+    def _slot_parts(self, slot: int) -> list[tuple[int, int]]:
+        """(shard index, pass) of slot `slot`: pass p of every shard of mix `slot - p`."""
+        return [(k, p) for p in range(self.settings.passes) if 0 <= slot - p < self.mixes for k in self._mix(slot - p)]
 
     def _steps_of(self, slot: int) -> list[list[SpoolWindow]]:
         s = self.settings
@@ -783,7 +833,7 @@ class SpoolReader:
 
     @property
     def finished(self) -> bool:
-        return self.total is not None and self.cursor.slot >= self.total + self.settings.passes - 1
+        return self.total is not None and self.cursor.slot >= self.mixes + self.settings.passes - 1
 
     def at_end(self) -> bool:
         """`finished`, the lanes' plans read first: a reader opened at a trainer's last position (a run resumed with
@@ -795,7 +845,7 @@ class SpoolReader:
         assert self.total is not None
         while not self.finished:
             slot = self.cursor.slot
-            while len(self.order) <= min(slot, self.total - 1):
+            while len(self.order) < min((slot + 1) * self.settings.mix_shards, self.total):
                 if not self._adopt_one():
                     return None
             if self._slot is None or self._slot[0] != slot:
@@ -858,8 +908,8 @@ class SpoolFollower:
     def take(self, at: Position, refs: Sequence[ShardRef]) -> None:
         """Read the shards `refs` (those this rank's share of the step at `at` needs) unless already in memory, and
         drop those whose passes all ended before the previous slot (as `SpoolReader` keeps the last two slots')."""
-        slot = at.slot
-        for k in [k for k in self._loaded if k < slot - self.settings.passes]:
+        slot, m = at.slot, self.settings.mix_shards
+        for k in [k for k in self._loaded if k // m < slot - self.settings.passes]:
             for sid in self._loaded.pop(k).samples:
                 self._by_sample.pop(sid, None)
         for ref in refs:

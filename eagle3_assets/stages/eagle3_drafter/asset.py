@@ -152,13 +152,21 @@ class DrafterTrainConfig(dg.Config):
         "process of its own) into a spool of at most this many GB (1e9 bytes) and trains on them as they come: a "
         "shard is deleted once trained `streaming_passes` times, capture pauses while the spool is full. The plan "
         "(duration, peak disk, bottleneck) is logged and recorded first; a spool that cannot hold `streaming_passes` "
-        "+ 1 shards is refused before anything starts. The step only orchestrates: the capture side and the "
+        "x `streaming_mix_shards` + 1 shards is refused before anything starts. Each shard holds every dataset in its "
+        "share of the merged set. The step only orchestrates: the capture side and the "
         "training side (`processes` ranks under torchrun) run where `streaming_sides` says. Not with `online`",
     )
     streaming_passes: int = Field(
         default=1, description="streaming mode: times each token is trained (they replace `epochs`)"
     )
     streaming_shard_gb: float = Field(default=1.0, description="streaming mode: the spool's shard size in GB")
+    streaming_mix_shards: int | None = Field(
+        default=None,
+        ge=1,
+        description="streaming mode: consecutive shards whose samples the trainer shuffles together (offline "
+        "shuffles the whole set; a shard holds a few samples); unset = as many as `streaming_passes` + 1 of them fit "
+        "the spool and 16 GiB of a training rank's memory (each rank holds `streaming_passes` + 1 mixes, read whole)",
+    )
     streaming_capture_tok_s: float | None = Field(
         default=None,
         description="streaming plan: tokens/s of capture; unset = the last `hidden_states` materialization's "
@@ -805,6 +813,7 @@ def streaming_request(
         spool_bytes_per_s=config.streaming_spool_gb_s * 1e9,
         rates_source=source,
         capture_gpus=backend.sglang_tp_size if sglang else 1,
+        mix_shards=config.streaming_mix_shards,
     )
 
 

@@ -105,10 +105,10 @@ def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | 
     return plans
 
 
-def estimate_steps(plans: dict[str, dict[str, Any]], passes: int, batch_tokens: int) -> int:
+def estimate_steps(plans: dict[str, dict[str, Any]], passes: int, batch_tokens: int, mix_shards: int = 1) -> int:
     """The run's optimizer steps, estimated from the capture plans: the shards in the order the reader adopts them
-    when every lane keeps up (one from each lane in turn, each lane's in its plan's order), slot i holding pass p of
-    shard i - p, each slot's steps as `slot_steps` packs its windows."""
+    when every lane keeps up (one from each lane in turn, each lane's in its plan's order), cut into mixes of
+    `mix_shards`, slot i holding pass p of mix i - p, each slot's steps as `slot_steps` packs its windows."""
     queues = [
         [(int(shard["tokens"]), int(shard.get("windows", 0))) for shard in plans[lane]["shards"]]
         for lane in sorted(plans)
@@ -116,10 +116,12 @@ def estimate_steps(plans: dict[str, dict[str, Any]], passes: int, batch_tokens: 
     order: list[tuple[int, int]] = []
     for k in range(max((len(q) for q in queues), default=0)):
         order.extend(q[k] for q in queues if k < len(q))
-    n = len(order)
+    mixes = [order[a : a + mix_shards] for a in range(0, len(order), mix_shards)]
+    sizes = [(sum(t for t, _ in m), sum(w for _, w in m)) for m in mixes]
+    n = len(sizes)
     steps = 0
     for i in range(n + passes - 1):
-        parts = [order[i - p] for p in range(passes) if 0 <= i - p < n]
+        parts = [sizes[i - p] for p in range(passes) if 0 <= i - p < n]
         steps += slot_steps(sum(t for t, _ in parts), sum(w for _, w in parts), batch_tokens)
     return steps
 
@@ -184,7 +186,7 @@ class SpoolWindows:
         self.planned_tokens = sum(int(shard["tokens"]) for shard in shards)
         if not self.planned_tokens:
             raise ValueError(f"the spool {self.root}: its capture plans hold no token")
-        self.estimated_steps = estimate_steps(plans, s.passes, s.batch_tokens)
+        self.estimated_steps = estimate_steps(plans, s.passes, s.batch_tokens, s.mix_shards)
         windows = sum(int(shard.get("windows", 0)) for shard in shards)
         # a plan of format 1 counts no windows: a shard's samples are at most max_len-token windows each
         self.mean_window = float(

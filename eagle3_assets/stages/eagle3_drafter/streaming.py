@@ -60,7 +60,7 @@ from eagle3_assets.stages.eagle3_drafter.train import TrainSettings
 from eagle3_assets.stages.eagle3_drafter.train_cli import report_from_json
 from eagle3_resources.errors import CaptureFailed, StreamingTrainingFailed
 from eagle3_resources.hidden_states.shared_fs import ReportingThread, read_json
-from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool, spool_status
+from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool, default_mix_shards, spool_status
 from eagle3_resources.hidden_states.store import StoredSample, plan_mixed_shards, shard_layout, token_bytes
 
 LANE = "capture"
@@ -80,6 +80,7 @@ class StreamingRequest:
     rates_source: dict[str, str]  # where each planned rate came from
     capture_gpus: int = 1
     writers: int = 2
+    mix_shards: int | None = None  # shards the trainer shuffles together; None: `spool.default_mix_shards`
 
 
 @dataclass
@@ -200,9 +201,12 @@ def plan_for(
 ) -> tuple[StreamingInputs, StreamingPlan]:
     """The plan of streaming `train` (refused with `SpoolTooSmall` when the spool cannot hold its working set) on
     `training_nodes` = (nodes, ranks per node), each node training at `request.train_tok_s`; the largest shard is
-    measured on the capture's own shard plan (its datasets interleaved, seeded by the training seed as the spool's)."""
+    measured on the capture's own shard plan (its datasets interleaved, seeded by the training seed as the spool's),
+    and the mix is the request's or the largest the budget allows (`default_mix_shards`)."""
     plans = plan_mixed_shards(train, hidden, request.shard_bytes, identity, settings.seed)
     sizes = [shard_layout(p, [train[i] for i in p.samples], hidden).size for p in plans]
+    largest = max(sizes, default=1)
+    mix = request.mix_shards or default_mix_shards(request.spool_bytes, largest, request.passes)
     inputs = StreamingInputs(
         tokens=sum(len(s.input_ids) for s in train),
         bytes_per_token=token_bytes(hidden),
@@ -211,8 +215,9 @@ def plan_for(
         spool_bytes_per_s=request.spool_bytes_per_s,
         spool_budget_bytes=request.spool_bytes,
         passes=request.passes,
-        shard_bytes=max(sizes, default=1),
+        shard_bytes=largest,
         checkpoint_every_tokens=settings.checkpoint_every * settings.batch_tokens,
+        mix_shards=mix,
     )
     return inputs, plan_streaming(inputs)
 
@@ -368,7 +373,15 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     r = job.request
     create_spool(
         files.spool,
-        SpoolSettings({LANE: r.spool_bytes}, r.passes, settings.max_len, settings.batch_tokens, settings.seed, hidden),
+        SpoolSettings(
+            {LANE: r.spool_bytes},
+            r.passes,
+            settings.max_len,
+            settings.batch_tokens,
+            settings.seed,
+            hidden,
+            mix_shards=inputs.mix_shards,
+        ),
     )
     run_id = uuid.uuid4().hex[:12]
     # first (a side of an earlier run sees another run's heartbeat and leaves), beating several times per orphan_after_s

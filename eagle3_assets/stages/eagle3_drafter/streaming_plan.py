@@ -10,12 +10,14 @@ The model (stated so it can be checked):
   byte once in (the capture's write) and once out (the trainer reads a shard once and serves all its passes from
   memory), so it passes `S = spool bytes/s / (2 x bytes per token)` tokens a second. The run's steady rate is
   `r = min(C, T / passes, S)` and the side that sets it is the bottleneck (ties go to capture, then training).
-- Duration = `tokens / r` + the fill (training starts once a capture host has committed its first shard:
-  `shard tokens / per-host capture rate`) + the drain (after the last shard is committed the trainer still owes
-  the remaining passes of the shards it holds: `shard tokens x passes (passes + 1) / 2` token-passes at `T`).
-  So it is never below any side's own total work (`tokens / C`, `tokens x passes / T`, `tokens / S`).
-- The spool's minimum (refused below): every capture host's lane holds `passes + 1` of its largest shards (the
-  `passes` the trainer may be holding from it and the one being written): `spool.min_lane_bytes` per host.
+- Duration = `tokens / r` + the fill (training starts once a capture host has committed its first mix of
+  `mix_shards` shards: `mix tokens / per-host capture rate`) + the drain (after the last shard is committed the
+  trainer still owes the remaining passes of the mixes it holds: `mix tokens x passes (passes + 1) / 2`
+  token-passes at `T`). So it is never below any side's own total work (`tokens / C`, `tokens x passes / T`,
+  `tokens / S`).
+- The spool's minimum (refused below): every capture host's lane holds `passes x mix_shards + 1` of its largest
+  shards (the `passes` mixes the trainer may be holding from it and the one being written):
+  `spool.min_lane_bytes` per host.
   Between two checkpoints the trainer also keeps the shards it has finished (they are deleted once the
   checkpoint that covers them is durable): `checkpoint tokens / passes` of data. The stall-free budget adds
   those, so capture never waits for a checkpoint.
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from eagle3_resources.errors import SpoolTooSmall
-from eagle3_resources.hidden_states.spool import min_lane_bytes
+from eagle3_resources.hidden_states.spool import default_mix_shards, min_lane_bytes
 from eagle3_resources.hidden_states.store import padded_size
 
 Side = Literal["capture", "training", "spool"]
@@ -56,6 +58,7 @@ class StreamingInputs:
     passes: int = 1
     shard_bytes: int = 10**9  # the largest shard file (shard_gb, or the longest sample's bytes when larger)
     checkpoint_every_tokens: int = 0  # token-passes trained between two checkpoints of the trainer
+    mix_shards: int = 1  # the trainer's shuffle span in shards (spool.default_mix_shards)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class StreamingPlan:
             f"({self.gpu_hours:,.0f} GPU-hours)",
             f"spool: budget {i.spool_budget_bytes / 1e12:,.2f} TB, minimum {self.min_budget_bytes / 1e12:,.3f} TB, "
             f"stall-free {self.stall_free_budget_bytes / 1e12:,.2f} TB, "
-            f"peak on disk {self.peak_disk_bytes / 1e12:,.2f} TB",
+            f"peak on disk {self.peak_disk_bytes / 1e12:,.2f} TB; shuffled {i.mix_shards} shard(s) at a time",
             *(f"warning: {w}" for w in self.warnings),
         ]
         return "\n".join(lines)
@@ -110,6 +113,7 @@ def plan_streaming(i: StreamingInputs) -> StreamingPlan:
         ("training hosts", i.training.count),
         ("passes", i.passes),
         ("shard_bytes", i.shard_bytes),
+        ("mix_shards", i.mix_shards),
     ]:
         if value < 1:
             raise ValueError(f"{name} must be at least 1, not {value}")
@@ -124,14 +128,16 @@ def plan_streaming(i: StreamingInputs) -> StreamingPlan:
         raise ValueError(f"checkpoint_every_tokens must not be negative, not {i.checkpoint_every_tokens}")
 
     shard_file = padded_size(i.shard_bytes)
-    min_budget = i.capture.count * min_lane_bytes(i.passes, i.shard_bytes)
+    min_budget = i.capture.count * min_lane_bytes(i.passes, i.shard_bytes, i.mix_shards)
     if i.spool_budget_bytes < min_budget:
         raise SpoolTooSmall(
             f"the spool's budget is {i.spool_budget_bytes:,} bytes; {i.capture.count} capture host(s) x "
-            f"({i.passes} passes + 1) x {shard_file:,} bytes per shard = {min_budget:,} is the least it can run "
-            f"with (each lane holds the shards the trainer is training and the one being written)"
+            f"({i.passes} passes x {i.mix_shards} shard(s) a mix + 1) x {shard_file:,} bytes per shard = "
+            f"{min_budget:,} is the least it can run with (each lane holds the shards the trainer is training and "
+            f"the one being written)"
         )
     shard_tokens = max(1, i.shard_bytes // i.bytes_per_token)
+    mix_tokens = min(i.tokens, shard_tokens * i.mix_shards)
     held = math.ceil(i.checkpoint_every_tokens / i.passes / shard_tokens) if i.checkpoint_every_tokens else 0
     stall_free = min_budget + held * shard_file
 
@@ -142,8 +148,8 @@ def plan_streaming(i: StreamingInputs) -> StreamingPlan:
     }
     bottleneck: Side = min(rates, key=lambda side: rates[side])  # dict order breaks ties: capture, training, spool
     r = rates[bottleneck]
-    fill = min(i.tokens, shard_tokens) / i.capture.tokens_per_s
-    drain = min(i.tokens, shard_tokens) * i.passes * (i.passes + 1) / 2 / (i.training.count * i.training.tokens_per_s)
+    fill = mix_tokens / i.capture.tokens_per_s
+    drain = mix_tokens * i.passes * (i.passes + 1) / 2 / (i.training.count * i.training.tokens_per_s)
     duration = i.tokens / r + fill + drain
 
     data_bytes = i.tokens * i.bytes_per_token
@@ -189,17 +195,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--passes", type=int, default=1)
     p.add_argument("--shard-gb", type=float, default=1.0)
     p.add_argument("--checkpoint-tokens", type=float, default=0)
+    p.add_argument(
+        "--mix-shards", type=int, default=None, help="shards the trainer shuffles together (default: the budget's)"
+    )
     a = p.parse_args(argv)
+    shard_bytes, budget = int(a.shard_gb * 1e9), int(a.spool_tb * 1e12)
     inputs = StreamingInputs(
         tokens=int(a.tokens),
         bytes_per_token=a.bytes_per_token,
         capture=Hosts(a.capture_hosts, a.capture_tok_s, a.gpus_per_host),
         training=Hosts(a.training_hosts, a.training_tok_s, a.gpus_per_host),
         spool_bytes_per_s=a.spool_gb_s * 1e9,
-        spool_budget_bytes=int(a.spool_tb * 1e12),
+        spool_budget_bytes=budget,
         passes=a.passes,
-        shard_bytes=int(a.shard_gb * 1e9),
+        shard_bytes=shard_bytes,
         checkpoint_every_tokens=int(a.checkpoint_tokens),
+        mix_shards=a.mix_shards or default_mix_shards(budget // a.capture_hosts, shard_bytes, a.passes),
     )
     print(plan_streaming(inputs).describe(inputs))
 
