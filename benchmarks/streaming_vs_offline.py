@@ -7,7 +7,8 @@ The data: regenerated samples, as the published drafters train on. Prompts are t
 the registry's datasets, read as the raw-prompts stage reads them, each conversation rendered in Kimi's template, its
 last `--prompt-tokens` tokens), taken round-robin over the datasets; each completion is the stand-in target's own
 greedy continuation (up to `--new-tokens`, ending at its EOS). The first `--train-samples` are the training split, the
-next `--eval-prompts` the held-out one. Samples are grouped by dataset (the store's shard groups), as in a merged set.
+next `--eval-prompts` the held-out one. Samples are grouped by dataset (the store's shard groups), as in a merged set;
+the spool's capture interleaves them (datasets that differ, and the order before: benchmarks/mixed_datasets.py).
 
 For each seed s (the drafter's initial weights `torch.manual_seed(s)`, as pipeline.py builds it, and the data order):
 - offline: the training split extracted into a store (`extract_to_store`), then `train` for `--epochs` E epochs;
@@ -97,12 +98,17 @@ from eagle3_assets.stages.eagle3_drafter.vocab import (  # noqa: E402
 )
 from eagle3_assets.stages.raw_prompts.prompts import Prompt, read_prompts  # noqa: E402
 from eagle3_resources.hidden_states.extract import StoreSettings, capture_to_spool, extract_to_store  # noqa: E402
-from eagle3_resources.hidden_states.spool import SpoolSettings, create_spool, min_lane_bytes  # noqa: E402
+from eagle3_resources.hidden_states.spool import (  # noqa: E402
+    SpoolSettings,
+    create_spool,
+    default_mix_shards,
+    min_lane_bytes,
+)
 from eagle3_resources.hidden_states.store import (  # noqa: E402
     HiddenStateStore,
     StoredSample,
     padded_size,
-    plan_shards,
+    plan_mixed_shards,
     shard_layout,
 )
 from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates  # noqa: E402
@@ -346,12 +352,15 @@ def train_offline(standin: Standin, store: HiddenStateStore, data: Data, c: Comp
     return run
 
 
-def spool_budget(data: Data, hidden: int, c: Comparison) -> tuple[int, int]:
-    """(the spool's budget, the data's shard bytes): `budget_fraction` of the data, at least the lane's working set."""
-    plans = plan_shards(data.train, hidden, c.shard_bytes, IDENTITY)
+def spool_budget(data: Data, hidden: int, c: Comparison, seed: int) -> tuple[int, int, int]:
+    """(the spool's budget, the data's shard bytes, the mix): `budget_fraction` of the data, at least the lane's
+    working set, its shards as the capture plans them (the datasets interleaved by the spool's seed); the mix as the
+    asset derives it."""
+    plans = plan_mixed_shards(data.train, hidden, c.shard_bytes, IDENTITY, seed)
     sizes = [shard_layout(p, [data.train[i] for i in p.samples], hidden).size for p in plans]
     total = sum(padded_size(n) for n in sizes)
-    return max(int(total * c.budget_fraction), min_lane_bytes(c.epochs, max(sizes))), total
+    budget = max(int(total * c.budget_fraction), min_lane_bytes(c.epochs, max(sizes)))
+    return budget, total, default_mix_shards(budget, max(sizes), c.epochs)
 
 
 class PassCounter:
@@ -389,11 +398,11 @@ def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Co
     The spool and checkpoint are fresh per run (a finished spool's shards are deleted; a checkpoint would resume)."""
     built = build_drafter(standin, data, c, seed)
     hidden = int(store.manifest["hidden_size"])
-    budget, total = spool_budget(data, hidden, c)
+    budget, total, mix = spool_budget(data, hidden, c, seed)
     root, checkpoints = work / f"spool-{seed}", work / f"checkpoint-{seed}"
     for old in (root, checkpoints):  # a run starts afresh: a finished spool, or its checkpoint, would be resumed
         shutil.rmtree(old, ignore_errors=True)
-    spool = SpoolSettings({LANE: budget}, c.epochs, c.max_len, c.batch_tokens, seed, hidden)
+    spool = SpoolSettings({LANE: budget}, c.epochs, c.max_len, c.batch_tokens, seed, hidden, mix)
     create_spool(root, spool)
     counter = PassCounter(data)
     options = RunOptions(torch.device("cpu"), lambda m: None, checkpoints)

@@ -769,12 +769,13 @@ class SpoolCapture(Extraction):
         stop: Callable[[], bool] | None = None,
         poll_s: float = 0.2,
         lease: Lease | None = None,
-        planner: ShardPlanner = plan_mixed_shards,
+        planner: ShardPlanner | None = None,
     ):
         if options.null_sink:
             raise ValueError("null_sink is for benchmarks of the store's capture; a spool lane always writes")
         super().__init__(samples, backend, root, settings, options)
-        self.lane, self.poll_s, self.lease, self.planner = lane, poll_s, lease, planner
+        self.lane, self.poll_s, self.lease = lane, poll_s, lease
+        self.planner: ShardPlanner = planner or plan_mixed_shards
         self.stop: Callable[[], bool] = stop or (lambda: False)
         self.pauses, self.waited_s, self.stopped = 0, 0.0, False
         self._waiting_since: float | None = None
@@ -890,7 +891,7 @@ def capture_to_spool(
     stop: Callable[[], bool] | None = None,
     poll_s: float = 0.2,
     lease: Lease | None = None,
-    planner: ShardPlanner = plan_mixed_shards,
+    planner: ShardPlanner | None = None,
     **fields: Any,
 ) -> SpoolCaptureReport:
     """Capture the lane's `samples` through `backend` into lane `lane` of the spool at `spool_root` (`create_spool`
@@ -901,8 +902,8 @@ def capture_to_spool(
     not used). `options`, or its fields by name, as `extract_to_store`'s; `on_progress` gets the lane's figures too
     (lane_bytes, lane_share_bytes, waiting, pauses, waited_s, bytes_per_s, busy_bytes_per_s). `poll_s`: how often a
     full lane looks for room. `lease`: the lane's lease the capture side took with its lock (`SpoolWriter`'s).
-    `planner`: how the samples become shards (`plan_mixed_shards`, every dataset in every shard; a benchmark passes
-    another to show the order it replaced).
+    `planner`: how the samples become shards (None: `plan_mixed_shards`, every dataset in every shard; a benchmark
+    passes another to show the order it replaced).
     """
     options = ExtractionOptions(**fields) if options is None else replace(options, **fields)
     capture = SpoolCapture(
