@@ -674,9 +674,9 @@ class SpoolReader:
 
     def _write_ledger(self) -> None:
         self.lease.check()  # a replaced trainer's position must never reach consumer.json
-        p, w = self.settings.passes, self.settings.mix_shards
-        done = min(len(self.order), trained_out(self.committed, p, w))
-        in_progress = range(done, min(len(self.order), (self.committed.slot + 1) * w))
+        p, m = self.settings.passes, self.settings.mix_shards
+        done = min(len(self.order), trained_out(self.committed, p, m))
+        in_progress = range(done, min(len(self.order), (self.committed.slot + 1) * m))
         write_json_atomic(
             self.root / LEDGER,
             {
@@ -685,10 +685,10 @@ class SpoolReader:
                 "trained_out": done,
                 "adopted": len(self.order),
                 "passes": p,
-                "mix_shards": w,
+                "mix_shards": m,
                 # passes finished of the shards still being trained (each earlier one has all `passes`)
                 "passes_done": {
-                    f"{self.order[k][0]}/{self.order[k][1]}": self.committed.slot - k // w for k in in_progress
+                    f"{self.order[k][0]}/{self.order[k][1]}": self.committed.slot - k // m for k in in_progress
                 },
             },
         )
