@@ -185,3 +185,15 @@ def no_dead_dagster_state_storage():
     clear_if_dead()
     yield
     clear_if_dead()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as the CPU benchmarks run by default (their documented figures are on one thread); set
+    back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -199,3 +201,14 @@ def drafter_report(trained: dict[str, Any], untrained: dict[str, Any]) -> Drafte
         trained=trained,
         history=TrainHistory(),
     )
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` as a module (the scripts are not a package), registered under `name`: its dataclasses
+    look their module up by name."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -6,33 +6,20 @@ With `.venv-speculators` made (the benchmark's docstring), a slow test runs the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import polars as pl
 import pytest
 import torch
-from support import extract_merged
+from support import extract_merged, load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "drafter_kinds.py"
 TEXT_LINES = REPO / "tests" / "data" / "text_lines.txt"
 # the kinds' draft KV cache per token, bf16: GQA 8 KV heads x head dim 8 (stand-in) or 128 (Kimi), keys and values;
 # MLA its latent and rope key (16 + 8 on the stand-in, 512 + 64 for Kimi)
 KV_BYTES = {"eagle3_llama": (2 * 8 * 8 * 2, 4096), "eagle3_1_mla": ((16 + 8) * 2, 1152)}
 ARCHITECTURES = {"eagle3_llama": "LlamaForCausalLMEagle3", "eagle3_1_mla": "Eagle3DeepseekV2ForCausalLM"}
-
-
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("drafter_kinds", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def merged_set(tok, n: int = 16) -> pl.DataFrame:
@@ -75,7 +62,7 @@ def test_each_kind_trains_as_itself_on_the_same_windows_and_decodes_losslessly(
     kinds = list(KV_BYTES)
     absent = tmp_path / "no-venv" / "python"
     out = tmp_path / "kinds.json"
-    bench = load_benchmark()
+    bench = load_benchmark("drafter_kinds")
     figures = bench.main(
         ["--data", str(store), "--kinds", ",".join(kinds), "--quick", "--peer-python", str(absent)]
         + ["--work", str(tmp_path / "work"), "--json", str(out)]
@@ -110,7 +97,7 @@ def test_each_kind_trains_as_itself_on_the_same_windows_and_decodes_losslessly(
 def test_the_speculators_peer_trains_maps_onto_eagle3_llama_and_decodes(
     store: Path, tmp_path: Path, one_thread
 ) -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("drafter_kinds")
     figures = bench.main(["--data", str(store), "--kinds", "eagle3_llama", "--quick", "--work", str(tmp_path / "w")])
     peer = next(r for r in figures["runs"] if r["drafter"] == bench.PEER)
     ours = next(r for r in figures["runs"] if r["drafter"] == "eagle3_llama")

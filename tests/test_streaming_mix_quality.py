@@ -12,35 +12,10 @@ Reverting the capture's planner to dataset by dataset (`SpoolCapture`'s default 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "mixed_datasets.py"
-
-
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mixed_datasets", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """torch on one thread, as the benchmark runs by default (its figures are on one thread); set back afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from support import load_benchmark
 
 
 @pytest.mark.slow
@@ -48,7 +23,7 @@ def one_thread() -> Iterator[None]:
 def test_the_streaming_drafter_is_within_noise_of_offline_on_each_dataset_and_the_old_order_is_not(
     tok, target_model, target_resource, tokenizer_resource, tmp_path: Path, one_thread: None
 ) -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("mixed_datasets")
     standin = bench.svo.Standin(tok, target_model, target_resource.folder(tokenizer_resource, log=lambda m: None))
     s = bench.Settings(seeds=(1, 2, 3))
     figures = bench.compare(standin, s, tmp_path, log=print)

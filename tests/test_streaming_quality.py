@@ -14,37 +14,12 @@ default): the same optimizer steps, so what differs is the order the spool train
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
+from support import load_benchmark
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "streaming_vs_offline.py"
 EPOCHS = 3
-
-
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("streaming_vs_offline", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """torch on one thread, as the benchmark runs by default (its figures for seeds 1-3 are this test's); set back
-    afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow
@@ -52,7 +27,7 @@ def one_thread() -> Iterator[None]:
 def test_the_streaming_drafter_decodes_within_noise_of_the_offline_one(
     tok, target_model, target_resource, tokenizer_resource, tmp_path: Path, one_thread: None
 ) -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("streaming_vs_offline")
     standin = bench.Standin(tok, target_model, target_resource.folder(tokenizer_resource, log=lambda m: None))
     c = bench.Comparison(seeds=(1, 2, 3), train_samples=40, eval_prompts=24, epochs=EPOCHS, untrained_seeds=1)
     figures = bench.compare(standin, c, tmp_path, log=print)
