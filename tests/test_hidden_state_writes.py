@@ -43,6 +43,7 @@ from eagle3_resources.hidden_states.store import (
     StoredSample,
     file_checksum,
     host_buffer,
+    plan_mixed_shards,
     plan_shards,
     read_manifest,
     write_file,
@@ -420,7 +421,14 @@ def test_shards_are_recorded_in_plan_order_when_later_ones_finish_writing_first(
     plan order, so two runs of the same data commit the same order."""
     samples = make_samples(12, target_model.config.vocab_size)
     settings = StoreSettings(shard_bytes=16_000, batch_tokens=64, writers=writers, **ROOMY)
-    planned = [p.name for p in plan_shards(samples, target_model.config.hidden_size, 16_000, {"target": "t"})]
+    hidden = target_model.config.hidden_size
+    # the plan the sink makes: a spool lane's shards interleave the datasets (seeded by the spool's seed, 0 here)
+    plans = (
+        plan_shards(samples, hidden, 16_000, {})
+        if sink == "store"
+        else plan_mixed_shards(samples, hidden, 16_000, {}, 0)
+    )
+    planned = [p.name for p in plans]
     assert len(planned) >= writers + 2
     buffers = HeldBack(writers + 1, planned[0], planned[1 : 1 + writers])
     backend = TransformersHiddenStates(target_model)
