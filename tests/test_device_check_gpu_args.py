@@ -1,5 +1,5 @@
 """benchmarks/device_check.py gives each section's script one argument list on a GPU host and another in its CPU quick
-mode; the CPU runs (test_device_check_imports.py) parse only the second. The GPU list is parsed here, by the section's
+mode; the CPU run (test_readme_gpu_host.py) parses only the second. The GPU list is parsed here, by the section's
 own script and parser, as the GPU host would (with `--device cuda`, the `--budget-s` of a budgeted section, `--json`),
 and the script stops right after its parser returns: a misspelt or removed option fails here, not on the GPU host.
 """
