@@ -355,8 +355,16 @@ def test_a_shard_whose_bytes_are_not_its_checksums_is_refused(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 1  # one bit of the last row's loss mask
     path.write_bytes(bytes(data))
-    with pytest.raises(SpoolStateError, match="xxh3_128|sha256"):
-        SpoolReader(tmp_path).next_step()
+    reader = SpoolReader(tmp_path)
+    steps = []  # the first slot's: every row of the first shard, planned from the manifest alone
+    while (step := reader.next_step(stop=lambda: True)) is not None and step.position.slot == 0:
+        steps.append(step)
+    assert steps and reader.bytes_read == 0  # nothing of any file read to plan them
+    match = rf"{path}: chunk \d+ \(bytes [\d,]+ to {len(data):,}\) has (xxh3_64|sha256) \w+, its lane's manifest"
+    with pytest.raises(SpoolStateError, match=match):
+        for step in steps:
+            for w in step.windows:
+                reader[w.sample_id]
 
 
 def test_capture_resumes_without_capturing_again_what_the_trainer_took(tmp_path):
