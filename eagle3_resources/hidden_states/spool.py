@@ -33,19 +33,19 @@ file than the newest (NFS attribute caching) only sees less progress: the traine
 (it waits a little longer), a capture worker fewer deletions (it counts more bytes than are on disk, and
 waits). Every stale view errs on the safe side, so the budget is never exceeded and nothing is lost.
 
-The schedule. Shards are numbered in the order the trainer adopts them (order.log) and that order is cut into
-mixes of `mix_shards` consecutive shards (the last may be short); the trainer's work is cut into slots: slot i
-trains pass p of every shard of mix i - p for every p < passes (the mixes that exist), its windows shuffled
-together by (seed, i) and packed into steps of at most `batch_tokens` tokens. So each shard is trained `passes`
-times, in `passes` consecutive slots, shuffled with the other shards of its mix and its neighbours' other passes,
-and is done (deletable) once slot `m + passes - 1` is (m its mix); the trainer holds at most `passes` mixes on
-disk (and in memory: a shard is read whole once, its checksum verified on those bytes, and served from memory for
-all its passes, so the spool carries each byte once in and once out; with the slot before's, kept for a trainer
-that prefetches, `passes + 1` mixes). A slot is a function of the adopted order, so it is the same in every
-process and after every restart. Why mixes: capture plans shards that interleave the datasets
-(store.plan_mixed_shards), but a shard holds a few samples (~7 of Kimi-K2.5 at 4 GB); a mix of several is the
-shuffle window offline training has over the whole set, as wide as the budget and memory allow
-(`default_mix_shards`). `mix_shards` 1 is the schedule of spools of format 1.
+The schedule. Shards are numbered in the order the trainer adopts them (order.log) and that order is cut into mixes of
+`mix_shards` consecutive shards (the last may be short); the trainer's work is cut into slots: slot i trains pass p of
+every shard of mix i - p for every p < passes (the mixes that exist), its windows shuffled together by (seed, i) and
+packed into steps of at most `batch_tokens` tokens. So each shard is trained `passes` times, in `passes` consecutive
+slots, shuffled with the other shards of its mix and its neighbours' other passes, and is done (deletable) once slot `m
++ passes - 1` is (m its mix); the trainer holds at most `passes` mixes on disk (and in memory: a rank reads of a shard
+only the chunks its steps' rows lie in, each once, verified against its chunk's digest, and serves them from memory for
+all its passes (`ShardRows`), so the spool carries each byte once in and at most once out to each rank; with the slot
+before's, kept for a trainer that prefetches, `passes + 1` mixes). A slot is a function of the adopted order, so it is
+the same in every process and after every restart. Why mixes: capture plans shards that interleave the datasets
+(store.plan_mixed_shards), but a shard holds a few samples (~7 of Kimi-K2.5 at 4 GB); a mix of several is the shuffle
+window offline training has over the whole set, as wide as the budget and memory allow (`default_mix_shards`).
+`mix_shards` 1 is the schedule of spools of format 1.
 
 The position. `Position(slot, step)`: every step before it is trained. The trainer records the position
 after a step in its own checkpoint (written atomically with the weights) and only then calls
@@ -69,19 +69,21 @@ when the trainer waits for mix i + 1 its checkpoint deletes mix i - passes + 1, 
 mix i + 1: capture and training take turns inside a mix. `default_mix_shards` leaves room for a whole mix more,
 so capture writes the next mix while the trainer trains this one.)
 
-Several ranks. Under torchrun the trainer's data parallel ranks share one schedule: rank 0's `SpoolReader` decides
-every step (`try_next_step`, which never waits) and hands it to the others with the references of its shards
-(`shard_ref`: lane, name, key and the manifest entry rank 0 verified); each follower (`SpoolFollower.take`) reads the
-shards its share of the step needs, whole, from the shared directory, and verifies their checksums itself (the
-checksum is of the whole file, so a part of a shard could not be verified; and over its `passes` slots a rank's
-shuffled share touches most of a shard's rows anyway). A follower keeps a shard until its passes are done, so it
-reads each shard at most once (`reads`: each rank's record of the shards it read, and at which step). Deletion stays
-safe: rank 0 deletes only shards whose passes are all before the committed position, and it commits a position only
-after the trainer's checkpoint at it, when every step before it has been trained by every rank (each step ends in the
-gradients' all-reduce, which no rank passes before every rank has read its share of that step's data, and the
-checkpoint's barrier follows). A shard a follower still needs is one of a step not yet trained, so it is not deleted.
-The wait for capture is decided by rank 0 and told to every rank, because the trainer's checkpoint on waiting
-(`on_wait`) is collective (spool_data.py).
+Several ranks. Under torchrun the trainer's data parallel ranks share one schedule: rank 0's `SpoolReader` decides every
+step (`try_next_step`, which never waits and reads no shard bytes: a step is planned from the manifest entries' index,
+each shard's sample ids and row offsets) and hands it to the others with the references of its shards (`shard_ref`:
+lane, name, key and the manifest entry, chunk digests and index included). Every rank, rank 0 too, reads only the rows
+of its share of each step (`read_step`: the chunks they lie in, each chunk verified against its digest before a row of
+it is used, so a part of a shard is verifiable and a damaged chunk no row of a rank lies in is never read by that rank),
+on a prefetcher several steps ahead (spool_prefetch.py), and keeps what it read until the shard's passes are done, so it
+reads each chunk at most once (`reads`: each rank's record of the shards it read, at the first step whose share needed
+them). A shard listed without chunk digests (a spool of the version before) is refused by name. Deletion stays safe:
+rank 0 deletes only shards whose passes are all before the committed position, and it commits a position only after the
+trainer's checkpoint at it, when every step before it has been trained by every rank (each step ends in the gradients'
+all-reduce, which no rank passes before every rank has read its share of that step's data, and the checkpoint's barrier
+follows). A shard a rank still needs is one of a step not yet trained, so it is not deleted; the steps a rank has read
+ahead are after the position, so their shards are not deleted either. The wait for capture is decided by rank 0 and told
+to every rank, because the trainer's checkpoint on waiting (`on_wait`) is collective (spool_data.py).
 """
 
 from __future__ import annotations

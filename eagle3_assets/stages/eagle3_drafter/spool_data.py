@@ -26,28 +26,33 @@ holds one window (`batch_tokens` below a window's length): the schedule would th
 training's does. The mean window length (for the FLOPs per token) is the plan's tokens per window.
 
 Several ranks (torchrun DDP: gloo on CPU, NCCL on GPUs; `dist` is the trainer's `Distributed`). The spool has one
-reader: rank 0's `SpoolReader` adopts, commits and deletes (one writer per file); the other ranks are
-`SpoolFollower`s, which write nothing under the spool. Each step, rank 0 tries the next step without waiting
-(`try_next_step`) and broadcasts the outcome to every rank (over a gloo group, whatever the training backend): the
-step (its windows, with their shards' references: lane, name, key, the manifest entry), "wait", or the end. A
-follower reads the shards its share of the step (`windows[rank::world_size]`, as `FixedWindows`) needs, whole and
-checksum-verified (see spool.py, "Several ranks"). On "wait" every rank calls `on_wait` (the trainer's checkpoint is
-collective: a barrier), then rank 0 waits for the step while the others wait in the next broadcast; a long wait is
-broken by "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one collective past the process group's
-timeout (rank 0's word, its heartbeat and its errors: `rank_zero.RankZeroWord`, which the best-checkpoint keeper's
-evaluation uses too). The decision to wait is rank 0's alone: ranks deciding for themselves would reach the
-checkpoint's barrier on different steps. Deleting is safe with followers: rank 0 commits a position only from the
-trainer's checkpoint at it, and every rank has trained every step before it (each step's gradient all-reduce needs
-every rank's share, read from its shards), so the shards a commit deletes are needed by no rank again. An error of
-rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s`
-(rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes
-this rank read); the streaming training side gathers every rank's at the end for its report
-(`streaming_train.gather_figures`). Each rank also keeps its own record of the shards it read (`reads`: each at
-most once, with the step that read it). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises
-there instead).
+reader: rank 0's `SpoolReader` adopts, commits and deletes (one writer per file); the other ranks are `SpoolFollower`s,
+which write nothing under the spool. Rank 0 plans steps ahead of the one trained, up to `prefetch_steps`, without
+waiting (`try_next_step`: from the manifests, no shard bytes read) and broadcasts each new plan to every rank (over a
+gloo group, whatever the training backend): the steps (their windows), with the references of shards not named before
+(lane, name, key, the manifest entry with its chunk digests and index); "wait" when none can be planned and none is
+left; or the end. The broadcast is the plan only: no rank waits for bytes to send or receive it. Every rank submits its
+share of each planned step (`windows[rank::world_size]`, as `FixedWindows`) to its prefetcher (spool_prefetch.py), whose
+threads read those rows (the chunks they lie in, each verified: spool.py's `ShardRows`) and pack them while the trainer
+trains the steps before; the trainer takes them in order, and a read's error is raised on the training thread at the
+step that needed it. On "wait" (nothing planned is left: the trainer's position is the reader's) every rank calls
+`on_wait` (the trainer's checkpoint is collective: a barrier), then rank 0 waits for the step while the others wait in
+the next broadcast; a long wait is broken by "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one
+collective past the process group's timeout (rank 0's word, its heartbeat and its errors: `rank_zero.RankZeroWord`,
+which the best-checkpoint keeper's evaluation uses too). The decision to wait is rank 0's alone: ranks deciding for
+themselves would reach the checkpoint's barrier on different steps. Deleting is safe with followers: rank 0 commits a
+position only from the trainer's checkpoint at it, and every rank has trained every step before it (each step's gradient
+all-reduce needs every rank's share, read from its shards), so the shards a commit deletes are needed by no rank again.
+An error of rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank:
+`waited_s` (rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the bytes
+of the shard chunks this rank read); the streaming training side gathers every rank's at the end for its report
+(`streaming_train.gather_figures`). Each rank also keeps its own record of the shards it read (`reads`: each at most
+once, with the first step whose share needed it). `stop()` ends the steps while rank 0 waits (a watch of the capture
+side raises there instead).
 
-Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
-trainer's state is a step's end), not ahead on a background thread as `FixedWindows` does.
+Steps are planned on the training thread, between steps (the reader's `on_wait` must run there, where the trainer's
+state is a step's end), and read and packed ahead on the prefetcher's threads (`prefetch_steps` 0: on the training
+thread when the trainer asks for the step, as before issue 42).
 """
 
 from __future__ import annotations

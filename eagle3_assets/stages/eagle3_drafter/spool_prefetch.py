@@ -47,18 +47,34 @@ class Prefetcher:
     def __init__(self, load: Callable[[StepRead], PackedBatch], depth: int):
         self.load, self.depth = load, depth
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="spool-prefetch") if depth > 0 else None
-        self._pending: deque[tuple[StepRead, Future[PackedBatch] | None]] = deque()  # submitted, not taken, in order
+        self._pending: deque[tuple[StepRead, Future[tuple[PackedBatch | None, BaseException | None]] | None]] = (
+            deque()
+        )  # submitted, not taken, in order
 
     def submit(self, request: StepRead) -> None:
         """Start reading `request` now (depth 0: when it is taken)."""
-        self._pending.append((request, self._pool.submit(self.load, request) if self._pool is not None else None))
+        self._pending.append((request, self._pool.submit(self._load, request) if self._pool is not None else None))
+
+    def _load(self, request: StepRead) -> tuple[PackedBatch | None, BaseException | None]:
+        """A prefetch thread's read of `request`: its batch, or the error that `take` raises on the training thread."""
+        try:
+            return self.load(request), None
+        except BaseException as e:  # noqa: BLE001 - not lost with the thread: take() raises it
+            e.add_note(f"read ahead by the spool's prefetcher for the step at {request.step.position}")
+            return None, e
 
     def take(self, step: Step) -> PackedBatch:
         """The packed share of `step`, the oldest submitted and not yet taken; raises its read's error."""
         request, future = self._pending.popleft()
         if request.step.position != step.position:
             raise RuntimeError(f"the prefetcher read the step at {request.step.position}, the trainer asks for {step}")
-        return future.result() if future is not None else self.load(request)
+        if future is None:
+            return self.load(request)
+        batch, error = future.result()
+        if error is not None:
+            raise error  # the read's own error (a damaged chunk names its file and chunk), on the training thread
+        assert batch is not None
+        return batch
 
     def close(self) -> None:
         """Cancel the reads not started, wait for those under way; nothing is read after this returns."""
