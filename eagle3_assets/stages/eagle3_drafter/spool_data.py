@@ -90,6 +90,7 @@ from eagle3_resources.hidden_states.spool import (
     Position,
     ShardRead,
     ShardRef,
+    ShardRows,
     SpoolFollower,
     SpoolReader,
     SpoolWindow,
@@ -214,6 +215,7 @@ class SpoolWindows:
         self.follower_waited_s = 0.0
         self.planned: deque[Step] = deque()  # told (to every rank), submitted to the prefetcher, not handed out yet
         self.told: set[int] = set()  # rank 0: the shards whose references it has told the other ranks
+        self.rows: dict[int, tuple[str, ShardRows]] = {}  # rank 0: the shards of the steps just decided, to plan
         self.prefetcher: Prefetcher | None = None
 
     # -- TrainingData
@@ -295,6 +297,9 @@ class SpoolWindows:
         new: list[Step] = []
         while len(self.planned) + len(new) < self.depth and (step := reader.try_next_step()) is not None:
             new.append(step)
+            # its shards' rows now: deciding a later slot's steps drops a finished shard from the reader's index,
+            # and a shard indexed again would be read again
+            self.rows.update({k: reader.rows_of(k) for k in {w.shard for w in step.windows}})
         return new
 
     def _plan(self, steps: list[Step], refs: dict[int, ShardRef]) -> None:
@@ -309,11 +314,14 @@ class SpoolWindows:
             source: SpoolReader | SpoolFollower
             if self.dist.main:
                 source = self._open_reader()
+                rows = {k: self.rows.get(k) or source.rows_of(k) for k in needed}
             else:
                 source = self.follower = self.follower or SpoolFollower(self.root, pin=self.device.type == "cuda")
                 source.take(step.position, [refs[k] for k in sorted({w.shard for w in step.windows}) if k in refs])
+                rows = {k: source.rows_of(k) for k in needed}
             self.planned.append(step)
-            self.prefetcher.submit(StepRead(step, share, {k: source.rows_of(k) for k in needed}))
+            self.prefetcher.submit(StepRead(step, share, rows))
+        self.rows.clear()  # the requests hold what they need
 
     def _read(self, request: StepRead) -> PackedBatch:
         """A step's share read and packed (the prefetcher's thread, or the training thread with `prefetch_steps` 0)."""
