@@ -101,8 +101,8 @@ def test_the_prefetcher_reads_the_next_steps_while_the_trainer_trains(tmp_path, 
     for _ in range(5):
         time.sleep(0.3)  # the step's training: long beside a read (50 ms), so the next step's read is done by now
         assert data.prefetcher is not None
-        _, future = data.prefetcher._pending[0]  # the next step's read, as the training thread is about to ask for it
-        ready.append(future is not None and future.done())
+        pending = data.prefetcher._pending  # the steps submitted: the next one first, as the trainer is about to ask
+        ready.append(bool(pending) and pending[0][1] is not None and pending[0][1].done())
         next(steps)
     steps.close()
     assert ready == [True] * 5, ready  # the training thread found each next step read already
