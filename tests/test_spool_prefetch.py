@@ -157,8 +157,16 @@ def batches(root: Path, prefetch_steps: int) -> list[tuple[Position, list[Any], 
     return out
 
 
-def test_the_steps_trained_are_the_same_bit_for_bit_with_the_prefetcher_on_and_off(tmp_path):
-    """Every step: the same position, windows and packed tensors, whose states are the rows the capture wrote."""
+def test_the_steps_trained_are_the_same_bit_for_bit_with_the_prefetcher_on_and_off(tmp_path, monkeypatch):
+    """Every step: the same position, windows and packed tensors, whose states are the rows the capture wrote. Each
+    read takes 5 ms, so the prefetcher's threads overlap: one needing a chunk another is reading must wait for it."""
+    read = spool_module.pread_into
+
+    def slow(fd: int, view: memoryview, offset: int) -> int:
+        time.sleep(0.005)
+        return read(fd, view, offset)
+
+    monkeypatch.setattr(spool_module, "pread_into", slow)
     for name in ("on", "off"):
         small_spool(tmp_path / name, passes=2, mix=2)
         fill(tmp_path / name)
