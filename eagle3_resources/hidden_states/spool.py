@@ -130,7 +130,8 @@ PLAN = "plan.json"
 SPOOL_FORMAT = "eagle3-spool/2"  # 2: the shuffle span (`mix_shards`); a spool.json without it mixes 1 shard
 PLAN_FORMAT = "eagle3-spool-plan/2"  # 2: shards that interleave the datasets (store.plan_mixed_shards), named mixed-N
 # The default mix's ceiling on the shards one training rank holds in memory: (passes + 1) mixes of them, each shard
-# read whole (see "The schedule"). Every rank of a node holds its own, so 8 ranks hold 8 times this.
+# whole at most (a rank holds the chunks of it that it read: see "The schedule"). Every rank of a node holds its own,
+# so 8 ranks hold 8 times this.
 MIX_MEMORY_BYTES = 16 * 2**30
 
 
@@ -553,8 +554,8 @@ class ShardRef:
 
 @dataclass(frozen=True, slots=True)
 class ShardRead:
-    """One shard file read whole by a training rank (its record, `reads`: each rank reads a shard at most once, at the
-    first step that needs it): `at` is that step's position, `index` the shard's place in the adoption order."""
+    """One shard file a training rank read rows of (its record, `reads`: each shard once, at the first step whose share
+    needed its rows): `at` is that step's position, `index` the shard's place in the adoption order."""
 
     at: Position
     index: int
