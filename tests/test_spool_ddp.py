@@ -39,6 +39,7 @@ from test_spool_training import (
 
 from eagle3_assets.stages.eagle3_drafter.train import CHECKPOINT_FILE
 from eagle3_resources.hidden_states.spool import LANES, Position, read_ledger, read_order
+from eagle3_resources.hidden_states.store import ALIGN
 
 RANKS = 2
 DEADLINE_S = 900  # a run that has not ended by then is stuck (a rank waiting in a collective the others never join)
@@ -225,8 +226,10 @@ def test_two_ranks_train_every_token_passes_times_as_one_process_does_through_a_
     assert_spool_emptied(two.root)
     ranks = {s["rank"]: s for s in stats(two.tmp / "ddp.jsonl")}
     assert sorted(ranks) == list(range(RANKS)) and all(s["finite"] and s["world_size"] == RANKS for s in ranks.values())
-    assert ranks[0]["bytes_read"] == data  # rank 0 reads every shard once
-    assert 0 < ranks[1]["bytes_read"] <= data  # the follower, the shards of its share, each once at most
+    # each rank reads the chunks its share's rows lie in, each once at most (rank 0 too: it plans from the manifest);
+    # together they read every row (at most a small shard's header chunk unread: test_spool.assert_rows_read_once)
+    assert all(0 < s["bytes_read"] <= data for s in ranks.values()), ranks
+    assert sum(s["bytes_read"] for s in ranks.values()) >= data - len(read_order(two.root)) * ALIGN
     assert all(s["steps"] == len(steps) for s in ranks.values())
 
     a, b = one.final_state(), two.final_state()

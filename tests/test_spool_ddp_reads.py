@@ -1,12 +1,13 @@
-"""What each training rank reads from the spool, from its own record (`SpoolWindows.reads`, issue 40).
+"""What each training rank reads from the spool, from its own record (`SpoolWindows.reads`, issues 40 and 42).
 
 Two gloo ranks under torchrun (tests/spool_ddp_worker.py: rank 0 reads the spool, rank 1 follows it) train through a
 spool that capture (tests/spool_worker.py's producer, another process) fills as they go. Each rank's record of the
-shard files it read is checked against the steps it trained (each rank's own record of its windows): rank 0 reads
-every shard once, at the first step of the shard's first slot; the follower reads each shard its share of the steps
-needs once, at the first step whose share needs it: not a step or a slot earlier, never a shard its share does not
-need, never one again. Each read is the file order.log adopted at that index, and the bytes counted are those files'.
-Before this, a follower reading a shard early or twice was caught only by `bytes_read <= data`.
+shard files it read is checked against the steps it trained (each rank's own record of its windows): every rank, rank
+0 too (it plans steps from the manifest and reads only its share's rows, issue 42), reads of each shard the chunks its
+share of the steps needs, first at the first step whose share needs it: not a step or a slot earlier, never a shard
+its share does not need, never one again. Each read is the file order.log adopted at that index, and the bytes
+counted are at most those files'. Before this, a follower reading a shard early or twice was caught only by
+`bytes_read <= data`.
 """
 
 from __future__ import annotations
@@ -76,13 +77,10 @@ def test_each_rank_reads_each_shard_once_at_the_first_step_that_needs_it(tmp_pat
         assert not twice, f"rank {rank} read shards {twice} more than once: {[r for r in reads if r['index'] in twice]}"
         wrong_file = [r for r in reads if (r["lane"], r["name"]) != order[r["index"]][:2]]
         assert not wrong_file, f"rank {rank} read files that are not the adopted shard at their index: {wrong_file}"
-        assert s["bytes_read"] == sum(plan[r["name"]] for r in reads), rank
+        assert 0 < s["bytes_read"] <= sum(plan[r["name"]] for r in reads), rank  # chunks of those files, once
 
-    # rank 0 reads every shard at the first step of its first slot (slot k for the k-th adopted shard)
-    got = [(r["slot"], r["step"], r["index"]) for r in ranks[0]["reads"]]
-    assert got == [(k, 0, k) for k in range(len(order))], got
-    # the follower: what its share needs, at the first step that needs it, nothing else
-    for rank in range(1, RANKS):
+    # every rank: what its share needs, at the first step that needs it, nothing else
+    for rank in range(RANKS):
         got = [(r["slot"], r["step"], r["index"]) for r in ranks[rank]["reads"]]
         want = first_needs(steps, rank)
         wanted_at = {k: (slot, step) for slot, step, k in want}

@@ -33,19 +33,19 @@ file than the newest (NFS attribute caching) only sees less progress: the traine
 (it waits a little longer), a capture worker fewer deletions (it counts more bytes than are on disk, and
 waits). Every stale view errs on the safe side, so the budget is never exceeded and nothing is lost.
 
-The schedule. Shards are numbered in the order the trainer adopts them (order.log) and that order is cut into
-mixes of `mix_shards` consecutive shards (the last may be short); the trainer's work is cut into slots: slot i
-trains pass p of every shard of mix i - p for every p < passes (the mixes that exist), its windows shuffled
-together by (seed, i) and packed into steps of at most `batch_tokens` tokens. So each shard is trained `passes`
-times, in `passes` consecutive slots, shuffled with the other shards of its mix and its neighbours' other passes,
-and is done (deletable) once slot `m + passes - 1` is (m its mix); the trainer holds at most `passes` mixes on
-disk (and in memory: a shard is read whole once, its checksum verified on those bytes, and served from memory for
-all its passes, so the spool carries each byte once in and once out; with the slot before's, kept for a trainer
-that prefetches, `passes + 1` mixes). A slot is a function of the adopted order, so it is the same in every
-process and after every restart. Why mixes: capture plans shards that interleave the datasets
-(store.plan_mixed_shards), but a shard holds a few samples (~7 of Kimi-K2.5 at 4 GB); a mix of several is the
-shuffle window offline training has over the whole set, as wide as the budget and memory allow
-(`default_mix_shards`). `mix_shards` 1 is the schedule of spools of format 1.
+The schedule. Shards are numbered in the order the trainer adopts them (order.log) and that order is cut into mixes of
+`mix_shards` consecutive shards (the last may be short); the trainer's work is cut into slots: slot i trains pass p of
+every shard of mix i - p for every p < passes (the mixes that exist), its windows shuffled together by (seed, i) and
+packed into steps of at most `batch_tokens` tokens. So each shard is trained `passes` times, in `passes` consecutive
+slots, shuffled with the other shards of its mix and its neighbours' other passes, and is done (deletable) once slot `m
++ passes - 1` is (m its mix); the trainer holds at most `passes` mixes on disk (and in memory: a rank reads of a shard
+only the chunks its steps' rows lie in, each once, verified against its chunk's digest, and serves them from memory for
+all its passes (`ShardRows`), so the spool carries each byte once in and at most once out to each rank; with the slot
+before's, kept for a trainer that prefetches, `passes + 1` mixes). A slot is a function of the adopted order, so it is
+the same in every process and after every restart. Why mixes: capture plans shards that interleave the datasets
+(store.plan_mixed_shards), but a shard holds a few samples (~7 of Kimi-K2.5 at 4 GB); a mix of several is the shuffle
+window offline training has over the whole set, as wide as the budget and memory allow (`default_mix_shards`).
+`mix_shards` 1 is the schedule of spools of format 1.
 
 The position. `Position(slot, step)`: every step before it is trained. The trainer records the position
 after a step in its own checkpoint (written atomically with the weights) and only then calls
@@ -69,27 +69,29 @@ when the trainer waits for mix i + 1 its checkpoint deletes mix i - passes + 1, 
 mix i + 1: capture and training take turns inside a mix. `default_mix_shards` leaves room for a whole mix more,
 so capture writes the next mix while the trainer trains this one.)
 
-Several ranks. Under torchrun the trainer's data parallel ranks share one schedule: rank 0's `SpoolReader` decides
-every step (`try_next_step`, which never waits) and hands it to the others with the references of its shards
-(`shard_ref`: lane, name, key and the manifest entry rank 0 verified); each follower (`SpoolFollower.take`) reads the
-shards its share of the step needs, whole, from the shared directory, and verifies their checksums itself (the
-checksum is of the whole file, so a part of a shard could not be verified; and over its `passes` slots a rank's
-shuffled share touches most of a shard's rows anyway). A follower keeps a shard until its passes are done, so it
-reads each shard at most once (`reads`: each rank's record of the shards it read, and at which step). Deletion stays
-safe: rank 0 deletes only shards whose passes are all before the committed position, and it commits a position only
-after the trainer's checkpoint at it, when every step before it has been trained by every rank (each step ends in the
-gradients' all-reduce, which no rank passes before every rank has read its share of that step's data, and the
-checkpoint's barrier follows). A shard a follower still needs is one of a step not yet trained, so it is not deleted.
-The wait for capture is decided by rank 0 and told to every rank, because the trainer's checkpoint on waiting
-(`on_wait`) is collective (spool_data.py).
+Several ranks. Under torchrun the trainer's data parallel ranks share one schedule: rank 0's `SpoolReader` decides every
+step (`try_next_step`, which never waits and reads no shard bytes: a step is planned from the manifest entries' index,
+each shard's sample ids and row offsets) and hands it to the others with the references of its shards (`shard_ref`:
+lane, name, key and the manifest entry, chunk digests and index included). Every rank, rank 0 too, reads only the rows
+of its share of each step (`read_step`: the chunks they lie in, each chunk verified against its digest before a row of
+it is used, so a part of a shard is verifiable and a damaged chunk no row of a rank lies in is never read by that rank),
+on a prefetcher several steps ahead (spool_prefetch.py), and keeps what it read until the shard's passes are done, so it
+reads each chunk at most once (`reads`: each rank's record of the shards it read, at the first step whose share needed
+them). A shard listed without chunk digests (a spool of the version before) is refused by name. Deletion stays safe:
+rank 0 deletes only shards whose passes are all before the committed position, and it commits a position only after the
+trainer's checkpoint at it, when every step before it has been trained by every rank (each step ends in the gradients'
+all-reduce, which no rank passes before every rank has read its share of that step's data, and the checkpoint's barrier
+follows). A shard a rank still needs is one of a step not yet trained, so it is not deleted; the steps a rank has read
+ahead are after the position, so their shards are not deleted either. The wait for capture is decided by rank 0 and told
+to every rank, because the trainer's checkpoint on waiting (`on_wait`) is collective (spool_data.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -104,18 +106,16 @@ from eagle3_resources.errors import SpoolFenced, SpoolStateError, SpoolTooSmall
 from eagle3_resources.hidden_states.lease import TRAINER_LEASE, WRITER_LEASE, Lease, take_lease
 from eagle3_resources.hidden_states.shared_fs import read_bytes, read_json, read_text
 from eagle3_resources.hidden_states.store import (
-    CHECKSUMS,
     MANIFEST,
-    WRITE_CHUNK,
     ShardCommitter,
     ShardFile,
     ShardImage,
     ShardLayout,
     ShardPlan,
     StoredSample,
+    chunk_digest,
     padded_size,
     read_manifest,
-    recorded_checksum,
     remove_untrusted,
     shard_layout,
     trusted_shards,
@@ -130,7 +130,8 @@ PLAN = "plan.json"
 SPOOL_FORMAT = "eagle3-spool/2"  # 2: the shuffle span (`mix_shards`); a spool.json without it mixes 1 shard
 PLAN_FORMAT = "eagle3-spool-plan/2"  # 2: shards that interleave the datasets (store.plan_mixed_shards), named mixed-N
 # The default mix's ceiling on the shards one training rank holds in memory: (passes + 1) mixes of them, each shard
-# read whole (see "The schedule"). Every rank of a node holds its own, so 8 ranks hold 8 times this.
+# whole at most (a rank holds the chunks of it that it read: see "The schedule"). Every rank of a node holds its own,
+# so 8 ranks hold 8 times this.
 MIX_MEMORY_BYTES = 16 * 2**30
 
 
@@ -399,7 +400,7 @@ class SpoolWriter:
             and not (view.adopted.get(p.name) == p.key and p.name not in present)
         ]
         manifest = {**manifest_settings, "hidden_size": hidden, "planned_shards": list(keys), "shards": kept}
-        self.committer = ShardCommitter(self.dir, manifest, fence=self.lease.check)
+        self.committer = ShardCommitter(self.dir, manifest, fence=self.lease.check, chunked=True)
         self.committer.save_manifest()
         self.removed = remove_untrusted(self.dir, manifest)  # .tmp of a write cut short, a shard never listed
         self._lock = threading.Lock()
@@ -553,8 +554,8 @@ class ShardRef:
 
 @dataclass(frozen=True, slots=True)
 class ShardRead:
-    """One shard file read whole by a training rank (its record, `reads`: each rank reads a shard at most once, at the
-    first step that needs it): `at` is that step's position, `index` the shard's place in the adoption order."""
+    """One shard file a training rank read rows of (its record, `reads`: each shard once, at the first step whose share
+    needed its rows): `at` is that step's position, `index` the shard's place in the adoption order."""
 
     at: Position
     index: int
@@ -565,44 +566,181 @@ class ShardRead:
         return {"slot": self.at.slot, "step": self.at.step, "index": self.index, "lane": self.lane, "name": self.name}
 
 
-class _Loaded:
-    """One shard read whole into memory, its checksum verified on those bytes."""
+class ShardRows:
+    """One adopted shard, read by rows (issue 42): its samples and tensors from its manifest entry's index (nothing is
+    read to plan steps over it), its bytes read on demand a chunk at a time into one buffer of the shard's size (pinned
+    with `pin`: the rows are copied to the GPU from it), each chunk verified against the entry's digest before any of
+    its rows is used. A chunk read stays in the buffer while the shard is held, so a rank reads each chunk at most once
+    over the shard's passes, and never a chunk that no row of its steps lies in (a damaged one among them goes
+    unnoticed by this rank: it trains nothing from it)."""
 
-    def __init__(self, path: Path, entry: dict[str, Any]):
-        self.entry = entry
-        algorithm, digest = recorded_checksum(entry)
-        size = int(entry["bytes"])
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = buf.numpy().data  # a memoryview of the tensor's bytes
-        if not path.exists():
-            raise SpoolStateError(f"{path}: listed and taken by the trainer, but its file is gone (deleted too early?)")
-        with open(path, "rb", buffering=0) as f:
-            done = 0
-            while done < size:
-                got = f.readinto(view[done : done + WRITE_CHUNK])
-                if not got:
-                    raise SpoolStateError(f"{path}: {done:,} bytes, {size:,} recorded in its lane's manifest")
-                done += got
-            if f.read(1):
-                raise SpoolStateError(f"{path}: longer than the {size:,} bytes recorded in its lane's manifest")
-        hasher = CHECKSUMS[algorithm]
-        assert hasher is not None  # recorded_checksum raised otherwise
-        h = hasher()
-        h.update(view)
-        if h.hexdigest() != digest:
-            raise SpoolStateError(f"{path}: its {algorithm} is {h.hexdigest()}, its lane's manifest records {digest}")
-        (n,) = struct.unpack("<Q", bytes(view[:8]))
-        header = json.loads(bytes(view[8 : 8 + n]))
-        meta = json.loads(header.pop("__metadata__")["eagle3"])
-        self.tensors: dict[str, torch.Tensor] = {}
-        for key, t in header.items():
-            a, b = t["data_offsets"]
-            self.tensors[key] = buf[8 + n + a : 8 + n + b].view(ShardFile.DTYPES[t["dtype"]]).view(t["shape"])
-        offsets = self.tensors["offsets"].tolist()
+    KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
+
+    def __init__(self, path: Path, entry: dict[str, Any], *, pin: bool = False):
+        chunks, index = entry.get("chunks"), entry.get("index")
+        if chunks is None or index is None:
+            raise SpoolStateError(
+                f"{path}: its lane's manifest lists it without chunk checksums (written by the version before chunked "
+                "reads): finish that run with the version that started it, or delete the spool to start afresh"
+            )
+        self.path, self.entry, self.pin = path, entry, pin
+        self.size = int(entry["bytes"])
+        self.algorithm, self.chunk, self.digests = str(chunks["algorithm"]), int(chunks["bytes"]), chunks["digests"]
+        if len(self.digests) != -(-self.size // self.chunk):
+            raise SpoolStateError(
+                f"{path}: {len(self.digests)} chunk digests for {self.size:,} bytes in chunks of {self.chunk:,}"
+            )
+        offsets = index["offsets"]
         self.samples: dict[str, tuple[int, int]] = {
-            sid: (offsets[j], offsets[j + 1]) for j, sid in enumerate(meta["sample_ids"])
+            str(sid): (int(offsets[j]), int(offsets[j + 1])) for j, sid in enumerate(index["sample_ids"])
         }
-        self.size = size
+        # key -> (dtype, bytes per row, byte offset in the file)
+        self.tensors: dict[str, tuple[torch.dtype, list[int], int]] = {
+            key: (ShardFile.DTYPES[t["dtype"]], [int(d) for d in t["shape"]], int(t["offset"]))
+            for key, t in index["tensors"].items()
+        }
+        self._buffer: torch.Tensor | None = None  # allocated at the first read: planning needs none
+        # each chunk's state: 0 not read, 1 being read (by one of the prefetcher's threads), 2 read and verified
+        self._state = bytearray(len(self.digests))
+        self._changed = threading.Condition()
+
+    def _row_bytes(self, key: str) -> int:
+        dtype, shape, _ = self.tensors[key]
+        return math.prod(shape[1:]) * dtype.itemsize
+
+    def chunks_of(self, sample_id: str, start: int, end: int) -> set[int]:
+        """The chunks that rows start:end of the sample lie in, in every tensor."""
+        a, _ = self.samples[sample_id]
+        out: set[int] = set()
+        for key in self.KEYS:
+            _, _, at = self.tensors[key]
+            row = self._row_bytes(key)
+            lo, hi = at + (a + start) * row, at + (a + end) * row
+            if hi > lo:
+                out.update(range(lo // self.chunk, (hi - 1) // self.chunk + 1))
+        return out
+
+    def read(self, chunks: set[int]) -> list[int]:
+        """Read and verify those of `chunks` not read yet, waiting for any another thread is reading; the ones this
+        call read (each chunk is read once, by one thread; a contiguous run is one read)."""
+        with self._changed:
+            mine = sorted(c for c in chunks if self._state[c] == 0)
+            for c in mine:
+                self._state[c] = 1
+            if mine and self._buffer is None:
+                if not self.path.exists():
+                    for c in mine:
+                        self._state[c] = 0
+                    raise SpoolStateError(
+                        f"{self.path}: listed and taken by the trainer, but its file is gone (deleted too early?)"
+                    )
+                self._buffer = torch.empty(self.size, dtype=torch.uint8, pin_memory=self.pin)
+        done: list[int] = []
+        try:
+            if mine:
+                assert self._buffer is not None
+                view = self._buffer.numpy().data
+                with open(self.path, "rb", buffering=0) as f:
+                    run: list[int] = []
+                    for c in mine:
+                        if run and c != run[-1] + 1:
+                            done += self._read_run(f.fileno(), view, run)
+                            run = []
+                        run.append(c)
+                    done += self._read_run(f.fileno(), view, run)
+        finally:
+            with self._changed:
+                for c in mine:
+                    self._state[c] = 2 if c in done else 0  # a failed read leaves its chunks to be read again
+                self._changed.notify_all()
+        with self._changed:  # the chunks another thread is reading
+            while any(self._state[c] == 1 for c in chunks):
+                self._changed.wait()
+            failed = sorted(c for c in chunks if self._state[c] != 2)
+        if failed:
+            return done + self.read(set(failed))  # the other thread's read failed: this one tries and raises
+        return done
+
+    def _read_run(self, fd: int, view: memoryview, run: list[int]) -> list[int]:
+        """Read the chunks `run` (consecutive) with `pread_into`, then verify each: the run, once all are verified."""
+        lo, hi = run[0] * self.chunk, min(self.size, (run[-1] + 1) * self.chunk)
+        done = 0
+        while done < hi - lo:
+            got = pread_into(fd, view[lo + done : hi], lo + done)
+            if not got:
+                raise SpoolStateError(
+                    f"{self.path}: ends at byte {lo + done:,}, {self.size:,} recorded in its lane's manifest"
+                )
+            done += got
+        for c in run:
+            a, b = c * self.chunk, min(self.size, (c + 1) * self.chunk)
+            got_digest = chunk_digest(view[a:b], self.algorithm)
+            if got_digest != self.digests[c]:
+                raise SpoolStateError(
+                    f"{self.path}: chunk {c} (bytes {a:,} to {b:,}) has {self.algorithm} {got_digest}, its lane's "
+                    f"manifest records {self.digests[c]}"
+                )
+        return run
+
+    def sample(self, sample_id: str) -> dict[str, torch.Tensor]:
+        """The sample's tensors, views of the buffer: only the rows whose chunks were `read` hold its bytes."""
+        assert self._buffer is not None, "read() the sample's rows first"
+        a, b = self.samples[sample_id]
+        out = {}
+        for key in self.KEYS:
+            dtype, shape, at = self.tensors[key]
+            row = self._row_bytes(key)
+            out[key] = self._buffer[at + a * row : at + b * row].view(dtype).view(b - a, *shape[1:])
+        return out
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """The one place a training rank's spool bytes come from: up to len(view) bytes at `offset` (benchmarks/
+    throttled_reader.py wraps it to make the file system slow)."""
+    return os.preadv(fd, [view], offset)
+
+
+class ReadRecord:
+    """A rank's record of its spool reads: the bytes of the chunks it read (`bytes_read`: each chunk once) and, per
+    shard, the first step whose rows in it this rank needed (`reads`: each shard once, in the order of those steps;
+    the same whichever of the prefetcher's threads read first). Written by the threads that read, read by any."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self._first: dict[int, ShardRead] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def reads(self) -> list[ShardRead]:
+        with self._lock:
+            return sorted(self._first.values(), key=lambda r: (r.at, r.index))
+
+    def rows(self, at: Position, index: int, lane: str, shard: ShardRows, windows: Sequence[SpoolWindow]) -> None:
+        """Read the chunks `windows` (of the step at `at`, all of shard `index`) need, counting what was read."""
+        need: set[int] = set()
+        for w in windows:
+            need |= shard.chunks_of(w.sample_id, w.start, w.end)
+        with self._lock:
+            first = self._first.get(index)
+            if first is None or at < first.at:
+                self._first[index] = ShardRead(at, index, lane, shard.path.name)
+        read = shard.read(need)
+        with self._lock:
+            self.bytes_read += sum(min(shard.size, (c + 1) * shard.chunk) - c * shard.chunk for c in read)
+
+
+def read_step(
+    at: Position, windows: Sequence[SpoolWindow], shards: dict[int, tuple[str, ShardRows]], record: ReadRecord
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Read the rows of `windows` (a rank's share of the step at `at`) from their `shards` ({index: (lane, rows)}); the
+    source `pack_windows` takes: every sample of the windows, its tensors views whose windows' rows are read."""
+    by_shard: dict[int, list[SpoolWindow]] = {}
+    for w in windows:
+        by_shard.setdefault(w.shard, []).append(w)
+    for k, mine in by_shard.items():
+        lane, shard = shards[k]
+        record.rows(at, k, lane, shard, mine)
+    return {w.sample_id: shards[w.shard][1].sample(w.sample_id) for w in windows}
 
 
 class SpoolReader:
@@ -613,12 +751,20 @@ class SpoolReader:
     """
 
     def __init__(
-        self, root: Path, *, position: Position | None = None, poll_s: float = 0.2, lease: Lease | None = None
+        self,
+        root: Path,
+        *,
+        position: Position | None = None,
+        poll_s: float = 0.2,
+        lease: Lease | None = None,
+        pin: bool = False,
     ):
         """`lease`: the spool's trainer lease the training side took with its lock (lane_lock.exclusive); without one
         the reader takes one of its own. It is checked before each write under `root` (order.log, consumer.json, a
-        deletion): a reader a later one has replaced raises `SpoolFenced`."""
+        deletion): a reader a later one has replaced raises `SpoolFenced`. `pin`: shards' rows read into pinned memory
+        (a CUDA trainer's)."""
         self.root = Path(root)
+        self.pin = pin
         self.settings = open_settings(self.root)
         self.poll_s = poll_s
         self.lease = lease or take_lease(self.root / TRAINER_LEASE, "the spool's trainer")
@@ -636,12 +782,12 @@ class SpoolReader:
         self.lane_plans: dict[str, dict[str, dict[str, Any]]] | None = None
         self.total: int | None = None  # shards in every lane's plan
         self._slot: tuple[int, list[list[SpoolWindow]]] | None = None
-        self._loaded: dict[int, _Loaded] = {}
+        self._loaded: dict[int, ShardRows] = {}
         self._by_sample: dict[str, int] = {}
         self._next_lane = 0
         self.waited_s = 0.0
-        self.bytes_read = 0
-        self.reads: list[ShardRead] = []  # every shard file this reader read, in order
+        self.record = ReadRecord()  # the chunks this process read (`reader[sample_id]`, or `read_step` for it)
+        self._last_at = self.cursor  # the position of the step handed out last (what `reader[sample_id]` reads for)
         self._commit_pending_deletions()
         if self.cursor > self.committed:  # the checkpoint is durable and ahead of the ledger: catch up
             self.commit(self.cursor)
@@ -758,22 +904,34 @@ class SpoolReader:
                     return True
         return False
 
-    def _load(self, k: int) -> _Loaded:
+    def _load(self, k: int) -> ShardRows:
+        """The shard at adoption index `k`, indexed from its manifest entry: nothing of its file is read here."""
         if k not in self._loaded:
             lane, name, key = self.order[k]
             d = self.root / LANES / lane
             entry = (_read_json(d / MANIFEST) or {}).get("shards", {}).get(name)
             if entry is None or entry["key"] != key:
                 raise SpoolStateError(f"{d / name}: adopted by the trainer, no longer listed in {d / MANIFEST}")
-            shard = _Loaded(d / name, entry)
+            shard = ShardRows(d / name, entry, pin=self.pin)
             for sid in shard.samples:
                 if sid in self._by_sample and self._by_sample[sid] != k:
                     raise SpoolStateError(f"sample {sid!r} is in two shards of the spool: {self.order[k]} and another")
                 self._by_sample[sid] = k
             self._loaded[k] = shard
-            self.bytes_read += shard.size
-            self.reads.append(ShardRead(self.cursor, k, lane, name))  # the cursor: the step about to be handed out
         return self._loaded[k]
+
+    def rows_of(self, k: int) -> tuple[str, ShardRows]:
+        """(lane, rows) of the shard at adoption index `k`, which a step handed out holds."""
+        return self.order[k][0], self._load(k)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.record.bytes_read
+
+    @property
+    def reads(self) -> list[ShardRead]:
+        """Every shard file this reader read some of, in order, with the step that first did."""
+        return self.record.reads
 
     # -- steps
 
@@ -811,8 +969,8 @@ class SpoolReader:
             else:
                 steps.append([w])
                 tokens = w.tokens
-        # The shards of this slot and of the one before stay in memory: a step handed out just before this slot's
-        # first may still be read (`reader[sample_id]`) by a trainer that prefetches.
+        # The shards of this slot and of the one before stay indexed: a step handed out just before this slot's first
+        # may still be read (`reader[sample_id]`); a prefetcher holds its steps' shards itself (`rows_of`).
         keep = {k for k, _ in [*self._slot_parts(slot), *self._slot_parts(slot - 1)]}
         for k in [k for k in self._loaded if k not in keep]:
             for sid in self._loaded.pop(k).samples:
@@ -856,6 +1014,7 @@ class SpoolReader:
                 self.cursor = Position(slot + 1, 0)
                 continue
             self.cursor = Position(slot, here.step + 1) if here.step + 1 < len(steps) else Position(slot + 1, 0)
+            self._last_at = here
             return Step(here, self.cursor, steps[here.step])
         return None
 
@@ -885,50 +1044,65 @@ class SpoolReader:
                 self.waited_s += time.monotonic() - started
 
     def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
-        """The sample's tensors (views of its shard in memory), as `HiddenStateStore[sample_id]` gives them."""
-        shard = self._loaded[self._by_sample[sample_id]]
+        """The sample's tensors (views of its shard in memory, its rows read and verified), as
+        `HiddenStateStore[sample_id]` gives them."""
+        k = self._by_sample[sample_id]
+        shard = self._loaded[k]
         a, b = shard.samples[sample_id]
-        keys = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
-        return {key: shard.tensors[key][a:b] for key in keys}
+        self.record.rows(self._last_at, k, self.order[k][0], shard, [SpoolWindow(k, sample_id, 0, b - a, 0)])
+        return shard.sample(sample_id)
 
 
 class SpoolFollower:
-    """A training rank other than 0: it serves `follower[sample_id]` for its share of the steps rank 0 hands out, from
-    the shards rank 0 names (`take`), read whole and checksum-verified as rank 0 reads them. It never writes under
-    the spool's root and never adopts: the schedule is rank 0's alone (see the module's docstring, "Several ranks")."""
+    """A training rank other than 0: it holds the shards rank 0 names (`take`, indexed from the manifest entries rank 0
+    read, nothing read yet) and reads the rows of its share of each step from them (`read_step`, or
+    `follower[sample_id]` for a whole sample), chunk-verified as rank 0 reads them. It never writes under the spool's
+    root and never adopts: the schedule is rank 0's alone (see the module's docstring, "Several ranks")."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, pin: bool = False):
         self.root = Path(root)
         self.settings = open_settings(self.root)
-        self._loaded: dict[int, _Loaded] = {}
+        self.pin = pin
+        self._loaded: dict[int, tuple[str, ShardRows]] = {}
         self._by_sample: dict[str, int] = {}
-        self.bytes_read = 0
-        self.reads: list[ShardRead] = []  # every shard file this rank read, in order
+        self.record = ReadRecord()
+        self._last_at = Position()
 
     def take(self, at: Position, refs: Sequence[ShardRef]) -> None:
-        """Read the shards `refs` (those this rank's share of the step at `at` needs) unless already in memory, and
-        drop those whose passes all ended before the previous slot (as `SpoolReader` keeps the last two slots')."""
+        """Hold the shards `refs` (those rank 0 named with the step at `at`) unless already held, and drop those whose
+        passes all ended before the previous slot (as `SpoolReader` keeps the last two slots')."""
         slot, m = at.slot, self.settings.mix_shards
+        self._last_at = at
         for k in [k for k in self._loaded if k // m < slot - self.settings.passes]:
-            for sid in self._loaded.pop(k).samples:
+            for sid in self._loaded.pop(k)[1].samples:
                 self._by_sample.pop(sid, None)
         for ref in refs:
             if ref.index in self._loaded:
                 continue
-            shard = _Loaded(self.root / LANES / ref.lane / ref.name, ref.entry)
+            shard = ShardRows(self.root / LANES / ref.lane / ref.name, ref.entry, pin=self.pin)
             for sid in shard.samples:
                 if self._by_sample.get(sid, ref.index) != ref.index:
                     raise SpoolStateError(f"sample {sid!r} is in two shards of the spool: {ref.name} and another")
                 self._by_sample[sid] = ref.index
-            self._loaded[ref.index] = shard
-            self.bytes_read += shard.size
-            self.reads.append(ShardRead(at, ref.index, ref.lane, ref.name))
+            self._loaded[ref.index] = (ref.lane, shard)
+
+    def rows_of(self, k: int) -> tuple[str, ShardRows]:
+        return self._loaded[k]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.record.bytes_read
+
+    @property
+    def reads(self) -> list[ShardRead]:
+        return self.record.reads
 
     def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
-        shard = self._loaded[self._by_sample[sample_id]]
+        k = self._by_sample[sample_id]
+        lane, shard = self._loaded[k]
         a, b = shard.samples[sample_id]
-        keys = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_state")
-        return {key: shard.tensors[key][a:b] for key in keys}
+        self.record.rows(self._last_at, k, lane, shard, [SpoolWindow(k, sample_id, 0, b - a, 0)])
+        return shard.sample(sample_id)
 
 
 def spool_status(root: Path) -> dict[str, Any]:

@@ -84,6 +84,22 @@ CHECKSUMS: dict[str, Callable[[], Any] | None] = {
     "xxh3_128": xxhash.xxh3_128 if xxhash else None,
     "sha256": hashlib.sha256,
 }
+# A spool shard's chunks (issue 42): its file cut into fixed-size chunks, each hashed on its own, so that a training
+# rank reading some rows verifies only the chunks those rows lie in. 64 bits a chunk: the threat is a torn or rotten
+# file.
+CHUNK_CHECKSUM = "xxh3_64" if xxhash else "sha256"
+CHUNK_CHECKSUMS: dict[str, Callable[[], Any] | None] = {
+    "xxh3_64": xxhash.xxh3_64 if xxhash else None,
+    "sha256": hashlib.sha256,
+}
+MAX_CHUNK_BYTES = 4 * 2**20  # a 4 GB Kimi shard: 1,024 chunks, ~19 kB of digests in its manifest entry
+CHUNKS_PER_SHARD = 64  # a small shard still has several chunks (ALIGN at least), so a part of it is verifiable
+
+
+def chunk_bytes(size: int) -> int:
+    """The chunk of a shard of `size` bytes: a power of two from ALIGN to MAX_CHUNK_BYTES, near size / CHUNKS_PER_SHARD
+    (a power of two divides WRITE_CHUNK, so the writer's hashing thread hashes whole chunks)."""
+    return min(MAX_CHUNK_BYTES, max(ALIGN, 1 << max(0, size // CHUNKS_PER_SHARD - 1).bit_length()))
 
 
 def min_bytes_per_token(hidden_size: int) -> int:
@@ -239,6 +255,19 @@ class ShardLayout:
     size: int  # the whole file
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]]  # key -> (dtype, shape, byte offset in the file)
     row_offsets: tuple[int, ...]  # sample j is rows row_offsets[j]:row_offsets[j + 1]
+    sample_ids: tuple[str, ...] = ()  # in row order
+
+    def index(self) -> dict[str, Any]:
+        """What a reader of some rows needs without reading the file's header: the samples' ids and row offsets, and
+        each tensor's dtype, shape and byte offset in the file (a spool shard's manifest entry holds it)."""
+        return {
+            "sample_ids": list(self.sample_ids),
+            "offsets": list(self.row_offsets),
+            "tensors": {
+                key: {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "offset": at}
+                for key, (dtype, shape, at) in self.tensors.items()
+            },
+        }
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8"}
@@ -287,6 +316,7 @@ def shard_layout(plan: ShardPlan, rows: Sequence[StoredSample], hidden_size: int
         data_start + at,
         {key: (dtype, shape, data_start + off) for key, dtype, shape, off in spans},
         tuple(offsets),
+        tuple(r.sample_id for r in rows),
     )
 
 
@@ -382,10 +412,13 @@ class _Hashing(threading.Thread):
     """Hashes data[:n] in `chunk` pieces on a thread of its own, while the caller writes the same bytes (both release
     the GIL: hashlib and xxhash on large buffers, os.pwrite always). `digest()` waits for it; `stop()` ends it early."""
 
-    def __init__(self, data: memoryview, n: int, chunk: int, checksum: str):
+    def __init__(self, data: memoryview, n: int, chunk: int, checksum: str, chunks: list[str] | None = None):
+        """`chunks`: filled with the digest (CHUNK_CHECKSUM) of each `chunk_bytes(n)` of the data, in order."""
         super().__init__(name="shard-hash", daemon=True)
-        self.data, self.n, self.chunk = data, n, chunk
+        self.data, self.n = data, n
+        self.chunk = chunk if chunks is None else chunk_bytes(n)  # chunk_bytes(n) divides WRITE_CHUNK: as few updates
         self.hasher = _hasher(checksum)
+        self.chunks = chunks
         self.error: BaseException | None = None
         self._stop_asked = False
         self.start()
@@ -395,7 +428,10 @@ class _Hashing(threading.Thread):
             for at in range(0, self.n, self.chunk):
                 if self._stop_asked:
                     return
-                self.hasher.update(self.data[at : min(self.n, at + self.chunk)])
+                piece = self.data[at : min(self.n, at + self.chunk)]
+                self.hasher.update(piece)
+                if self.chunks is not None:
+                    self.chunks.append(chunk_digest(piece, CHUNK_CHECKSUM))
         except BaseException as e:  # noqa: BLE001 - raised again by digest(), in the writer's thread
             self.error = e
 
@@ -419,6 +455,7 @@ def write_file(
     direct: bool = True,
     chunk: int | None = None,
     checksum: str | None = CHECKSUM,
+    chunks: list[str] | None = None,
 ) -> tuple[str, bool]:
     """Write data[:size] to `path` in `chunk`-sized sequential writes, hashing the same bytes meanwhile with
     `checksum` (one of CHECKSUMS) on a thread of its own, fsync; return (the hex digest, whether O_DIRECT was used).
@@ -426,12 +463,13 @@ def write_file(
     With `direct`, the file is opened O_DIRECT when the file system allows it and `data` starts at an ALIGN
     boundary and extends to `padded_size(size)` (a ShardImage's buffer does): the tail is written padded,
     then the file truncated to `size`. A refused O_DIRECT write (DIRECT_REFUSED) goes on with buffered writes.
-    `checksum=None` (the benchmark's raw disk figure) skips the hash and returns "" for it. Nothing reads `data`
-    once this returns or raises.
+    `checksum=None` (the benchmark's raw disk figure) skips the hash and returns "" for it. `chunks` (with a
+    `checksum`): filled with each chunk's digest (`chunk_bytes(size)`, CHUNK_CHECKSUM). Nothing reads `data` once this
+    returns or raises.
     """
     n = len(data) if size is None else size
     chunk = chunk or WRITE_CHUNK
-    hashing = _Hashing(data, n, chunk, checksum) if checksum is not None else None
+    hashing = _Hashing(data, n, chunk, checksum, chunks) if checksum is not None else None
     try:
         direct = _write_chunks(path, data, n, chunk, direct)
     except BaseException:
@@ -493,6 +531,16 @@ def _hasher(checksum: str) -> Any:
     return make()
 
 
+def chunk_digest(data: memoryview | bytes, algorithm: str) -> str:
+    """The hex digest of one chunk with `algorithm`, one of CHUNK_CHECKSUMS."""
+    make = CHUNK_CHECKSUMS[algorithm]
+    if make is None:
+        raise RuntimeError(f"{algorithm} needs the xxhash package: pip install xxhash (the project's install has it)")
+    h = make()
+    h.update(data)
+    return str(h.hexdigest())
+
+
 def _address(view: memoryview) -> int:
     import ctypes
 
@@ -540,13 +588,19 @@ class ShardCommitter:
     group instead of 3 per shard.
 
     `fence`, when given, is called right before each step that publishes (a shard's rename into its name, each
-    manifest write) and raises to refuse it: a spool lane's lease check (lease.py).
+    manifest write) and raises to refuse it: a spool lane's lease check (lease.py). `chunked` (a spool's lanes): each
+    entry also holds its chunks' digests ("chunks") and its rows' index ("index", `ShardLayout.index`), so a reader
+    of some rows reads and verifies only their chunks (spool.py's `ShardRows`); an offline store's manifest lists
+    thousands of shards and is read whole, so it does without.
     """
 
-    def __init__(self, root: Path, manifest: dict[str, Any], fence: Callable[[], None] = lambda: None):
+    def __init__(
+        self, root: Path, manifest: dict[str, Any], fence: Callable[[], None] = lambda: None, *, chunked: bool = False
+    ):
         self.root = Path(root)
         self.manifest = manifest
         self.fence = fence
+        self.chunked = chunked
         self._cond = threading.Condition()
         self._changes = 0  # entries added to self.manifest
         self._saved = 0  # of which this many are in the manifest on disk
@@ -564,16 +618,21 @@ class ShardCommitter:
         assert plan is not None and layout is not None  # a started image
         path = self.root / plan.name
         tmp = path.with_name(path.name + ".tmp")
-        digest, _ = write_file(tmp, image.memory(), layout.size, direct=direct, checksum=CHECKSUM)
+        chunks: list[str] | None = [] if self.chunked else None
+        digest, _ = write_file(tmp, image.memory(), layout.size, direct=direct, checksum=CHECKSUM, chunks=chunks)
         self.fence()
         os.replace(tmp, path)
-        return {
+        entry = {
             "key": plan.key,
             CHECKSUM: digest,
             "bytes": layout.size,
             "samples": len(layout.row_offsets) - 1,
             "tokens": plan.tokens,
         }
+        if chunks is not None:
+            entry["chunks"] = {"algorithm": CHUNK_CHECKSUM, "bytes": chunk_bytes(layout.size), "digests": chunks}
+            entry["index"] = layout.index()
+        return entry
 
     def record(
         self, name: str, entry: dict[str, Any], drop: Collection[str] = (), listed: Callable[[], None] | None = None

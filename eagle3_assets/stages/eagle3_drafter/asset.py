@@ -165,7 +165,7 @@ class DrafterTrainConfig(dg.Config):
         ge=1,
         description="streaming mode: consecutive shards whose samples the trainer shuffles together (offline "
         "shuffles the whole set; a shard holds a few samples); unset = as many as `streaming_passes` + 1 of them fit "
-        "the spool and 16 GiB of a training rank's memory (each rank holds `streaming_passes` + 1 mixes, read whole)",
+        "the spool and 16 GiB of a training rank's memory (each rank holds `streaming_passes` + 1 mixes at most)",
     )
     streaming_capture_tok_s: float | None = Field(
         default=None,

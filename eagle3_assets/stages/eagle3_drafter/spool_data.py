@@ -26,28 +26,33 @@ holds one window (`batch_tokens` below a window's length): the schedule would th
 training's does. The mean window length (for the FLOPs per token) is the plan's tokens per window.
 
 Several ranks (torchrun DDP: gloo on CPU, NCCL on GPUs; `dist` is the trainer's `Distributed`). The spool has one
-reader: rank 0's `SpoolReader` adopts, commits and deletes (one writer per file); the other ranks are
-`SpoolFollower`s, which write nothing under the spool. Each step, rank 0 tries the next step without waiting
-(`try_next_step`) and broadcasts the outcome to every rank (over a gloo group, whatever the training backend): the
-step (its windows, with their shards' references: lane, name, key, the manifest entry), "wait", or the end. A
-follower reads the shards its share of the step (`windows[rank::world_size]`, as `FixedWindows`) needs, whole and
-checksum-verified (see spool.py, "Several ranks"). On "wait" every rank calls `on_wait` (the trainer's checkpoint is
-collective: a barrier), then rank 0 waits for the step while the others wait in the next broadcast; a long wait is
-broken by "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one collective past the process group's
-timeout (rank 0's word, its heartbeat and its errors: `rank_zero.RankZeroWord`, which the best-checkpoint keeper's
-evaluation uses too). The decision to wait is rank 0's alone: ranks deciding for themselves would reach the
-checkpoint's barrier on different steps. Deleting is safe with followers: rank 0 commits a position only from the
-trainer's checkpoint at it, and every rank has trained every step before it (each step's gradient all-reduce needs
-every rank's share, read from its shards), so the shards a commit deletes are needed by no rank again. An error of
-rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank: `waited_s`
-(rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the shard bytes
-this rank read); the streaming training side gathers every rank's at the end for its report
-(`streaming_train.gather_figures`). Each rank also keeps its own record of the shards it read (`reads`: each at
-most once, with the step that read it). `stop()` ends the steps while rank 0 waits (a watch of the capture side raises
-there instead).
+reader: rank 0's `SpoolReader` adopts, commits and deletes (one writer per file); the other ranks are `SpoolFollower`s,
+which write nothing under the spool. Rank 0 plans steps ahead of the one trained, up to `prefetch_steps`, without
+waiting (`try_next_step`: from the manifests, no shard bytes read) and broadcasts each new plan to every rank (over a
+gloo group, whatever the training backend): the steps (their windows), with the references of shards not named before
+(lane, name, key, the manifest entry with its chunk digests and index); "wait" when none can be planned and none is
+left; or the end. The broadcast is the plan only: no rank waits for bytes to send or receive it. Every rank submits its
+share of each planned step (`windows[rank::world_size]`, as `FixedWindows`) to its prefetcher (spool_prefetch.py), whose
+threads read those rows (the chunks they lie in, each verified: spool.py's `ShardRows`) and pack them while the trainer
+trains the steps before; the trainer takes them in order, and a read's error is raised on the training thread at the
+step that needed it. On "wait" (nothing planned is left: the trainer's position is the reader's) every rank calls
+`on_wait` (the trainer's checkpoint is collective: a barrier), then rank 0 waits for the step while the others wait in
+the next broadcast; a long wait is broken by "still waiting" broadcasts every `heartbeat_s`, so no rank sits in one
+collective past the process group's timeout (rank 0's word, its heartbeat and its errors: `rank_zero.RankZeroWord`,
+which the best-checkpoint keeper's evaluation uses too). The decision to wait is rank 0's alone: ranks deciding for
+themselves would reach the checkpoint's barrier on different steps. Deleting is safe with followers: rank 0 commits a
+position only from the trainer's checkpoint at it, and every rank has trained every step before it (each step's gradient
+all-reduce needs every rank's share, read from its shards), so the shards a commit deletes are needed by no rank again.
+An error of rank 0's reader is broadcast too, so the followers raise it rather than wait. The figures are per rank:
+`waited_s` (rank 0 waiting for capture, a follower waiting for rank 0's word after "wait") and `bytes_read` (the bytes
+of the shard chunks this rank read); the streaming training side gathers every rank's at the end for its report
+(`streaming_train.gather_figures`). Each rank also keeps its own record of the shards it read (`reads`: each at most
+once, with the first step whose share needed it). `stop()` ends the steps while rank 0 waits (a watch of the capture
+side raises there instead).
 
-Steps are read and packed on the training thread, between steps (the reader's `on_wait` must run there, where the
-trainer's state is a step's end), not ahead on a background thread as `FixedWindows` does.
+Steps are planned on the training thread, between steps (the reader's `on_wait` must run there, where the trainer's
+state is a step's end), and read and packed ahead on the prefetcher's threads (`prefetch_steps` 0: on the training
+thread when the trainer asks for the step, as before issue 42).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import hashlib
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -66,6 +72,7 @@ import torch
 from eagle3_assets.stages.eagle3_drafter.data import PackedBatch, Sample, Teacher, Window, pack_windows
 from eagle3_assets.stages.eagle3_drafter.model import Eagle3Drafter
 from eagle3_assets.stages.eagle3_drafter.rank_zero import Message, RankZeroWord
+from eagle3_assets.stages.eagle3_drafter.spool_prefetch import PREFETCH_STEPS, Prefetcher, StepRead
 from eagle3_assets.stages.eagle3_drafter.train import (
     Distributed,
     Every,
@@ -83,15 +90,17 @@ from eagle3_resources.hidden_states.spool import (
     Position,
     ShardRead,
     ShardRef,
+    ShardRows,
     SpoolFollower,
     SpoolReader,
     SpoolWindow,
     Step,
     open_settings,
+    read_step,
 )
 
-# What rank 0 broadcasts (a `Message`): ("step", Step, {shard index: ShardRef}), ("wait",), ("end",), and the
-# word's own "still waiting" and "error".
+# What rank 0 broadcasts (a `Message`): ("steps", [Step, ...], {shard index: ShardRef of the shards not told before}),
+# ("wait",), ("end",), and the word's own "still waiting" and "error". A plan, never data: no rank reads for it.
 
 
 def read_plans(root: Path, lanes: Iterable[str]) -> dict[str, dict[str, Any]] | None:
@@ -151,11 +160,15 @@ class SpoolWindows:
         stop: Callable[[], bool] | None = None,
         heartbeat_s: float | None = None,
         lease: Lease | None = None,
+        prefetch_steps: int = PREFETCH_STEPS,
     ):
         """`dist`: this rank under torchrun (None: one process); `stop()`: ends the steps while waiting for capture;
         `heartbeat_s`: rank 0's "still waiting" while it waits (None: `rank_zero.heartbeat_interval()`); `lease`: rank
-        0's trainer lease, taken with the trainer lock (its reader's commits check it; None: the reader takes one)."""
+        0's trainer lease, taken with the trainer lock (its reader's commits check it; None: the reader takes one);
+        `prefetch_steps`: steps planned and read ahead of the one trained, on a thread of its own (0: each step read on
+        the training thread when the trainer asks for it)."""
         self.root, self.device, self.poll_s, self.lease = Path(root), device, poll_s, lease
+        self.prefetch_steps = prefetch_steps
         self.dist = dist or Distributed()
         self.stop = stop or (lambda: False)
         self.spool = open_settings(self.root)
@@ -200,6 +213,10 @@ class SpoolWindows:
         self.follower: SpoolFollower | None = None  # a rank other than 0: its shards
         self.word = RankZeroWord(self.dist, heartbeat_s)  # rank 0's word to the others (several ranks)
         self.follower_waited_s = 0.0
+        self.planned: deque[Step] = deque()  # told (to every rank), submitted to the prefetcher, not handed out yet
+        self.told: set[int] = set()  # rank 0: the shards whose references it has told the other ranks
+        self.rows: dict[int, tuple[str, ShardRows]] = {}  # rank 0: the shards of the steps just decided, to plan
+        self.prefetcher: Prefetcher | None = None
 
     # -- TrainingData
 
@@ -244,12 +261,80 @@ class SpoolWindows:
                 f"the spool's steps are one epoch, resumed where the checkpoint's position is ({self.steps_done} "
                 f"steps); asked for epoch {epoch} from step {start}"
             )
+        self.prefetcher = Prefetcher(self._read, self.prefetch_steps)
+        try:
+            while self._plan_next():
+                step = self.planned.popleft()
+                yield self._handed_out(step, self.prefetcher.take(step))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the prefetcher (the steps' end, a stop, a failure): its thread is joined."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    @property
+    def depth(self) -> int:
+        """Steps planned ahead of the one handed out: the prefetcher's depth, at least the next step."""
+        return max(1, self.prefetch_steps)
+
+    def _plan_next(self) -> bool:
+        """Plan steps until the next one is planned (False: the end), topping the plan up to `depth` steps."""
         if self.dist.world_size > 1:
-            yield from self._ranked_steps()
-            return
+            return self._lead() if self.dist.main else self._follow()
         reader = self._open_reader()
-        while (step := reader.next_step(self.stop, on_wait=self.on_wait)) is not None:
-            yield self._handed_out(step, reader, step.windows)
+        self._plan(self._top_up(reader), {})
+        if not self.planned:
+            step = reader.next_step(self.stop, on_wait=self.on_wait)  # waits for capture; checkpoints first
+            if step is None:
+                return False
+            self._plan([step], {})
+        return True
+
+    def _top_up(self, reader: SpoolReader) -> list[Step]:
+        """Rank 0: the steps that can be decided now (their shards committed), up to `depth` planned: no data read."""
+        new: list[Step] = []
+        while len(self.planned) + len(new) < self.depth and (step := reader.try_next_step()) is not None:
+            new.append(step)
+            # its shards' rows now: deciding a later slot's steps drops a finished shard from the reader's index,
+            # and a shard indexed again would be read again
+            self.rows.update({k: reader.rows_of(k) for k in {w.shard for w in step.windows}})
+        return new
+
+    def _plan(self, steps: list[Step], refs: dict[int, ShardRef]) -> None:
+        """Every rank: the steps rank 0 decided, each submitted to the prefetcher with this rank's share (`refs`: the
+        shards rank 0 named with them, which a follower has not been told before)."""
+        assert self.prefetcher is not None
+        rank, world = self.dist.rank, self.dist.world_size
+        for step in steps:
+            # a rank left without a window joins with the step's first at weight 0, as `FixedWindows.pack` does
+            share = step.windows[rank::world] or step.windows[:1]
+            needed = sorted({w.shard for w in share})
+            source: SpoolReader | SpoolFollower
+            if self.dist.main:
+                source = self._open_reader()
+                rows = {k: self.rows.get(k) or source.rows_of(k) for k in needed}
+            else:
+                source = self.follower = self.follower or SpoolFollower(self.root, pin=self.device.type == "cuda")
+                source.take(step.position, [refs[k] for k in sorted({w.shard for w in step.windows}) if k in refs])
+                rows = {k: source.rows_of(k) for k in needed}
+            self.planned.append(step)
+            self.prefetcher.submit(StepRead(step, share, rows))
+        self.rows.clear()  # the requests hold what they need
+
+    def _read(self, request: StepRead) -> PackedBatch:
+        """A step's share read and packed (the prefetcher's thread, or the training thread with `prefetch_steps` 0)."""
+        cuda = self.device.type == "cuda"
+        record = self._open_reader().record if self.dist.main else self._follower().record
+        source = read_step(request.step.position, request.share, request.shards, record)
+        aux_dtype = torch.bfloat16 if cuda else torch.float32
+        share = [Window(w.sample_id, w.start, w.end) for w in request.share]
+        return pack_windows(source, share, aux_dtype, cuda, 2.0 if cuda else 1.1, self.settings.ttt_steps)
+
+    def _follower(self) -> SpoolFollower:
+        assert self.follower is not None  # made by `_plan` before any step is submitted
+        return self.follower
 
     def trained_out(self) -> bool:
         """Rank 0: every pass over every planned shard has been trained (the reader at its end). A run resumed from
@@ -260,18 +345,18 @@ class SpoolWindows:
     def _open_reader(self) -> SpoolReader:
         if self.reader is None:
             # at the checkpoint's position, or at the start (refused if the spool has recorded progress)
-            self.reader = SpoolReader(self.root, position=self.position, poll_s=self.poll_s, lease=self.lease)
+            self.reader = SpoolReader(
+                self.root,
+                position=self.position,
+                poll_s=self.poll_s,
+                lease=self.lease,
+                pin=self.device.type == "cuda",  # rows copied to the GPU from pinned memory
+            )
         return self.reader
 
-    def _handed_out(
-        self, step: Step, source: SpoolReader | SpoolFollower, mine: list[SpoolWindow]
-    ) -> tuple[list[Window], PackedBatch]:
+    def _handed_out(self, step: Step, batch: PackedBatch) -> tuple[list[Window], PackedBatch]:
         """The step's windows (all ranks') and this rank's share packed; the step is the current one from here on."""
-        cuda = self.device.type == "cuda"
-        aux_dtype = torch.bfloat16 if cuda else torch.float32
         windows = [Window(w.sample_id, w.start, w.end) for w in step.windows]
-        share = [Window(w.sample_id, w.start, w.end) for w in mine]
-        batch = pack_windows(source, share, aux_dtype, cuda, 2.0 if cuda else 1.1, self.settings.ttt_steps)
         # The trainer trains this step before it asks for the next one or checkpoints: the position is the step's end
         # from here on.
         self.current, self.position, self.steps_done = step, step.after, self.steps_done + 1
@@ -286,37 +371,29 @@ class SpoolWindows:
 
     # -- several ranks (see the module's docstring)
 
-    def _ranked_steps(self) -> Generator[tuple[list[Window], PackedBatch], None, None]:
-        rank, world = self.dist.rank, self.dist.world_size
-        while (got := self._lead() if self.dist.main else self._follow()) is not None:
-            step, refs = got
-            # a rank left without a window joins with the step's first at weight 0, as `FixedWindows.pack` does
-            share = step.windows[rank::world] or step.windows[:1]
-            if self.dist.main:
-                source: SpoolReader | SpoolFollower = self._open_reader()
-            else:
-                source = self.follower = self.follower or SpoolFollower(self.root)
-                source.take(step.position, [refs[k] for k in sorted({w.shard for w in share})])
-            yield self._handed_out(step, source, share)
-
-    def _lead(self) -> tuple[Step, dict[int, ShardRef]] | None:
-        """Rank 0: the next step (None: the end), told to every rank; on "wait", the collective `on_wait` first."""
+    def _lead(self) -> bool:
+        """Rank 0: the steps it can decide now, told to every rank with the references of shards not told before (the
+        plan only: nothing is read for it); with none planned, "wait" (the collective `on_wait` first) and the step
+        capture gives, or the end (False)."""
         reader = self.word.told(self._open_reader)
-        step = self.word.told(reader.try_next_step)
-        if step is None and not reader.finished:
+        new = self.word.told(lambda: self._top_up(reader))
+        if not new and not self.planned and not reader.finished:
             self.word.send(("wait",))
             if self.on_wait is not None:
                 started = time.monotonic()
                 self.on_wait()
                 reader.waited_s += time.monotonic() - started  # as `next_step` counts it: the checkpoint included
             step = self.word.told(lambda: self._wait_for_capture(reader))
-        if step is None:
+            new = [step] if step is not None else []
+        if not new and not self.planned:
             self.word.send(("end",))
-            return None
-        shards = sorted({w.shard for w in step.windows})
+            return False
+        shards = sorted({w.shard for step in new for w in step.windows} - self.told)
         refs = self.word.told(lambda: {k: reader.shard_ref(k) for k in shards})
-        self.word.send(("step", step, refs))
-        return step, refs
+        self.told.update(shards)
+        self.word.send(("steps", new, refs))
+        self._plan(new, refs)
+        return True
 
     def _wait_for_capture(self, reader: SpoolReader) -> Step | None:
         """Rank 0: the reader's wait for the next step (None: the end, or `stop()`), with a "still waiting" to the
@@ -324,8 +401,9 @@ class SpoolWindows:
         with self.word.beating():
             return reader.next_step(self.stop)
 
-    def _follow(self) -> tuple[Step, dict[int, ShardRef]] | None:
-        """A rank other than 0: rank 0's next step (None: the end), calling `on_wait` when rank 0 says "wait"."""
+    def _follow(self) -> bool:
+        """A rank other than 0: rank 0's steps, planned as rank 0 planned them (False: the end), calling `on_wait` when
+        rank 0 says "wait"."""
         waiting_since: float | None = None
 
         def failed(reason: str) -> Exception:
@@ -335,10 +413,11 @@ class SpoolWindows:
             while True:
                 message: Message = self.word.next_word(failed)  # "still waiting" skipped: this rank waits on
                 kind, *rest = message
-                if kind == "step":
-                    return rest[0], rest[1]
+                if kind == "steps":
+                    self._plan(rest[0], rest[1])
+                    return True  # rank 0 tells steps only when it has one planned: so does this rank
                 if kind == "end":
-                    return None
+                    return False
                 if kind == "wait":
                     waiting_since = time.monotonic()
                     if self.on_wait is not None:
@@ -370,7 +449,7 @@ class SpoolWindows:
         return self.follower.reads if self.follower is not None else []
 
 
-# 10 parameters: the one-call form; its last three only reach `SpoolWindows`
+# 11 parameters: the one-call form; its last four only reach `SpoolWindows`
 def train_from_spool(
     model: Eagle3Drafter,
     root: Path,
@@ -384,14 +463,15 @@ def train_from_spool(
     stop: Callable[[], bool] | None = None,
     heartbeat_s: float | None = None,
     lease: Lease | None = None,
+    prefetch_steps: int = PREFETCH_STEPS,
 ) -> tuple[Trainer, SpoolWindows]:
     """Train in place from the spool at `root`, resuming from `options.checkpoint_dir` when it holds a checkpoint
     of this run; the trainer checkpoints whenever it has to wait for capture. `hooks` may be a function of the data
     (to read `SpoolWindows.current`, the step just trained). Under torchrun (`options.dist`, the process group
     joined) every rank calls it alike; rank 0 reads the spool, the others follow (the module's docstring). `stop()`
-    ends the run while it waits for capture; `heartbeat_s`, `lease`: see `SpoolWindows`. Returns the trainer once it
-    is done (its record: `trainer.history`; its position: `global_step`, also where a resume found every step
-    trained) and the data (its figures, this rank's)."""
+    ends the run while it waits for capture; `heartbeat_s`, `lease`, `prefetch_steps`: see `SpoolWindows`. Returns
+    the trainer once it is done (its record: `trainer.history`; its position: `global_step`, also where a resume found
+    every step trained) and the data (its figures, this rank's)."""
     if options.checkpoint_dir is None:
         raise ValueError("training from a spool needs a checkpoint folder: a shard is deleted only once checkpointed")
     data = SpoolWindows(
@@ -404,8 +484,12 @@ def train_from_spool(
         stop=stop,
         heartbeat_s=heartbeat_s,
         lease=lease,
+        prefetch_steps=prefetch_steps,
     )
     trainer = Trainer(model, data, settings, options, teacher, held_out, hooks(data) if callable(hooks) else hooks)
     data.on_wait = trainer.checkpoint
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        data.close()  # the prefetcher's thread ends with the run, whatever ended it
     return trainer, data

@@ -9,8 +9,8 @@ the real Trainer, `passes` passes as one epoch, its position in the atomic check
 and exported (`export_report`), the report written as JSON (`train_cli.report_json`, plus `best_checkpoint` and the
 side's `streaming` figures) to `report`. Its `streaming` section is the whole training side's, every rank's figures
 gathered at the end of training (`gather_figures`: one all-gather, every rank at the same point): `steps`;
-`bytes_read`, the shard bytes read by all ranks together (rank 0 reads every shard, each other rank the shards of its
-share of the steps: `spool_data`'s figures are per rank), with `bytes_read_per_rank`, the list by rank; `waited_s`,
+`bytes_read`, the shard bytes read by all ranks together (each rank the chunks its share of the steps' rows lie in,
+each once: `spool_data`'s figures are per rank), with `bytes_read_per_rank`, the list by rank; `waited_s`,
 rank 0's seconds waiting for capture (the wait every rank shares: the others wait for rank 0's word meanwhile), and
 `waited_s_max`, the longest any rank waited; `coverage`, from the record (below). One process: its own figures, a
 list of one. With `best` in the spec, the best-checkpoint keeper runs as offline
