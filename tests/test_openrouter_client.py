@@ -476,11 +476,13 @@ def test_fake_bills_a_non_streaming_request_after_its_client_left(tok, fake):
         async with httpx.AsyncClient(
             base_url=f"{thread.base_url}/api/v1", headers={"Authorization": f"Bearer {KEY}"}
         ) as c:
-            with pytest.raises(httpx.TimeoutException):
+            # leaves while waiting for the answer (read 0.1 s), never before the request is sent: a connect timeout
+            # as short, on a loaded machine, left before the fake saw anything to bill
+            with pytest.raises(httpx.ReadTimeout):
                 await c.post(
                     "/chat/completions",
                     json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                    timeout=0.1,
+                    timeout=httpx.Timeout(60.0, read=0.1),
                 )
 
     asyncio.run(leave_early())
