@@ -39,16 +39,20 @@ def plans(draw: st.DrawFn) -> StreamingInputs:
         shard_bytes=shard,
         checkpoint_every_tokens=draw(st.integers(0, 10**9)),
         mix_shards=mix,
+        reads_per_byte=draw(st.one_of(st.none(), st.floats(0, 64))),
+        checkpoint_bytes=draw(st.integers(0, 2 * 10**10)),
     )
 
 
 @settings(max_examples=300, deadline=None)
 @given(plans())
 def test_the_run_is_never_shorter_than_any_sides_own_work(i):
-    p = plan_streaming(i)
+    p = plan_streaming(i, None)
     capture = i.capture.count * i.capture.tokens_per_s
     training = i.training.count * i.training.tokens_per_s  # token-passes a second
-    spool = i.spool_bytes_per_s / (2 * i.bytes_per_token)
+    reads = i.training.count if i.reads_per_byte is None else i.reads_per_byte  # default: each host reads it once
+    checkpoints = i.checkpoint_bytes * i.passes / i.checkpoint_every_tokens if i.checkpoint_every_tokens else 0
+    spool = i.spool_bytes_per_s / (i.bytes_per_token * (1 + reads) + checkpoints)  # written, read, checkpointed
     first = min(i.tokens, i.shard_bytes // i.bytes_per_token or 1)  # tokens of the first (and of the last) shard
     mix = min(i.tokens, (i.shard_bytes // i.bytes_per_token or 1) * i.mix_shards)  # of the first mix
     slack = 1 + 1e-9
@@ -65,7 +69,7 @@ def test_the_run_is_never_shorter_than_any_sides_own_work(i):
 @settings(max_examples=300, deadline=None)
 @given(plans())
 def test_the_bottleneck_is_the_slowest_side_and_only_it_sets_the_pace(i):
-    p = plan_streaming(i)
+    p = plan_streaming(i, None)
     assert p.rates[p.bottleneck] == min(p.rates.values()) == p.tokens_per_s
     assert p.busy[p.bottleneck] == 1.0 and all(0 < b <= 1.0 for b in p.busy.values())
     # a faster bottleneck never makes the run longer; a faster non-bottleneck side does not change the pace
@@ -76,16 +80,16 @@ def test_the_bottleneck_is_the_slowest_side_and_only_it_sets_the_pace(i):
         faster = dataclasses.replace(
             i, training=dataclasses.replace(i.training, tokens_per_s=i.training.tokens_per_s * 2)
         )
-    assert plan_streaming(faster).duration_s <= p.duration_s * (1 + 1e-12)
+    assert plan_streaming(faster, None).duration_s <= p.duration_s * (1 + 1e-12)
     if p.bottleneck != "spool":
         other = dataclasses.replace(i, spool_bytes_per_s=i.spool_bytes_per_s * 2)
-        assert plan_streaming(other).tokens_per_s == p.tokens_per_s
+        assert plan_streaming(other, None).tokens_per_s == p.tokens_per_s
 
 
 @settings(max_examples=300, deadline=None)
 @given(plans())
 def test_the_peak_disk_fits_the_budget_and_the_data_and_holds_the_working_set(i):
-    p = plan_streaming(i)
+    p = plan_streaming(i, None)
     assert p.min_budget_bytes <= i.spool_budget_bytes
     assert p.peak_disk_bytes <= i.spool_budget_bytes
     assert p.peak_disk_bytes <= p.data_bytes + i.capture.count * padded_size(i.shard_bytes)
@@ -103,9 +107,9 @@ def test_the_peak_disk_fits_the_budget_and_the_data_and_holds_the_working_set(i)
 @given(plans())
 def test_a_spool_below_its_working_set_is_refused_at_exactly_the_spools_own_minimum(i):
     minimum = i.capture.count * min_lane_bytes(i.passes, i.shard_bytes, i.mix_shards)
-    assert plan_streaming(dataclasses.replace(i, spool_budget_bytes=minimum)).min_budget_bytes == minimum
+    assert plan_streaming(dataclasses.replace(i, spool_budget_bytes=minimum), None).min_budget_bytes == minimum
     with pytest.raises(SpoolTooSmall) as e:
-        plan_streaming(dataclasses.replace(i, spool_budget_bytes=minimum - 1))
+        plan_streaming(dataclasses.replace(i, spool_budget_bytes=minimum - 1), None)
     assert f"{minimum:,}" in str(e.value) and "budget" in e.value.what_to_do
 
 
@@ -116,11 +120,9 @@ def test_rates_that_were_not_measured_are_refused():
             plan_streaming(dataclasses.replace(i, capture=Hosts(1, bad)))
 
 
-KIMI_600K = [  # docs/streaming.md's worked plan: TorchSpec's 600k Kimi-K2.5 samples, 6B tokens
+KIMI_600K = [  # docs/streaming.md's worked plan: TorchSpec's 600k Kimi-K2.5 samples, 6B tokens, every rate assumed
     "--tokens",
     "6e9",
-    "--capture-hosts",
-    "2",
     "--capture-tok-s",
     "30000",
     "--training-hosts",
@@ -142,7 +144,15 @@ def test_the_worked_kimi_plan_the_streaming_doc_quotes(capsys):
     main(KIMI_600K)
     out = capsys.readouterr().out
     assert "6,000,000,000 tokens x 57,349 B = 344.1 TB offline" in out
-    assert "bottleneck: capture at 60,000 tok/s" in out
-    assert "duration: 27.8 h; GPUs: 32 (889 GPU-hours)" in out
-    # a lane of 1 TB holds 250 shards, a rank's 16 GiB (passes + 1) x 2 of them: the default mix is 2 shards
-    assert "minimum 0.024 TB, stall-free 1.75 TB, peak on disk 1.75 TB; shuffled 2 shard(s) at a time" in out
+    assert "capture: 1 host(s) x 30,000 tok/s" in out  # the one capture host the orchestrator launches
+    # each byte written once and read by each of the 2 training hosts; Kimi's MLA drafter's 10.75 GB checkpoint
+    # every 30M token-passes
+    assert "10.00 GB/s / (57,349 B x (1 write + 2 read(s)) + 358 B of checkpoints) = 58,003 tok/s" in out
+    assert "checkpoints: 10.75 GB every 30,000,000 token-passes" in out
+    assert "bottleneck: capture at 30,000 tok/s" in out
+    assert "duration: 55.6 h; GPUs: 24 (1,333 GPU-hours)" in out
+    for side in ("capture", "training"):
+        assert f"rate of {side} per host: assumed (given: --{side}-tok-s" in out
+    assert "rate of the spool: assumed (given: --spool-gb-s 10)" in out
+    # a lane of 2 TB holds 500 shards, a rank's 16 GiB (passes + 1) x 2 of them: the default mix is 2 shards
+    assert "minimum 0.012 TB, stall-free 1.74 TB, peak on disk 1.74 TB; shuffled 2 shard(s) at a time" in out

@@ -169,13 +169,34 @@ class DrafterTrainConfig(dg.Config):
     )
     streaming_capture_tok_s: float | None = Field(
         default=None,
-        description="streaming plan: tokens/s of capture; unset = the last `hidden_states` materialization's "
-        "measured `tokens_per_s` (refused when there is none)",
+        description="streaming plan: tokens/s of capture (assumed); unset = `streaming_capture_gpu_check`'s, else the "
+        "last `hidden_states` materialization's measured `tokens_per_s` (refused when there is none)",
     )
     streaming_train_tok_s: float | None = Field(
         default=None,
-        description="streaming plan: token-passes/s of training on one node (all its `processes` ranks); unset = "
-        "the last drafter materialization's measured `train_tokens_per_s` (refused when there is none)",
+        description="streaming plan: token-passes/s of training on one node (all its `processes` ranks, assumed); "
+        "unset = `streaming_train_device_check`'s, else the last drafter materialization's measured "
+        "`train_tokens_per_s` (refused when there is none)",
+    )
+    streaming_capture_gpu_check: str | None = Field(
+        default=None,
+        description="streaming plan: an `eagle3 gpu-check --model <target> --tp N --json` output; the capture rate is "
+        "its `sglang capture (target, ...)` row's tokens_per_s (not with streaming_capture_tok_s)",
+    )
+    streaming_train_device_check: str | None = Field(
+        default=None,
+        description="streaming plan: a `benchmarks/device_check.py` JSON; a node's training rate is its `train_kimi` "
+        "section's tokens_per_s (one GPU) x `processes` (assumed linear; not with streaming_train_tok_s)",
+    )
+    streaming_spool_gpu_check: str | None = Field(
+        default=None,
+        description="streaming plan: an `eagle3 gpu-check --json` output run on the spool's file system; its `disk "
+        "write` row's bytes/s replace streaming_spool_gb_s",
+    )
+    streaming_reads_per_byte: float | None = Field(
+        default=None,
+        description="streaming plan: times the training side reads each captured byte from the spool's file system; "
+        "unset = `streaming_nodes` (every rank reads whole shards, a node's ranks share its page cache)",
     )
     streaming_spool_dir: str | None = Field(
         default=None,
@@ -784,17 +805,35 @@ def refuse_streaming_shape(config: DrafterTrainConfig) -> None:
 def streaming_request(
     context: dg.AssetExecutionContext, config: DrafterTrainConfig, backend: HiddenStatesResource
 ) -> "StreamingRequest":
-    """The spool and the plan's rates: each rate declared in the config, else the last materialization's measured
-    figure (refused when there is none)."""
+    """The spool and the plan's rates, each labelled (measured: its source; assumed): a rate declared in the config,
+    else its measurement file's (`streaming_rates`), else the last materialization's measured figure (refused when
+    there is none); the spool's from its gpu-check file, else `streaming_spool_gb_s`."""
+    from eagle3_assets.stages.eagle3_drafter import streaming_rates
     from eagle3_assets.stages.eagle3_drafter.streaming import StreamingRequest
 
     rates, source = {}, {}
+    files = {
+        "capture_tok_s": (config.streaming_capture_gpu_check, streaming_rates.capture_rate),
+        "train_tok_s": (
+            config.streaming_train_device_check,
+            lambda path: streaming_rates.training_rate(path, config.processes),
+        ),
+    }
     for name, value, asset_key, key in (
         ("capture_tok_s", config.streaming_capture_tok_s, "hidden_states", "tokens_per_s"),
         ("train_tok_s", config.streaming_train_tok_s, "eagle3_drafter", "train_tokens_per_s"),
     ):
+        path, read = files[name]
+        if value is not None and path is not None:
+            raise DrafterError(f"streaming_{name} and its measurement file {path} are both set: set one")
         if value is not None:
-            rates[name], source[name] = float(value), "declared in the config"
+            rates[name], source[name] = float(value), "assumed (declared in the config)"
+            continue
+        if path is not None:
+            try:
+                rates[name], source[name] = read(path)
+            except streaming_rates.RateUnreadable as e:
+                raise DrafterError(f"the streaming plan's {name}: {e}") from None
             continue
         event = context.instance.get_latest_materialization_event(dg.AssetKey(asset_key))
         meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
@@ -802,7 +841,13 @@ def streaming_request(
             raise DrafterError(
                 f"the streaming plan needs streaming_{name}: no {asset_key} materialization measured {key}; set it"
             )
-        rates[name], source[name] = float(meta[key].value), f"measured: {asset_key}'s last {key}"
+        rates[name], source[name] = float(meta[key].value), f"measured: {asset_key}'s last materialization's {key}"
+    spool_rate, spool_source = config.streaming_spool_gb_s * 1e9, "assumed (streaming_spool_gb_s)"
+    if config.streaming_spool_gpu_check is not None:
+        try:
+            spool_rate, spool_source = streaming_rates.spool_rate(config.streaming_spool_gpu_check)
+        except streaming_rates.RateUnreadable as e:
+            raise DrafterError(f"the streaming plan's spool rate: {e}") from None
     sglang = backend.backend is HiddenStatesBackendKind.SGLANG
     return StreamingRequest(
         spool_bytes=int(config.streaming_spool_gb * 1e9) if config.streaming_spool_gb is not None else 0,
@@ -810,8 +855,10 @@ def streaming_request(
         shard_bytes=int(config.streaming_shard_gb * 1e9),
         capture_tok_s=rates["capture_tok_s"],
         train_tok_s=rates["train_tok_s"],
-        spool_bytes_per_s=config.streaming_spool_gb_s * 1e9,
+        spool_bytes_per_s=spool_rate,
         rates_source=source,
+        spool_source=spool_source,
+        reads_per_byte=config.streaming_reads_per_byte,
         capture_gpus=backend.sglang_tp_size if sglang else 1,
         mix_shards=config.streaming_mix_shards,
     )

@@ -46,7 +46,14 @@ from typing import Any
 import polars as pl
 
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterReport
-from eagle3_assets.stages.eagle3_drafter.streaming_plan import Hosts, StreamingInputs, StreamingPlan, plan_streaming
+from eagle3_assets.stages.eagle3_drafter.streaming_plan import (
+    ASSUMED,
+    LAUNCHED_CAPTURE_HOSTS,
+    Hosts,
+    StreamingInputs,
+    StreamingPlan,
+    plan_streaming,
+)
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import (
     HEARTBEAT_EVERY_S,
     ORPHAN_AFTER_S,
@@ -77,10 +84,12 @@ class StreamingRequest:
     capture_tok_s: float  # per capture host, as planned (declared or measured)
     train_tok_s: float  # token-passes/s of the trainer, as planned
     spool_bytes_per_s: float
-    rates_source: dict[str, str]  # where each planned rate came from
+    rates_source: dict[str, str]  # where each planned rate came from: "capture_tok_s", "train_tok_s" -> its label
     capture_gpus: int = 1
     writers: int = 2
     mix_shards: int | None = None  # shards the trainer shuffles together; None: `spool.default_mix_shards`
+    spool_source: str = ASSUMED  # where spool_bytes_per_s came from
+    reads_per_byte: float | None = None  # the training side's reads of each byte; None: its nodes (streaming_plan)
 
 
 @dataclass
@@ -198,11 +207,14 @@ def plan_for(
     request: StreamingRequest,
     settings: TrainSettings,
     training_nodes: tuple[int, int] = (1, 1),
+    checkpoint_bytes: int = 0,
 ) -> tuple[StreamingInputs, StreamingPlan]:
     """The plan of streaming `train` (refused with `SpoolTooSmall` when the spool cannot hold its working set) on
     `training_nodes` = (nodes, ranks per node), each node training at `request.train_tok_s`; the largest shard is
     measured on the capture's own shard plan (its datasets interleaved, seeded by the training seed as the spool's),
-    and the mix is the request's or the largest the budget allows (`default_mix_shards`)."""
+    and the mix is the request's or the largest the budget allows (`default_mix_shards`). One capture host, the one
+    the orchestrator launches (`LAUNCHED_CAPTURE_HOSTS`); `stream_drafter` launches the sides from these inputs.
+    `checkpoint_bytes`: one trainer checkpoint (`checkpoint_bytes_of`), written on the spool's file system."""
     plans = plan_mixed_shards(train, hidden, request.shard_bytes, identity, settings.seed)
     sizes = [shard_layout(p, [train[i] for i in p.samples], hidden).size for p in plans]
     largest = max(sizes, default=1)
@@ -210,16 +222,38 @@ def plan_for(
     inputs = StreamingInputs(
         tokens=sum(len(s.input_ids) for s in train),
         bytes_per_token=token_bytes(hidden),
-        capture=Hosts(1, request.capture_tok_s, request.capture_gpus),
-        training=Hosts(training_nodes[0], request.train_tok_s, training_nodes[1]),
+        capture=Hosts(
+            LAUNCHED_CAPTURE_HOSTS,
+            request.capture_tok_s,
+            request.capture_gpus,
+            request.rates_source.get("capture_tok_s", ASSUMED),
+        ),
+        training=Hosts(
+            training_nodes[0], request.train_tok_s, training_nodes[1], request.rates_source.get("train_tok_s", ASSUMED)
+        ),
         spool_bytes_per_s=request.spool_bytes_per_s,
         spool_budget_bytes=request.spool_bytes,
         passes=request.passes,
         shard_bytes=largest,
         checkpoint_every_tokens=settings.checkpoint_every * settings.batch_tokens,
         mix_shards=mix,
+        spool_source=request.spool_source,
+        reads_per_byte=request.reads_per_byte,
+        checkpoint_bytes=checkpoint_bytes,
     )
     return inputs, plan_streaming(inputs)
+
+
+def checkpoint_bytes_of(target_folder: Path, hidden: int, draft_vocab: int, kind: str) -> int:
+    """One trainer checkpoint's bytes for the drafter this target trains (`pipeline.drafter_config`; its draft
+    vocabulary at most the target's), counted on the meta device (`streaming_rates.drafter_config_checkpoint_bytes`)."""
+    from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config
+    from eagle3_assets.stages.eagle3_drafter.streaming_rates import drafter_config_checkpoint_bytes
+
+    config = json.loads((Path(target_folder) / "config.json").read_text())
+    text = config.get("text_config", config)
+    vocab = int(text["vocab_size"])
+    return drafter_config_checkpoint_bytes(drafter_config(text, hidden, min(draft_vocab, vocab), vocab, kind))
 
 
 class FillSampler:
@@ -363,7 +397,9 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     hidden = target_hidden_size(job.target_folder)
     train, _, held_split = split_samples(job.merged)
     training_nodes = (job.nodes, job.processes)
-    inputs, plan = plan_for(train, hidden, job.identity, job.request, settings, training_nodes)  # SpoolTooSmall first
+    checkpoint = checkpoint_bytes_of(job.target_folder, hidden, job.requested_draft_vocab, settings.drafter_kind)
+    # SpoolTooSmall first; what is launched below is these inputs: its capture host(s), nodes, ranks, passes, mix
+    inputs, plan = plan_for(train, hidden, job.identity, job.request, settings, training_nodes, checkpoint)
     text = plan.describe(inputs)
     job.log("streaming plan:\n" + text)
     figures = StreamingFigures(plan, text, job.request.spool_bytes, plan.data_bytes)
@@ -374,8 +410,8 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
     create_spool(
         files.spool,
         SpoolSettings(
-            {LANE: r.spool_bytes},
-            r.passes,
+            {LANE: r.spool_bytes},  # one lane: the plan's one capture host (LAUNCHED_CAPTURE_HOSTS)
+            inputs.passes,
             settings.max_len,
             settings.batch_tokens,
             settings.seed,
@@ -400,7 +436,10 @@ def stream_drafter(job: StreamingJob) -> tuple[DrafterReport, StreamingFigures]:
         sides.append(launcher.start_capture(files.capture_spec, files.capture_log))
         sides.append(
             launcher.start_training(
-                files.training_spec, files.training_log, nodes=job.nodes, processes_per_node=job.processes
+                files.training_spec,
+                files.training_log,
+                nodes=inputs.training.count,
+                processes_per_node=inputs.training.gpus_per_host,
             )
         )
         for side in sides:
