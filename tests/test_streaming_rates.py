@@ -352,3 +352,41 @@ def test_the_asset_launches_exactly_the_plan_it_records(tmp_path):
     assert spool["passes"] == 3 and spool["mix_shards"] == 2 and "shuffled 2 shard(s) at a time" in plan
     assert "(1 write + 2 read(s))" in plan and "rate of training per host: measured: x" in plan
     assert "rate of the spool: ss" in plan and "checkpoints: 0.00 GB every 600 token-passes" in plan
+
+
+def test_the_assets_config_takes_its_rates_from_the_files_labelled(tmp_path, monkeypatch, capsys):
+    from eagle3_assets.stages.eagle3_drafter.asset import DrafterTrainConfig, streaming_request
+    from eagle3_resources.errors import DrafterError
+    from eagle3_resources.hidden_states.resource import HiddenStatesResource
+
+    training = device_check_json(tmp_path, tokens_per_s=5000.0)
+    spool = gpu_check_json(tmp_path, [disk_row(tmp_path)], monkeypatch, capsys)
+    capture = gpu_check_json(tmp_path, [target_row(27000.0)], monkeypatch, capsys)
+    no_context = SimpleNamespace()  # the last materializations are not read when every rate is given
+    config = DrafterTrainConfig(
+        processes=8,
+        streaming_spool_gb=2000,
+        streaming_train_device_check=str(training),
+        streaming_capture_gpu_check=str(capture),
+        streaming_spool_gpu_check=str(spool),
+        streaming_reads_per_byte=16,
+    )
+    request = streaming_request(no_context, config, HiddenStatesResource())  # type: ignore[arg-type]
+    assert request.train_tok_s == 8 * 5000.0 and request.capture_tok_s == 27000.0
+    assert request.rates_source["train_tok_s"].startswith(f"measured: {training}")
+    assert request.rates_source["capture_tok_s"].startswith(f"measured: {capture}")
+    assert request.spool_source.startswith(f"measured: {spool}") and request.reads_per_byte == 16
+    assumed = streaming_request(
+        no_context,  # type: ignore[arg-type]
+        DrafterTrainConfig(streaming_spool_gb=2000, streaming_train_tok_s=1.0, streaming_capture_tok_s=2.0),
+        HiddenStatesResource(),
+    )
+    assert assumed.rates_source == {"train_tok_s": "assumed (declared in the config)"} | {
+        "capture_tok_s": "assumed (declared in the config)"
+    }
+    assert assumed.spool_source == "assumed (streaming_spool_gb_s)"
+    with pytest.raises(DrafterError, match="streaming_train_tok_s and its measurement file .* are both set"):
+        streaming_request(no_context, config.model_copy(update={"streaming_train_tok_s": 1.0}), HiddenStatesResource())  # type: ignore[arg-type]
+    no_disk = config.model_copy(update={"streaming_spool_gpu_check": str(capture)})
+    with pytest.raises(DrafterError, match=r"spool rate: .*checks\['disk write'\]: no such row"):
+        streaming_request(no_context, no_disk, HiddenStatesResource())  # type: ignore[arg-type]
