@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -156,3 +157,6 @@ def test_the_worked_kimi_plan_the_streaming_doc_quotes(capsys):
     assert "rate of the spool: assumed (given: --spool-gb-s 10)" in out
     # a lane of 2 TB holds 500 shards, a rank's 16 GiB (passes + 1) x 2 of them: the default mix is 2 shards
     assert "minimum 0.012 TB, stall-free 1.74 TB, peak on disk 1.74 TB; shuffled 2 shard(s) at a time" in out
+    # the doc quotes the command's output as it prints it, line for line
+    doc = (Path(__file__).parent.parent / "docs" / "streaming.md").read_text()
+    assert "\n".join("    " + line for line in out.strip().splitlines()) in doc
