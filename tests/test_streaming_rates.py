@@ -371,7 +371,7 @@ def test_the_assets_config_takes_its_rates_from_the_files_labelled(tmp_path, mon
         streaming_spool_gpu_check=str(spool),
         streaming_reads_per_byte=16,
     )
-    request = streaming_request(no_context, config, HiddenStatesResource())  # type: ignore[arg-type]
+    request = streaming_request(no_context, config, HiddenStatesResource(), KIMI_HIDDEN)  # type: ignore[arg-type]
     assert request.train_tok_s == 8 * 5000.0 and request.capture_tok_s == 27000.0
     assert request.rates_source["train_tok_s"].startswith(f"measured: {training}")
     assert request.rates_source["capture_tok_s"].startswith(f"measured: {capture}")
@@ -388,5 +388,7 @@ def test_the_assets_config_takes_its_rates_from_the_files_labelled(tmp_path, mon
     with pytest.raises(DrafterError, match="streaming_train_tok_s and its measurement file .* are both set"):
         streaming_request(no_context, config.model_copy(update={"streaming_train_tok_s": 1.0}), HiddenStatesResource())  # type: ignore[arg-type]
     no_disk = config.model_copy(update={"streaming_spool_gpu_check": str(capture)})
+    with pytest.raises(DrafterError, match=r"train_tok_s: .*figures.hidden: measured at width 7168, .* 64 wide"):
+        streaming_request(no_context, config, HiddenStatesResource(), 64)  # type: ignore[arg-type]
     with pytest.raises(DrafterError, match=r"spool rate: .*checks\['disk write'\]: no such row"):
         streaming_request(no_context, no_disk, HiddenStatesResource())  # type: ignore[arg-type]

@@ -803,11 +803,15 @@ def refuse_streaming_shape(config: DrafterTrainConfig) -> None:
 
 
 def streaming_request(
-    context: dg.AssetExecutionContext, config: DrafterTrainConfig, backend: HiddenStatesResource
+    context: dg.AssetExecutionContext,
+    config: DrafterTrainConfig,
+    backend: HiddenStatesResource,
+    hidden: int | None = None,
 ) -> "StreamingRequest":
     """The spool and the plan's rates, each labelled (measured: its source; assumed): a rate declared in the config,
     else its measurement file's (`streaming_rates`), else the last materialization's measured figure (refused when
-    there is none); the spool's from its gpu-check file, else `streaming_spool_gb_s`."""
+    there is none); the spool's from its gpu-check file, else `streaming_spool_gb_s`. `hidden`: the target's width,
+    which a device check's training figure must have been measured at."""
     from eagle3_assets.stages.eagle3_drafter import streaming_rates
     from eagle3_assets.stages.eagle3_drafter.streaming import StreamingRequest
 
@@ -816,7 +820,7 @@ def streaming_request(
         "capture_tok_s": (config.streaming_capture_gpu_check, streaming_rates.capture_rate),
         "train_tok_s": (
             config.streaming_train_device_check,
-            lambda path: streaming_rates.training_rate(path, config.processes),
+            lambda path: streaming_rates.training_rate(path, config.processes, hidden),
         ),
     }
     for name, value, asset_key, key in (
@@ -874,11 +878,11 @@ def streaming_job(
 ) -> "StreamingJob":
     """The streaming run the config asks for: its rates declared or measured (the last materializations'), the
     capture's resources as their config (the capture process builds the backend `hidden_states` builds)."""
-    from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob
+    from eagle3_assets.stages.eagle3_drafter.streaming import StreamingJob, target_hidden_size
 
     refuse_streaming_shape(config)
     target, tokenizer, backend = resources
-    request = streaming_request(context, config, backend)
+    request = streaming_request(context, config, backend, target_hidden_size(folder))
     best = best_section(config, target, tokenizer)
 
     def observe(figures: dict) -> None:
