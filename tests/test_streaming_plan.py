@@ -51,7 +51,8 @@ def test_the_run_is_never_shorter_than_any_sides_own_work(i):
     p = plan_streaming(i, None)
     capture = i.capture.count * i.capture.tokens_per_s
     training = i.training.count * i.training.tokens_per_s  # token-passes a second
-    reads = i.training.count if i.reads_per_byte is None else i.reads_per_byte  # default: each host reads it once
+    ranks = i.training.count * i.training.gpus_per_host  # default: the distinct ranks that train a row over its passes
+    reads = ranks * (1 - (1 - 1 / ranks) ** i.passes) if i.reads_per_byte is None else i.reads_per_byte
     checkpoints = i.checkpoint_bytes * i.passes / i.checkpoint_every_tokens if i.checkpoint_every_tokens else 0
     spool = i.spool_bytes_per_s / (i.bytes_per_token * (1 + reads) + checkpoints)  # written, read, checkpointed
     first = min(i.tokens, i.shard_bytes // i.bytes_per_token or 1)  # tokens of the first (and of the last) shard
@@ -146,9 +147,9 @@ def test_the_worked_kimi_plan_the_streaming_doc_quotes(capsys):
     out = capsys.readouterr().out
     assert "6,000,000,000 tokens x 57,349 B = 344.1 TB offline" in out
     assert "capture: 1 host(s) x 30,000 tok/s" in out  # the one capture host the orchestrator launches
-    # each byte written once and read by each of the 2 training hosts; Kimi's MLA drafter's 10.75 GB checkpoint
-    # every 30M token-passes
-    assert "10.00 GB/s / (57,349 B x (1 write + 2 read(s)) + 358 B of checkpoints) = 58,003 tok/s" in out
+    # each byte written once and read once (one pass: by the one rank that trains it); Kimi's MLA drafter's 10.75 GB
+    # checkpoint every 30M token-passes
+    assert "10.00 GB/s / (57,349 B x (1 write + 1 read(s)) + 358 B of checkpoints) = 86,914 tok/s" in out
     assert "checkpoints: 10.75 GB every 30,000,000 token-passes" in out
     assert "bottleneck: capture at 30,000 tok/s" in out
     assert "duration: 55.6 h; GPUs: 24 (1,333 GPU-hours)" in out

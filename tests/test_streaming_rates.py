@@ -213,16 +213,22 @@ SPOOL_BOUND = StreamingInputs(  # 100 B a token; capture 4 tok/s; 2 training hos
 
 
 def test_every_training_hosts_reads_count_and_make_the_spool_the_bottleneck():
-    once = plan_streaming(replace(SPOOL_BOUND, reads_per_byte=1))  # ranks reading only their rows
-    assert once.rates["spool"] == 1000.0 / (100 * 2) == 5.0 and once.bottleneck == "capture"
-    each_host = plan_streaming(SPOOL_BOUND)  # today's trainer: each of the 2 hosts reads every byte
+    rows = plan_streaming(SPOOL_BOUND)  # today's trainer, one pass: each row read once, by the rank that trains it
+    assert rows.rates["spool"] == 1000.0 / (100 * 2) == 5.0 and rows.bottleneck == "capture"
+    whole = replace(SPOOL_BOUND, reads_per_byte=2)  # each of the 2 hosts reading whole shards (before issue 42 item 1)
+    each_host = plan_streaming(whole)
     assert each_host.rates["spool"] == pytest.approx(1000.0 / (100 * 3)) and each_host.bottleneck == "spool"
-    assert each_host.duration_s > once.duration_s
+    assert each_host.duration_s > rows.duration_s
     assert each_host.spool_traffic_bytes == 10**6 * 100 * 3
-    every_rank = plan_streaming(replace(SPOOL_BOUND, reads_per_byte=16))
-    assert every_rank.rates["spool"] == pytest.approx(1000.0 / (100 * 17))
-    text = each_host.describe(SPOOL_BOUND)
-    assert "(1 write + 2 read(s))" in text and "each training host reads every byte once (2 host(s)" in text
+    assert "(1 write + 2 read(s))" in each_host.describe(whole) and "2 read(s) of every byte (given)" in (
+        each_host.describe(whole)
+    )
+    # more passes: a row's passes land on several of the 16 ranks, each reading it: 16 (1 - (15/16)^2) = 1.9375
+    two = replace(SPOOL_BOUND, passes=2)
+    assert two.reads == 1.9375 and plan_streaming(two).rates["spool"] == pytest.approx(1000.0 / (100 * 2.9375))
+    assert "1.94 read(s) of every byte, the distinct ranks of 16 that train it in 2 pass(es)" in plan_streaming(
+        two
+    ).describe(two)
 
 
 def test_the_checkpoints_are_spool_traffic():
@@ -350,7 +356,8 @@ def test_the_asset_launches_exactly_the_plan_it_records(tmp_path):
     assert "training: 2 host(s) x 500 tok/s / 3 pass(es)" in plan and "GPUs: 7 " in plan  # 1 x 1 + 2 x 3
     assert [(t["nodes"], t["ranks"], t["passes"]) for t in launcher.training] == [(2, 3, 3)]
     assert spool["passes"] == 3 and spool["mix_shards"] == 2 and "shuffled 2 shard(s) at a time" in plan
-    assert "(1 write + 2 read(s))" in plan and "rate of training per host: measured: x" in plan
+    # 6 ranks, 3 passes: 6 (1 - (5/6)^3) = 2.528 reads of every byte
+    assert "(1 write + 2.52778 read(s))" in plan and "rate of training per host: measured: x" in plan
     assert "rate of the spool: ss" in plan and "checkpoints: 0.00 GB every 600 token-passes" in plan
 
 

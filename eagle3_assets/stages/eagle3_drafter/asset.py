@@ -196,7 +196,7 @@ class DrafterTrainConfig(dg.Config):
     streaming_reads_per_byte: float | None = Field(
         default=None,
         description="streaming plan: times the training side reads each captured byte from the spool's file system; "
-        "unset = `streaming_nodes` (every rank reads whole shards, a node's ranks share its page cache)",
+        "unset = today's trainer (each rank reads only its rows: 1 for one pass; streaming_plan.py)",
     )
     streaming_spool_dir: str | None = Field(
         default=None,

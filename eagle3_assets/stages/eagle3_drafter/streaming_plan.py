@@ -17,13 +17,14 @@ The model (stated so it can be checked):
   data), so it passes `S = spool bytes/s / (bytes per token x (1 + reads_per_byte) + checkpoint bytes per token)`
   tokens a second. The run's steady rate is `r = min(C, T / passes, S)` and the side that sets it is the bottleneck
   (ties go to capture, then training).
-- The training side's reads (`reads_per_byte`, default: the training hosts). Today's trainer
-  (`spool_data.py`, `spool.py` "Several ranks") reads every shard whole in every rank that trains a row of it: rank 0
-  each shard as it adopts it, each follower the shards its share of a step touches (over `passes` shuffled slots,
-  most of them), buffered. The ranks of one host share its page cache (the file is written once and never
-  changed), so the file system serves each byte once per training host: assumed, not measured; where a host's
-  cache does not hold a shard until its last rank reads it, each rank reads it from the file system
-  (`reads_per_byte` = every rank of the run); ranks that read only their own rows read each byte once (1).
+- The training side's reads (`reads_per_byte`). Today's trainer (`spool_data.py`, `spool.py` "Several ranks", since
+  issue 42 item 1) has each rank read only the rows of its share of each step (the chunks they lie in) and keep them
+  until the shard's passes are done: a row is read once by each rank that trains it in one of its `passes`, and the
+  rows of a pass land on any of the run's R ranks (training hosts x their GPUs), so the default is the expected count
+  of distinct ranks among `passes` draws, `R (1 - (1 - 1/R)^passes)`: 1 for one pass (assumed: the shuffle spreads a
+  row's passes over the ranks at random; a chunk at the edge of two ranks' rows, at most 4 MiB, read by both, is not
+  counted). Before the prefetcher every rank read every shard whole: the training hosts (their page caches shared by
+  their ranks) to every rank of the run.
 - What is launched is what is planned: the orchestrator launches `LAUNCHED_CAPTURE_HOSTS` capture host (one lane,
   streaming.py's `LANE`), so a plan of more is refused (`plan_streaming`'s `launchable_capture_hosts`).
 - Duration = `tokens / r` + the fill (training starts once a capture host has committed its first mix of
@@ -81,13 +82,16 @@ class StreamingInputs:
     checkpoint_every_tokens: int = 0  # token-passes trained between two checkpoints of the trainer
     mix_shards: int = 1  # the trainer's shuffle span in shards (spool.default_mix_shards)
     spool_source: str = ASSUMED  # where spool_bytes_per_s came from
-    reads_per_byte: float | None = None  # file-system reads of each captured byte by training; None: training hosts
+    reads_per_byte: float | None = None  # file-system reads of each captured byte by training; None: today's trainer
     checkpoint_bytes: int = 0  # one checkpoint of the trainer (weights and optimizer), on the spool's file system
 
     @property
     def reads(self) -> float:
         """Times the training side reads each captured byte from the file system (see the module's docstring)."""
-        return float(self.training.count) if self.reads_per_byte is None else self.reads_per_byte
+        if self.reads_per_byte is not None:
+            return self.reads_per_byte
+        ranks = self.training.count * self.training.gpus_per_host
+        return ranks * (1 - (1 - 1 / ranks) ** self.passes)
 
     @property
     def checkpoint_bytes_per_token(self) -> float:
@@ -143,8 +147,9 @@ class StreamingPlan:
             f"rate of the spool: {i.spool_source}",
             "reads: "
             + (
-                f"each training host reads every byte once ({i.training.count} host(s); assumed: every rank reads "
-                "whole shards, buffered, and a host's ranks share its page cache)"
+                f"each rank reads only its rows: {i.reads:.3g} read(s) of every byte, the distinct ranks of "
+                f"{i.training.count * i.training.gpus_per_host} that train it in {i.passes} pass(es) (assumed: at "
+                "random)"
                 if i.reads_per_byte is None
                 else f"{i.reads_per_byte:g} read(s) of every byte (given)"
             ),
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spool-gb-s", type=float, default=None, help="the spool's file system, assumed")
     p.add_argument("--spool-gpu-check", default=None, help="`eagle3 gpu-check --json` output on the spool's root")
     p.add_argument("--spool-tb", type=float, required=True)
-    p.add_argument("--reads-per-byte", type=float, default=None, help="default: the training hosts (see the model)")
+    p.add_argument("--reads-per-byte", type=float, default=None, help="default: each rank its own rows (the model)")
     p.add_argument("--passes", type=int, default=1)
     p.add_argument("--shard-gb", type=float, default=1.0)
     p.add_argument("--checkpoint-tokens", type=float, default=0, help="token-passes between two checkpoints")
