@@ -12,7 +12,8 @@ failure in one place (`eagle3_assets.common.failures`), whose description ends w
     │   ├── ToolSchemaError            (ValueError) a tool's JSON schema cannot be declared the way Kimi does
     │   ├── SourceError                (ValueError) a public source cannot be read at all (no files, a column missing)
     │   ├── TokenizerFolderError       (ValueError) a tokenizer folder is missing, malformed or off in its ids
-    │   └── StandinWeightsMismatch     (ValueError) the shipped stand-in weights were fitted for another tokenizer
+    │   ├── StandinWeightsMismatch     (ValueError) the shipped stand-in weights were fitted for another tokenizer
+    │   └── RateUnreadable             (ValueError) a measurement file lacks the rate a streaming plan asks of it
     ├── CompletionsError               a completions run and the provider it pays
     │   ├── DatasetBusy                (RuntimeError) another run holds the dataset's lock
     │   ├── RunFatalError              (RuntimeError) the whole run must stop: bad key, no credits, no endpoint
@@ -140,6 +141,19 @@ class StandinWeightsMismatch(InputError, ValueError):
 
 
 # -- completions -----------------------------------------------------------------------------------
+
+
+class RateUnreadable(InputError, ValueError):
+    """A measurement file (device_check.py's or gpu-check's JSON) that does not give the rate a streaming plan asks of
+    it: the file, the key and what is wrong."""
+
+    what_to_do: ClassVar[str] = (
+        "give the plan a file that measured that figure (a device check or gpu-check run that completed the section "
+        "or row, at the target's width), or give the rate as a number, labelled assumed"
+    )
+
+    def __init__(self, path: object, key: str, problem: str):
+        super().__init__(f"{path}: {key}: {problem}")
 
 
 class CompletionsError(Eagle3Error):

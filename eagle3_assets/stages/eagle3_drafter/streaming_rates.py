@@ -24,16 +24,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from eagle3_resources.errors import RateUnreadable
+
 TRAIN_SECTION = "train_kimi"
 DISK_ROW = "disk write"
 TARGET_ROW = "sglang capture (target"  # the row's name goes on with ", tp=N)"
-
-
-class RateUnreadable(ValueError):
-    """A measurement file that does not give the rate the plan asks of it."""
-
-    def __init__(self, path: Path | str, key: str, problem: str):
-        super().__init__(f"{path}: {key}: {problem}")
 
 
 def _load(path: Path | str) -> Any:
