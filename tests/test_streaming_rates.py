@@ -336,7 +336,16 @@ def test_the_asset_launches_exactly_the_plan_it_records(tmp_path):
         settings=TrainSettings(batch_tokens=200, max_len=64, checkpoint_every=3),
         requested_draft_vocab=128,
         request=StreamingRequest(
-            10**6, 3, 20_000, 2000.0, 500.0, 5e8, {"train_tok_s": "measured: x"}, mix_shards=2, spool_source="ss"
+            10**6,
+            3,
+            20_000,
+            2000.0,
+            500.0,
+            5e8,
+            {"train_tok_s": "measured: x"},
+            mix_shards=2,
+            spool_source="ss",
+            prefetch_steps=2,
         ),
         identity={"target": "stand-in"},
         resources={},
@@ -355,6 +364,7 @@ def test_the_asset_launches_exactly_the_plan_it_records(tmp_path):
     # the training nodes and their ranks, the passes and the mix planned are those launched and in the spool
     assert "training: 2 host(s) x 500 tok/s / 3 pass(es)" in plan and "GPUs: 7 " in plan  # 1 x 1 + 2 x 3
     assert [(t["nodes"], t["ranks"], t["passes"]) for t in launcher.training] == [(2, 3, 3)]
+    assert launcher.training[0]["prefetch_steps"] == 2  # each rank's read-ahead, as asked
     assert spool["passes"] == 3 and spool["mix_shards"] == 2 and "shuffled 2 shard(s) at a time" in plan
     # 6 ranks, 3 passes: 6 (1 - (5/6)^3) = 2.528 reads of every byte
     assert "(1 write + 2.52778 read(s))" in plan and "rate of training per host: measured: x" in plan
@@ -383,6 +393,9 @@ def test_the_assets_config_takes_its_rates_from_the_files_labelled(tmp_path, mon
     assert request.rates_source["train_tok_s"].startswith(f"measured: {training}")
     assert request.rates_source["capture_tok_s"].startswith(f"measured: {capture}")
     assert request.spool_source.startswith(f"measured: {spool}") and request.reads_per_byte == 16
+    assert request.prefetch_steps is None  # unset: the trainer's default
+    no_read_ahead = config.model_copy(update={"streaming_prefetch_steps": 0})
+    assert streaming_request(no_context, no_read_ahead, HiddenStatesResource(), KIMI_HIDDEN).prefetch_steps == 0  # type: ignore[arg-type]
     assumed = streaming_request(
         no_context,  # type: ignore[arg-type]
         DrafterTrainConfig(streaming_spool_gb=2000, streaming_train_tok_s=1.0, streaming_capture_tok_s=2.0),

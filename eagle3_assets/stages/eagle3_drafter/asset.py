@@ -167,6 +167,14 @@ class DrafterTrainConfig(dg.Config):
         "shuffles the whole set; a shard holds a few samples); unset = as many as `streaming_passes` + 1 of them fit "
         "the spool and 16 GiB of a training rank's memory (each rank holds `streaming_passes` + 1 mixes at most)",
     )
+    streaming_prefetch_steps: int | None = Field(
+        default=None,
+        ge=0,
+        description="streaming mode: steps each training rank reads (only its rows, chunk-verified) and packs ahead of "
+        "the one it trains, on threads of its own, so a slow shared file system's latency is paid once per that many "
+        "steps (docs/streaming.md, the throttled-reader figures); 0 = each step read on the training thread when "
+        "trained; unset = the trainer's default, 4 (spool_prefetch.PREFETCH_STEPS)",
+    )
     streaming_capture_tok_s: float | None = Field(
         default=None,
         description="streaming plan: tokens/s of capture (assumed); unset = `streaming_capture_gpu_check`'s, else the "
@@ -865,6 +873,7 @@ def streaming_request(
         reads_per_byte=config.streaming_reads_per_byte,
         capture_gpus=backend.sglang_tp_size if sglang else 1,
         mix_shards=config.streaming_mix_shards,
+        prefetch_steps=config.streaming_prefetch_steps,
     )
 
 

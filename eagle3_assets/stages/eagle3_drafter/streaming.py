@@ -90,6 +90,8 @@ class StreamingRequest:
     mix_shards: int | None = None  # shards the trainer shuffles together; None: `spool.default_mix_shards`
     spool_source: str = ASSUMED  # where spool_bytes_per_s came from
     reads_per_byte: float | None = None  # the training side's reads of each byte; None: its nodes (streaming_plan)
+    prefetch_steps: int | None = None  # steps each rank reads ahead of the one it trains (0: on the training thread;
+    # None: the trainer's default, spool_prefetch.PREFETCH_STEPS)
 
 
 @dataclass
@@ -378,6 +380,7 @@ def side_specs(job: StreamingJob, files: RunFiles, run_id: str, held_split: str)
         "eval_root": str(files.eval_root),
         "eval_done": str(files.eval_done),
         "held_split": held_split,
+        "prefetch_steps": job.request.prefetch_steps,
         "checkpoints": str(files.checkpoints),
         "progress": str(files.training_progress),
         "record": str(files.training_record),

@@ -65,6 +65,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import (
     score_untrained,
 )
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool
+from eagle3_assets.stages.eagle3_drafter.spool_prefetch import PREFETCH_STEPS
 from eagle3_assets.stages.eagle3_drafter.streaming import split_samples, target_hidden_size
 from eagle3_assets.stages.eagle3_drafter.streaming_sides import ORPHAN_AFTER_S, OrphanWatch
 from eagle3_assets.stages.eagle3_drafter.train import (
@@ -253,6 +254,7 @@ def train_side(
             lambda d: hooks(bind(progress, d)),
             0.05,
             lease=lease,
+            prefetch_steps=PREFETCH_STEPS if spec.get("prefetch_steps") is None else int(spec["prefetch_steps"]),
         )
         # a resume may train no step (a run that died after its last checkpoint, before its report: the orphan
         # that finished its steps): its checkpoint's position says what was trained; none at all is a plan of none
