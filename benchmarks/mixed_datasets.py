@@ -45,7 +45,6 @@ import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -60,12 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import streaming_vs_offline as svo  # noqa: E402
 
 from eagle3_assets.stages.eagle3_drafter.data import plan_windows  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.spool_data import train_from_spool  # noqa: E402
-from eagle3_assets.stages.eagle3_drafter.train import RunOptions, eval_samples, evaluate, train  # noqa: E402
-from eagle3_resources.hidden_states.extract import capture_to_spool  # noqa: E402
+from eagle3_assets.stages.eagle3_drafter.train import eval_samples, evaluate, train  # noqa: E402
 from eagle3_resources.hidden_states.spool import (  # noqa: E402
     SpoolSettings,
-    create_spool,
     default_mix_shards,
     min_lane_bytes,
 )
@@ -79,7 +75,6 @@ from eagle3_resources.hidden_states.store import (  # noqa: E402
     plan_shards,
     shard_layout,
 )
-from eagle3_resources.hidden_states.transformers_backend import TransformersHiddenStates  # noqa: E402
 from eagle3_resources.target.standin import fitting_sequences  # noqa: E402
 from eagle3_resources.tokenizer.special_tokens import THINK_END  # noqa: E402
 
@@ -220,31 +215,10 @@ def train_streaming(
     root, checkpoints = work / f"spool-{mode}-{seed}", work / f"checkpoint-{mode}-{seed}"
     for old in (root, checkpoints):
         shutil.rmtree(old, ignore_errors=True)
-    create_spool(root, SpoolSettings({LANE: budget}, s.epochs, s.max_len, s.batch_tokens, seed, hidden, mix))
-    counter = svo.PassCounter(data)
-    options = RunOptions(torch.device("cpu"), lambda m: None, checkpoints)
-    result: dict[str, Any] = {}
-
-    def trainer() -> None:
-        try:
-            result["trainer"], result["data"] = train_from_spool(
-                built.model, root, c.settings(seed, 1), options, built.teacher, hooks=counter.hooks, poll_s=0.01
-            )
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            result["error"] = e
-
-    started = time.monotonic()
-    thread = threading.Thread(target=trainer, name="streaming-trainer", daemon=True)
-    thread.start()
-    capture = capture_to_spool(
-        data.train, TransformersHiddenStates(standin.target), root, LANE, svo.store_settings(c), identity=IDENTITY,
-        log=lambda m: None, progress_every_s=3600, stop=lambda: "error" in result, poll_s=0.01, planner=chosen,
-    )  # fmt: skip
-    thread.join()
-    seconds = round(time.monotonic() - started, 1)
-    if "error" in result:
-        raise result["error"]
-    history, spool = result["trainer"].history, result["data"]
+    spool_settings = SpoolSettings({LANE: budget}, s.epochs, s.max_len, s.batch_tokens, seed, hidden, mix)
+    streamed = svo.capture_and_train(standin, built, data, c, seed, spool_settings, root, checkpoints, chosen)
+    counter, capture, seconds = streamed.counter, streamed.capture, round(streamed.seconds, 1)
+    history, spool = streamed.trainer.history, streamed.data
     plan = json.loads((root / "lanes" / LANE / "plan.json").read_text())
     extra = {
         "token_passes": counter.histogram(),

@@ -391,18 +391,33 @@ class PassCounter:
         return dict(sorted(out.items()))
 
 
-def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Comparison, seed: int, work: Path) -> Run:
-    """Capture into the spool (this thread) while the trainer trains from it (another thread); a failed trainer stops
-    the capture and its error is raised here. A failed capture raises here at once; the trainer, waiting for shards
-    that will not come (`train_from_spool` takes no stop), is a daemon thread left polling until the process exits.
-    The spool and checkpoint are fresh per run (a finished spool's shards are deleted; a checkpoint would resume)."""
-    built = build_drafter(standin, data, c, seed)
-    hidden = int(store.manifest["hidden_size"])
-    budget, total, mix = spool_budget(data, hidden, c, seed)
-    root, checkpoints = work / f"spool-{seed}", work / f"checkpoint-{seed}"
-    for old in (root, checkpoints):  # a run starts afresh: a finished spool, or its checkpoint, would be resumed
-        shutil.rmtree(old, ignore_errors=True)
-    spool = SpoolSettings({LANE: budget}, c.epochs, c.max_len, c.batch_tokens, seed, hidden, mix)
+@dataclass
+class Streamed:
+    """What one capture-and-train through a spool gave: the trainer, its spool data (figures), the capture's report,
+    the pass counter and the wall seconds."""
+
+    trainer: Any
+    data: Any
+    capture: Any
+    counter: PassCounter
+    seconds: float
+
+
+def capture_and_train(
+    standin: Standin,
+    built: Any,
+    data: Data,
+    c: Comparison,
+    seed: int,
+    spool: SpoolSettings,
+    root: Path,
+    checkpoints: Path,
+    planner: Any = None,
+) -> Streamed:
+    """A fresh spool at `root`, captured into (this thread, by `planner`: None is the capture's own plan) while the
+    trainer trains `built` from it (another thread). A failed trainer stops the capture and its error is raised here.
+    A failed capture raises here at once; the trainer, waiting for shards that will not come (`train_from_spool`
+    takes no stop), is a daemon thread left polling until the process exits."""
     create_spool(root, spool)
     counter = PassCounter(data)
     options = RunOptions(torch.device("cpu"), lambda m: None, checkpoints)
@@ -420,22 +435,29 @@ def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Co
     thread = threading.Thread(target=trainer, name="streaming-trainer", daemon=True)
     thread.start()
     capture = capture_to_spool(
-        data.train,
-        TransformersHiddenStates(standin.target),
-        root,
-        LANE,
-        store_settings(c),
-        identity=IDENTITY,
-        log=lambda m: None,
-        progress_every_s=3600,
-        stop=lambda: "error" in result,
-        poll_s=0.01,
-    )
+        data.train, TransformersHiddenStates(standin.target), root, LANE, store_settings(c), identity=IDENTITY,
+        log=lambda m: None, progress_every_s=3600, stop=lambda: "error" in result, poll_s=0.01, planner=planner,
+    )  # fmt: skip
     thread.join()
     seconds = time.monotonic() - started
     if "error" in result:
         raise result["error"]
-    history, spool_data = result["trainer"].history, result["data"]
+    return Streamed(result["trainer"], result["data"], capture, counter, seconds)
+
+
+def train_streaming(standin: Standin, store: HiddenStateStore, data: Data, c: Comparison, seed: int, work: Path) -> Run:
+    """Capture into the spool while the trainer trains from it (`capture_and_train`). The spool and checkpoint are
+    fresh per run (a finished spool's shards are deleted; a checkpoint would resume)."""
+    built = build_drafter(standin, data, c, seed)
+    hidden = int(store.manifest["hidden_size"])
+    budget, total, mix = spool_budget(data, hidden, c, seed)
+    root, checkpoints = work / f"spool-{seed}", work / f"checkpoint-{seed}"
+    for old in (root, checkpoints):  # a run starts afresh: a finished spool, or its checkpoint, would be resumed
+        shutil.rmtree(old, ignore_errors=True)
+    spool = SpoolSettings({LANE: budget}, c.epochs, c.max_len, c.batch_tokens, seed, hidden, mix)
+    streamed = capture_and_train(standin, built, data, c, seed, spool, root, checkpoints)
+    counter, capture, seconds = streamed.counter, streamed.capture, streamed.seconds
+    history, spool_data = streamed.trainer.history, streamed.data
     run = measure(standin, built, store, data, c, "streaming", seed)
     run.steps, run.tokens, run.seconds = len(history.step_loss), history.tokens, round(seconds, 1)
     run.extra = {
