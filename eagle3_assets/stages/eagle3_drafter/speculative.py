@@ -315,8 +315,38 @@ def greedy_generate(
     """
     model, eos = text_causal_lm(target), sorted(_eos_ids(target, eos_token_ids))
     ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=model.get_input_embeddings().weight.device)
+    started = time.perf_counter()
+    config = _greedy_config(eos, max_new_tokens)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - started
+
+
+def greedy_generate_many(
+    target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: Iterable[int] | int | None = None
+) -> list[list[int]]:
+    """Each prompt's greedy decode (cut after its first EOS, kept), the prompts of one length in one `generate` call:
+    no padding, so each row is its prompt's own decoding, up to the rounding of batched matmuls (a near-tie may fall
+    the other way than `greedy_generate`'s). For training data, where that does not matter; never for the lossless
+    reference (`greedy_generate`)."""
+    model, eos = text_causal_lm(target), sorted(_eos_ids(target, eos_token_ids))
+    device = model.get_input_embeddings().weight.device
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for length, rows in by_length.items():
+        ids = torch.as_tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=device)
+        generated = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(eos, max_new_tokens)
+        )
+        for i, row in zip(rows, generated[:, length:].tolist(), strict=True):
+            out[i] = _finish(row, max_new_tokens, set(eos))[0]
+    return out
+
+
+def _greedy_config(eos: list[int], max_new_tokens: int) -> GenerationConfig:
     # eos [] rather than None: generate fills a None from the model's generation_config (its EOS ids).
-    config = GenerationConfig(
+    return GenerationConfig(
         do_sample=False,
         num_beams=1,
         max_new_tokens=max_new_tokens,
@@ -324,9 +354,6 @@ def greedy_generate(
         eos_token_id=eos,
         pad_token_id=eos[0] if eos else 0,
     )
-    started = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - started
 
 
 # A tie: two tokens' logits closer than this many of the target's dtype eps, relative to their size. In bf16 the
