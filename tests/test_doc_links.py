@@ -24,7 +24,7 @@ DOCS = sorted((REPO / "docs").glob("*.md"))
 CHECKED = [REPO / "README.md", *DOCS, REPO / "deploy" / "README.md"]
 README_MAX_LINES = 250
 TWO_COMMANDS = (
-    "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/eagle3 run\n"
+    "python3 -m venv .venv && .venv/bin/pip install --no-compile -e . && .venv/bin/eagle3 run\n"
     "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest\n"
 )
 
