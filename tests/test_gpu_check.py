@@ -655,7 +655,9 @@ def test_shm_against_the_rank_hand_off(tmp_path):
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
-@pytest.mark.parametrize("driver,status", [("535.104.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")])
+@pytest.mark.parametrize(
+    "driver,status", [("535.104.05", "fail"), ("580.65.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")]
+)
 def test_driver_against_cuda13_minimum(tmp_path, driver, status):
     """nvidia-smi is what gpu-check asks; a stand-in on PATH reports the driver an older host would have."""
     bin_dir = tmp_path / "bin"
