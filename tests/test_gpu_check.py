@@ -15,6 +15,8 @@ run SGLang, so the tests read the pinned release's `models/deepseek_v2.py` and i
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import operator
 import os
@@ -509,24 +511,54 @@ def test_per_expert_tensors_match_transformers_own_layout(tiny_model):
 # ---------------------------------------------------------------- eagle3 gpu-check as the first command on a host
 
 
+# the disk probe writes 1 MiB (0.1 s a call; 16 MiB took 0.4 s): the disk-write test asks for 16 itself
+GPU_CHECK_ARGS = ("gpu-check", "--no-capture", "--disk-mib", "1")
+
+
+def _report(code: int, stdout: str, json_out: bool) -> tuple[int, dict | str]:
+    if not json_out:
+        return code, stdout
+    report = json.loads(stdout)
+    assert report["exit_code"] == code
+    return code, {c["name"]: c for c in report["checks"]}
+
+
 def gpu_check(*args: str, env: dict | None = None, json_out: bool = True, unset: tuple[str, ...] = ()):
-    """`eagle3 gpu-check --no-capture ARGS` as a user runs it; (exit code, rows by name or the screen).
-    `env` is added to this process's environment, without the variables in `unset`."""
-    cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", "gpu-check", "--no-capture", "--disk-mib", "16", *args]
+    """`eagle3 gpu-check --no-capture ARGS` through `main(argv)`, the function the `eagle3` script calls, in this
+    process: (exit code, rows by name or the screen). `env` is added to the environment for the call, without the
+    variables in `unset`, and undone after. The rows read the environment when they run (os.environ; PATH when
+    they look for and run nvidia-smi, nvcc and c++; sys.path for pip's nvcc), so this is what the command sees;
+    a process per call cost ~10 s of torch and Dagster imports. The process boundary (the screen, exit codes 0
+    and 1, --json) is tested once each by `gpu_check_process`."""
+    from eagle3_assets.operations.cli import main
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in unset:
+            mp.delenv(name, raising=False)
+        for name, value in (env or {}).items():
+            mp.setenv(name, value)
+        if env and env.get("PYTHONPATH"):  # where a new interpreter would have put it: first on sys.path
+            mp.setattr(sys, "path", [*env["PYTHONPATH"].split(os.pathsep), *sys.path])
+        with contextlib.redirect_stdout(out):
+            code = main([*GPU_CHECK_ARGS, *args, *(["--json"] if json_out else [])])
+    assert code in (0, 1), out.getvalue()[-3000:]
+    return _report(code, out.getvalue(), json_out)
+
+
+def gpu_check_process(*args: str, env: dict | None = None, json_out: bool = True):
+    """The same command as a user runs it: `python -m eagle3_assets.operations.cli`, its own process."""
+    cmd = [sys.executable, "-m", "eagle3_assets.operations.cli", *GPU_CHECK_ARGS, *args]
     proc = subprocess.run(
         cmd + (["--json"] if json_out else []),
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**{k: v for k, v in os.environ.items() if k not in unset}, **(env or {})},
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    if not json_out:
-        return proc.returncode, proc.stdout
-    report = json.loads(proc.stdout)
-    assert report["exit_code"] == proc.returncode
-    return proc.returncode, {c["name"]: c for c in report["checks"]}
+    return _report(proc.returncode, proc.stdout, json_out)
 
 
 def install_command() -> str:
@@ -541,7 +573,7 @@ HAVE_GPU = shutil.which("nvidia-smi") is not None
 @pytest.mark.slow
 @pytest.mark.skipif(HAVE_GPU, reason="the screen of a host without a GPU")
 def test_cpu_host_screen_says_no_gpu_and_how_to_install(tmp_path):
-    code, screen = gpu_check("--data-dir", str(tmp_path), json_out=False)
+    code, screen = gpu_check_process("--data-dir", str(tmp_path), json_out=False)
     assert code == 0, screen  # nothing was asked for that a CPU host cannot do
     assert "no GPU on this host" in screen
     fixes = screen.split("to fix:")[1]
@@ -553,7 +585,6 @@ def test_cpu_host_screen_says_no_gpu_and_how_to_install(tmp_path):
     assert rows["torch/cuda"]["fix"].endswith(install_command())
 
 
-@pytest.mark.slow
 def test_disk_space_against_the_planned_capture(tmp_path):
     from eagle3_resources.hidden_states.store import token_bytes
 
@@ -578,9 +609,8 @@ def test_disk_space_against_the_planned_capture(tmp_path):
     assert code == 0
 
 
-@pytest.mark.slow
 def test_disk_write_measured_on_the_data_root(tmp_path):
-    code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000")
+    code, rows = gpu_check("--data-dir", str(tmp_path), "--tokens", "1000", "--disk-mib", "16")
     row = rows["disk write"]
     assert row["status"] == "ok" and row["data"]["bytes"] == 16 * 2**20 and row["data"]["gb_per_s"] > 0, row
     from eagle3_resources.hidden_states.extract import StoreSettings
@@ -599,7 +629,6 @@ def test_disk_write_measured_on_the_data_root(tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_shm_against_the_rank_hand_off(tmp_path):
     """The SGLang backend reserves its hand-off ring in /dev/shm: slabs x (a forward's rows, 3 aux + 1 final,
     bf16, at Kimi's hidden 7168, plus int64 token ids and page alignment)."""
@@ -624,7 +653,9 @@ def test_shm_against_the_rank_hand_off(tmp_path):
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
-@pytest.mark.parametrize("driver,status", [("535.104.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")])
+@pytest.mark.parametrize(
+    "driver,status", [("535.104.05", "fail"), ("580.65.05", "fail"), ("580.65.06", "ok"), ("590.44.01", "ok")]
+)
 def test_driver_against_cuda13_minimum(tmp_path, driver, status):
     """nvidia-smi is what gpu-check asks; a stand-in on PATH reports the driver an older host would have."""
     bin_dir = tmp_path / "bin"
@@ -676,7 +707,6 @@ def toolchain(tmp_path: Path, env: dict, *args: str) -> tuple[int, dict]:
     return code, rows["cuda toolchain"]
 
 
-@pytest.mark.slow
 def test_toolchain_finds_nvcc_under_cuda_home_and_flags_the_venv_one(tmp_path):
     """SGLang and FlashInfer take nvcc from $CUDA_HOME/bin alone when CUDA_HOME is set; pip's nvcc inside the
     venv (site-packages/nvidia/cu13/bin) is where neither looks, and the row says so."""
@@ -707,7 +737,6 @@ def test_toolchain_finds_nvcc_under_cuda_home_and_flags_the_venv_one(tmp_path):
     assert row["data"]["nvcc"] == str(wheel_nvcc) and "(pip's nvidia wheel, without lib64/stubs)" in row["detail"]
 
 
-@pytest.mark.slow
 def test_toolchain_cuda_home_without_nvcc_hides_the_one_on_path(tmp_path):
     """A CUDA_HOME with no bin/nvcc is not fallen back from: the fix points CUDA_HOME at the nvcc on PATH."""
     bin_dir, toolkit = tmp_path / "bin", tmp_path / "cuda-13"
@@ -722,7 +751,6 @@ def test_toolchain_cuda_home_without_nvcc_hides_the_one_on_path(tmp_path):
     assert row["status"] == "ok" and row["data"]["nvcc_via"] == "$CUDA_HOME", row
 
 
-@pytest.mark.slow
 def test_toolchain_nvcc_major_against_torch_cuda(tmp_path):
     bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
     stand_in(bin_dir, "c++", "exit 0\n")
@@ -740,7 +768,6 @@ def test_toolchain_nvcc_major_against_torch_cuda(tmp_path):
     assert row["status"] == "ok" and row["data"]["nvcc_version"] == f"{major}.9", row
 
 
-@pytest.mark.slow
 def test_toolchain_needs_a_cxx_compiler(tmp_path):
     """nvcc hands host code to $CXX, else `c++` (SGLang's toolchain.py): gcc alone is not enough."""
     bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
@@ -774,6 +801,49 @@ def test_find_nvcc_falls_back_to_usr_local_cuda(tmp_path):
     other = stand_in_nvcc(tmp_path / "other" / "bin", "13.0")
     lookup = find_nvcc({"PATH": "", "CUDA_PATH": str(tmp_path / "other")}, default_home=root)
     assert (lookup.path, lookup.via) == (str(other), "$CUDA_PATH")
+
+
+# ---------------------------------------------------------------- every host row failing, from outside
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
+def test_every_host_row_fails_from_the_command_line(tmp_path):
+    """One `eagle3 gpu-check --json` process on a host that fails every host row at once, each through what the
+    command reads from outside: an nvidia-smi reporting a pre-CUDA-13 driver and 8 x H100, an nvcc one major
+    behind under CUDA_HOME, Kimi-K2.5's index, /dev/shm and the disk against the flags. The tests below drive
+    each row's cases through the same entry point in this process."""
+    bin_dir, home = tmp_path / "bin", tmp_path / "cuda"
+    lines = "".join('echo "NVIDIA H100 80GB HBM3, 81559"\n' for _ in range(8))
+    stand_in(bin_dir, "nvidia-smi", f'case "$*" in\n*memory.total*)\n{lines};;\n*) echo 535.104.05;;\nesac\n')
+    stand_in(bin_dir, "c++", "exit 0\n")
+    stand_in_nvcc(home / "bin", f"{int(torch_cuda().split('.')[0]) - 1}.8")
+    kimi = target_folder(tmp_path / "Kimi-K2.5", 594 * 10**9, KIMI_CONFIG)
+    data = tmp_path / "data"
+    data.mkdir()
+    from eagle3_resources.hidden_states.store import token_bytes
+
+    shm = os.statvfs("/dev/shm")
+    too_big = shm.f_blocks * shm.f_frsize // (2 * (3 + 1) * 7168 * 2) + 1  # as in the /dev/shm test
+    too_many = 2 * shutil.disk_usage(data).free // token_bytes(7168)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_HOME": str(home)}
+    flags = ["--data-dir", str(data), "--model", str(kimi), "--tp", "8", "--tokens", str(too_many)]
+    flags += ["--max-forward-tokens", str(too_big), "--min-disk-gbps", "1e9"]
+    code, rows = gpu_check_process(*flags, env=env)
+    assert code == 1
+    failing = ("nvidia driver", "cuda toolchain", "gpu memory", "/dev/shm", "disk write", "disk space")
+    assert {n: (rows[n]["status"], rows[n]["required"]) for n in failing} == dict.fromkeys(failing, ("fail", True))
+    assert rows["nvidia driver"]["data"]["driver"] == "535.104.05"
+    assert "sudo apt-get install -y nvidia-driver-580" in rows["nvidia driver"]["fix"]
+    assert "majors differ" in rows["cuda toolchain"]["detail"] and rows["cuda toolchain"]["data"]["nvcc_via"] == (
+        "$CUDA_HOME"
+    )
+    assert "NVIDIA H100 80GB HBM3 79.6 GiB x sglang_mem_fraction 0.8" in rows["gpu memory"]["detail"]
+    assert "63.7 GiB: does not fit" in rows["gpu memory"]["detail"]
+    assert "/dev/shm" in rows["/dev/shm"]["fix"] and "--shm-size=" in rows["/dev/shm"]["fix"]
+    assert "EAGLE3_DATA_DIR=" in rows["disk write"]["fix"]
+    assert 0 < rows["disk space"]["data"]["fits_tokens"] < too_many / 2
+    assert list(data.iterdir()) == []  # the disk probe's files are gone
 
 
 # ---------------------------------------------------------------- the target's weights against GPU memory
@@ -917,7 +987,6 @@ def test_memory_row_plans_kimi_without_a_folder(tmp_path):
     assert rows["gpu memory"]["status"] == "ok", rows["gpu memory"]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(HAVE_GPU, reason="puts a stand-in nvidia-smi first on PATH")
 def test_memory_row_fix_is_the_fraction_or_the_tp_to_set(tmp_path):
     """A target that fits an H100 with a higher sglang_mem_fraction is told the fraction, and passes once it is
@@ -938,10 +1007,10 @@ def test_memory_row_fix_is_the_fraction_or_the_tp_to_set(tmp_path):
     row = rows["gpu memory"]
     assert row["status"] == "ok" and row["data"]["weights_from"] == "1 safetensors header(s)", row
     assert row["data"]["weight_bytes"] == 2**20 and row["data"]["kv_pool_bytes"] == 2 * 2**20, row
-    # 300 MiB of weights on 320 MiB GPUs: too much for TP 1 at any fraction, TP 2 fits at 0.8 (SGLang's 10 GiB
+    # 30 MiB of weights on 32 MiB GPUs: too much for TP 1 at any fraction, TP 2 fits at 0.8 (SGLang's 10 GiB
     # reserve is larger than these GPUs, so a raised fraction is never offered here)
-    save_file({"w": torch.zeros(300 * 2**20, dtype=torch.uint8)}, str(folder / "model.safetensors"))
-    stand_in_smi(bin_dir, "Small GPU", 320)
+    save_file({"w": torch.zeros(30 * 2**20, dtype=torch.uint8)}, str(folder / "model.safetensors"))
+    stand_in_smi(bin_dir, "Small GPU", 32)
     code, rows = gpu_check("--data-dir", str(tmp_path), "--model", str(folder), "--tp", "1", env=env)
     row = rows["gpu memory"]
     assert code == 1 and row["status"] == "fail", row
