@@ -197,3 +197,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def torch_on_one_thread():
+    """Every test starts with torch on one thread: three workers share 2 cores (`-n 3`), so a worker's torch work on
+    two threads oversubscribes them, and at the stand-in's sizes (width 64, one token a decode step) the threads'
+    hand-offs cost more than the split gains (test_speculative.py: 600 s on two threads, 89 s on one, loaded). A
+    test about the stages' own choice calls it (`apply_torch_threads`) or sets its count; the processes a test starts
+    choose theirs as a user's would."""
+    import torch
+
+    torch.set_num_threads(1)
