@@ -21,6 +21,9 @@ from eagle3_assets.stages.eagle3_drafter.quality import SpeculativeQuality
 from eagle3_assets.stages.eagle3_drafter.speculative import (
     TIE_EPS,
     Eagle3ChainDrafter,
+    PromptResult,
+    SpecDecodeReport,
+    SpecRun,
     accept_lengths,
     evaluate_speculative,
     forward_shape_rounding,
@@ -40,6 +43,20 @@ TEXTS = [
 ]
 K = 3
 NO_EOS: tuple[int, ...] = ()
+# The longest greedy continuation any test here compares with or drafts from: the oracle's 23-token run reads its
+# token 23 (its sixth round drafts the three after the 21 verified).
+REF_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The whole module on one torch thread: the stand-in's ops are tiny (a 64-wide model), so with two threads each
+    op's hand-off between them costs more than the op, and on a machine shared with other workers (the suite's three
+    on two cores) it cost 3-8x the CPU time of one thread. Set back afterwards for the next module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +67,28 @@ def prompts(tok, target_model) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(target_model, prompts) -> dict[tuple[int, ...], list[int]]:
+def greedy_decodes(target_model, prompts) -> dict[tuple[int, ...], tuple[list[int], float]]:
+    """Each prompt's greedy continuation (`greedy_generate`, REF_TOKENS long) and its seconds: the target's own
+    decodes, made once for the module (the greedy test checks them against the model read without a cache)."""
+    return {tuple(p): greedy_generate(target_model, p, REF_TOKENS, NO_EOS) for p in prompts}
+
+
+@pytest.fixture(scope="module")
+def references(greedy_decodes) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's greedy continuation, long enough for any test here to draft from."""
-    return {tuple(p): greedy_generate(target_model, p, 40, NO_EOS)[0] for p in prompts}
+    return {p: ids for p, (ids, _) in greedy_decodes.items()}
+
+
+def greedy_report(greedy_decodes, prompts, tokens: int) -> SpecDecodeReport:
+    """The module's greedy decodes of `prompts`, cut to `tokens`, in the form `evaluate_speculative(greedy=...)` takes
+    them (the asset hands the trained drafter's on to the untrained one's): a test of the speculative loop decodes
+    no greedy reference again. Without an EOS a shorter greedy decode is the longer one's first tokens."""
+    report = SpecDecodeReport(proxy=True, draft_steps=K, max_new_tokens=tokens)
+    for p in prompts:
+        ids, seconds = greedy_decodes[tuple(p)]
+        no_spec = SpecRun([], [], K, 0.0)
+        report.prompts.append(PromptResult(len(p), no_spec, ids[:tokens], seconds * tokens / len(ids)))
+    return report
 
 
 def standin_drafter(target_resource, tokenizer_resource, references, kind: str = "auto") -> Eagle3Drafter:
@@ -115,12 +151,20 @@ def forward_log(model):
 
 
 @pytest.mark.slow
-def test_untrained_drafter_is_lossless(target_model, untrained, prompts):
+def test_untrained_drafter_is_lossless(target_model, untrained, prompts, greedy_decodes):
     report = evaluate_speculative(
-        target_model, untrained, prompts, draft_steps=K, max_new_tokens=24, proxy=True, eos_token_ids=NO_EOS
+        target_model,
+        untrained,
+        prompts,
+        draft_steps=K,
+        max_new_tokens=REF_TOKENS,
+        proxy=True,
+        eos_token_ids=NO_EOS,
+        greedy=greedy_report(greedy_decodes, prompts, REF_TOKENS),
     )
     totals = report.totals()
-    assert report.lossless is True and totals["mismatched_prompts"] == 0 and totals["tokens"] == 24 * len(prompts)
+    assert report.lossless is True and totals["mismatched_prompts"] == 0
+    assert totals["tokens"] == REF_TOKENS * len(prompts)
     assert 1.0 <= totals["accept_length_per_round"] <= K + 1
     meta = report.to_metadata()
     json.dumps(meta)
@@ -196,7 +240,7 @@ def test_a_second_drafter_takes_the_first_ones_greedy_decodes_and_decodes_no_mor
         evaluate(adversary(references), tokens=8, greedy=first)
 
 
-def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, references):
+def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, references, greedy_decodes):
     report = evaluate_speculative(
         target_model,
         adversary(references),
@@ -205,6 +249,7 @@ def test_always_wrong_drafter_gives_accept_length_one(target_model, prompts, ref
         max_new_tokens=12,
         proxy=True,
         eos_token_ids=NO_EOS,
+        greedy=greedy_report(greedy_decodes, prompts[:3], 12),
     )
     assert report.lossless is True
     for result in report.prompts:
@@ -268,11 +313,11 @@ class SpyChain(Eagle3ChainDrafter):
         return super().propose(k)
 
 
-def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, untrained, prompts):
+def test_real_drafter_cache_and_aux_follow_the_verified_sequence(target_model, untrained, prompts, references):
     spy = SpyChain(untrained)
     p = prompts[1]
-    run = speculative_generate(target_model, spy, p, K, 30, NO_EOS)
-    assert run.output_ids == greedy_generate(target_model, p, 30, NO_EOS)[0]
+    run = speculative_generate(target_model, spy, p, K, REF_TOKENS, NO_EOS)
+    assert run.output_ids == references[tuple(p)]
     # Before round r the drafter has step-0 keys for the prompt and every verified token but the bonus.
     assert spy.cached[0] == len(p)
     assert all(b - a == n + 1 for a, b, n in zip(spy.cached, spy.cached[1:], run.accepted, strict=False))  # by round
@@ -366,24 +411,27 @@ def test_eos_stops_both_decoders_at_the_same_token(target_model, untrained, prom
 # -- losslessness: the reference is independent of the loop, and a lossy decode fails the asset's check ----------
 
 
-def uncached_greedy(model, prompt_ids, n, eos=()):
-    """The definition of greedy decoding: the full sequence through the model at every step, no cache at all."""
-    ids = list(prompt_ids)
+def uncached_top_tokens(model, prompt_ids, output_ids) -> list[int]:
+    """The definition of greedy decoding, checked: the model's top token after the prompt and each prefix of
+    `output_ids`, read with no cache at all. One forward over the whole sequence gives them all (a causal model's row
+    i sees exactly tokens 0..i), where decoding them one by one would re-read the sequence at every token."""
+    ids = torch.tensor([[*prompt_ids, *output_ids[:-1]]])
     with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-            if ids[-1] in eos:
-                break
-    return ids[len(prompt_ids) :]
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 :]
+    return logits.argmax(-1).tolist()
 
 
 def test_the_greedy_reference_is_the_targets_own_decoding_without_any_cache(target_model, prompts, references):
-    """greedy_generate (transformers' generate) against a decode that re-reads the whole sequence at each token."""
+    """greedy_generate (transformers' generate; the module's references are its decodes) against the model read
+    without a cache: every token the top one after all before it, and an EOS decode stopping at its first EOS."""
     for p in prompts:
-        assert greedy_generate(target_model, p, 24, NO_EOS)[0] == uncached_greedy(target_model, p, 24)
+        ids = references[tuple(p)]
+        assert len(ids) == REF_TOKENS and ids == uncached_top_tokens(target_model, p, ids)
     p = prompts[0]
     eos = references[tuple(p)][5]
-    assert greedy_generate(target_model, p, 40, [eos])[0] == uncached_greedy(target_model, p, 40, [eos])
+    stopped = greedy_generate(target_model, p, 40, [eos])[0]
+    assert stopped[-1] == eos and eos not in stopped[:-1]
+    assert stopped == uncached_top_tokens(target_model, p, stopped)
 
 
 @contextmanager
@@ -436,6 +484,26 @@ def drafts_accepted_unverified():
         yield
 
 
+def evaluated_as_the_asset_does(target_model, drafters, prompts, tokens: int) -> list[SpecDecodeReport]:
+    """The trained and the untrained drafter's reports as `quality.measure_speculative` makes them: the target's
+    greedy decodes made with the first and handed on to the second."""
+    reports: list[SpecDecodeReport] = []
+    for drafter in drafters:
+        reports.append(
+            evaluate_speculative(
+                target_model,
+                drafter,
+                prompts,
+                draft_steps=K,
+                max_new_tokens=tokens,
+                proxy=True,
+                eos_token_ids=NO_EOS,
+                greedy=reports[0] if reports else None,
+            )
+        )
+    return reports
+
+
 @pytest.mark.parametrize("corruption", ["none", "target_verify", "cache_rollback", "unverified_drafts"])
 def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
     target_model, untrained, prompts, references, corruption
@@ -453,12 +521,9 @@ def test_a_decode_that_is_not_lossless_fails_the_speculative_gain_check(
     corrupt = corruptions[corruption]
     chosen = prompts[:3]
     with corrupt():
-        reports = [
-            evaluate_speculative(
-                target_model, drafter, chosen, draft_steps=K, max_new_tokens=16, proxy=True, eos_token_ids=NO_EOS
-            )
-            for drafter in (ScriptedDrafter(references, [True, True, False]), untrained)
-        ]
+        reports = evaluated_as_the_asset_does(
+            target_model, (ScriptedDrafter(references, [True, True, False]), untrained), chosen, 16
+        )
     outcome = drafter_beats_floor(SpeculativeQuality(reports[0], reports[1]).figures(), margin=-math.inf)
     print(corruption, outcome.description)
     if corruption == "none":
@@ -503,12 +568,7 @@ def test_a_flip_at_a_tie_the_dtype_cannot_resolve_is_told_from_a_loop_that_is_no
     scale = 4 * torch.finfo(torch.float32).eps
     gap = (lambda top: scale * max(1.0, abs(float(top)))) if kind == "tie" else (lambda top: 1.0)
     with flipped_at(target_model, len(prompt) + at - 1, gap):
-        reports = [
-            evaluate_speculative(
-                target_model, drafter, [prompt], draft_steps=K, max_new_tokens=12, proxy=True, eos_token_ids=NO_EOS
-            )
-            for drafter in (oracle(references), untrained)
-        ]
+        reports = evaluated_as_the_asset_does(target_model, (oracle(references), untrained), [prompt], 12)
     for report in reports:
         (result,) = report.prompts
         assert result.greedy_ids == references[tuple(prompt)][:12]  # the plain path keeps the top token
