@@ -199,13 +199,23 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(autouse=True)
-def torch_on_one_thread():
-    """Every test starts with torch on one thread: three workers share 2 cores (`-n 3`), so a worker's torch work on
-    two threads oversubscribes them, and at the stand-in's sizes (width 64, one token a decode step) the threads'
-    hand-offs cost more than the split gains (test_speculative.py: 600 s on two threads, 89 s on one, loaded). A
-    test about the stages' own choice calls it (`apply_torch_threads`) or sets its count; the processes a test starts
-    choose theirs as a user's would."""
+@pytest.fixture(scope="session", autouse=True)
+def torch_on_one_thread_from_the_start():
+    """One thread before a worker's first module fixtures too (`torch_on_one_thread`'s reasons)."""
     import torch
 
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def torch_on_one_thread():
+    """Every test starts and ends with torch on one thread (so module fixtures built between tests get one too):
+    three workers share 2 cores (`-n 3`), so a worker's torch work on two threads oversubscribes them, and at the
+    stand-in's sizes (width 64, one token a decode step) the threads' hand-offs cost more than the split gains
+    (test_speculative.py: 846 s on two threads, 117 s on one, loaded). A test about the stages' own choice calls it
+    (`apply_torch_threads`) or sets its count; the processes a test starts choose theirs as a user's would."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(1)

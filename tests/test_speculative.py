@@ -48,17 +48,6 @@ NO_EOS: tuple[int, ...] = ()
 REF_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The whole module on one torch thread: the stand-in's ops are tiny (a 64-wide model), so with two threads each
-    op's hand-off between them costs more than the op, and on a machine shared with other workers (the suite's three
-    on two cores) it cost 3-8x the CPU time of one thread. Set back afterwards for the next module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def prompts(tok, target_model) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
