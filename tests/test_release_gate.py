@@ -22,6 +22,7 @@ from eagle3_assets.stages.eagle3_drafter.data import Teacher
 from eagle3_assets.stages.eagle3_drafter.export import sglang_layer_ids, trained_layer_ids, vllm_layer_ids
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.quality import DecodeEval, measure_speculative
+from eagle3_assets.stages.eagle3_drafter.speculative import SpecDecodeReport
 
 MARGIN = 0.1  # the asset's default `min_accept_gain`
 # the best-checkpoint tests' small drafter, trained long enough that its gain stands clear of the prompts' spread
@@ -53,7 +54,10 @@ def trained(tmp_path_factory, tok, target_model, target_resource, tokenizer_reso
     folder = target_resource.folder(tokenizer_resource)
     report = train(merged, target_model, folder, root)
     captured = json.loads((root / "hidden_states" / "manifest.json").read_text())["aux_layer_ids"]
-    return {"report": report, "merged": merged, "captured": captured, "folder": folder, "root": root}
+    # the untrained drafter's decodes (and the target's greedy ones), by draft ids (d2t): the same for every drafter
+    # `gate` decodes with those ids (all of GATE_SETTINGS' config), so decoded once a module (`floor=`)
+    floors: dict[tuple[int, ...], SpecDecodeReport] = {}
+    return {"report": report, "merged": merged, "captured": captured, "folder": folder, "root": root, "floors": floors}
 
 
 def gate(folder: Path, trained, target_model, draft_ids=None, decode: bool = True) -> dict:
@@ -69,7 +73,10 @@ def gate(folder: Path, trained, target_model, draft_ids=None, decode: bool = Tru
     if decode and outcomes["sglang_keys"].passed:
         cfg = json.loads((folder / "config.json").read_text())
         how = DecodeEval(8, NEW_TOKENS, 3, 0, trained_layer_ids(cfg), True)
-        quality = measure_speculative(target_model, folder, trained["merged"], how, lambda m: None)
+        ids = tuple(load_file(str(folder / "model.safetensors"))["d2t"].tolist())
+        floor = trained["floors"].get(ids)
+        quality = measure_speculative(target_model, folder, trained["merged"], how, lambda m: None, floor)
+        trained["floors"][ids] = quality.untrained
         outcomes["speculative_gain"] = drafter_beats_floor(quality.figures(), MARGIN)
     return outcomes
 
