@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import extract_merged
-from test_best_checkpoint import corpus
+from test_best_checkpoint import stored_corpus
 from test_spool_ddp import kill_9
 from test_streaming_drafter import materialize, write_merged
 
@@ -60,10 +59,7 @@ STREAMING_EVERY = 40  # streaming: evaluated at 40 and at the last step (78), wh
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tok, target_model, target_resource, tokenizer_resource):
-    root = tmp_path_factory.mktemp("best-checkpoint-ddp")
-    merged = corpus(tok, target_model)
-    merged.write_parquet(root / "merged.parquet")
-    extract_merged(merged, target_model, root / "hidden_states")
+    merged, root = stored_corpus(tmp_path_factory, tok, target_model)  # merged.parquet and hidden_states/ in root
     return {
         "root": root,
         "merged": merged,
