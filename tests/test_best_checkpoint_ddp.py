@@ -52,7 +52,9 @@ SETTINGS = TrainSettings(  # the Llama kind: the curve below (step 8 decodes bes
 )
 CONFIG = DrafterTrainConfig(best_every=4, best_prompts_per_kind=1, spec_eval_new_tokens=16, spec_draft_steps=3)
 TIMEOUT_S = 6.0  # the collective timeout of the test's process group: well above the waits a step has on its own
-DELAY_S = 9.0  # each evaluation of rank 0's takes longer than that
+# each evaluation of rank 0's (and its target load) sleeps longer than that: a quarter over, so that a rank 1 that
+# reached its wait a little late still waits past the timeout (9 s before: 8 such sleeps a run of the first test)
+DELAY_S = 7.5
 DEADLINE_S = 600  # a run not ended by then is stuck
 STREAMING_EVERY = 40  # streaming: evaluated at 40 and at the last step (78), which decodes no better: 40 is kept
 
