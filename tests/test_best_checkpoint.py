@@ -4,7 +4,10 @@ highest accept length, not the last; its curve survives a kill and a resume with
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import polars as pl
@@ -66,11 +69,31 @@ def corpus(tok, target_model, n: int = 16) -> pl.DataFrame:
     return pl.DataFrame(rows, schema_overrides={"input_ids": pl.List(pl.Int32), "loss_mask": pl.List(pl.Int8)})
 
 
+def stored_corpus(tmp_path_factory, tok, target_model) -> tuple[pl.DataFrame, Path]:
+    """`corpus()` and its hidden-state store (a folder holding `merged.parquet` and `hidden_states/`), built once a
+    run: three files train on it (this one, the DDP and release-gate tests), and the 16 greedy decodes and the
+    extraction took minutes of each file's setup on 2 loaded cores. Under pytest-xdist the first worker to ask builds
+    it in the run's shared temporary folder while the others wait on a file lock (as `standin_dir`); the trainers
+    only read the store."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = tmp_path_factory.getbasetemp().parent
+    else:
+        shared = tmp_path_factory.getbasetemp()
+    root = shared / "best-checkpoint-corpus"
+    with open(shared / "best-checkpoint-corpus.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not root.exists():
+            building = Path(tempfile.mkdtemp(prefix="building-", dir=shared))
+            merged = corpus(tok, target_model)
+            merged.write_parquet(building / "merged.parquet")
+            extract_merged(merged, target_model, building / "hidden_states")
+            building.rename(root)  # whole or not at all: an interrupted build leaves no corpus to reuse
+    return pl.read_parquet(root / "merged.parquet"), root
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tok, target_model, target_resource, tokenizer_resource):
-    root = tmp_path_factory.mktemp("best-checkpoint")
-    merged = corpus(tok, target_model)
-    extract_merged(merged, target_model, root / "hidden_states")
+    merged, root = stored_corpus(tmp_path_factory, tok, target_model)
     return {"root": root, "merged": merged, "target": target_resource.folder(tokenizer_resource)}
 
 

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import extract_merged
-from test_best_checkpoint import corpus
+from test_best_checkpoint import stored_corpus
 from test_spool_ddp import kill_9
 from test_streaming_drafter import materialize, write_merged
 
@@ -53,17 +52,16 @@ SETTINGS = TrainSettings(  # the Llama kind: the curve below (step 8 decodes bes
 )
 CONFIG = DrafterTrainConfig(best_every=4, best_prompts_per_kind=1, spec_eval_new_tokens=16, spec_draft_steps=3)
 TIMEOUT_S = 6.0  # the collective timeout of the test's process group: well above the waits a step has on its own
-DELAY_S = 9.0  # each evaluation of rank 0's takes longer than that
+# each evaluation of rank 0's (and its target load) sleeps longer than that: a quarter over, so that a rank 1 that
+# reached its wait a little late still waits past the timeout (9 s before: 8 such sleeps a run of the first test)
+DELAY_S = 7.5
 DEADLINE_S = 600  # a run not ended by then is stuck
 STREAMING_EVERY = 40  # streaming: evaluated at 40 and at the last step (78), which decodes no better: 40 is kept
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tok, target_model, target_resource, tokenizer_resource):
-    root = tmp_path_factory.mktemp("best-checkpoint-ddp")
-    merged = corpus(tok, target_model)
-    merged.write_parquet(root / "merged.parquet")
-    extract_merged(merged, target_model, root / "hidden_states")
+    merged, root = stored_corpus(tmp_path_factory, tok, target_model)  # merged.parquet and hidden_states/ in root
     return {
         "root": root,
         "merged": merged,

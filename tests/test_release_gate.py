@@ -13,8 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from safetensors.torch import load_file, save_file
-from support import extract_merged
-from test_best_checkpoint import SETTINGS, corpus
+from test_best_checkpoint import SETTINGS, stored_corpus
 
 from eagle3_assets.definitions import defs
 from eagle3_assets.stages.eagle3_drafter.checks import drafter_beats_floor, drafter_keys, drafter_matches_capture
@@ -22,6 +21,7 @@ from eagle3_assets.stages.eagle3_drafter.data import Teacher
 from eagle3_assets.stages.eagle3_drafter.export import sglang_layer_ids, trained_layer_ids, vllm_layer_ids
 from eagle3_assets.stages.eagle3_drafter.pipeline import DrafterJob, DrafterReport, run_drafter_job
 from eagle3_assets.stages.eagle3_drafter.quality import DecodeEval, measure_speculative
+from eagle3_assets.stages.eagle3_drafter.speculative import SpecDecodeReport
 
 MARGIN = 0.1  # the asset's default `min_accept_gain`
 # the best-checkpoint tests' small drafter, trained long enough that its gain stands clear of the prompts' spread
@@ -36,11 +36,8 @@ def with_eval_half(merged: pl.DataFrame) -> pl.DataFrame:
     return merged.with_columns(pl.Series("split", ["eval" if i >= half else "train" for i in range(merged.height)]))
 
 
-def train(merged: pl.DataFrame, target_model, target_folder: Path, root: Path) -> DrafterReport:
-    extract_merged(merged, target_model, root / "hidden_states")
-    job = DrafterJob(
-        root / "hidden_states", merged, target_folder, root / "drafter", GATE_SETTINGS, 512, lambda m: None, "cpu"
-    )
+def train(merged: pl.DataFrame, hidden_root: Path, target_folder: Path, out: Path) -> DrafterReport:
+    job = DrafterJob(hidden_root, merged, target_folder, out / "drafter", GATE_SETTINGS, 512, lambda m: None, "cpu")
     report = run_drafter_job(job)
     assert report is not None
     return report
@@ -48,12 +45,23 @@ def train(merged: pl.DataFrame, target_model, target_folder: Path, root: Path) -
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tok, target_model, target_resource, tokenizer_resource):
-    merged = with_eval_half(corpus(tok, target_model))
-    root = tmp_path_factory.mktemp("gate")
+    stored, store = stored_corpus(tmp_path_factory, tok, target_model)
+    merged = with_eval_half(stored)  # the splits are the merged set's: the store's states serve any split
+    hidden_root, root = store / "hidden_states", tmp_path_factory.mktemp("gate")
     folder = target_resource.folder(tokenizer_resource)
-    report = train(merged, target_model, folder, root)
-    captured = json.loads((root / "hidden_states" / "manifest.json").read_text())["aux_layer_ids"]
-    return {"report": report, "merged": merged, "captured": captured, "folder": folder, "root": root}
+    report = train(merged, hidden_root, folder, root)
+    captured = json.loads((hidden_root / "manifest.json").read_text())["aux_layer_ids"]
+    # the untrained drafter's decodes (and the target's greedy ones), by draft ids (d2t): the same for every drafter
+    # `gate` decodes with those ids (all of GATE_SETTINGS' config), so decoded once a module (`floor=`)
+    floors: dict[tuple[int, ...], SpecDecodeReport] = {}
+    return {
+        "report": report,
+        "merged": merged,
+        "captured": captured,
+        "folder": folder,
+        "hidden_root": hidden_root,
+        "floors": floors,
+    }
 
 
 def gate(folder: Path, trained, target_model, draft_ids=None, decode: bool = True) -> dict:
@@ -69,7 +77,10 @@ def gate(folder: Path, trained, target_model, draft_ids=None, decode: bool = Tru
     if decode and outcomes["sglang_keys"].passed:
         cfg = json.loads((folder / "config.json").read_text())
         how = DecodeEval(8, NEW_TOKENS, 3, 0, trained_layer_ids(cfg), True)
-        quality = measure_speculative(target_model, folder, trained["merged"], how, lambda m: None)
+        ids = tuple(load_file(str(folder / "model.safetensors"))["d2t"].tolist())
+        floor = trained["floors"].get(ids)
+        quality = measure_speculative(target_model, folder, trained["merged"], how, lambda m: None, floor)
+        trained["floors"][ids] = quality.untrained
         outcomes["speculative_gain"] = drafter_beats_floor(quality.figures(), MARGIN)
     return outcomes
 
@@ -156,7 +167,7 @@ def test_a_drafter_trained_on_shuffled_targets_fails_the_gate(trained, tmp_path,
         return p.roll(1, dims=-1), argmax
 
     monkeypatch.setattr(Teacher, "packed", shuffled)
-    report = train(trained["merged"], target_model, trained["folder"], tmp_path)
+    report = train(trained["merged"], trained["hidden_root"], trained["folder"], tmp_path)
     outcomes = gate(report.checkpoint, trained, target_model, draft_ids=report.draft_ids)
     assert outcomes["sglang_keys"].passed and outcomes["matches_capture"].passed  # well-formed: only decoding tells
     gain = outcomes["speculative_gain"]

@@ -135,9 +135,17 @@ class DecodeEval:
 
 
 def measure_speculative(
-    target_model: Any, checkpoint: Path, merged: pl.DataFrame, how: DecodeEval, log: Callable[[str], None]
+    target_model: Any,
+    checkpoint: Path,
+    merged: pl.DataFrame,
+    how: DecodeEval,
+    log: Callable[[str], None],
+    floor: SpecDecodeReport | None = None,
 ) -> SpeculativeQuality:
-    """Both drafters decode the same prompts; the untrained one starts from the seed training started from."""
+    """Both drafters decode the same prompts; the untrained one starts from the seed training started from.
+    `floor`: the untrained drafter's report of an earlier call with the same target, prompts, `how`, drafter config
+    and draft ids (it decodes the same whatever was trained), taken with its greedy decodes instead of decoding
+    them again."""
     embed = target_model.get_input_embeddings().weight.detach().float().cpu()
     trained, cfg = drafter_from_checkpoint(checkpoint, embed)
     torch.manual_seed(how.seed)
@@ -145,8 +153,10 @@ def measure_speculative(
     device = target_model.get_input_embeddings().weight.device
     chosen_and_kinds = eval_prompts_and_kinds(merged, how.prompts)
     chosen = [ids for ids, _ in chosen_and_kinds]
-    reports: dict[str, SpecDecodeReport] = {}
+    reports: dict[str, SpecDecodeReport] = {} if floor is None else {"untrained": floor}
     for name, drafter in (("trained", trained), ("untrained", untrained)):
+        if name in reports:
+            continue
         reports[name] = evaluate_speculative(
             target_model,
             drafter.to(device),
@@ -155,7 +165,7 @@ def measure_speculative(
             max_new_tokens=how.max_new_tokens,
             proxy=how.proxy,
             aux_layer_ids=how.aux_layer_ids,
-            greedy=reports.get("trained"),  # the target's own decodes of the same prompts, once
+            greedy=reports.get("untrained" if name == "trained" else "trained"),  # the target's decodes, once
         )
         t = reports[name].totals()
         log(
