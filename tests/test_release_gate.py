@@ -51,9 +51,9 @@ def trained(tmp_path_factory, tok, target_model, target_resource, tokenizer_reso
     folder = target_resource.folder(tokenizer_resource)
     report = train(merged, hidden_root, folder, root)
     captured = json.loads((hidden_root / "manifest.json").read_text())["aux_layer_ids"]
-    # the untrained drafter's decodes (and the target's greedy ones), by draft ids (d2t): the same for every drafter
-    # `gate` decodes with those ids (all of GATE_SETTINGS' config), so decoded once a module (`floor=`)
-    floors: dict[tuple[int, ...], SpecDecodeReport] = {}
+    # the untrained drafter's decodes (and the target's greedy ones), by config and draft ids (d2t): the untrained
+    # drafter is built from those alone, whatever was trained, so decoded once a module (`floor=`)
+    floors: dict[tuple[str, tuple[int, ...]], SpecDecodeReport] = {}
     return {
         "report": report,
         "merged": merged,
@@ -77,10 +77,11 @@ def gate(folder: Path, trained, target_model, draft_ids=None, decode: bool = Tru
     if decode and outcomes["sglang_keys"].passed:
         cfg = json.loads((folder / "config.json").read_text())
         how = DecodeEval(8, NEW_TOKENS, 3, 0, trained_layer_ids(cfg), True)
-        ids = tuple(load_file(str(folder / "model.safetensors"))["d2t"].tolist())
-        floor = trained["floors"].get(ids)
-        quality = measure_speculative(target_model, folder, trained["merged"], how, lambda m: None, floor)
-        trained["floors"][ids] = quality.untrained
+        key = (json.dumps(cfg, sort_keys=True), tuple(load_file(str(folder / "model.safetensors"))["d2t"].tolist()))
+        quality = measure_speculative(
+            target_model, folder, trained["merged"], how, lambda m: None, trained["floors"].get(key)
+        )
+        trained["floors"][key] = quality.untrained
         outcomes["speculative_gain"] = drafter_beats_floor(quality.figures(), MARGIN)
     return outcomes
 
